@@ -1,0 +1,18 @@
+"""turboquant: FP4 KV-cache paged attention with one cache format and one API across vendors.
+
+    turboquant.reshape_and_cache_fp4(key, value, key_cache, value_cache,
+                                     key_scales, value_scales, slot_mapping)
+    turboquant.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
+                                   block_tables, seq_lens, scale, *, cu_query_lens=None,
+                                   out=None, sliding_window=0, logits_soft_cap=0.0,
+                                   backend="auto")
+    turboquant.backends()  # every backend, whether it can run here, and why not
+"""
+from . import reference as _reference  # registers the reference backend  # noqa: F401
+from .api import backends, paged_attention_fp4, reshape_and_cache_fp4, value_checks
+from .cache import FP4Cache, allocate_cache
+from .format import dequantize_fp4, quantize_fp4
+
+__all__ = ["FP4Cache", "allocate_cache", "backends", "dequantize_fp4", "paged_attention_fp4",
+           "quantize_fp4", "reshape_and_cache_fp4", "value_checks"]
+__version__ = "0.1.0"

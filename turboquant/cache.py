@@ -1,0 +1,89 @@
+"""Allocating an FP4 paged cache, and building random paged problems (main job, tests, bench)."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .format import MX_GROUP
+
+
+class FP4Cache(NamedTuple):
+    key_cache: torch.Tensor  # uint8 [num_blocks, num_kv_heads, block_size, D/2]
+    value_cache: torch.Tensor  # uint8 [num_blocks, num_kv_heads, block_size, D/2]
+    key_scales: torch.Tensor  # uint8 [num_blocks, block_size, num_kv_heads(, D/32)]
+    value_scales: torch.Tensor  # same shape as key_scales
+
+
+def allocate_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, *,
+                   scale_group: Optional[int] = None, device="cpu", fill: int = 0) -> FP4Cache:
+    """An FP4 paged cache. ``scale_group`` None (or head_dim): one scale per (token, head);
+    32: one per 32 elements. ``fill`` sets every byte (0xFF poisons unwritten slots)."""
+    shape = (num_blocks, num_kv_heads, block_size, head_dim // 2)
+    sshape = (num_blocks, block_size, num_kv_heads)
+    if scale_group not in (None, head_dim):
+        if scale_group != MX_GROUP:
+            raise ValueError(f"scale_group: expected None, {head_dim} or {MX_GROUP}, "
+                             f"got {scale_group}")
+        sshape += (head_dim // MX_GROUP,)
+
+    def full(s):
+        return torch.full(s, fill, dtype=torch.uint8, device=device)
+
+    return FP4Cache(full(shape), full(shape), full(sshape), full(sshape))
+
+
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, scale_group: Optional[int] = None) -> int:
+    """Bytes of K plus V (codes and scales) one token occupies in the FP4 cache."""
+    groups = 1 if scale_group in (None, head_dim) else head_dim // scale_group
+    return 2 * num_kv_heads * (head_dim // 2 + groups)
+
+
+class PagedProblem(NamedTuple):
+    """A filled paged cache with its dense (unquantized) K/V, ready for attention."""
+
+    cache: FP4Cache
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    keys: list  # per sequence: [seq_len, num_kv_heads, D] in the source dtype
+    values: list  # per sequence: [seq_len, num_kv_heads, D]
+
+
+def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: int, *,
+                        dtype=torch.bfloat16, device="cpu", scale_group=None, spare_blocks=0,
+                        poison: bool = True, generator=None, write_backend: str = "auto",
+                        kv_factory=None) -> PagedProblem:
+    """Random K/V for each sequence, written through ``reshape_and_cache_fp4`` into blocks in
+    shuffled order. With ``poison``, every byte not written (unused slots of the last blocks,
+    spare blocks, block table padding is -1) is 0xFF, i.e. NaN scales."""
+    from .api import reshape_and_cache_fp4
+
+    seq_lens = [int(n) for n in seq_lens]
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    cache = allocate_cache(max(num_blocks, 1), num_kv_heads, block_size, head_dim,
+                           scale_group=scale_group, device=device, fill=0xFF if poison else 0)
+    perm = torch.randperm(max(num_blocks, 1), generator=generator).tolist()
+    width = max(blocks_per_seq + [1])
+    table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
+    keys, values, slots = [], [], []
+    used = 0
+    for s, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        ids = perm[used:used + nb]
+        used += nb
+        table[s, :nb] = torch.tensor(ids, dtype=torch.int32)
+        shape = (n, num_kv_heads, head_dim)
+        if kv_factory is None:
+            k = torch.randn(shape, generator=generator).to(dtype)
+            v = torch.randn(shape, generator=generator).to(dtype)
+        else:
+            k, v = kv_factory(s, shape)
+        keys.append(k.to(device))
+        values.append(v.to(device))
+        pos = torch.arange(n)
+        slots.append(table[s, pos // block_size].long() * block_size + pos % block_size)
+    if sum(seq_lens):
+        reshape_and_cache_fp4(torch.cat(keys), torch.cat(values), *cache,
+                              torch.cat(slots).to(device), backend=write_backend)
+    return PagedProblem(cache, table.to(device), torch.tensor(seq_lens, dtype=torch.int32,
+                                                                 device=device), keys, values)

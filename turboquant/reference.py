@@ -1,0 +1,167 @@
+"""The reference backend: plain PyTorch, fp32 math, memory bounded by a chunk of tokens.
+
+It defines what every other backend must compute:
+
+- Query token j of a sequence with q query tokens and seq_len keys sits at position
+  p = seq_len - q + j and sees key k iff k <= p and (sliding_window == 0 or k > p - W).
+- logits = scale * q.k; with logits_soft_cap c > 0, logits = c * tanh(logits / c).
+- softmax over the visible keys, out = sum over visible keys of p * v.
+- Tokens past seq_len never reach the output, whatever their bytes: they are removed by
+  selection (their logits replaced by -inf, their values by 0), never by multiplying by zero.
+- NaN in gives NaN out: a visible key whose scale byte is 255 (NaN) makes the logits NaN and
+  so the whole output row; a visible value that is not finite makes the output NaN.
+- A query row that sees no key (seq_len 0) gives zeros.
+
+Work is done one sequence at a time, ``chunk_tokens`` keys at a time, with an online softmax,
+so memory stays bounded on long contexts.
+"""
+from __future__ import annotations
+
+import torch
+
+from .api import attention_op_args, cache_write_op_args, make_attention_call, make_cache_write
+from .format import dequantize_fp4, quantize_fp4
+from .ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
+from .registry import AttentionCall, Backend, CacheWrite, register
+
+DEFAULT_CHUNK_TOKENS = 4096
+
+
+def _gather_tokens(cache, scales, blocks, group, start, stop, block_size):
+    """Dequantize tokens [start, stop) of one sequence: -> float32 [num_kv_heads, n, D]."""
+    first, last = start // block_size, (stop - 1) // block_size + 1
+    ids = blocks[first:last].long()
+    codes = cache[ids]  # [nb, Hkv, bs, D/2]
+    sc = scales[ids].transpose(1, 2)  # [nb, Hkv, bs(, G)]
+    if group is None:
+        sc = sc.unsqueeze(-1)
+    values = dequantize_fp4(codes, sc, group)  # [nb, Hkv, bs, D]
+    values = values.transpose(0, 1).flatten(1, 2)  # [Hkv, nb*bs, D]
+    offset = start - first * block_size
+    return values[:, offset:offset + (stop - start)]
+
+
+def attention_reference(call: AttentionCall, out: torch.Tensor,
+                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    """Write the attention output of ``call`` into ``out`` [num_tokens, num_heads, D]."""
+    hkv, d = call.num_kv_heads, call.head_dim
+    g = call.num_heads // hkv
+    group = None if call.scale_group == d else call.scale_group
+    seq_lens = call.seq_lens.tolist()
+    if call.cu_query_lens is None:
+        starts = list(range(call.num_seqs + 1))
+    else:
+        starts = call.cu_query_lens.tolist()
+    for s in range(call.num_seqs):
+        q0, q1 = starts[s], starts[s + 1]
+        nq, n = q1 - q0, seq_lens[s]
+        if nq == 0:
+            continue
+        if n == 0:
+            out[q0:q1] = 0
+            continue
+        q = call.query[q0:q1].float().view(nq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, nq, D]
+        q = q.reshape(hkv, g * nq, d)
+        pos = torch.arange(n - nq, n, device=q.device).repeat(g)  # [g*nq], row r -> query r % nq
+        m = torch.full((hkv, g * nq), float("-inf"), device=q.device)
+        l = torch.zeros((hkv, g * nq), device=q.device)
+        acc = torch.zeros((hkv, g * nq, d), device=q.device)
+        bad = torch.zeros((hkv, g * nq), dtype=torch.bool, device=q.device)
+        blocks = call.block_tables[s]
+        for c0 in range(0, n, chunk_tokens):
+            c1 = min(n, c0 + chunk_tokens)
+            k = _gather_tokens(call.key_cache, call.key_scales, blocks, group, c0, c1,
+                               call.block_size)
+            v = _gather_tokens(call.value_cache, call.value_scales, blocks, group, c0, c1,
+                               call.block_size)
+            logits = torch.matmul(q, k.transpose(1, 2)) * call.scale  # [Hkv, g*nq, T]
+            if call.logits_soft_cap > 0:
+                logits = call.logits_soft_cap * torch.tanh(logits / call.logits_soft_cap)
+            key_pos = torch.arange(c0, c1, device=q.device)
+            visible = key_pos[None, :] <= pos[:, None]
+            if call.sliding_window > 0:
+                visible &= key_pos[None, :] > pos[:, None] - call.sliding_window
+            logits = torch.where(visible, logits, float("-inf"))
+            v_finite = torch.isfinite(v).all(dim=-1)  # [Hkv, T]
+            bad |= (visible[None] & ~v_finite[:, None, :]).any(dim=-1)
+            v = torch.where(v_finite[..., None], v, 0.0)
+            m_new = torch.maximum(m, logits.amax(dim=-1))
+            m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+            p = torch.exp(logits - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, v)
+            m = m_new
+        o = torch.where(l[..., None] > 0, acc / l[..., None].clamp_min(1e-30), 0.0)
+        o = torch.where(bad[..., None], float("nan"), o)
+        # a NaN logit leaves m NaN: the whole row must be NaN
+        o = torch.where(torch.isnan(m)[..., None], float("nan"), o)
+        out[q0:q1] = o.view(hkv, g, nq, d).permute(2, 0, 1, 3).reshape(nq, hkv * g, d).to(out.dtype)
+
+
+def cache_write_reference(write: CacheWrite) -> None:
+    """Quantize key/value and scatter them into the paged cache at ``slot_mapping``."""
+    d, bs = write.head_dim, write.block_size
+    group = None if write.scale_group == d else write.scale_group
+    keep = write.slot_mapping >= 0
+    slots = write.slot_mapping[keep].long()
+    blocks, offsets = slots // bs, slots % bs
+    for src, cache, scales in ((write.key, write.key_cache, write.key_scales),
+                               (write.value, write.value_cache, write.value_scales)):
+        codes, sc = quantize_fp4(src[keep], group)  # [n, Hkv, D/2], [n, Hkv, D/group]
+        if group is None:
+            sc = sc.squeeze(-1)
+        cache[blocks, :, offsets] = codes
+        scales[blocks, offsets] = sc
+
+
+# The reference as torch.library ops with the shared schema, so the public API traces under
+# torch.compile and captures in CUDA graphs whichever backend runs.
+torch.library.define("turboquant::paged_attention_fp4_reference", ATTENTION_SCHEMA)
+torch.library.define("turboquant::reshape_and_cache_fp4_reference", CACHE_WRITE_SCHEMA)
+
+
+@torch.library.impl("turboquant::paged_attention_fp4_reference", "CompositeExplicitAutograd")
+def _attention_op(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
+                  seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len):
+    call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
+                               block_tables, seq_lens, scale, cu_query_lens, sliding_window,
+                               logits_soft_cap, max_seq_len, check_values=False)
+    attention_reference(call, out)
+
+
+@torch.library.impl("turboquant::reshape_and_cache_fp4_reference", "CompositeExplicitAutograd")
+def _cache_write_op(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping):
+    cache_write_reference(make_cache_write(key, value, key_cache, value_cache, key_scales,
+                                           value_scales, slot_mapping, check_values=False))
+
+
+@torch.library.register_fake("turboquant::paged_attention_fp4_reference")
+def _attention_fake(*args):
+    return None
+
+
+@torch.library.register_fake("turboquant::reshape_and_cache_fp4_reference")
+def _cache_write_fake(*args):
+    return None
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    priority = 0
+    description = "PyTorch, fp32 math, chunked (runs anywhere; the definition of the output)"
+
+    def check_attention(self, call):
+        return None
+
+    def check_cache_write(self, write):
+        return None
+
+    def paged_attention(self, call, out):
+        torch.ops.turboquant.paged_attention_fp4_reference(*attention_op_args(call, out))
+
+    def reshape_and_cache(self, write):
+        torch.ops.turboquant.reshape_and_cache_fp4_reference(*cache_write_op_args(write))
+
+
+register(ReferenceBackend())

@@ -1,0 +1,147 @@
+"""The backend registry: one list of backends, each able to say why it cannot run.
+
+The dispatcher (``backend="auto"``), explicit backend selection, ``turboquant.backends()``
+and the test skips all ask the same two questions of a backend:
+
+- ``unavailable()``: a reason the backend cannot run on this machine at all (no GPU of its
+  kind, extension failed to build), or ``None``.
+- ``check_attention(call)`` / ``check_cache_write(write)``: a reason it cannot run *these*
+  tensors (wrong device, unsupported head dim, scale group, ...), or ``None``.
+
+Backends are tried in priority order (higher first); ``reference`` has the lowest priority
+and accepts everything, so ``auto`` always finds one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """The validated arguments of one ``paged_attention_fp4`` call (shapes already checked)."""
+
+    query: torch.Tensor  # [num_tokens, num_heads, D] bf16/fp16
+    key_cache: torch.Tensor  # uint8 [num_blocks, num_kv_heads, block_size, D/2]
+    value_cache: torch.Tensor  # uint8 [num_blocks, num_kv_heads, block_size, D/2]
+    key_scales: torch.Tensor  # uint8 [num_blocks, block_size, num_kv_heads(, D/32)]
+    value_scales: torch.Tensor  # same shape as key_scales
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    cu_query_lens: Optional[torch.Tensor]  # int32 [num_seqs + 1], or None (decode)
+    scale: float  # softmax scale applied to q.k
+    sliding_window: int  # 0: off; W > 0: a query at position p sees keys p-W+1 .. p
+    logits_soft_cap: float  # 0: off; c > 0: logits = c * tanh(logits / c)
+    max_seq_len: int  # host-side upper bound on seq_lens (sizes grids, never read past)
+    num_seqs: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    scale_group: int  # elements per E8M0 scale: head_dim (default) or 32
+
+
+@dataclass(frozen=True)
+class CacheWrite:
+    """The validated arguments of one ``reshape_and_cache_fp4`` call."""
+
+    key: torch.Tensor  # [num_tokens, num_kv_heads, D] bf16/fp16/fp32
+    value: torch.Tensor  # [num_tokens, num_kv_heads, D] same dtype as key
+    key_cache: torch.Tensor  # uint8 [num_blocks, num_kv_heads, block_size, D/2]
+    value_cache: torch.Tensor  # uint8 [num_blocks, num_kv_heads, block_size, D/2]
+    key_scales: torch.Tensor  # uint8 [num_blocks, block_size, num_kv_heads(, D/32)]
+    value_scales: torch.Tensor  # same shape as key_scales
+    slot_mapping: torch.Tensor  # int64/int32 [num_tokens]; -1 skips the token
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    scale_group: int
+
+
+class Backend:
+    """Base class. Subclasses set ``name``/``priority``/``description``, override the checks
+    and the two entry points. A check returns ``None`` when the backend can run, else a
+    human-readable reason."""
+
+    name: str = ""
+    priority: int = 0
+    description: str = ""
+
+    def unavailable(self) -> Optional[str]:
+        return None
+
+    def check_attention(self, call: AttentionCall) -> Optional[str]:
+        return "paged attention is not implemented by this backend"
+
+    def check_cache_write(self, write: CacheWrite) -> Optional[str]:
+        return "the cache writer is not implemented by this backend"
+
+    def paged_attention(self, call: AttentionCall, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def reshape_and_cache(self, write: CacheWrite) -> None:
+        raise NotImplementedError
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    if backend.name in _BACKENDS:
+        raise ValueError(f"backend {backend.name!r} is already registered")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def get(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"backend: expected one of {sorted(_BACKENDS) + ['auto']}, got {name!r}"
+        ) from None
+
+
+def ordered() -> list[Backend]:
+    return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
+
+
+def select(name: str, kind: str, arg) -> Backend:
+    """Pick the backend for ``arg`` (an AttentionCall for kind 'attention', a CacheWrite for
+    kind 'cache_write'). ``name='auto'`` takes the highest-priority backend that can run;
+    a named backend that cannot run raises a ValueError that says why."""
+    method = "check_attention" if kind == "attention" else "check_cache_write"
+    if name != "auto":
+        backend = get(name)
+        reason = backend.unavailable() or getattr(backend, method)(arg)
+        if reason is not None:
+            raise ValueError(f"backend={name!r} cannot run this call: {reason}")
+        return backend
+    reasons = []
+    for backend in ordered():
+        reason = backend.unavailable() or getattr(backend, method)(arg)
+        if reason is None:
+            return backend
+        reasons.append(f"{backend.name}: {reason}")
+    raise ValueError("no backend can run this call: " + "; ".join(reasons))
+
+
+def status() -> list[dict]:
+    """Every registered backend with whether it is usable here and, if not, why."""
+    rows = []
+    for backend in ordered():
+        reason = backend.unavailable()
+        rows.append(
+            {
+                "name": backend.name,
+                "priority": backend.priority,
+                "available": reason is None,
+                "reason": reason or "",
+                "description": backend.description,
+            }
+        )
+    return rows
