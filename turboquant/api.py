@@ -87,8 +87,6 @@ def _same_device(device: torch.device, **tensors) -> None:
 def _cache_geometry(key_cache, value_cache, key_scales, value_scales, num_kv_heads=None):
     """Check the paged cache and its scales; return (num_blocks, Hkv, block_size, D, group)."""
     _tensor("key_cache", key_cache, (torch.uint8,), (4,))
-    _tensor("value_cache", value_cache, (torch.uint8,), (4,))
-    _shape("value_cache", value_cache, key_cache.shape)
     nb, hkv, bs, half = key_cache.shape
     if num_kv_heads is not None and hkv != num_kv_heads:
         raise ValueError(f"key_cache: expected {num_kv_heads} kv heads in dim 1 "
@@ -97,6 +95,8 @@ def _cache_geometry(key_cache, value_cache, key_scales, value_scales, num_kv_hea
     d = 2 * half
     if bs < 1 or bs & (bs - 1):
         raise ValueError(f"key_cache: expected a power-of-two block size in dim 2, got {bs}")
+    _tensor("value_cache", value_cache, (torch.uint8,), (4,))
+    _shape("value_cache", value_cache, key_cache.shape)
     _tensor("key_scales", key_scales, (torch.uint8,), (3, 4))
     if key_scales.dim() == 3:
         group = d

@@ -1,0 +1,32 @@
+import math
+
+import pytest
+import torch
+
+
+def e2m1_value(code: int) -> float:
+    """E2M1 from the DESIGN.md formula, written independently of turboquant.format."""
+    sign = -1.0 if code & 8 else 1.0
+    e, m = (code >> 1) & 3, code & 1
+    mag = m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+    return math.copysign(mag, sign)
+
+
+E2M1_F64 = torch.tensor([e2m1_value(c) for c in range(16)], dtype=torch.float64)
+
+
+def dequant_f64(packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """Independent decoder: packed [..., D/2] uint8, scales [..., D/group] -> float64 [..., D]."""
+    lo = (packed & 0xF).long()
+    hi = (packed >> 4).long()
+    codes = torch.stack([lo, hi], dim=-1).flatten(-2)
+    vals = E2M1_F64[codes]
+    s = torch.pow(2.0, scales.double() - 127)
+    s = torch.where(scales == 255, torch.full_like(s, float("nan")), s)
+    s = s.repeat_interleave(group, dim=-1)
+    return vals * s
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)

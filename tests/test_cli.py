@@ -1,0 +1,46 @@
+"""The main job and the CLI, run as a user would."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args):
+    res = subprocess.run([sys.executable, "-m", "turboquant", *args], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def test_main_job_json_on_a_small_shape():
+    res = run("--json", "--batch", "3", "--context", "300", "--heads", "8", "--kv-heads", "2",
+              "--head-dim", "64", "--block-size", "32")
+    row = json.loads(res.stdout)
+    assert row["backend"] == "reference" and row["device"] == "cpu"
+    assert row["kv_compression"] == pytest.approx(2 * 64 * 2 / (2 * (32 + 1)))
+    assert row["cosine"] > 0.97 and row["relative_error"] < 0.3
+    assert row["time_per_call_us"] > 0 and row["effective_gb_per_s"] > 0
+
+
+def test_main_job_text_and_progress():
+    res = run("--batch", "2", "--context", "100", "--scale-group", "32")
+    for key in ("backend", "KV cache bytes", "accuracy vs BF16", "time per call"):
+        assert key in res.stdout
+    assert "[1/4]" in res.stderr and "[4/4]" in res.stderr
+
+
+def test_help_documents_every_option():
+    res = run("--help")
+    for opt in ("--batch", "--context", "--heads", "--kv-heads", "--head-dim", "--block-size",
+                "--scale-group", "--dtype", "--backend", "--device", "--iters", "--seed",
+                "--json", "bench", "backends"):
+        assert opt in res.stdout
+
+
+def test_backends_lists_reasons():
+    rows = json.loads(run("backends", "--json").stdout)
+    ref = [r for r in rows if r["name"] == "reference"][0]
+    assert ref["available"]
+    for row in rows:
+        assert row["available"] or row["reason"]

@@ -1,0 +1,149 @@
+"""Every bad argument raises a TypeError/ValueError that names it."""
+import pytest
+import torch
+
+import turboquant as tq
+from turboquant.cache import build_paged_problem
+
+
+@pytest.fixture
+def case():
+    gen = torch.Generator().manual_seed(0)
+    prob = build_paged_problem([20, 7, 33], 2, 64, 16, generator=gen)
+    query = torch.randn(3, 4, 64, generator=gen).bfloat16()
+    kc, vc, ks, vs = prob.cache
+    return dict(query=query, key_cache=kc, value_cache=vc, key_scales=ks, value_scales=vs,
+                block_tables=prob.block_tables, seq_lens=prob.seq_lens, scale=0.125)
+
+
+def call(case, **changes):
+    args = dict(case)
+    kwargs = {k: args.pop(k) for k in list(args) if k in (
+        "cu_query_lens", "out", "sliding_window", "logits_soft_cap", "backend", "max_seq_len")}
+    args.update({k: v for k, v in changes.items() if k in args})
+    kwargs.update({k: v for k, v in changes.items() if k not in args})
+    return tq.paged_attention_fp4(*args.values(), **kwargs)
+
+
+BAD = [
+    (dict(query=torch.randn(3, 4, 64)), TypeError, "query.*bfloat16.*float32"),
+    (dict(query=torch.randn(3, 4, 64, 1).bfloat16()), ValueError, "query.*3-D"),
+    (dict(query=torch.randn(3, 3, 64).bfloat16()), ValueError, "query.*divisible"),
+    (dict(query=torch.randn(4, 4, 64).bfloat16()), ValueError, "query.*one token per sequence"),
+    (dict(query=torch.randn(3, 4, 128).bfloat16()), ValueError, "key_cache.*head dim 128"),
+    (dict(key_cache=torch.zeros(5, 2, 16, 32, dtype=torch.int8)), TypeError, "key_cache.*uint8"),
+    (dict(value_cache=torch.zeros(5, 2, 16, 31, dtype=torch.uint8)), ValueError, "value_cache"),
+    (dict(key_scales=torch.zeros(5, 2, 16, dtype=torch.uint8)), ValueError, "key_scales.*shape"),
+    (dict(value_scales=torch.zeros(5, 16, 2, 2, dtype=torch.uint8)), ValueError, "value_scales"),
+    (dict(block_tables=torch.zeros(3, 3, dtype=torch.int64)), TypeError, "block_tables.*int32"),
+    (dict(block_tables=torch.zeros(2, 3, dtype=torch.int32)), ValueError, "block_tables.*rows"),
+    (dict(seq_lens=torch.tensor([20, 7, 33], dtype=torch.int64)), TypeError, "seq_lens"),
+    (dict(seq_lens=torch.tensor([20, 7, 999], dtype=torch.int32)), ValueError, "seq_lens.*999"),
+    (dict(seq_lens=torch.tensor([20, -1, 3], dtype=torch.int32)), ValueError, "seq_lens"),
+    (dict(scale="x"), TypeError, "scale"),
+    (dict(sliding_window=-1), ValueError, "sliding_window"),
+    (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap"),
+    (dict(max_seq_len=10), ValueError, "seq_lens.*10"),
+    (dict(max_seq_len=10_000), ValueError, "max_seq_len"),
+    (dict(out=torch.empty(3, 4, 64)), TypeError, "out.*bfloat16"),
+    (dict(out=torch.empty(3, 4, 32).bfloat16()), ValueError, "out.*shape"),
+    (dict(backend="nope"), ValueError, "backend.*nope"),
+    (dict(cu_query_lens=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "cu_query_lens"),
+    (dict(cu_query_lens=torch.tensor([0, 2, 1, 3], dtype=torch.int32)), ValueError,
+     "cu_query_lens.*non-decreasing"),
+    (dict(cu_query_lens=torch.tensor([0, 1, 2, 4], dtype=torch.int32)), ValueError,
+     "cu_query_lens.*end at"),
+    (dict(cu_query_lens=torch.tensor([0, 1, 2, 3], dtype=torch.int64)), TypeError,
+     "cu_query_lens.*int32"),
+]
+
+
+@pytest.mark.parametrize("changes,exc,match", BAD)
+def test_bad_attention_arguments(case, changes, exc, match):
+    with pytest.raises(exc, match=match):
+        call(case, **changes)
+
+
+def test_block_id_out_of_range(case):
+    tables = case["block_tables"].clone()
+    tables[1, 0] = case["key_cache"].shape[0]
+    with pytest.raises(ValueError, match="block_tables.*block ids in \\[0, "):
+        call(case, block_tables=tables)
+    tables[1, 0] = -1
+    with pytest.raises(ValueError, match="block_tables.*-1"):
+        call(case, block_tables=tables)
+
+
+def test_more_query_tokens_than_keys(case):
+    q = torch.randn(40, 4, 64).bfloat16()
+    cu = torch.tensor([0, 30, 31, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_query_lens.*sequence 0 has 30"):
+        call(case, query=q, cu_query_lens=cu)
+
+
+def test_device_mismatch_named(case):
+    meta = torch.empty(3, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="seq_lens.*meta"):
+        call(case, seq_lens=meta)
+
+
+def test_value_checks_can_be_switched_off(case):
+    seq = torch.tensor([20, 7, 999], dtype=torch.int32)
+    with tq.value_checks(False):
+        from turboquant.api import make_attention_call
+        make_attention_call(*[case[k] for k in ("query", "key_cache", "value_cache",
+                                                "key_scales", "value_scales", "block_tables")],
+                            seq, 0.125)
+    with pytest.raises(ValueError, match="seq_lens"):
+        call(case, seq_lens=seq)
+
+
+def test_empty_batch_returns_empty(case):
+    kc = case["key_cache"]
+    out = tq.paged_attention_fp4(torch.zeros(0, 4, 64).bfloat16(), kc, case["value_cache"],
+                                 case["key_scales"], case["value_scales"],
+                                 torch.zeros(0, 3, dtype=torch.int32),
+                                 torch.zeros(0, dtype=torch.int32), 0.125)
+    assert out.shape == (0, 4, 64)
+
+
+def test_named_backend_that_cannot_run_says_why(case, monkeypatch):
+    from turboquant import registry
+
+    class Never(registry.Backend):
+        name, priority = "never", 1000
+
+        def check_attention(self, call):
+            return "head dim 64 is not supported"
+
+    monkeypatch.setitem(registry._BACKENDS, "never", Never())
+    with pytest.raises(ValueError, match="backend='never' cannot run.*head dim 64"):
+        call(case, backend="never")
+    call(case)  # auto skips it and falls back to the reference
+    names = [row["name"] for row in tq.backends()]
+    assert names[0] == "never" and "reference" in names
+
+
+CACHE_BAD = [
+    (dict(key=torch.randn(4, 2, 64).int()), TypeError, "key"),
+    (dict(value=torch.randn(4, 2, 64).half()), TypeError, "value.*float32"),
+    (dict(value=torch.randn(4, 2, 32)), ValueError, "value.*shape"),
+    (dict(key_cache=torch.zeros(6, 3, 16, 32, dtype=torch.uint8)), ValueError, "key_cache.*kv heads"),
+    (dict(key_cache=torch.zeros(6, 2, 12, 32, dtype=torch.uint8)), ValueError, "key_cache.*power-of-two"),
+    (dict(slot_mapping=torch.tensor([0, 1, 2, 96])), ValueError, "slot_mapping.*96"),
+    (dict(slot_mapping=torch.tensor([0, 1, 2, -2])), ValueError, "slot_mapping.*-2"),
+    (dict(slot_mapping=torch.tensor([0.0, 1, 2, 3])), TypeError, "slot_mapping.*int64"),
+    (dict(slot_mapping=torch.tensor([0, 1, 2])), ValueError, "slot_mapping.*shape"),
+]
+
+
+@pytest.mark.parametrize("changes,exc,match", CACHE_BAD)
+def test_bad_cache_write_arguments(changes, exc, match):
+    cache = tq.allocate_cache(6, 2, 16, 64)
+    args = dict(key=torch.randn(4, 2, 64), value=torch.randn(4, 2, 64),
+                key_cache=cache.key_cache, value_cache=cache.value_cache,
+                key_scales=cache.key_scales, value_scales=cache.value_scales,
+                slot_mapping=torch.tensor([0, 1, 2, 3]))
+    args.update(changes)
+    with pytest.raises(exc, match=match):
+        tq.reshape_and_cache_fp4(**args)
