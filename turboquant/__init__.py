@@ -11,8 +11,9 @@
 from . import reference as _reference  # registers the reference backend  # noqa: F401
 from .api import backends, paged_attention_fp4, reshape_and_cache_fp4, value_checks
 from .cache import FP4Cache, allocate_cache
+from .config import QuantConfig
 from .format import dequantize_fp4, quantize_fp4
 
-__all__ = ["FP4Cache", "allocate_cache", "backends", "dequantize_fp4", "paged_attention_fp4",
+__all__ = ["FP4Cache", "QuantConfig", "allocate_cache", "backends", "dequantize_fp4", "paged_attention_fp4",
            "quantize_fp4", "reshape_and_cache_fp4", "value_checks"]
 __version__ = "0.1.0"

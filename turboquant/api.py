@@ -14,13 +14,16 @@ Validation comes in two kinds:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Optional
 
 import torch
 
 from . import registry
+from .config import QuantConfig
 from .registry import AttentionCall, CacheWrite
+from .rotation import rotate
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -194,8 +197,23 @@ def _check_attention_values(block_tables, seq_lens, cu_query_lens, num_tokens, n
                              f"seq_len {int(lens[i])}; expected at most seq_len")
 
 
+def _check_config(config, group: int, head_dim: int) -> QuantConfig:
+    """The config to use; its scale group must match the scale tensors' layout."""
+    if config is None:
+        return QuantConfig(scale_group=None if group == head_dim else group)
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"config: expected a turboquant.QuantConfig, got {type(config).__name__}")
+    want = head_dim if config.scale_group is None else config.scale_group
+    if want != group:
+        layout = "[num_blocks, block_size, num_kv_heads]" if want == head_dim else \
+            f"[num_blocks, block_size, num_kv_heads, {head_dim // 32}]"
+        raise ValueError(f"config: scale_group {config.scale_group} needs key_scales shaped "
+                         f"{layout}; the scales given hold one scale per {group} elements")
+    return config
+
+
 def make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
-                     slot_mapping, check_values=True) -> CacheWrite:
+                     slot_mapping, check_values=True, scale_rule="smallest") -> CacheWrite:
     """Validate the arguments of reshape_and_cache_fp4 and bundle them."""
     _tensor("key", key, KV_DTYPES, (3,))
     _tensor("value", value, (key.dtype,), (3,))
@@ -218,36 +236,52 @@ def make_cache_write(key, value, key_cache, value_cache, key_scales, value_scale
     return CacheWrite(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                       key_scales=key_scales, value_scales=value_scales,
                       slot_mapping=slot_mapping, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      num_blocks=nb, scale_group=group)
+                      num_blocks=nb, scale_group=group, scale_rule=scale_rule)
 
 
 def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_scales,
-                          slot_mapping, *, backend: str = "auto") -> None:
+                          slot_mapping, *, config: Optional[QuantConfig] = None,
+                          backend: str = "auto") -> None:
     """Quantize ``key``/``value`` [num_tokens, num_kv_heads, D] to FP4 and write them into the
     paged cache (in place) at ``slot_mapping`` (slot = block * block_size + offset; -1 skips
     the token; other slots are untouched; two tokens with the same slot: undefined which wins).
+
+    ``config`` (default: DESIGN.md's format, scale group taken from the scales' shape) picks
+    the scale rule and the rotation; with rotation, K and V are rotated in fp32 and rounded
+    back to their dtype before quantization. Read the cache with the same config.
     """
     write = make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
                              slot_mapping)
+    config = _check_config(config, write.scale_group, write.head_dim)
     if write.key.shape[0] == 0:
         return
+    if config.rotation or config.scale_rule != "smallest":
+        write = make_cache_write(
+            rotate(key, config.rotation_seed) if config.rotation else key,
+            rotate(value, config.rotation_seed) if config.rotation else value,
+            key_cache, value_cache, key_scales, value_scales, slot_mapping,
+            check_values=False, scale_rule=config.scale_rule)
     registry.select(backend, "cache_write", write).reshape_and_cache(write)
 
 
 def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales, block_tables,
                         seq_lens, scale, *, cu_query_lens=None, out=None, sliding_window=0,
                         logits_soft_cap=0.0, backend: str = "auto",
-                        max_seq_len: Optional[int] = None) -> torch.Tensor:
+                        max_seq_len: Optional[int] = None,
+                        config: Optional[QuantConfig] = None) -> torch.Tensor:
     """Attention of ``query`` [num_tokens, num_heads, D] over the FP4 paged cache.
 
     ``max_seq_len`` (an extension to DESIGN.md section 2) is an optional host-side upper bound
     of ``seq_lens``; kernels size their split-KV grid with it (default: the block table's
     capacity), so passing it avoids launching work for empty table columns.
+    ``config``: the QuantConfig the cache was written with (needed for rotation: the query is
+    rotated and the output un-rotated, both in fp32).
     Returns ``out`` (allocated like ``query`` when not given).
     """
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len)
+    config = _check_config(config, call.scale_group, call.head_dim)
     if out is None:
         out = torch.empty_like(query)
     else:
@@ -257,6 +291,12 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous tensor")
     if query.shape[0] == 0:
+        return out
+    if config.rotation:
+        call = dataclasses.replace(call, query=rotate(query, config.rotation_seed))
+        rotated = torch.empty_like(out)
+        registry.select(backend, "attention", call).paged_attention(call, rotated)
+        out.copy_(rotate(rotated, config.rotation_seed, inverse=True))
         return out
     registry.select(backend, "attention", call).paged_attention(call, out)
     return out

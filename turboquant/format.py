@@ -14,6 +14,8 @@ definition they are tested against. It runs on CPU and GPU tensors alike.
   holding NaN or Inf gives b = 255 and all-zero codes.
 - Groups: one scale per (token, head) over all D elements (``group=D``, the default), or one
   per 32 elements (``group=32``, the OCP MX block).
+- An optional second scale rule, "mse" (see ``quantize_fp4``), is a named option of the cache
+  writer (``QuantConfig(scale_rule="mse")``), never a silent change; readers are unaffected.
 """
 from __future__ import annotations
 
@@ -99,24 +101,47 @@ def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], d // group, group)
 
 
-def quantize_fp4(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode_group(g: torch.Tensor, b: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """Grouped values [..., G, group] and their scale bytes [..., G] -> codes [..., G, group]."""
+    # Divide by a power of two: exact (no rounding) for every value that can round to a code.
+    scaled = g / decode_e8m0(torch.where(finite, b, torch.zeros_like(b))).unsqueeze(-1)
+    codes = encode_e2m1(scaled)
+    return torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
+
+
+def quantize_fp4(x: torch.Tensor, group: int | None = None, rule: str = "smallest"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (any float dtype) -> (codes uint8 [..., D/2], scales uint8 [..., D/group]).
 
     ``group=None`` means one scale over the whole last dimension; the caller drops the
     trailing size-1 dimension of the scales for the per-(token, head) layout.
+    ``rule="smallest"`` is DESIGN.md's rule. ``rule="mse"`` also tries the exponent one below
+    it (which saturates the largest elements at 6 but halves the step) and keeps whichever
+    gives the smaller sum of squared errors over the group, computed in float64; a tie keeps
+    the "smallest" exponent.
     """
     if not x.is_floating_point():
         raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
+    if rule not in ("smallest", "mse"):
+        raise ValueError(f"rule: expected 'smallest' or 'mse', got {rule!r}")
     group = x.shape[-1] if group is None else group
     g = _grouped(x.float(), group)
     amax = g.abs().amax(dim=-1)
     finite = torch.isfinite(g).all(dim=-1)
     amax = torch.where(finite, amax, torch.full_like(amax, float("nan")))
     b = e8m0_for_amax(amax)
-    # Divide by a power of two: exact (no rounding) for every value that can round to a code.
-    scaled = g / decode_e8m0(torch.where(finite, b, torch.zeros_like(b))).unsqueeze(-1)
-    codes = encode_e2m1(scaled)
-    codes = torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes))
+    codes = _encode_group(g, b, finite)
+    if rule == "mse":
+        lower = torch.where(finite & (amax > 0) & (b > 0), b - 1, b)
+        lower_codes = _encode_group(g, lower, finite)
+
+        def sq_err(c, sb):
+            deq = decode_e2m1(c).double() * decode_e8m0(sb).double().unsqueeze(-1)
+            return (deq - g.double()).pow(2).sum(dim=-1)
+
+        better = sq_err(lower_codes, lower) < sq_err(codes, b)
+        b = torch.where(better, lower, b)
+        codes = torch.where(better.unsqueeze(-1), lower_codes, codes)
     return pack_fp4(codes.flatten(-2)), b
 
 

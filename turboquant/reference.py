@@ -108,7 +108,7 @@ def cache_write_reference(write: CacheWrite) -> None:
     blocks, offsets = slots // bs, slots % bs
     for src, cache, scales in ((write.key, write.key_cache, write.key_scales),
                                (write.value, write.value_cache, write.value_scales)):
-        codes, sc = quantize_fp4(src[keep], group)  # [n, Hkv, D/2], [n, Hkv, D/group]
+        codes, sc = quantize_fp4(src[keep], group, write.scale_rule)  # [n, Hkv, D/2], [n, Hkv, G]
         if group is None:
             sc = sc.squeeze(-1)
         cache[blocks, :, offsets] = codes
@@ -118,7 +118,9 @@ def cache_write_reference(write: CacheWrite) -> None:
 # The reference as torch.library ops with the shared schema, so the public API traces under
 # torch.compile and captures in CUDA graphs whichever backend runs.
 torch.library.define("turboquant::paged_attention_fp4_reference", ATTENTION_SCHEMA)
-torch.library.define("turboquant::reshape_and_cache_fp4_reference", CACHE_WRITE_SCHEMA)
+# One cache-writer op per scale rule, both with the shared schema.
+CACHE_WRITE_OPS = {"smallest": "reshape_and_cache_fp4_reference",
+                   "mse": "reshape_and_cache_fp4_mse_reference"}
 
 
 @torch.library.impl("turboquant::paged_attention_fp4_reference", "CompositeExplicitAutograd")
@@ -130,19 +132,25 @@ def _attention_op(out, query, key_cache, value_cache, key_scales, value_scales, 
     attention_reference(call, out)
 
 
-@torch.library.impl("turboquant::reshape_and_cache_fp4_reference", "CompositeExplicitAutograd")
-def _cache_write_op(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping):
-    cache_write_reference(make_cache_write(key, value, key_cache, value_cache, key_scales,
-                                           value_scales, slot_mapping, check_values=False))
+def _register_cache_write_op(rule: str, op_name: str) -> None:
+    qualname = f"turboquant::{op_name}"
+    torch.library.define(qualname, CACHE_WRITE_SCHEMA)
+
+    def impl(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping):
+        cache_write_reference(make_cache_write(key, value, key_cache, value_cache, key_scales,
+                                               value_scales, slot_mapping, check_values=False,
+                                               scale_rule=rule))
+
+    torch.library.impl(qualname, "CompositeExplicitAutograd")(impl)
+    torch.library.register_fake(qualname)(lambda *args: None)
+
+
+for _rule, _op in CACHE_WRITE_OPS.items():
+    _register_cache_write_op(_rule, _op)
 
 
 @torch.library.register_fake("turboquant::paged_attention_fp4_reference")
 def _attention_fake(*args):
-    return None
-
-
-@torch.library.register_fake("turboquant::reshape_and_cache_fp4_reference")
-def _cache_write_fake(*args):
     return None
 
 
@@ -161,7 +169,8 @@ class ReferenceBackend(Backend):
         torch.ops.turboquant.paged_attention_fp4_reference(*attention_op_args(call, out))
 
     def reshape_and_cache(self, write):
-        torch.ops.turboquant.reshape_and_cache_fp4_reference(*cache_write_op_args(write))
+        op = getattr(torch.ops.turboquant, CACHE_WRITE_OPS[write.scale_rule])
+        op(*cache_write_op_args(write))
 
 
 register(ReferenceBackend())

@@ -60,6 +60,7 @@ class CacheWrite:
     block_size: int
     num_blocks: int
     scale_group: int
+    scale_rule: str = "smallest"  # "smallest" (DESIGN.md) or "mse" (QuantConfig.scale_rule)
 
 
 class Backend:
