@@ -44,3 +44,25 @@ def test_backends_lists_reasons():
     assert ref["available"]
     for row in rows:
         assert row["available"] or row["reason"]
+
+
+def test_readme_commands_are_the_ones_ci_runs():
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    block = re.search(r"## Set up.*?```bash\n(.*?)```", readme, re.S).group(1)
+    commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2
+    assert commands[0].endswith("python -m turboquant")
+    assert commands[1] in (root / ".ci" / "run").read_text()
+
+
+def test_readme_example_runs():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = re.search(r"## The API\n\n```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(example, "README example", "exec"), {})
