@@ -1,0 +1,21 @@
+// Minimal stand-in for <hip/hip_runtime.h>, for compile tests only (tests/test_aiter_patch.py):
+// just what the rendered pa_fp4.cpp.jinja launch code uses (dim3, hipStream_t, <<<...>>>).
+// clang-22 with -nogpuinc has no HIP headers and no registry package provides usable ones;
+// a real AITER build uses ROCm's header instead.
+#pragma once
+
+#include <stddef.h>
+
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+typedef struct ihipStream_t* hipStream_t;
+typedef int hipError_t;
+
+extern "C" hipError_t __hipPushCallConfiguration(dim3 grid, dim3 block, size_t shared_mem,
+                                                 hipStream_t stream);
+extern "C" hipError_t __hipPopCallConfiguration(dim3* grid, dim3* block, size_t* shared_mem,
+                                                hipStream_t* stream);
+extern "C" hipError_t hipLaunchKernel(const void* function, dim3 grid, dim3 block, void** args,
+                                      size_t shared_mem, hipStream_t stream);

@@ -1,0 +1,308 @@
+// Host lane simulation of the gfx950 FP4 paged-attention kernels.
+//
+// The kernel source (csrc_hip/tq_fp4_paged_attention.cuh) is compiled unchanged for the host
+// with -DTQ_HOST_SIM. Each of the 256 threads of a workgroup runs the kernel as a cooperative
+// fiber (ucontext); barriers, wave shuffles and the MFMA are rendezvous points where every
+// lane of the wave (or workgroup) has arrived before any continues. The MFMA is replaced by
+// a software model of v_mfma_scale_f32_16x16x128_f8f6f4 written from the instruction's
+// documented operand layouts (not from the kernel's layout helpers), so a lane that loads the
+// wrong bytes or scale gives a wrong result here.
+//
+// Built as a shared library by tests/test_aiter_lane_sim.py and driven through ctypes.
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "../tq_fp4_paged_attention.cuh"
+
+namespace {
+
+constexpr int kStackBytes = 256 * 1024;
+
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  bool done = false;
+};
+
+struct Sim {
+  int nthreads = 0;
+  int block[3] = {0, 0, 0};
+  int current = -1;
+  ucontext_t scheduler;
+  std::vector<Fiber> fibers;
+  long progress = 0;
+  // Rendezvous: per scope (0..3 = waves, 4 = workgroup), arrivals and a generation count.
+  int arrived[5] = {0, 0, 0, 0, 0};
+  long generation[5] = {0, 0, 0, 0, 0};
+  float shfl_slot[tq::kThreads];
+  struct MfmaSlot { int fmt_a, fmt_b; tq::i32x8 a, b; int sa, sb; } mfma_slot[tq::kThreads];
+  std::vector<unsigned char> lds;
+  void (*body)(void*) = nullptr;
+  void* body_arg = nullptr;
+};
+
+Sim* g_sim = nullptr;
+
+// Order in which the scheduler resumes the fibers in each round: 0 ascending thread id,
+// 1 descending, 2 a fresh pseudo-random permutation per round. A read of LDS (or of any
+// shared state) that is not separated from the write by a barrier sees different values
+// under different orders, so equal results across orders are evidence of no such race.
+int g_schedule = 0;
+unsigned g_seed = 1;
+
+void fiber_entry() {
+  g_sim->body(g_sim->body_arg);
+  g_sim->fibers[g_sim->current].done = true;
+  ++g_sim->progress;
+  swapcontext(&g_sim->fibers[g_sim->current].ctx, &g_sim->scheduler);
+}
+
+void yield() { swapcontext(&g_sim->fibers[g_sim->current].ctx, &g_sim->scheduler); }
+
+// Wait until every member of the scope (its wave, or the workgroup) has arrived.
+void rendezvous(int scope) {
+  const int members = scope == 4 ? g_sim->nthreads : tq::kWaveSize;
+  const long gen = g_sim->generation[scope];
+  ++g_sim->progress;
+  if (++g_sim->arrived[scope] == members) {
+    g_sim->arrived[scope] = 0;
+    ++g_sim->generation[scope];
+    return;
+  }
+  while (g_sim->generation[scope] == gen) yield();
+}
+
+// Runs body(arg) as one workgroup of 256 fibers. Returns 0, or -1 on a barrier deadlock
+// (a barrier or MFMA reached by some lanes of its scope only).
+int run_workgroup(int bx, int by, int bz, void (*body)(void*), void* arg) {
+  Sim& s = *g_sim;
+  s.nthreads = tq::kThreads;
+  s.block[0] = bx; s.block[1] = by; s.block[2] = bz;
+  s.body = body; s.body_arg = arg;
+  for (int i = 0; i < 5; ++i) s.arrived[i] = 0;
+  std::fill(s.lds.begin(), s.lds.end(), 0xA5);  // LDS starts as garbage
+  s.fibers.assign(s.nthreads, Fiber());
+  for (int t = 0; t < s.nthreads; ++t) {
+    Fiber& f = s.fibers[t];
+    f.stack.resize(kStackBytes);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_entry, 0);
+  }
+  std::vector<int> order(s.nthreads);
+  for (int t = 0; t < s.nthreads; ++t) order[t] = g_schedule == 1 ? s.nthreads - 1 - t : t;
+  for (;;) {
+    bool all_done = true;
+    const long before = s.progress;
+    if (g_schedule == 2)
+      for (int i = s.nthreads - 1; i > 0; --i) {
+        g_seed = g_seed * 1103515245u + 12345u;
+        std::swap(order[i], order[(g_seed >> 8) % unsigned(i + 1)]);
+      }
+    for (int t : order) {
+      if (s.fibers[t].done) continue;
+      all_done = false;
+      s.current = t;
+      swapcontext(&s.scheduler, &s.fibers[t].ctx);
+    }
+    if (all_done) return 0;
+    // A round in which some generation moved counts as progress too.
+    if (s.progress == before) {
+      bool waiting_on_partial = false;
+      for (int i = 0; i < 5; ++i) waiting_on_partial |= s.arrived[i] != 0;
+      if (waiting_on_partial) return -1;
+    }
+  }
+}
+
+// Software model of one E4M3 (OCP) or E2M1 value.
+double e4m3_value(unsigned b) {
+  const int sign = (b >> 7) & 1, exp = (b >> 3) & 15, man = b & 7;
+  if (exp == 15 && man == 7) return NAN;
+  const double mag = exp == 0 ? std::ldexp(man, -9) : std::ldexp(8 + man, exp - 10);
+  return sign ? -mag : mag;
+}
+double e2m1_value(unsigned c) {
+  static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  return (c & 8) ? -mag[c & 7] : mag[c & 7];
+}
+double e8m0_value(int b) { return (b & 0xFF) == 255 ? NAN : std::ldexp(1.0, (b & 0xFF) - 127); }
+
+unsigned byte_of(const tq::i32x8& v, int j) { return (unsigned(v[j / 4]) >> (8 * (j % 4))) & 0xFF; }
+
+// Element k (0..127) of row/column r of an operand, from the 64 lanes' registers:
+// format 4 (E2M1): lane r + 16 * (k / 32), byte (k % 32) / 2, low nibble for even k;
+// format 0 (E4M3): lane r + 16 * ((k % 64) / 16), byte k % 16 (+ 16 for k >= 64).
+double operand_element(int fmt, const Sim::MfmaSlot* wave, bool is_a, int r, int k) {
+  if (fmt == 4) {
+    const int lane = r + 16 * (k / 32);
+    const tq::i32x8& v = is_a ? wave[lane].a : wave[lane].b;
+    const unsigned byte = byte_of(v, (k % 32) / 2);
+    return e2m1_value((k & 1) ? byte >> 4 : byte & 15);
+  }
+  const int lane = r + 16 * ((k % 64) / 16);
+  const tq::i32x8& v = is_a ? wave[lane].a : wave[lane].b;
+  return e4m3_value(byte_of(v, k % 16 + (k >= 64 ? 16 : 0)));
+}
+
+}  // namespace
+
+namespace tq {
+namespace sim {
+
+int thread_id() { return g_sim->current; }
+int block_id(int dim) { return g_sim->block[dim]; }
+void block_barrier() { rendezvous(4); }
+void* lds(unsigned long bytes) {
+  if (g_sim->lds.size() < bytes) {
+    std::fprintf(stderr, "lane sim: LDS request of %lu bytes over the simulated %zu\n", bytes,
+                 g_sim->lds.size());
+    std::abort();
+  }
+  return g_sim->lds.data();
+}
+
+float shfl_xor(float v, int mask) {
+  const int t = g_sim->current, wave = t / kWaveSize, lane = t % kWaveSize;
+  g_sim->shfl_slot[t] = v;
+  rendezvous(wave);
+  const float r = g_sim->shfl_slot[wave * kWaveSize + (lane ^ mask)];
+  rendezvous(wave);
+  return r;
+}
+
+// v_mfma_scale_f32_16x16x128_f8f6f4, op_sel 0: D = C + sum over K blocks b of 32 of
+// scale_a(row, b) * scale_b(col, b) * sum_{k in b} A[row][k] * B[col][k]; the scale of
+// (row r, block b) is byte 0 of lane r + 16 b's scale operand. Lane l returns
+// D[4 * (l / 16) + i][l % 16], i = 0..3.
+f32x4 mfma_scale_16x16x128(int fmt_a, int fmt_b, i32x8 a, i32x8 b, f32x4 c, int scale_a,
+                           int scale_b) {
+  const int t = g_sim->current, wave = t / kWaveSize, lane = t % kWaveSize;
+  g_sim->mfma_slot[t] = {fmt_a, fmt_b, a, b, scale_a, scale_b};
+  rendezvous(wave);
+  const Sim::MfmaSlot* w = &g_sim->mfma_slot[wave * kWaveSize];
+  for (int l = 0; l < kWaveSize; ++l)
+    if (w[l].fmt_a != fmt_a || w[l].fmt_b != fmt_b) {
+      std::fprintf(stderr, "lane sim: lanes of one MFMA disagree on the operand formats\n");
+      std::abort();
+    }
+  f32x4 d;
+  const int col = lane % 16;
+  for (int i = 0; i < 4; ++i) {
+    const int row = 4 * (lane / 16) + i;
+    double sum = 0.0;
+    for (int blk = 0; blk < 4; ++blk) {
+      double dot = 0.0;
+      for (int k = 32 * blk; k < 32 * blk + 32; ++k)
+        dot += operand_element(fmt_a, w, true, row, k) * operand_element(fmt_b, w, false, col, k);
+      sum += e8m0_value(w[row + 16 * blk].sa) * e8m0_value(w[col + 16 * blk].sb) * dot;
+    }
+    d[i] = float(double(c[i]) + sum);
+  }
+  rendezvous(wave);
+  return d;
+}
+
+}  // namespace sim
+}  // namespace tq
+
+namespace {
+
+struct Args {
+  const uint16_t* query;
+  const uint8_t *key_cache, *value_cache, *key_scales, *value_scales;
+  const int *block_tables, *seq_lens;
+  float *exp_sums, *max_logits;
+  uint16_t *tmp_out, *out;
+  float scale, soft_cap;
+  int num_seqs, num_kv_heads, max_blocks_per_seq, max_num_partitions, q_stride;
+  long kv_block_stride;
+  int kv_head_stride, kv_seq_stride;
+};
+
+template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE>
+void partition_body(void* p) {
+  const Args& a = *static_cast<const Args*>(p);
+  tq::tq_fp4_pa_partition_kernel<Scalar, HEAD, BS, GQA, NATIVE>(
+      a.query, a.key_cache, a.value_cache, a.key_scales, a.value_scales, a.block_tables,
+      a.seq_lens, a.exp_sums, a.max_logits, a.tmp_out, a.scale, a.soft_cap, a.max_blocks_per_seq,
+      a.max_num_partitions, a.num_kv_heads, a.q_stride, a.kv_block_stride, a.kv_head_stride,
+      a.kv_seq_stride);
+}
+
+template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE>
+int run_all(const Args& a) {
+  for (int seq = 0; seq < a.num_seqs; ++seq)
+    for (int part = 0; part < a.max_num_partitions; ++part)
+      for (int kvh = 0; kvh < a.num_kv_heads; ++kvh)
+        if (run_workgroup(seq, part, kvh, partition_body<Scalar, HEAD, BS, GQA, NATIVE>,
+                          const_cast<Args*>(&a)) != 0)
+          return -1;
+  const int num_heads = a.num_kv_heads * GQA;
+  for (int seq = 0; seq < a.num_seqs; ++seq)
+    for (int h = 0; h < num_heads; ++h)
+      for (int d = 0; d < HEAD; ++d)
+        tq::reduce_one<Scalar, HEAD>(seq, h, d, num_heads, a.max_num_partitions, a.seq_lens[seq],
+                                     a.exp_sums, a.max_logits, a.tmp_out, a.out);
+  return 0;
+}
+
+}  // namespace
+
+// The instantiations the tests use: (dtype, head, block, gqa) x {LUT, native}.
+#define TQ_SIM_CONFIGS(X)      \
+  X(tq::Bf16, 1, 128, 16, 4)   \
+  X(tq::Bf16, 1, 128, 16, 8)   \
+  X(tq::Bf16, 1, 64, 16, 4)    \
+  X(tq::Bf16, 1, 256, 32, 2)   \
+  X(tq::Fp16, 0, 128, 16, 4)    \
+  X(tq::Bf16, 1, 128, 256, 1)  \
+  X(tq::Bf16, 1, 128, 16, 16)
+
+extern "C" int tq_sim_paged_attention(
+    int is_bf16, int head, int block_size, int gqa, int native,
+    const uint16_t* query, const uint8_t* key_cache, const uint8_t* value_cache,
+    const uint8_t* key_scales, const uint8_t* value_scales, const int* block_tables,
+    const int* seq_lens, float* exp_sums, float* max_logits, uint16_t* tmp_out, uint16_t* out,
+    float scale, float soft_cap, int num_seqs, int num_kv_heads, int max_blocks_per_seq,
+    int max_num_partitions, int q_stride, long kv_block_stride, int kv_head_stride,
+    int kv_seq_stride) {
+  Sim sim;
+  sim.lds.resize(160 * 1024);  // gfx950 LDS per workgroup
+  g_sim = &sim;
+  const Args a = {query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
+                  exp_sums, max_logits, tmp_out, out, scale, soft_cap, num_seqs, num_kv_heads,
+                  max_blocks_per_seq, max_num_partitions, q_stride, kv_block_stride,
+                  kv_head_stride, kv_seq_stride};
+  int rc = -2;  // no such instantiation
+#define TQ_SIM_DISPATCH(S, BF, H, BS, G)                                              \
+  if (is_bf16 == BF && head == H && block_size == BS && gqa == G)                     \
+    rc = native ? run_all<S, H, BS, G, true>(a) : run_all<S, H, BS, G, false>(a);
+  TQ_SIM_CONFIGS(TQ_SIM_DISPATCH)
+#undef TQ_SIM_DISPATCH
+  g_sim = nullptr;
+  return rc;
+}
+
+extern "C" void tq_sim_set_schedule(int mode, unsigned seed) {
+  g_schedule = mode;
+  g_seed = seed;
+}
+
+// The conversion models, for the tests: FP4 byte pairs -> E4M3 through the kernel's decode,
+// and float -> E4M3 as the kernel converts Q and P.
+extern "C" void tq_sim_decode_fp4x8(uint32_t codes, uint32_t* lo, uint32_t* hi) {
+  const tq::E4m3x8 d = tq::fp4x8_to_e4m3x8(codes);
+  *lo = d.lo;
+  *hi = d.hi;
+}
+extern "C" uint32_t tq_sim_f32_to_e4m3(float x) { return tq::f32_to_e4m3(x); }
+extern "C" int tq_sim_q_scale_byte(float amax) { return tq::q_scale_byte(amax); }

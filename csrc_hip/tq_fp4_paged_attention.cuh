@@ -1,0 +1,460 @@
+// turboquant FP4 paged attention for gfx950 (MI355X), in the shape of AITER's pa_v1:
+// 256 threads = 4 wavefronts of 64, one workgroup per (sequence, partition of 256 tokens,
+// kv head), per-partition exp_sums / max_logits / tmp_out, then a reduce kernel.
+//
+// Cache (DESIGN.md section 1): key/value uint8 [num_blocks, num_kv_heads, block_size, HEAD/2]
+// of packed E2M1 codes (even element in the low nibble), scales uint8
+// [num_blocks, block_size, num_kv_heads] of E8M0 bytes, one per (token, kv head).
+//
+// QK^T: v_mfma_scale_f32_16x16x128_f8f6f4 with A = K (16 tokens) and B = Q (16 query heads
+// of one GQA group) in FP8 E4M3, so a lane's accumulator holds logits of one query head.
+//   USE_NATIVE_FP4_MFMA: A is the cache's FP4 bytes as they are (cbsz = 4) and scale_a is the
+//     token's E8M0 byte from the cache: the instruction applies the cache scale itself.
+//   LUT: the FP4 codes are decoded to E4M3 through a 16-entry table (cbsz = 0); scale_a is
+//     still the cache byte, exact because one scale covers the whole row.
+//   Q is scaled by one E8M0 power of two per query head (largest |q| <= 448) and split into
+//   two E4M3 terms, q = hi + lo / 16, each its own MFMA with scale_b = the head's byte (hi)
+//   or that byte - 4 (lo): about 8 significant bits instead of E4M3's 4. With P split the
+//   same way this doubles the MFMAs (16 instead of 8 per wave and partition at head size
+//   128), which a kernel bound by memory does not feel. Every scale operand is the same byte
+//   in all four K groups of a row, so the result does not depend on how the hardware maps
+//   FP8 K groups to scale blocks.
+// PV: the same instruction, FP8 x FP8, K = tokens. V's codes are decoded to E4M3 (exact)
+// without their scale; the per-token V scale is folded into the probabilities in the log
+// domain (y = logit * log2(e) + vscale - 127, p' = 2^(y - ceil(max y)) <= 1), p' is split into
+// two E4M3 terms like Q, the remaining per-head power of two is P's scale_a byte and the rest
+// a float multiply at the end.
+// Tokens past seq_len are removed by selection: their K fragment and scale, V codes and
+// P bytes are replaced by constants; no garbage byte is ever multiplied.
+#pragma once
+
+#include "tq_fp4_platform.cuh"
+
+namespace tq {
+
+constexpr int kThreads = 256;
+constexpr int kWaveSize = 64;
+constexpr int kWaves = kThreads / kWaveSize;
+constexpr int kPartition = 256;                       // tokens per workgroup (pa_v1's T_PAR_SIZE)
+constexpr int kTokensPerWave = kPartition / kWaves;   // QK: each wave owns 64 tokens
+constexpr int kTile = 16;                             // MFMA M = N = 16
+constexpr int kTilesPerWave = kTokensPerWave / kTile; // 4 QK MFMAs per 128 head elements
+constexpr int kMfmaK = 128;                           // MFMA K: head elements (QK) or tokens (PV)
+constexpr int kPvSteps = kPartition / kMfmaK;         // 2 PV K-steps per partition
+constexpr int kFp4BytesPerK = kMfmaK / 2;             // one MFMA K step of a packed FP4 row: 64 bytes
+constexpr int kE8m0One = 127;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------------------------------
+// v_mfma_scale_f32_16x16x128_f8f6f4 lane layout (wave64), as documented for gfx950 and
+// modelled by the lane simulation. Lane l: row/column r = l % 16, K group g = l / 16.
+//   FP4 operand (format 4): the lane's 16 bytes are K [32g, 32g + 32) of row r, packed like
+//     the cache (byte j = elements 32g + 2j in the low, 32g + 2j + 1 in the high nibble).
+//   FP8 operand (format 0): byte j < 16 is K 16g + j, byte j >= 16 is K 64 + 16g + (j - 16).
+//   scale operand: byte 0 (op_sel 0) is the E8M0 scale of K [32g, 32g + 32) of row r.
+//   accumulator: element i is D[row 4 * (l / 16) + i][column l % 16].
+TQ_HD int mfma_row(int lane) { return lane & 15; }
+TQ_HD int mfma_kgroup(int lane) { return lane >> 4; }
+TQ_HD int mfma_fp4_first_byte(int kgroup) { return 16 * kgroup; }
+TQ_HD int mfma_fp8_k(int kgroup, int byte) {
+  return byte < 16 ? 16 * kgroup + byte : 64 + 16 * kgroup + (byte - 16);
+}
+TQ_HD int mfma_out_row(int lane, int i) { return 4 * (lane >> 4) + i; }
+TQ_HD int mfma_out_col(int lane) { return lane & 15; }
+
+// A = K as FP4 (cbsz 4, only the first 4 dwords are read), B = Q as FP8 (blgp 0).
+TQ_HD f32x4 mfma_qk_fp4_fp8(u32x4 a_fp4, i32x8 b_fp8, f32x4 c, int scale_a, int scale_b) {
+  const i32x8 a = {int(a_fp4[0]), int(a_fp4[1]), int(a_fp4[2]), int(a_fp4[3]), 0, 0, 0, 0};
+#if defined(TQ_HOST_SIM)
+  return sim::mfma_scale_16x16x128(4, 0, a, b_fp8, c, scale_a, scale_b);
+#elif !TQ_GFX950
+  __builtin_trap();
+#else
+  return __builtin_amdgcn_mfma_scale_f32_16x16x128_f8f6f4(a, b_fp8, c, 4, 0, 0, scale_a, 0,
+                                                          scale_b);
+#endif
+}
+
+// A and B both FP8 E4M3 (cbsz 0, blgp 0): QK on the LUT path, and PV on both paths.
+TQ_HD f32x4 mfma_fp8_fp8(i32x8 a_fp8, i32x8 b_fp8, f32x4 c, int scale_a, int scale_b) {
+#if defined(TQ_HOST_SIM)
+  return sim::mfma_scale_16x16x128(0, 0, a_fp8, b_fp8, c, scale_a, scale_b);
+#elif !TQ_GFX950
+  __builtin_trap();
+#else
+  return __builtin_amdgcn_mfma_scale_f32_16x16x128_f8f6f4(a_fp8, b_fp8, c, 0, 0, 0, scale_a, 0,
+                                                          scale_b);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// Element types of the query and output (raw 16-bit storage).
+struct Bf16 {
+  static TQ_HD float to_float(uint16_t b) { return __builtin_bit_cast(float, uint32_t(b) << 16); }
+  static TQ_HD uint16_t from_float(float f) {
+    const uint32_t u = __builtin_bit_cast(uint32_t, f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);                 // nearest even
+  }
+};
+struct Fp16 {
+  static TQ_HD float to_float(uint16_t b) { return float(__builtin_bit_cast(_Float16, b)); }
+  static TQ_HD uint16_t from_float(float f) { return __builtin_bit_cast(uint16_t, _Float16(f)); }
+};
+
+// 8 packed FP4 codes (4 bytes, element 0 in the low nibble) -> 8 E4M3 bytes in element order
+// (lo: elements 0..3, hi: elements 4..7): kFp4ToE4m3 as one v_perm_b32 on the magnitudes
+// (codes & 7) plus the sign bit (code & 8 -> bit 7) per 4 codes.
+struct E4m3x8 { uint32_t lo, hi; };
+TQ_HD uint32_t fp4x4_to_e4m3x4(uint32_t four_codes_in_16_bits) {
+  const uint32_t x = four_codes_in_16_bits;
+  const uint32_t spread = (x & 0xFu) | ((x & 0xF0u) << 4) | ((x & 0xF00u) << 8) | ((x & 0xF000u) << 12);
+  return perm_b32(kE4m3MagHi, kE4m3MagLo, spread & 0x07070707u) | ((spread & 0x08080808u) << 4);
+}
+TQ_HD E4m3x8 fp4x8_to_e4m3x8(uint32_t w) {
+  return {fp4x4_to_e4m3x4(w & 0xFFFFu), fp4x4_to_e4m3x4(w >> 16)};
+}
+
+// Smallest E8M0 exponent byte s with amax / 2^(s-127) <= 448 (the largest E4M3): Q's scale.
+TQ_HD int q_scale_byte(float amax) {
+  if (amax == 0.0f) return kE8m0One;
+  if (!(amax <= 3.0e38f)) return 255;                 // Inf or NaN in the query row
+  const float r = amax * (1.0f / 448.0f);
+  int e = frexp_exp_f32(r);                           // r = m * 2^e, m in [0.5, 1)
+  if (ldexp_f32(1.0f, e - 1) >= r) e -= 1;            // r a power of two: 2^(e-1) suffices
+  e += kE8m0One;
+  return e < 1 ? 1 : (e > 254 ? 254 : e);
+}
+
+// Four floats -> two E4M3 words with x = hi + lo / 16 up to E4M3 rounding of lo (the
+// difference x - hi is exact in fp32; times 16 it fits E4M3 again).
+struct E4m3Split { uint32_t hi, lo; };
+TQ_HD E4m3Split split_e4m3x4(float a, float b, float c, float d) {
+  const uint32_t hi = pack_e4m3x4(a, b, c, d);
+  float h[4];
+  unpack_e4m3x4(hi, h);
+  return {hi, pack_e4m3x4((a - h[0]) * 16.0f, (b - h[1]) * 16.0f, (c - h[2]) * 16.0f,
+                          (d - h[3]) * 16.0f)};
+}
+
+// The E8M0 scale of the lo term of a split operand whose hi term has scale byte s: s - 4.
+// NaN stays NaN; below 4 the lo term is dropped (its bytes zeroed), it is < 2^-123 anyway.
+TQ_HD int lo_scale_byte(int s) { return s == 255 ? 255 : (s >= 4 ? s - 4 : kE8m0One); }
+
+TQ_HD float soft_cap(float x, float cap) {
+  // cap * tanh(x / cap) from exp2, so no libm is needed on the device.
+  const float z = fabs_f32(x / cap);
+  const float t = 1.0f - 2.0f / (exp2_f32(2.0f * kLog2e * z) + 1.0f);
+  return x < 0.0f ? -cap * t : cap * t;
+}
+
+// Wave-wide max / sum over the four lanes that share a query head (lanes l, l^16, l^32, l^48).
+TQ_HD float head_max(float v) {
+  v = fmax_f32(v, wave_shfl_xor(v, 16));
+  return fmax_f32(v, wave_shfl_xor(v, 32));
+}
+TQ_HD float head_sum(float v) {
+  v += wave_shfl_xor(v, 16);
+  return v + wave_shfl_xor(v, 32);
+}
+
+template <int HEAD>
+struct PartitionLds {
+  int64_t row_offset[kPartition];  // byte offset of the token's row, block and slot applied
+  uint8_t kscale[kPartition];      // K E8M0 byte of the token (127 past seq_len)
+  uint8_t vscale[kPartition];      // V E8M0 byte of the token (127 past seq_len)
+  float red[3][kWaves][kTile];     // per wave and head: max logit, max y, V NaN flag
+  float red_sum[kWaves][kTile];    // per wave and head: sum of exp(logit - max)
+  float post[kTile];               // per head: float factor applied to the PV accumulator
+  uint8_t p8[2][kTile][kPartition];  // P as two E4M3 terms (hi, lo), [term][head][token]
+  uint8_t vt[HEAD][kMfmaK];        // V of one PV K-step as E4M3, transposed: [element][token]
+};
+
+// grid (num_seqs, max_num_partitions, num_kv_heads)  block (256)
+template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool USE_NATIVE_FP4_MFMA>
+TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
+    const uint16_t* __restrict__ query,       // [num_seqs, num_kv_heads * GQA, HEAD] Scalar, row stride q_stride
+    const uint8_t* __restrict__ key_cache,    // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
+    const uint8_t* __restrict__ value_cache,  // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
+    const uint8_t* __restrict__ key_scales,   // [num_blocks, BLOCK_SIZE, num_kv_heads]
+    const uint8_t* __restrict__ value_scales, // [num_blocks, BLOCK_SIZE, num_kv_heads]
+    const int* __restrict__ block_tables,     // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ seq_lens,         // [num_seqs]
+    float* __restrict__ exp_sums,             // [num_seqs, num_kv_heads * GQA, max_num_partitions]
+    float* __restrict__ max_logits,           // [num_seqs, num_kv_heads * GQA, max_num_partitions]
+    uint16_t* __restrict__ tmp_out,           // [num_seqs, num_kv_heads * GQA, max_num_partitions, HEAD] Scalar
+    float scale, float logits_soft_cap, int max_blocks_per_seq, int max_num_partitions,
+    int num_kv_heads, int q_stride, int64_t kv_block_stride, int kv_head_stride,
+    int kv_seq_stride) {
+  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
+  static_assert(GQA >= 1 && GQA <= kTile, "one MFMA column per query head of the group");
+  static_assert(BLOCK_SIZE >= 16 && BLOCK_SIZE <= kPartition && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0,
+                "block size a power of two in [16, 256]");
+  constexpr int kRowBytes = HEAD / 2;                         // packed FP4 bytes per token row
+  constexpr int kQkSteps = (HEAD + kMfmaK - 1) / kMfmaK;      // MFMAs per 16-token tile
+  constexpr int kNTilesPerWave = HEAD / kTile / kWaves;       // PV output tiles per wave
+  constexpr int kVDwordsPerRow = kRowBytes / 4;               // V decode: 8 codes per dword
+  constexpr int kVUnits = (kMfmaK / 4) * kVDwordsPerRow;      // (4 tokens x 1 dword) units per K-step
+
+  const int seq = block_id_x();
+  const int part = block_id_y();
+  const int kvh = block_id_z();
+  const int tid = thread_id();
+  const int wave = tid / kWaveSize;
+  const int lane = tid % kWaveSize;
+  const int seq_len = seq_lens[seq];
+  const int part_start = part * kPartition;
+  if (part_start >= seq_len) return;  // the whole workgroup leaves together
+  const int num_heads = num_kv_heads * GQA;
+  const int last_block = (seq_len - 1) / BLOCK_SIZE;
+
+  TQ_LDS(PartitionLds<HEAD>, lds);
+
+  // Stage the partition's token rows and scales: thread tid owns token part_start + tid.
+  {
+    const int tok = part_start + tid;
+    const bool live = tok < seq_len;
+    const int logical = live ? tok / BLOCK_SIZE : last_block;
+    const int64_t blk = block_tables[int64_t(seq) * max_blocks_per_seq + logical];
+    const int slot = tok % BLOCK_SIZE;
+    lds->row_offset[tid] = blk * kv_block_stride + int64_t(slot) * kv_seq_stride + int64_t(kvh) * kv_head_stride;
+    const int64_t sidx = (blk * BLOCK_SIZE + slot) * num_kv_heads + kvh;
+    lds->kscale[tid] = live ? key_scales[sidx] : uint8_t(kE8m0One);
+    lds->vscale[tid] = live ? value_scales[sidx] : uint8_t(kE8m0One);
+  }
+
+  // Q as the B operand: lane (column n = query head of the group, K group g) holds head
+  // elements 128c + mfma_fp8_k(g, j) as E4M3 with the head's E8M0 scale.
+  const int qn = mfma_row(lane);
+  const int qg = mfma_kgroup(lane);
+  const bool q_live = qn < GQA;
+  const uint16_t* qrow = query + int64_t(seq) * q_stride + int64_t(kvh * GQA + (q_live ? qn : 0)) * HEAD;
+  float qv[kQkSteps][32];
+  float amax = 0.0f;
+  for (int c = 0; c < kQkSteps; ++c)
+    for (int j = 0; j < 32; ++j) {
+      const int e = c * kMfmaK + mfma_fp8_k(qg, j);
+      qv[c][j] = (q_live && e < HEAD) ? Scalar::to_float(qrow[e]) : 0.0f;
+      amax = fmax_f32(amax, fabs_f32(qv[c][j]));
+    }
+  amax = head_max(amax);
+  const int qscale = q_scale_byte(amax);
+  const int qscale_lo = lo_scale_byte(qscale);
+  i32x8 q8[kQkSteps], q8lo[kQkSteps];
+  for (int c = 0; c < kQkSteps; ++c)
+    for (int w = 0; w < 8; ++w) {
+      const E4m3Split q = split_e4m3x4(ldexp_f32(qv[c][4 * w], kE8m0One - qscale),
+                                       ldexp_f32(qv[c][4 * w + 1], kE8m0One - qscale),
+                                       ldexp_f32(qv[c][4 * w + 2], kE8m0One - qscale),
+                                       ldexp_f32(qv[c][4 * w + 3], kE8m0One - qscale));
+      q8[c][w] = int(q.hi);
+      q8lo[c][w] = qscale >= 4 ? int(q.lo) : 0;
+    }
+  block_barrier();  // staged rows and scales visible
+
+  // QK: wave w, tile t: A row r is token 64w + 16t + r of the partition.
+  const int kr = mfma_row(lane);
+  const int kg = mfma_kgroup(lane);
+  float logit[kTilesPerWave][4];
+  for (int t = 0; t < kTilesPerWave; ++t) {
+    const int ktok = wave * kTokensPerWave + t * kTile + kr;
+    const bool klive = part_start + ktok < seq_len;
+    const uint8_t* krow = key_cache + lds->row_offset[ktok];
+    const int kscale = lds->kscale[ktok];
+    f32x4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int c = 0; c < kQkSteps; ++c) {
+      const int base = c * kFp4BytesPerK;
+      if constexpr (USE_NATIVE_FP4_MFMA) {
+        const int off = base + mfma_fp4_first_byte(kg);
+        const u32x4 zero = {0u, 0u, 0u, 0u};
+        const u32x4 a = (klive && off < kRowBytes) ? load_u32x4(krow + off) : zero;
+        acc = mfma_qk_fp4_fp8(a, q8[c], acc, kscale, qscale);
+        acc = mfma_qk_fp4_fp8(a, q8lo[c], acc, kscale, qscale_lo);
+      } else {
+        // FP8 operand bytes 0..15 = elements 16g.., bytes 16..31 = elements 64 + 16g..:
+        // 8 packed bytes each, at base + 8g and base + 32 + 8g.
+        i32x8 a = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int h = 0; h < 2; ++h) {
+          const int off = base + 32 * h + 8 * kg;
+          const uint64_t codes = (klive && off < kRowBytes) ? load_u64(krow + off) : 0u;
+          const E4m3x8 d0 = fp4x8_to_e4m3x8(uint32_t(codes));
+          const E4m3x8 d1 = fp4x8_to_e4m3x8(uint32_t(codes >> 32));
+          a[4 * h + 0] = int(d0.lo);
+          a[4 * h + 1] = int(d0.hi);
+          a[4 * h + 2] = int(d1.lo);
+          a[4 * h + 3] = int(d1.hi);
+        }
+        acc = mfma_fp8_fp8(a, q8[c], acc, kscale, qscale);
+        acc = mfma_fp8_fp8(a, q8lo[c], acc, kscale, qscale_lo);
+      }
+    }
+    for (int i = 0; i < 4; ++i) logit[t][i] = acc[i];
+  }
+
+  // Softmax statistics. Lane holds head mfma_out_col(lane), tokens 64w + 16t + mfma_out_row(lane, i).
+  const int head = mfma_out_col(lane);
+  const bool head_live = head < GQA;
+  float mx = -__builtin_inff(), ymax = -__builtin_inff(), vnan = 0.0f;
+  float y[kTilesPerWave][4];
+  for (int t = 0; t < kTilesPerWave; ++t)
+    for (int i = 0; i < 4; ++i) {
+      const int tok = wave * kTokensPerWave + t * kTile + mfma_out_row(lane, i);
+      const bool live = head_live && part_start + tok < seq_len;
+      float x = logit[t][i] * scale;
+      if (logits_soft_cap > 0.0f) x = soft_cap(x, logits_soft_cap);
+      const int vs = lds->vscale[tok];
+      logit[t][i] = live ? x : -__builtin_inff();
+      y[t][i] = live ? x * kLog2e + float(vs - kE8m0One) : -__builtin_inff();
+      vnan = (live && vs == 255) ? 1.0f : vnan;
+      mx = fmax_f32(mx, logit[t][i]);
+      ymax = fmax_f32(ymax, y[t][i]);
+    }
+  mx = head_max(mx);
+  ymax = head_max(ymax);
+  vnan = head_max(vnan);
+  if (lane < kTile) {
+    lds->red[0][wave][lane] = mx;
+    lds->red[1][wave][lane] = ymax;
+    lds->red[2][wave][lane] = vnan;
+  }
+  block_barrier();
+  mx = lds->red[0][0][head];
+  ymax = lds->red[1][0][head];
+  vnan = lds->red[2][0][head];
+  for (int w = 1; w < kWaves; ++w) {
+    mx = fmax_f32(mx, lds->red[0][w][head]);
+    ymax = fmax_f32(ymax, lds->red[1][w][head]);
+    vnan = fmax_f32(vnan, lds->red[2][w][head]);
+  }
+  // The PV accumulator of head h is sum_t p'_t * v4_t * 2^(pscale - 127) with
+  // p'_t = 2^(logit_t*log2e + vscale_t - 127 - ytop), so the partition output
+  // sum_t exp(logit_t - mx) * v_t / l is acc * 2^(tpow - (pscale - 127)) / l, tpow = ytop - mx*log2e.
+  // The lane's head is also its row of P in the PV MFMA: each lane knows its own pscale.
+  const float ytop = ceil_f32(ymax);
+  const float tpow = ytop - mx * kLog2e;
+  const float fl = floor_f32(tpow);
+  const int ip = (head_live && fl == fl) ? (fl < -127.0f ? 0 : (fl > 127.0f ? 254 : int(fl) + kE8m0One)) : kE8m0One;
+  const int pscale = vnan > 0.0f ? 255 : ip;
+  const int pscale_lo = lo_scale_byte(pscale);
+  float lsum = 0.0f;
+  for (int t = 0; t < kTilesPerWave; ++t)
+    for (int i = 0; i < 4; ++i) {
+      const int tok = wave * kTokensPerWave + t * kTile + mfma_out_row(lane, i);
+      const bool live = head_live && part_start + tok < seq_len;
+      lsum += live ? exp2_f32((logit[t][i] - mx) * kLog2e) : 0.0f;
+      // p' = 2^(y - ytop) <= 1 as hi + lo / 16; dead tokens and heads are the constant 0.
+      const E4m3Split p = split_e4m3x4(exp2_f32(y[t][i] - ytop), 0.0f, 0.0f, 0.0f);
+      lds->p8[0][head][tok] = uint8_t(live ? p.hi : 0u);
+      lds->p8[1][head][tok] = uint8_t(live && pscale >= 4 ? p.lo : 0u);
+    }
+  lsum = head_sum(lsum);
+  if (lane < kTile) lds->red_sum[wave][lane] = lsum;
+  block_barrier();
+
+  // Per-head results, by the first 16 lanes of wave 0 (lane = head).
+  if (wave == 0 && lane < kTile) {
+    float l = 0.0f;
+    for (int w = 0; w < kWaves; ++w) l += lds->red_sum[w][lane];
+    float post = 0.0f;
+    if (head_live) {
+      post = exp2_f32(tpow - float(ip - kE8m0One)) / l;
+      const int64_t idx = (int64_t(seq) * num_heads + kvh * GQA + lane) * max_num_partitions + part;
+      exp_sums[idx] = l;
+      max_logits[idx] = mx;
+    }
+    lds->post[lane] = post;
+  }
+
+  // PV: A = P (row = query head, K = 128 tokens of step s), B = V (column = head element).
+  f32x4 out_acc[kNTilesPerWave];
+  for (int n = 0; n < kNTilesPerWave; ++n) out_acc[n] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  for (int s = 0; s < kPvSteps; ++s) {
+    block_barrier();  // previous step's vt fully read; post written
+    // Decode V of tokens [128s, 128s + 128) into vt[element][token]: a unit is one dword
+    // (8 codes) of 4 consecutive tokens; consecutive threads read consecutive dwords of a row.
+    for (int u = tid; u < kVUnits; u += kThreads) {
+      const int col = u % kVDwordsPerRow;
+      const int quad = u / kVDwordsPerRow;
+      uint32_t fp8[4][2];
+      for (int j = 0; j < 4; ++j) {
+        const int tok = s * kMfmaK + 4 * quad + j;
+        const bool live = part_start + tok < seq_len;
+        const uint32_t codes = live ? load_u32(value_cache + lds->row_offset[tok] + 4 * col) : 0u;
+        const E4m3x8 d = fp4x8_to_e4m3x8(codes);
+        fp8[j][0] = d.lo;
+        fp8[j][1] = d.hi;
+      }
+      for (int e = 0; e < 8; ++e) {
+        const int sh = 8 * (e & 3);
+        const int hv = e >> 2;
+        const uint32_t packed = ((fp8[0][hv] >> sh) & 0xFF) | (((fp8[1][hv] >> sh) & 0xFF) << 8) |
+                                (((fp8[2][hv] >> sh) & 0xFF) << 16) | (((fp8[3][hv] >> sh) & 0xFF) << 24);
+        *reinterpret_cast<uint32_t*>(&lds->vt[8 * col + e][4 * quad]) = packed;
+      }
+    }
+    block_barrier();
+    // A lane (row = head = lane % 16, K group g): P bytes of tokens 128s + mfma_fp8_k(g, j).
+    const int pr = mfma_row(lane);
+    const int pg = mfma_kgroup(lane);
+    i32x8 a, a_lo;
+    for (int w = 0; w < 8; ++w) {
+      const int tok = s * kMfmaK + mfma_fp8_k(pg, 4 * w);
+      a[w] = *reinterpret_cast<const int*>(&lds->p8[0][pr][tok]);
+      a_lo[w] = *reinterpret_cast<const int*>(&lds->p8[1][pr][tok]);
+    }
+    for (int n = 0; n < kNTilesPerWave; ++n) {
+      const int elem = (wave + kWaves * n) * kTile + mfma_row(lane);
+      i32x8 b;
+      for (int w = 0; w < 8; ++w)
+        b[w] = *reinterpret_cast<const int*>(&lds->vt[elem][mfma_fp8_k(pg, 4 * w)]);
+      out_acc[n] = mfma_fp8_fp8(a, b, out_acc[n], pscale, kE8m0One);
+      out_acc[n] = mfma_fp8_fp8(a_lo, b, out_acc[n], pscale_lo, kE8m0One);
+    }
+  }
+
+  // Output: accumulator i of tile n is head mfma_out_row(lane, i), element 16 (w + 4n) + lane % 16.
+  for (int n = 0; n < kNTilesPerWave; ++n)
+    for (int i = 0; i < 4; ++i) {
+      const int h = mfma_out_row(lane, i);
+      if (h < GQA) {
+        const int elem = (wave + kWaves * n) * kTile + mfma_out_col(lane);
+        const int64_t idx = ((int64_t(seq) * num_heads + kvh * GQA + h) * max_num_partitions + part) * HEAD + elem;
+        tmp_out[idx] = Scalar::from_float(out_acc[n][i] * lds->post[h]);
+      }
+    }
+}
+
+// One output element of the reduce: combine the partitions of (seq, head) for element d.
+template <class Scalar, int HEAD>
+TQ_HD void reduce_one(int seq, int head, int d, int num_heads, int max_num_partitions, int seq_len,
+                      const float* exp_sums, const float* max_logits, const uint16_t* tmp_out,
+                      uint16_t* out) {
+  const int nparts = (seq_len + kPartition - 1) / kPartition;
+  const int64_t row = int64_t(seq) * num_heads + head;
+  float m = -__builtin_inff();
+  for (int p = 0; p < nparts; ++p) m = fmax_f32(m, max_logits[row * max_num_partitions + p]);
+  float num = 0.0f, den = 0.0f;
+  for (int p = 0; p < nparts; ++p) {
+    const float w = exp_sums[row * max_num_partitions + p] * exp2_f32((max_logits[row * max_num_partitions + p] - m) * kLog2e);
+    den += w;
+    num += w * Scalar::to_float(tmp_out[(row * max_num_partitions + p) * HEAD + d]);
+  }
+  out[row * HEAD + d] = Scalar::from_float(nparts == 0 ? 0.0f : num / den);
+}
+
+// grid (num_heads, num_seqs)  block (HEAD)
+template <class Scalar, int HEAD>
+TQ_KERNEL(HEAD, HEAD) void tq_fp4_pa_reduce_kernel(
+    uint16_t* __restrict__ out,               // [num_seqs, num_heads, HEAD] Scalar
+    const float* __restrict__ exp_sums,       // [num_seqs, num_heads, max_num_partitions]
+    const float* __restrict__ max_logits,     // [num_seqs, num_heads, max_num_partitions]
+    const uint16_t* __restrict__ tmp_out,     // [num_seqs, num_heads, max_num_partitions, HEAD] Scalar
+    const int* __restrict__ seq_lens,         // [num_seqs]
+    int num_heads, int max_num_partitions) {
+  const int head = block_id_x();
+  const int seq = block_id_y();
+  reduce_one<Scalar, HEAD>(seq, head, thread_id(), num_heads, max_num_partitions, seq_lens[seq],
+                           exp_sums, max_logits, tmp_out, out);
+}
+
+}  // namespace tq

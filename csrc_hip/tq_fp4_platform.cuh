@@ -1,0 +1,205 @@
+// turboquant gfx950 kernels: the few machine primitives the kernels use, in one place.
+//
+// Two builds see this header:
+//   - the device build (clang-22 / hipcc, `-x hip --offload-arch=gfx950`): every primitive is
+//     a gfx950 instruction through a clang builtin. No HIP header is needed.
+//   - the host lane simulation (`-DTQ_HOST_SIM`, any C++20 compiler): the same kernel source
+//     runs with each of the 256 threads of a workgroup as a cooperative fiber; the cross-lane
+//     primitives and the MFMA are implemented by csrc_hip/sim/tq_fp4_lane_sim.cpp, the
+//     conversions by the software models below.
+#pragma once
+
+#include <stdint.h>
+
+namespace tq {
+
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef int i32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// The 16 FP4 E2M1 codes as FP8 E4M3 (OCP, bias 7) bytes: 0,0.5,1,1.5,2,3,4,6, then negatives.
+constexpr uint8_t kFp4ToE4m3[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                                    0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
+// The table's positive half as the two v_perm_b32 sources (codes 0..3 and 4..7); the
+// negative half is the same bytes with bit 7 set.
+constexpr uint32_t table_word(int first) {
+  return uint32_t(kFp4ToE4m3[first]) | uint32_t(kFp4ToE4m3[first + 1]) << 8 |
+         uint32_t(kFp4ToE4m3[first + 2]) << 16 | uint32_t(kFp4ToE4m3[first + 3]) << 24;
+}
+constexpr uint32_t kE4m3MagLo = table_word(0);
+constexpr uint32_t kE4m3MagHi = table_word(4);
+static_assert(kE4m3MagLo == 0x3C383000u && kE4m3MagHi == 0x4C484440u, "E4M3 of 0..1.5, 2..6");
+constexpr bool negatives_are_sign_bit() {
+  for (int i = 0; i < 8; ++i)
+    if (kFp4ToE4m3[i + 8] != (kFp4ToE4m3[i] | 0x80)) return false;
+  return true;
+}
+static_assert(negatives_are_sign_bit(), "codes 8..15 are codes 0..7 with the sign bit");
+
+}  // namespace tq
+
+#if defined(TQ_HOST_SIM)
+
+#include <math.h>
+#include <string.h>
+
+#define TQ_HD inline
+#define TQ_KERNEL(MIN_THREADS, MAX_THREADS)
+#define TQ_LDS(Type, name) Type* name = static_cast<Type*>(::tq::sim::lds(sizeof(Type)))
+
+namespace tq {
+namespace sim {
+// Provided by the lane simulation (csrc_hip/sim/tq_fp4_lane_sim.cpp).
+int thread_id();
+int block_id(int dim);
+void block_barrier();
+float shfl_xor(float v, int mask);
+void* lds(unsigned long bytes);
+f32x4 mfma_scale_16x16x128(int fmt_a, int fmt_b, i32x8 a, i32x8 b, f32x4 c, int scale_a,
+                           int scale_b);
+}  // namespace sim
+
+inline int thread_id() { return sim::thread_id(); }
+inline int block_id_x() { return sim::block_id(0); }
+inline int block_id_y() { return sim::block_id(1); }
+inline int block_id_z() { return sim::block_id(2); }
+inline void block_barrier() { sim::block_barrier(); }
+inline float wave_shfl_xor(float v, int mask) { return sim::shfl_xor(v, mask); }
+
+inline u32x4 load_u32x4(const uint8_t* p) { u32x4 v; memcpy(&v, p, 16); return v; }
+inline uint32_t load_u32(const uint8_t* p) { uint32_t v; memcpy(&v, p, 4); return v; }
+inline uint64_t load_u64(const uint8_t* p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+// v_perm_b32 for selector bytes 0..7: byte k of the 64-bit value {src0:src1}.
+inline uint32_t perm_b32(uint32_t src0, uint32_t src1, uint32_t sel) {
+  const uint64_t both = (uint64_t(src0) << 32) | src1;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((both >> (8 * ((sel >> (8 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+}
+
+// float -> OCP FP8 E4M3, round to nearest even, as v_cvt_pk_fp8_f32 does on gfx950.
+// NaN and values beyond the largest finite (448, after rounding) give the NaN byte 0x7F.
+inline uint32_t f32_to_e4m3(float x) {
+  uint32_t bits; memcpy(&bits, &x, 4);
+  const uint32_t sign = (bits >> 24) & 0x80;
+  const float a = fabsf(x);
+  if (!(a == a)) return 0x7F;
+  if (a >= 464.0f) return sign | 0x7F;
+  // Spacing of E4M3 near a: 2^(e-3) for normals (e >= -6), 2^-9 for subnormals.
+  int e; frexpf(a, &e); e -= 1;  // a = m * 2^e, m in [1, 2)
+  if (e < -6) e = -6;
+  const float step = ldexpf(1.0f, e - 3);
+  const float q = nearbyintf(a / step) * step;  // ties to even under the default rounding mode
+  if (q == 0.0f) return sign;
+  int qe; frexpf(q, &qe); qe -= 1;
+  if (qe < -6) return sign | uint32_t(q / ldexpf(1.0f, -9));  // subnormal: mantissa in units of 2^-9
+  const uint32_t mant = uint32_t(q / ldexpf(1.0f, qe) * 8.0f) - 8;
+  return sign | (uint32_t(qe + 7) << 3) | mant;
+}
+
+// v_cvt_pk_fp8_f32 twice: four floats -> four E4M3 bytes, first in the low byte.
+inline uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+  return f32_to_e4m3(a) | (f32_to_e4m3(b) << 8) | (f32_to_e4m3(c) << 16) | (f32_to_e4m3(d) << 24);
+}
+
+// v_cvt_f32_fp8: E4M3 byte -> float (exact).
+inline float e4m3_to_f32(uint32_t byte) {
+  const uint32_t e = (byte >> 3) & 15, m = byte & 7;
+  if (e == 15 && m == 7) return NAN;
+  const float mag = e == 0 ? ldexpf(float(m), -9) : ldexpf(float(8 + m), int(e) - 10);
+  return (byte & 0x80) ? -mag : mag;
+}
+inline void unpack_e4m3x4(uint32_t w, float out[4]) {
+  for (int i = 0; i < 4; ++i) out[i] = e4m3_to_f32((w >> (8 * i)) & 0xFF);
+}
+
+inline float exp2_f32(float x) { return exp2f(x); }
+inline float ldexp_f32(float x, int e) { return ldexpf(x, e); }
+inline float floor_f32(float x) { return floorf(x); }
+inline float ceil_f32(float x) { return ceilf(x); }
+inline float fmax_f32(float a, float b) { return fmaxf(a, b); }
+inline float fabs_f32(float x) { return fabsf(x); }
+inline int frexp_exp_f32(float x) { int e; frexpf(x, &e); return e; }
+
+}  // namespace tq
+
+#else  // device build
+
+// The scaled MFMA and the FP8 conversions exist on gfx950 only. A build that also targets
+// other architectures (AITER compiles for every arch in GPU_ARCHS) gets kernels that trap
+// there; the Python launcher refuses to launch them on anything but gfx950.
+#if defined(__HIP_DEVICE_COMPILE__) && !defined(__gfx950__)
+#define TQ_GFX950 0
+#else
+#define TQ_GFX950 1
+#endif
+
+#define TQ_HD __attribute__((device)) inline
+#define TQ_KERNEL(MIN_THREADS, MAX_THREADS) \
+  __attribute__((global)) __attribute__((amdgpu_flat_work_group_size(MIN_THREADS, MAX_THREADS)))
+#define TQ_LDS(Type, name)                        \
+  __attribute__((shared)) Type name##_storage;    \
+  Type* name = &name##_storage
+
+namespace tq {
+
+TQ_HD int thread_id() { return __builtin_amdgcn_workitem_id_x(); }
+TQ_HD int block_id_x() { return __builtin_amdgcn_workgroup_id_x(); }
+TQ_HD int block_id_y() { return __builtin_amdgcn_workgroup_id_y(); }
+TQ_HD int block_id_z() { return __builtin_amdgcn_workgroup_id_z(); }
+
+// __syncthreads(): LDS writes before the barrier are visible to every wave after it.
+TQ_HD void block_barrier() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+
+// Value of lane (lane ^ mask) of the same wavefront (ds_bpermute_b32 addresses bytes).
+TQ_HD float wave_shfl_xor(float v, int mask) {
+  const int lane = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
+  return __builtin_bit_cast(
+      float, __builtin_amdgcn_ds_bpermute((lane ^ mask) << 2, __builtin_bit_cast(int, v)));
+}
+
+TQ_HD u32x4 load_u32x4(const uint8_t* p) { return *reinterpret_cast<const u32x4*>(p); }
+TQ_HD uint32_t load_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+TQ_HD uint64_t load_u64(const uint8_t* p) { return *reinterpret_cast<const uint64_t*>(p); }
+
+TQ_HD uint32_t perm_b32(uint32_t src0, uint32_t src1, uint32_t sel) {
+  return __builtin_amdgcn_perm(src0, src1, sel);
+}
+
+TQ_HD uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+#if TQ_GFX950
+  int w = __builtin_amdgcn_cvt_pk_fp8_f32(a, b, 0, false);
+  w = __builtin_amdgcn_cvt_pk_fp8_f32(c, d, w, true);
+  return uint32_t(w);
+#else
+  __builtin_trap();
+#endif
+}
+
+TQ_HD void unpack_e4m3x4(uint32_t w, float out[4]) {
+#if TQ_GFX950
+  out[0] = __builtin_amdgcn_cvt_f32_fp8(int(w), 0);
+  out[1] = __builtin_amdgcn_cvt_f32_fp8(int(w), 1);
+  out[2] = __builtin_amdgcn_cvt_f32_fp8(int(w), 2);
+  out[3] = __builtin_amdgcn_cvt_f32_fp8(int(w), 3);
+#else
+  __builtin_trap();
+#endif
+}
+
+TQ_HD float exp2_f32(float x) { return __builtin_exp2f(x); }
+TQ_HD float ldexp_f32(float x, int e) { return __builtin_ldexpf(x, e); }
+TQ_HD float floor_f32(float x) { return __builtin_floorf(x); }
+TQ_HD float ceil_f32(float x) { return __builtin_ceilf(x); }
+TQ_HD float fmax_f32(float a, float b) { return __builtin_fmaxf(a, b); }
+TQ_HD float fabs_f32(float x) { return __builtin_fabsf(x); }
+TQ_HD int frexp_exp_f32(float x) { int e; __builtin_frexpf(x, &e); return e; }
+
+}  // namespace tq
+
+#endif

@@ -1,0 +1,146 @@
+"""gfx950 machine code of the FP4 paged-attention kernel, compiled here with clang-22 alone.
+
+clang-22 comes from Debian's packages (``apt-get install clang-22``); no ROCm, no HIP
+headers: ``-nogpulib -nogpuinc`` and the kernel uses clang builtins only. The tests read the
+assembly and check the instruction forms, spills, registers and occupancy of each kernel.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc_hip"
+ISA_TU = CSRC / "tq_fp4_gfx950_isa_check.hip"
+MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"
+FLAGS = ["-x", "hip", "--offload-arch=gfx950", "--offload-device-only", "-nogpulib", "-nogpuinc",
+         "-O3", "-std=c++20", "-S"]
+
+
+def _clang():
+    clang = os.environ.get("TURBOQUANT_CLANG") or shutil.which("clang-22")
+    if clang is None:
+        pytest.skip("clang-22 not found: apt-get install -y --no-install-recommends clang-22 "
+                    "(Debian bookworm-security), or set TURBOQUANT_CLANG")
+    return clang
+
+
+def compile_to_asm(src: Path, out: Path) -> str:
+    subprocess.run([_clang(), *FLAGS, f"-I{CSRC}", "-o", str(out), str(src)], check=True)
+    return out.read_text()
+
+
+def kernels(asm: str) -> dict:
+    """Mangled name -> {'body': code, 'stats': {NumVgprs, NumAgprs, ScratchSize, Occupancy, ...},
+    'meta': {vgpr_spill_count, sgpr_spill_count, private_segment_fixed_size, ...}}."""
+    result = {}
+    for m in re.finditer(r"\t\.type\t(\S+),@function\n(.*?)\t\.size\t\1, (.*?)(?=\t\.type\t|\Z)", asm,
+                         re.S):
+        name, body, trailer = m.group(1), m.group(2), m.group(3)
+        stats = {k: int(v) for k, v in re.findall(r"^; (\w+): (\d+)", trailer, re.M)}
+        result[name] = {"body": body, "stats": stats, "meta": {}}
+    for block in re.split(r"\n  - ", asm.split("amdhsa.kernels:", 1)[1]):
+        name = re.search(r"\.name:\s+(\S+)", block)
+        if name and name.group(1) in result:
+            result[name.group(1)]["meta"] = {k: int(v) for k, v in
+                                             re.findall(r"\.(\w+):\s+(\d+)\s*$", block, re.M)}
+    return result
+
+
+@pytest.fixture(scope="module")
+def isa(tmp_path_factory):
+    return kernels(compile_to_asm(ISA_TU, tmp_path_factory.mktemp("isa") / "isa.s"))
+
+
+def _one(isa, native: bool):
+    tag = "ELb1E" if native else "ELb0E"
+    names = [n for n in isa if "partition_kernel" in n and tag in n]
+    assert len(names) == 1, names
+    return isa[names[0]]
+
+
+def _report(name, k):
+    s, m = k["stats"], k["meta"]
+    print(f"{name}: VGPR {s['NumVgprs']} AGPR {s['NumAgprs']} total {s['TotalNumVgprs']} "
+          f"SGPR {s.get('TotalNumSgprs')} scratch {s['ScratchSize']} B, spills vgpr "
+          f"{m.get('vgpr_spill_count')} sgpr {m.get('sgpr_spill_count')}, LDS "
+          f"{m.get('group_segment_fixed_size')} B, occupancy {s['Occupancy']} waves/SIMD")
+
+
+def _no_spills(k):
+    assert k["stats"]["ScratchSize"] == 0
+    assert k["meta"]["vgpr_spill_count"] == 0
+    assert k["meta"]["sgpr_spill_count"] == 0
+    assert k["meta"]["private_segment_fixed_size"] == 0
+    assert "scratch_" not in k["body"] and "buffer_store_dword" not in k["body"]
+
+
+def test_native_path_uses_fp4_operand(isa):
+    k = _one(isa, native=True)
+    lines = [ln.strip() for ln in k["body"].splitlines() if MFMA in ln]
+    for ln in lines:
+        print(ln)
+    fp4 = [ln for ln in lines if "cbsz:4" in ln]
+    fp8 = [ln for ln in lines if "cbsz" not in ln and "blgp" not in ln]
+    # QK: 4 tiles of 16 tokens per wave x (Q hi, Q lo); A = 4 VGPRs of FP4 (cbsz:4), B = 8
+    # VGPRs of FP8.
+    assert len(fp4) == 8
+    assert all(re.search(r"v\[\d+:\d+\], v\[(\d+):(\d+)\], v\[(\d+):(\d+)\]", ln) for ln in fp4)
+    for ln in fp4:
+        a0, a1, b0, b1 = map(int, re.search(r"v\[\d+:\d+\], v\[(\d+):(\d+)\], v\[(\d+):(\d+)\]", ln).groups())
+        assert (a1 - a0, b1 - b0) == (3, 7), ln
+    # PV: FP8 x FP8, 2 K-steps x 2 output tiles per wave x (P hi, P lo).
+    assert len(fp8) == 8
+    assert len(lines) == 16
+    _no_spills(k)
+    _report("native", k)
+
+
+def test_lut_path_is_fp8_only(isa):
+    k = _one(isa, native=False)
+    lines = [ln.strip() for ln in k["body"].splitlines() if MFMA in ln]
+    for ln in lines:
+        print(ln)
+    assert len(lines) == 16
+    assert not [ln for ln in lines if "cbsz" in ln or "blgp" in ln]  # format 0 (E4M3) on both sides
+    assert "v_perm_b32" in k["body"]  # the FP4 -> E4M3 table
+    _no_spills(k)
+    _report("lut", k)
+
+
+def test_reduce_kernel(isa):
+    names = [n for n in isa if "reduce_kernel" in n]
+    assert len(names) == 1
+    _no_spills(isa[names[0]])
+    _report("reduce", isa[names[0]])
+
+
+SHAPES = [  # (scalar, head, block, gqa)
+    ("Bf16", 64, 16, 8), ("Bf16", 128, 16, 4), ("Bf16", 128, 16, 16), ("Bf16", 128, 256, 1),
+    ("Bf16", 256, 16, 8), ("Fp16", 128, 32, 8), ("Fp16", 256, 64, 16),
+]
+
+
+def test_shape_matrix_compiles_without_spills(tmp_path):
+    """Every (head, block, GQA, dtype) class the backend can launch, both paths: no spills."""
+    args = ("const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, "
+            "const int*, const int*, float*, float*, uint16_t*, float, float, int, int, int, int, "
+            "int64_t, int, int")
+    lines = ['#include "tq_fp4_paged_attention.cuh"']
+    for scalar, head, block, gqa in SHAPES:
+        for native in ("true", "false"):
+            lines.append(f"template __attribute__((global)) void tq::tq_fp4_pa_partition_kernel"
+                         f"<tq::{scalar}, {head}, {block}, {gqa}, {native}>({args});")
+    src = tmp_path / "matrix.hip"
+    src.write_text("\n".join(lines) + "\n")
+    ks = kernels(compile_to_asm(src, tmp_path / "matrix.s"))
+    assert len(ks) == 2 * len(SHAPES)
+    for name, k in sorted(ks.items()):
+        _no_spills(k)
+        assert MFMA in k["body"]
+        _report(name, k)

@@ -1,0 +1,314 @@
+"""Host lane simulation of the gfx950 FP4 paged-attention kernel (csrc_hip/).
+
+The kernel source is compiled for the host (``-DTQ_HOST_SIM``) with every thread of a
+workgroup as a fiber and the MFMA replaced by a software model of
+``v_mfma_scale_f32_16x16x128_f8f6f4`` written from its documented lane layouts
+(csrc_hip/sim/tq_fp4_lane_sim.cpp). Each case runs both specializations (native FP4 MFMA and
+LUT) and is compared with
+
+- an emulation (float64, no lane layout at all) of the kernel's arithmetic: Q as two E4M3
+  terms (hi + lo / 16) with one E8M0 scale per head, P as two E4M3 terms after folding the V
+  scale in, per-partition output rounded to the query dtype. Wrong bytes, scales or orientation in any lane give
+  errors of order one; rounding differences give about 1e-3.
+- ``turboquant.reference`` (the contract), within the accuracy FP8 Q and P allow.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from turboquant.api import make_attention_call
+from turboquant.cache import build_paged_problem
+from turboquant.format import decode_e2m1, decode_e8m0, unpack_fp4
+from turboquant.reference import attention_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+SIM_SRC = ROOT / "csrc_hip" / "sim" / "tq_fp4_lane_sim.cpp"
+PARTITION = 256
+LOG2E = 1.4426950408889634
+
+
+@pytest.fixture(scope="session")
+def sim_lib(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("clang++") or shutil.which("clang++-22")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++ or clang++) to build the lane simulation")
+    lib = tmp_path_factory.mktemp("lane_sim") / "libtq_fp4_lane_sim.so"
+    subprocess.run([cxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-Wno-psabi", "-DTQ_HOST_SIM",
+                    "-o", str(lib), str(SIM_SRC)], check=True)
+    dll = ctypes.CDLL(str(lib))
+    dll.tq_sim_paged_attention.restype = ctypes.c_int
+    dll.tq_sim_f32_to_e4m3.restype = ctypes.c_uint32
+    dll.tq_sim_f32_to_e4m3.argtypes = [ctypes.c_float]
+    return dll
+
+
+def _ptr(t):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_cap=0.0):
+    """The simulated kernel pair (partition + reduce): -> out like query."""
+    key_cache, value_cache, key_scales, value_scales = cache
+    num_seqs, num_heads, head = query.shape
+    num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
+    max_parts = max(1, math.ceil(int(seq_lens.max()) / PARTITION))
+    exp_sums = torch.full((num_seqs, num_heads, max_parts), float("nan"))
+    max_logits = torch.full_like(exp_sums, float("nan"))
+    tmp_out = torch.zeros((num_seqs, num_heads, max_parts, head), dtype=query.dtype)
+    out = torch.full_like(query, float("nan"))
+    query = query.contiguous()
+    rc = lib.tq_sim_paged_attention(
+        int(query.dtype == torch.bfloat16), head, block_size, num_heads // num_kv_heads, int(native),
+        _ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(key_scales), _ptr(value_scales),
+        _ptr(block_tables), _ptr(seq_lens), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out),
+        _ptr(out), ctypes.c_float(scale), ctypes.c_float(soft_cap), num_seqs, num_kv_heads,
+        block_tables.shape[1], max_parts, query.stride(0), ctypes.c_long(key_cache.stride(0)),
+        key_cache.stride(1), key_cache.stride(2))
+    assert rc == 0, f"lane simulation failed (rc={rc}: -1 barrier deadlock, -2 no instantiation)"
+    return out
+
+
+def reference(query, cache, block_tables, seq_lens, scale, soft_cap=0.0):
+    call = make_attention_call(query, *cache, block_tables, seq_lens, scale, None, 0, soft_cap,
+                               None)
+    out = torch.empty_like(query)
+    attention_reference(call, out)
+    return out
+
+
+def _e4m3(x):
+    return x.float().to(torch.float8_e4m3fn).to(torch.float64)
+
+
+def _e4m3_pair(x):
+    """x as the kernel's two E4M3 terms: hi + lo / 16."""
+    hi = _e4m3(x)
+    return hi + _e4m3((x.float().double() - hi) * 16) / 16
+
+
+def _q_scale_byte(amax):
+    if amax == 0:
+        return 127
+    if not math.isfinite(amax):
+        return 255
+    e = math.ceil(math.log2(amax / 448.0))
+    while 2.0 ** (e - 1) * 448.0 >= amax:
+        e -= 1
+    while 2.0 ** e * 448.0 < amax:
+        e += 1
+    return min(254, max(1, e + 127))
+
+
+def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0):
+    """The kernel's arithmetic in float64 without any lane layout."""
+    key_cache, value_cache, key_scales, value_scales = cache
+    num_seqs, num_heads, head = query.shape
+    hkv, bs = key_cache.shape[1], key_cache.shape[2]
+    gqa = num_heads // hkv
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for s in range(num_seqs):
+        n = int(seq_lens[s])
+        if n == 0:
+            continue
+        pos = torch.arange(n)
+        blk = block_tables[s, pos // bs].long()
+        slot = pos % bs
+        for h in range(hkv):
+            k4 = decode_e2m1(unpack_fp4(key_cache[blk, h, slot])).double()  # [n, D]
+            v4 = decode_e2m1(unpack_fp4(value_cache[blk, h, slot])).double()
+            ks = key_scales[blk, slot, h].long()
+            vs = value_scales[blk, slot, h].long()
+            kdeq = k4 * decode_e8m0(ks.to(torch.uint8)).double()[:, None]
+            q = query[s, h * gqa:(h + 1) * gqa].double()  # [g, D]
+            qs = torch.tensor([_q_scale_byte(float(r.abs().max())) for r in q])
+            q8 = _e4m3_pair(q * torch.exp2(127.0 - qs.double())[:, None]) * torch.exp2(qs.double() - 127)[:, None]
+            x = scale * (q8 @ kdeq.T)  # [g, n]
+            if soft_cap > 0:
+                x = soft_cap * torch.tanh(x / soft_cap)
+            parts = []
+            for p0 in range(0, n, PARTITION):
+                xs = x[:, p0:p0 + PARTITION]
+                m = xs.max(dim=1).values
+                l = torch.exp(xs - m[:, None]).sum(dim=1)
+                y = xs * LOG2E + (vs[p0:p0 + PARTITION].double() - 127)[None]
+                ytop = torch.ceil(y.max(dim=1).values)
+                p8 = _e4m3_pair(torch.exp2(y - ytop[:, None]))
+                tpow = ytop - m * LOG2E
+                ip = torch.floor(tpow).clamp(-127, 127)
+                acc = (p8 @ v4[p0:p0 + PARTITION]) * torch.exp2(ip)[:, None]
+                tmp = (acc * (torch.exp2(tpow - ip) / l)[:, None]).to(query.dtype).double()
+                if bool((vs[p0:p0 + PARTITION] == 255).any()):
+                    tmp[:] = float("nan")
+                parts.append((m, l, tmp))
+            mg = torch.stack([m for m, _, _ in parts]).max(dim=0).values
+            num = sum(l[:, None] * torch.exp(m - mg)[:, None] * t for m, l, t in parts)
+            den = sum(l * torch.exp(m - mg) for m, l, _ in parts)
+            out[s, h * gqa:(h + 1) * gqa] = num / den[:, None]
+    return out.to(query.dtype)
+
+
+def _rel_err(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _problem(seq_lens, hkv, head, bs, dtype=torch.bfloat16, seed=0, kv_factory=None):
+    gen = torch.Generator().manual_seed(seed)
+    return build_paged_problem(seq_lens, hkv, head, bs, dtype=dtype, generator=gen,
+                               spare_blocks=2, poison=True, write_backend="reference",
+                               kv_factory=kv_factory), gen
+
+
+CONFIGS = [  # (dtype, head, block_size, gqa, num_kv_heads, seq_lens)
+    (torch.bfloat16, 128, 16, 4, 2, [1, 300, 517]),
+    (torch.bfloat16, 128, 16, 8, 1, [255, 256, 257]),
+    (torch.bfloat16, 64, 16, 4, 2, [40, 700]),
+    (torch.bfloat16, 256, 32, 2, 2, [129, 380]),
+    (torch.float16, 128, 16, 4, 1, [70, 513]),
+    (torch.bfloat16, 128, 256, 1, 3, [0, 600, 1]),
+    (torch.bfloat16, 128, 16, 16, 1, [513]),
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-bs{c[2]}-g{c[3]}")
+def test_lane_sim_matches_emulation_and_reference(sim_lib, cfg, native):
+    dtype, head, bs, gqa, hkv, seq_lens = cfg
+    prob, gen = _problem(seq_lens, hkv, head, bs, dtype)
+    query = torch.randn((len(seq_lens), hkv * gqa, head), generator=gen).to(dtype)
+    scale = head ** -0.5
+    args = (query, prob.cache, prob.block_tables, prob.seq_lens, scale)
+    out = run_sim(sim_lib, *args, native=native)
+    assert torch.isfinite(out).all(), "poisoned (0xFF) slots past seq_len reached the output"
+    assert (out[torch.tensor(seq_lens) == 0] == 0).all(), "seq_len 0 must give zeros"
+    emu = emulate(*args)
+    ref = reference(*args)
+    e_emu, e_ref = _rel_err(out, emu), _rel_err(out, ref)
+    print(f"{'native' if native else 'lut'} {cfg[:4]}: rel err vs emulation {e_emu:.2e}, "
+          f"vs reference {e_ref:.2e}")
+    assert e_emu < 1e-3
+    assert e_ref < 1e-2
+
+
+def test_lane_sim_soft_cap(sim_lib):
+    prob, gen = _problem([300], 2, 128, 16)
+    query = 8 * torch.randn((1, 8, 128), generator=gen).to(torch.bfloat16)
+    args = (query, prob.cache, prob.block_tables, prob.seq_lens, 128 ** -0.5)
+    for native in (True, False):
+        out = run_sim(sim_lib, *args, native=native, soft_cap=5.0)
+        assert _rel_err(out, emulate(*args, soft_cap=5.0)) < 1e-3
+        assert _rel_err(out, reference(*args, soft_cap=5.0)) < 1e-2
+
+
+def _identity_kv(seq, shape):
+    """K row t = 2.0 at element t % D (else 0); V row t = 1.0 at element (3 t + 1) % D."""
+    n, hkv, d = shape
+    k = torch.zeros(shape)
+    v = torch.zeros(shape)
+    t = torch.arange(n)
+    k[t, :, t % d] = 2.0
+    v[t, :, (3 * t + 1) % d] = 1.0
+    return k.to(torch.bfloat16), v.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_identity_probe(sim_lib, native):
+    """One-hot K rows pick single Q elements, one-hot V rows put each token's probability in
+    one output element: any permutation of Q, K or V bytes across lanes, or a transposed
+    output, moves mass to the wrong element."""
+    prob, gen = _problem([300, 140], 2, 128, 16, kv_factory=_identity_kv)
+    query = torch.randn((2, 8, 128), generator=gen).to(torch.bfloat16)
+    args = (query, prob.cache, prob.block_tables, prob.seq_lens, 0.5)
+    emu = emulate(*args)
+    out = run_sim(sim_lib, *args, native=native)
+    assert _rel_err(out, emu) < 1e-3
+    assert _rel_err(out, reference(*args)) < 1e-2
+    # The probe is sharp: the same data with K's element order reversed is far away.
+    flipped = query.flip(-1)
+    assert _rel_err(emulate(flipped, *args[1:]), emu) > 0.3
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_single_scale_probes(sim_lib, native):
+    """Change one token's K scale, one token's V scale, one query head's magnitude: the
+    simulated kernel follows the emulation each time (each lane applies its own row's scale)."""
+    prob, gen = _problem([300], 2, 128, 16)
+    query = torch.randn((1, 8, 128), generator=gen).to(torch.bfloat16)
+    args = [query, prob.cache, prob.block_tables, prob.seq_lens, 128 ** -0.5]
+    base = run_sim(sim_lib, *args, native=native)
+    kc, vc, ks, vs = prob.cache
+    tok = 37
+    blk, slot = int(prob.block_tables[0, tok // 16]), tok % 16
+    for name, tensor, delta in (("key", ks, 3), ("value", vs, 4)):
+        changed = [t.clone() for t in prob.cache]
+        idx = 2 if name == "key" else 3
+        changed[idx][blk, slot, 1] = tensor[blk, slot, 1] + delta
+        out = run_sim(sim_lib, query, changed, *args[2:], native=native)
+        assert _rel_err(out, emulate(query, changed, *args[2:])) < 1e-3, name
+        assert torch.equal(out[:, :4], base[:, :4]), f"{name} scale of kv head 1 moved kv head 0"
+        assert not torch.equal(out[:, 4:], base[:, 4:]), f"{name} scale change had no effect"
+    loud = query.clone()
+    loud[0, 5] *= 1000.0
+    out = run_sim(sim_lib, loud, *args[1:], native=native)
+    assert _rel_err(out, emulate(loud, *args[1:])) < 1e-3
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_nan_and_masking(sim_lib, native):
+    """A visible NaN scale (255) makes its kv head's output NaN; 0xFF bytes past seq_len (the
+    poisoned tail of the last block) never do."""
+    prob, gen = _problem([300], 2, 128, 16)
+    query = torch.randn((1, 8, 128), generator=gen).to(torch.bfloat16)
+    rest = (prob.block_tables, prob.seq_lens, 128 ** -0.5)
+    tok = 290
+    blk, slot = int(prob.block_tables[0, tok // 16]), tok % 16
+    assert int(prob.cache.key_scales[blk, 15, 0]) == 255  # slot 303 is past seq_len: poisoned
+    for idx in (2, 3):  # key scale, value scale
+        bad = [t.clone() for t in prob.cache]
+        bad[idx][blk, slot, 0] = 255
+        out = run_sim(sim_lib, query, bad, *rest, native=native)
+        assert torch.isnan(out[0, :4]).all()
+        assert torch.isfinite(out[0, 4:]).all()
+        assert torch.isnan(reference(query, bad, *rest)[0, :4]).all()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_result_does_not_depend_on_thread_order(sim_lib, native):
+    """The fibers run in ascending, descending and random orders between barriers: the same
+    bits each time, so no thread reads LDS that another writes without a barrier between."""
+    prob, gen = _problem([300, 40], 2, 64, 16)
+    query = torch.randn((2, 8, 64), generator=gen).to(torch.bfloat16)
+    args = (query, prob.cache, prob.block_tables, prob.seq_lens, 0.125)
+    outs = []
+    for mode, seed in ((0, 1), (1, 1), (2, 7), (2, 99)):
+        sim_lib.tq_sim_set_schedule(mode, seed)
+        outs.append(run_sim(sim_lib, *args, native=native))
+    sim_lib.tq_sim_set_schedule(0, 1)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_fp4_to_e4m3_table(sim_lib):
+    """The kernel's decode (v_perm on the magnitudes + sign) equals the 16-entry table."""
+    table = torch.tensor([0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
+                          0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC])
+    fp8 = table.to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(fp8, decode_e2m1(torch.arange(16, dtype=torch.uint8)))
+    lo, hi = ctypes.c_uint32(), ctypes.c_uint32()
+    for word in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C, 0x89ABCDEF):
+        sim_lib.tq_sim_decode_fp4x8(ctypes.c_uint32(word), ctypes.byref(lo), ctypes.byref(hi))
+        got = [(lo.value >> (8 * i)) & 0xFF for i in range(4)] + [(hi.value >> (8 * i)) & 0xFF for i in range(4)]
+        assert got == [int(table[(word >> (4 * i)) & 0xF]) for i in range(8)]
+
+
+def test_e4m3_conversion_model(sim_lib):
+    """The host model of v_cvt_pk_fp8_f32 rounds like torch's float8_e4m3fn."""
+    xs = torch.cat([torch.randn(2000) * 50, torch.randn(500) * 1e-2, torch.tensor([0.0, 448.0, -448.0])])
+    got = torch.tensor([sim_lib.tq_sim_f32_to_e4m3(float(x)) for x in xs], dtype=torch.uint8)
+    assert torch.equal(got, xs.to(torch.float8_e4m3fn).view(torch.uint8))

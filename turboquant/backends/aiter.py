@@ -1,0 +1,178 @@
+"""The ``aiter`` backend: turboquant's gfx950 FP4 paged attention (csrc_hip/) run through a
+patched AITER (``python -m turboquant.integration.aiter.patch --aiter-root PATH``).
+
+Importing this module is cheap and works anywhere: it defines the op schema and its fake
+implementation and registers the backend; AITER is looked for (and its patch state read) on
+the first ``unavailable()`` call, and imported only on a machine with a gfx950 GPU.
+
+Supported: decode (one query token per sequence), query bf16/fp16, head_dim 64/128/256,
+block_size 16..256 (powers of two), GQA ratio up to 16, one scale per (token, kv head), soft
+cap. Declined with a reason (the dispatcher then falls back): multi-token queries
+(cu_query_lens), sliding window, per-32 scales. No cache writer.
+The native FP4 MFMA path runs by default; AITER_FP4_KV_LUT=1 selects the LUT path.
+"""
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..api import attention_op_args
+from ..ops import ATTENTION_SCHEMA
+from ..registry import AttentionCall, Backend, CacheWrite, register
+
+ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+MAX_GQA = 16
+PATCH_COMMAND = "python -m turboquant.integration.aiter.patch --aiter-root {root}"
+
+
+def _define_op() -> None:
+    ns, op = ATTENTION_OP.split("::")
+    if hasattr(getattr(torch.ops, ns), op):
+        return
+    torch.library.define(ATTENTION_OP, ATTENTION_SCHEMA)
+
+    @torch.library.register_fake(ATTENTION_OP)
+    def _fake(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
+              seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len):
+        return None
+
+    @torch.library.impl(ATTENTION_OP, "CUDA")  # ROCm builds of PyTorch dispatch HIP as CUDA
+    def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
+              seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len):
+        import aiter
+
+        aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
+                                  block_tables, seq_lens, scale, out=out,
+                                  logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len)
+
+
+_define_op()
+
+_lock = threading.Lock()
+_state: dict = {"checked": False, "reason": None}
+
+
+def aiter_root() -> Optional[Path]:
+    """The directory that holds the ``aiter`` package (site-packages or a checkout), or None."""
+    try:
+        spec = importlib.util.find_spec("aiter")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]).resolve().parent
+
+
+def _aiter_reason() -> Optional[str]:
+    from ..integration.aiter import patch
+
+    root = aiter_root()
+    if root is None:
+        return ("AITER is not installed: pip install amd-aiter (or a ROCm/aiter checkout), then "
+                + PATCH_COMMAND.format(root="<the directory that holds aiter/>"))
+    try:
+        st = patch.status(root)
+    except patch.PatchError as e:
+        return f"AITER at {root} cannot be patched: {e}"
+    if st.state != "patched":
+        return (f"AITER {st.version} at {root} is {st.state} (no FP4 paged attention): run "
+                + PATCH_COMMAND.format(root=root))
+    try:
+        import aiter
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason, not a crash
+        return f"import aiter failed: {type(e).__name__}: {e}"
+    if not hasattr(aiter, "paged_attention_fp4"):
+        return (f"the imported aiter ({getattr(aiter, '__file__', '?')}) lacks "
+                f"paged_attention_fp4: run " + PATCH_COMMAND.format(root=root))
+    return None
+
+
+def _device_reason() -> Optional[str]:
+    if not getattr(torch.version, "hip", None):
+        return "not a ROCm build of PyTorch (the aiter backend needs an AMD gfx950 GPU)"
+    if not torch.cuda.is_available():
+        return "no ROCm GPU is available"
+    arch = torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
+    if arch != "gfx950":
+        return f"GPU architecture {arch} (the FP4 kernel needs gfx950, MI350X/MI355X)"
+    return None
+
+
+class AiterBackend(Backend):
+    name = "aiter"
+    priority = 60
+    description = ("turboquant gfx950 FP4 paged attention in a patched AITER: scaled MFMA "
+                   "(v_mfma_scale_f32_16x16x128_f8f6f4), native FP4 or LUT (AMD MI355X)")
+
+    def unavailable(self) -> Optional[str]:
+        reason = _device_reason()
+        if reason is not None:
+            return reason
+        with _lock:
+            if not _state["checked"]:
+                _state["reason"] = _aiter_reason()
+                _state["checked"] = True
+            return _state["reason"]
+
+    def check_attention(self, call: AttentionCall) -> Optional[str]:
+        if call.cu_query_lens is not None:
+            return ("multi-token queries (cu_query_lens) are not implemented by the aiter "
+                    "kernel (decode only: one query token per sequence)")
+        if call.sliding_window > 0:
+            return "sliding window is not implemented by the aiter kernel"
+        if call.scale_group != call.head_dim:
+            return (f"per-{call.scale_group} scales are not supported by the aiter kernel (one "
+                    "scale per (token, head) only)")
+        if call.head_dim not in HEAD_DIMS:
+            return f"head_dim {call.head_dim} not in {HEAD_DIMS}"
+        if call.block_size not in BLOCK_SIZES:
+            return f"block_size {call.block_size} not in {BLOCK_SIZES}"
+        gqa = call.num_heads // call.num_kv_heads
+        if gqa > MAX_GQA:
+            return f"GQA ratio {gqa} > {MAX_GQA} (one MFMA column per query head of a group)"
+        q = call.query
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"query dtype {q.dtype} (expected float16 or bfloat16)"
+        if q.shape[0] != call.num_seqs:
+            return "one query token per sequence is expected (decode)"
+        if not q.is_cuda:
+            return f"tensors are on {q.device}, not on a ROCm GPU"
+        if q.stride(2) != 1 or q.stride(1) != call.head_dim:
+            return "query must have contiguous heads"
+        for nm in ("key_cache", "value_cache"):
+            c = getattr(call, nm)
+            if c.stride() != call.key_cache.stride() or c.stride(3) != 1 or c.stride(2) % 16 \
+                    or c.data_ptr() % 16:
+                return f"{nm} must have contiguous, 16-byte aligned rows, with key_cache's strides"
+        if not (call.key_scales.is_contiguous() and call.value_scales.is_contiguous()):
+            return "key_scales/value_scales must be contiguous"
+        if not (call.block_tables.is_contiguous() and call.seq_lens.is_contiguous()):
+            return "block_tables and seq_lens must be contiguous"
+        return None
+
+    def check_cache_write(self, write: CacheWrite) -> Optional[str]:
+        return "the aiter backend has no cache writer (another backend writes the cache)"
+
+    def paged_attention(self, call: AttentionCall, out: torch.Tensor) -> None:
+        torch.ops.turboquant.paged_attention_fp4_aiter(*attention_op_args(call, out))
+
+
+BACKEND = AiterBackend()
+
+
+def register_backend() -> AiterBackend:
+    """Register the backend (idempotent; done at import)."""
+    from .. import registry
+
+    if AiterBackend.name not in registry._BACKENDS:
+        register(BACKEND)
+    return BACKEND
+
+
+register_backend()

@@ -1,0 +1,152 @@
+# turboquant-fp4: FP4 (E2M1 codes, E8M0 scales) KV cache for AITER's pa_v1.
+# Injected into csrc/cpp_itfs/pa/ by `python -m turboquant.integration.aiter.patch`; removed by
+# its --revert. The kernels are turboquant's (tq_fp4_paged_attention.cuh, next to this file).
+#
+# Cache, HND only: key/value uint8 [num_blocks, num_kv_heads, block_size, head_size // 2],
+# two E2M1 codes per byte (even element in the low nibble); key/value scales uint8
+# [num_blocks, block_size, num_kv_heads], one E8M0 byte per (token, kv head).
+import ctypes
+import hashlib
+import math
+import os
+
+from jinja2 import Template
+
+from csrc.cpp_itfs.utils import AITER_CORE_DIR, compile_template_op
+
+MD_NAME = "pa_v1_fp4"
+FP4_KV_CACHE_DTYPES = ("fp4", "fp4_e2m1")
+PARTITION_SIZE = 256
+# LUT path instead of the native FP4 MFMA: argument use_native=False, or this variable = 1.
+LUT_ENV = "AITER_FP4_KV_LUT"
+
+_DIR = f"{AITER_CORE_DIR}/csrc/cpp_itfs/pa"
+_HEADERS = [f"{_DIR}/tq_fp4_platform.cuh", f"{_DIR}/tq_fp4_paged_attention.cuh"]
+with open(f"{_DIR}/pa_fp4.cpp.jinja", "r") as f:
+    _TEMPLATE_TEXT = f.read()
+src_template = Template(_TEMPLATE_TEXT)
+
+
+def _kernel_digest() -> str:
+    """Part of the compile key: a changed kernel header or template never reuses an old lib.so."""
+    h = hashlib.sha256(_TEMPLATE_TEXT.encode())
+    for path in _HEADERS:
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+KERNEL_DIGEST = _kernel_digest()
+
+
+def compile(gqa_ratio: int, head_size: int, block_size: int, scalar: str, folder: str = None):
+    return compile_template_op(
+        src_template,
+        MD_NAME,
+        _HEADERS,
+        gqa_ratio=gqa_ratio,
+        head_size=head_size,
+        block_size=block_size,
+        scalar=scalar,
+        kv_fp4="e2m1_e8m0",
+        kernel_digest=KERNEL_DIGEST,
+        folder=folder,
+    )
+
+
+def default_use_native() -> bool:
+    return os.environ.get(LUT_ENV, "0") not in ("1", "true", "True")
+
+
+def _fail(name, expected, got):
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def workspace_size(num_seqs: int, num_heads: int, max_seq_len: int, head_size: int) -> int:
+    """Bytes of workspace: exp_sums and max_logits (fp32), tmp_out (2-byte query dtype)."""
+    parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
+    return num_seqs * num_heads * parts * (2 * 4 + head_size * 2)
+
+
+def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_cache, key_scales,
+                               value_scales, block_tables, seq_lens, max_seq_len: int,
+                               scale: float, logits_soft_cap: float = 0.0, use_native=None):
+    """Decode attention (one query token per sequence) over the FP4 paged cache into out."""
+    import torch
+
+    if use_native is None:
+        use_native = default_use_native()
+    arch = torch.cuda.get_device_properties(query.device).gcnArchName.split(":")[0]
+    if arch != "gfx950":
+        _fail("device", "a gfx950 GPU (the FP4 paged attention uses gfx950 MFMA instructions)", arch)
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        _fail("query.dtype", "bfloat16 or float16", query.dtype)
+    if out.dtype != query.dtype or out.shape != query.shape or not out.is_contiguous():
+        _fail("out", f"a contiguous {query.dtype} tensor of shape {tuple(query.shape)}",
+              f"{out.dtype} {tuple(out.shape)}")
+    num_seqs, num_heads, head_size = query.shape
+    if head_size not in (64, 128, 256):
+        _fail("head_size", "64, 128 or 256", head_size)
+    if query.stride(2) != 1 or query.stride(1) != head_size:
+        _fail("query", "contiguous heads and head elements", tuple(query.stride()))
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.dtype != torch.uint8 or t.dim() != 4 or t.size(3) != head_size // 2:
+            _fail(name, f"uint8 [num_blocks, num_kv_heads, block_size, {head_size // 2}] (HND)",
+                  f"{t.dtype} {tuple(t.shape)}")
+        if t.stride() != key_cache.stride() or t.stride(3) != 1 or t.stride(2) % 16:
+            _fail(name, "the key_cache strides, rows contiguous and 16-byte aligned", tuple(t.stride()))
+        if t.data_ptr() % 16:
+            _fail(name, "a 16-byte aligned data pointer", hex(t.data_ptr()))
+    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    if block_size not in (16, 32, 64, 128, 256):
+        _fail("block_size", "16, 32, 64, 128 or 256", block_size)
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
+        _fail("num_heads", f"a multiple of num_kv_heads={num_kv_heads}, at most 16 times it",
+              num_heads)
+    for name, t in (("key_scales", key_scales), ("value_scales", value_scales)):
+        if t.dtype != torch.uint8 or tuple(t.shape) != (num_blocks, block_size, num_kv_heads) \
+                or not t.is_contiguous():
+            _fail(name, f"contiguous uint8 [{num_blocks}, {block_size}, {num_kv_heads}] "
+                  "(one E8M0 byte per token and kv head)", f"{t.dtype} {tuple(t.shape)}")
+    max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
+    need = workspace_size(num_seqs, num_heads, max_seq_len, head_size)
+    if workspace_buffer.numel() * workspace_buffer.element_size() < need:
+        _fail("workspace_buffer", f"at least {need} bytes",
+              workspace_buffer.numel() * workspace_buffer.element_size())
+    scalar = "Bf16" if query.dtype == torch.bfloat16 else "Fp16"
+    func = compile(num_heads // num_kv_heads, head_size, block_size, scalar)
+    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    func(ptr(out), ptr(workspace_buffer), ptr(query), ptr(key_cache), ptr(value_cache),
+         ptr(key_scales), ptr(value_scales),
+         ctypes.cast(block_tables.data_ptr(), ctypes.POINTER(ctypes.c_int)),
+         ctypes.cast(seq_lens.data_ptr(), ctypes.POINTER(ctypes.c_int)),
+         ctypes.c_float(scale), ctypes.c_float(logits_soft_cap), ctypes.c_int(block_tables.size(1)),
+         ctypes.c_int(max_parts), ctypes.c_int(num_seqs), ctypes.c_int(num_kv_heads),
+         ctypes.c_int(query.stride(0)), ctypes.c_long(key_cache.stride(0)),
+         ctypes.c_int(key_cache.stride(1)), ctypes.c_int(key_cache.stride(2)),
+         ctypes.c_int(1 if use_native else 0),
+         ctypes.c_void_p(torch.cuda.current_stream(query.device).cuda_stream))
+    return out
+
+
+def paged_attention_v1_fp4(out, workspace_buffer, query, key_cache, value_cache, scale,
+                           block_tables, cu_query_lens, context_lens, max_context_len,
+                           alibi_slopes, kv_cache_layout, logits_soft_cap, k_scale, v_scale,
+                           fp8_out_scale, partition_size, mtp, q_scale, sliding_window):
+    """pa_v1 with kv_cache_dtype 'fp4_e2m1': k_scale / v_scale are the E8M0 scale tensors."""
+    unsupported = {
+        "kv_cache_layout": (kv_cache_layout, "HND"),
+        "alibi_slopes": (alibi_slopes, None),
+        "cu_query_lens": (cu_query_lens, None),
+        "fp8_out_scale": (fp8_out_scale, None),
+        "q_scale": (q_scale, None),
+        "partition_size": (partition_size, PARTITION_SIZE),
+        "mtp": (mtp, 1),
+        "sliding_window": (sliding_window, 0),
+    }
+    for name, (got, expected) in unsupported.items():
+        if (got is not None) if expected is None else (got != expected):
+            _fail(name, f"{expected!r} with an FP4 KV cache", "a tensor" if hasattr(got, "shape") else got)
+    return paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_cache,
+                                      k_scale, v_scale, block_tables, context_lens,
+                                      max_context_len, scale, logits_soft_cap)

@@ -1,0 +1,76 @@
+# turboquant-fp4: aiter.paged_attention_fp4, the FP4 KV-cache paged attention with turboquant's
+# API. Injected into aiter/ops/ by `python -m turboquant.integration.aiter.patch`; removed by
+# its --revert.
+from typing import Optional
+
+import torch
+
+from csrc.cpp_itfs.pa.pa_fp4 import paged_attention_fp4_launch, workspace_size
+from csrc.cpp_itfs.torch_utils import direct_register_custom_op
+
+
+def paged_attention_fp4_out(
+    out: torch.Tensor,
+    workspace_buffer: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    value_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    logits_soft_cap: float = 0.0,
+    use_native: int = -1,
+) -> None:
+    """use_native: 1 native FP4 MFMA, 0 LUT, -1 the default (native unless AITER_FP4_KV_LUT=1)."""
+    paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_cache, key_scales,
+                               value_scales, block_tables, seq_lens, max_seq_len, scale,
+                               logits_soft_cap, None if use_native < 0 else bool(use_native))
+
+
+direct_register_custom_op(
+    "paged_attention_fp4_out",
+    paged_attention_fp4_out,
+    ["out", "workspace_buffer"],
+)
+
+
+def paged_attention_fp4(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_scales: torch.Tensor,
+    value_scales: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: Optional[torch.Tensor] = None,
+    logits_soft_cap: float = 0.0,
+    max_seq_len: Optional[int] = None,
+    use_native: Optional[bool] = None,
+    workspace_buffer: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """turboquant.paged_attention_fp4 on AITER (decode: one query token per sequence).
+
+    query [num_seqs, num_heads, D] bf16/fp16; key_cache, value_cache uint8
+    [num_blocks, num_kv_heads, block_size, D/2]; key_scales, value_scales uint8
+    [num_blocks, block_size, num_kv_heads]; block_tables int32 [num_seqs, max_blocks];
+    seq_lens int32 [num_seqs]. max_seq_len: host-side bound on seq_lens (default: the block
+    table's capacity).
+    """
+    if max_seq_len is None:
+        max_seq_len = block_tables.size(1) * key_cache.size(2)
+    if out is None:
+        out = torch.empty_like(query)
+    if workspace_buffer is None:
+        workspace_buffer = torch.empty(
+            workspace_size(query.size(0), query.size(1), max_seq_len, query.size(2)),
+            dtype=torch.uint8, device=query.device)
+    torch.ops.aiter.paged_attention_fp4_out(
+        out, workspace_buffer, query, key_cache, value_cache, key_scales, value_scales,
+        block_tables, seq_lens, max_seq_len, scale, logits_soft_cap,
+        -1 if use_native is None else int(use_native))
+    return out

@@ -1,0 +1,345 @@
+"""Inject turboquant's FP4 paged attention into an AITER source tree.
+
+    python -m turboquant.integration.aiter.patch --aiter-root PATH [--check] [--dry-run] [--revert]
+
+PATH is either a git checkout of ROCm/aiter (``csrc/`` and ``aiter/`` at its root) or the
+site-packages directory of an installed amd-aiter wheel (``aiter_meta/csrc/`` and ``aiter/``).
+
+What it does:
+
+- adds new files: the kernel headers (``csrc_hip/*.cuh``), ``pa_fp4.cpp.jinja`` (both
+  ``USE_NATIVE_FP4_MFMA`` specializations, one picked at launch) and ``pa_fp4.py`` (the
+  launcher, compiled under its own module name ``pa_v1_fp4`` with a digest of the kernel
+  sources in the compile key) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4.py``
+  (``aiter.paged_attention_fp4``);
+- hooks two lines that are the same across AITER versions: pa_v1's ``kv_cache_dtype`` chain
+  gains an ``fp4``/``fp4_e2m1`` branch (k_scale/v_scale are then the E8M0 scale tensors), and
+  ``aiter/ops/attention.py`` imports the new op.
+
+Every anchor is checked before anything is written; a second apply changes nothing;
+``--revert`` removes exactly what apply added, so the tree is byte-for-byte as before.
+Exit status: 0 done (or, with --check, patched), 1 unpatched (--check), 3 partial (--check),
+2 error.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+MARK = "turboquant-fp4"
+HERE = Path(__file__).resolve().parent
+FILES = HERE / "files"
+LUT_ENV = "AITER_FP4_KV_LUT"
+
+
+class PatchError(Exception):
+    pass
+
+
+def kernel_source_dir() -> Path:
+    """csrc_hip/ of this turboquant: the repository's, or a copy shipped inside the package."""
+    for candidate in (HERE.parents[2] / "csrc_hip", HERE.parents[1] / "csrc_hip"):
+        if (candidate / "tq_fp4_paged_attention.cuh").is_file():
+            return candidate
+    raise PatchError("turboquant's kernel headers (csrc_hip/tq_fp4_paged_attention.cuh) were not "
+                     "found next to the package; use a source checkout of turboquant")
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+    meta: Path  # the directory that holds csrc/
+    kind: str  # "git checkout" or "installed wheel"
+
+    @property
+    def pa_dir(self) -> Path:
+        return self.meta / "csrc" / "cpp_itfs" / "pa"
+
+    @property
+    def ops_dir(self) -> Path:
+        return self.root / "aiter" / "ops"
+
+
+def find_layout(root: Path) -> Layout:
+    root = Path(root).resolve()
+    if root.name == "aiter" and (root / "ops" / "attention.py").is_file():
+        root = root.parent  # the package directory itself was given
+    if (root / "aiter_meta" / "csrc" / "cpp_itfs" / "pa" / "pa_v1.py").is_file():
+        return Layout(root, root / "aiter_meta", "installed wheel")
+    if (root / "csrc" / "cpp_itfs" / "pa" / "pa_v1.py").is_file():
+        return Layout(root, root, "git checkout")
+    raise PatchError(f"--aiter-root {root}: no AITER found (expected csrc/cpp_itfs/pa/pa_v1.py "
+                     "for a git checkout, or aiter_meta/csrc/cpp_itfs/pa/pa_v1.py for an "
+                     "installed amd-aiter)")
+
+
+def aiter_version(layout: Layout) -> str:
+    version_file = layout.root / "aiter" / "_version.py"
+    if version_file.is_file():
+        m = re.search(r"""version__\s*=\s*['"]([^'"]+)""", version_file.read_text())
+        if m:
+            return m.group(1)
+    if (layout.root / ".git").exists():
+        try:
+            described = subprocess.run(["git", "-C", str(layout.root), "describe", "--always",
+                                        "--tags", "--dirty"], capture_output=True, text=True,
+                                       timeout=30)
+            if described.returncode == 0 and described.stdout.strip():
+                return f"git {described.stdout.strip()}"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return "unknown (no aiter/_version.py)"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """Insert `text` right before (or after) the one line `anchor` of `path`."""
+
+    path: Path
+    anchor: str
+    text: str
+    after: bool
+
+    def patched_form(self) -> str:
+        return self.anchor + self.text if self.after else self.text + self.anchor
+
+
+PA_V1_HOOK = (
+    '    elif kv_cache_dtype in ("fp4", "fp4_e2m1"):  # turboquant-fp4: E2M1 codes, E8M0 k/v_scale\n'
+    "        from csrc.cpp_itfs.pa.pa_fp4 import paged_attention_v1_fp4  # turboquant-fp4\n"
+    "\n"
+    "        return paged_attention_v1_fp4(  # turboquant-fp4\n"
+    "            out, workspace_buffer, query, key_cache, value_cache, scale, block_tables,\n"
+    "            cu_query_lens, context_lens, max_context_len, alibi_slopes, kv_cache_layout,\n"
+    "            logits_soft_cap, k_scale, v_scale, fp8_out_scale, partition_size, mtp, q_scale,\n"
+    "            sliding_window,\n"
+    "        )  # turboquant-fp4\n"
+)
+ATTENTION_HOOK = (
+    "from .turboquant_fp4 import paged_attention_fp4, paged_attention_fp4_out  # turboquant-fp4\n"
+)
+
+
+def hooks(layout: Layout) -> list[Hook]:
+    return [
+        Hook(layout.pa_dir / "pa_v1.py",
+             '    elif kv_cache_dtype == "fp8" or kv_cache_dtype == "fp8_e4m3":\n',
+             PA_V1_HOOK, after=False),
+        Hook(layout.ops_dir / "attention.py",
+             "from csrc.cpp_itfs.pa.pa_v1 import paged_attention_v1 as paged_attention_v1_core\n",
+             ATTENTION_HOOK, after=True),
+    ]
+
+
+def new_files(layout: Layout) -> dict[Path, bytes]:
+    src = kernel_source_dir()
+    return {
+        layout.pa_dir / "tq_fp4_platform.cuh": (src / "tq_fp4_platform.cuh").read_bytes(),
+        layout.pa_dir / "tq_fp4_paged_attention.cuh": (src / "tq_fp4_paged_attention.cuh").read_bytes(),
+        layout.pa_dir / "pa_fp4.cpp.jinja": (FILES / "pa_fp4.cpp.jinja").read_bytes(),
+        layout.pa_dir / "pa_fp4.py": (FILES / "pa_fp4.py").read_bytes(),
+        layout.ops_dir / "turboquant_fp4.py": (FILES / "turboquant_fp4.py").read_bytes(),
+    }
+
+
+def _is_ours(data: bytes) -> bool:
+    return b"turboquant" in data[:400]
+
+
+@dataclass
+class Status:
+    state: str  # "patched", "unpatched" or "partial"
+    details: list[str]
+    version: str
+    layout: Layout
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise PatchError(f"{path}: file not found") from None
+
+
+def status(root) -> Status:
+    layout = find_layout(Path(root))
+    version = aiter_version(layout)
+    done, todo, details = 0, 0, []
+    for hook in hooks(layout):
+        text = _read(hook.path)
+        rel = hook.path.relative_to(layout.root)
+        if text.count(hook.patched_form()) == 1:
+            done += 1
+            details.append(f"hooked     {rel}")
+        elif MARK in text:
+            todo += 1
+            details.append(f"MODIFIED   {rel} (holds '{MARK}' lines that are not this patch's)")
+        elif text.count(hook.anchor) == 1:
+            todo += 1
+            details.append(f"unhooked   {rel}")
+        else:
+            todo += 1
+            details.append(f"NO ANCHOR  {rel}: {hook.anchor.strip()!r}")
+    for path, data in new_files(layout).items():
+        rel = path.relative_to(layout.root)
+        if not path.exists():
+            todo += 1
+            details.append(f"absent     {rel}")
+        elif path.read_bytes() == data:
+            done += 1
+            details.append(f"present    {rel}")
+        else:
+            todo += 1
+            details.append(f"OUTDATED   {rel} (differs from this turboquant's copy)")
+    damaged = any(d.startswith(("MODIFIED", "OUTDATED")) for d in details)
+    state = "patched" if todo == 0 else ("partial" if done or damaged else "unpatched")
+    return Status(state, details, version, layout)
+
+
+def _plan_apply(layout: Layout, version: str) -> dict[Path, bytes]:
+    """New contents of every file apply writes; raises before anything is written."""
+    missing, plan = [], {}
+    for hook in hooks(layout):
+        text = _read(hook.path)
+        count = text.count(hook.anchor)
+        if count != 1 or MARK in text:
+            what = "found twice" if count > 1 else ("already holds turboquant lines"
+                                                    if MARK in text else "not found")
+            missing.append(f"{hook.path.relative_to(layout.root)}: anchor {hook.anchor.strip()!r} "
+                           f"{what}")
+            continue
+        plan[hook.path] = text.replace(hook.anchor, hook.patched_form()).encode("utf-8")
+    for path, data in new_files(layout).items():
+        if path.exists():
+            missing.append(f"{path.relative_to(layout.root)}: already exists")
+        if not path.parent.is_dir():
+            missing.append(f"{path.parent.relative_to(layout.root)}: directory not found")
+        plan[path] = data
+    if missing:
+        raise PatchError(f"cannot patch AITER {version} ({layout.kind} at {layout.root}); nothing "
+                         "was written:\n  " + "\n  ".join(missing))
+    return plan
+
+
+def _plan_revert(layout: Layout) -> dict[Path, Optional[bytes]]:
+    """Original contents (None: delete) of every file revert touches."""
+    problems, plan = [], {}
+    for hook in hooks(layout):
+        text = _read(hook.path)
+        if text.count(hook.patched_form()) == 1:
+            plan[hook.path] = text.replace(hook.patched_form(), hook.anchor).encode("utf-8")
+        elif MARK in text:
+            problems.append(f"{hook.path.relative_to(layout.root)}: turboquant lines were edited; "
+                            "restore the file from AITER's sources")
+    for path in new_files(layout):
+        if path.exists():
+            if not _is_ours(path.read_bytes()):
+                problems.append(f"{path.relative_to(layout.root)}: not a turboquant file")
+            plan[path] = None
+    if problems:
+        raise PatchError("cannot revert; nothing was changed:\n  " + "\n  ".join(problems))
+    return plan
+
+
+def _write_all(plan: dict[Path, Optional[bytes]]) -> None:
+    """Write every file, each through a temporary file and a rename; on a failure, put back
+    the files already written."""
+    done: list[tuple[Path, Optional[bytes]]] = []
+    try:
+        for path, data in plan.items():
+            before = path.read_bytes() if path.exists() else None
+            if data is None:
+                path.unlink()
+            else:
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                if before is not None:
+                    os.chmod(tmp, path.stat().st_mode & 0o7777)
+                else:
+                    os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            done.append((path, before))
+    except OSError:
+        for path, before in reversed(done):
+            if before is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_bytes(before)
+        raise
+
+
+def _diff(layout: Layout, plan: dict[Path, Optional[bytes]]) -> str:
+    out = []
+    for path, data in plan.items():
+        rel = str(path.relative_to(layout.root))
+        old = path.read_text() if path.exists() else ""
+        new = "" if data is None else data.decode("utf-8")
+        out.extend(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                        f"a/{rel}" if path.exists() else "/dev/null",
+                                        "/dev/null" if data is None else f"b/{rel}"))
+    return "".join(out)
+
+
+def apply(root, dry_run: bool = False) -> str:
+    st = status(root)
+    if st.state == "patched":
+        return f"already patched: AITER {st.version} ({st.layout.kind} at {st.layout.root}); nothing changed"
+    if st.state == "partial":
+        raise PatchError(f"AITER {st.version} at {st.layout.root} is partly patched; run with "
+                         "--revert first (nothing was changed):\n  " + "\n  ".join(st.details))
+    plan = _plan_apply(st.layout, st.version)
+    if dry_run:
+        return _diff(st.layout, plan)
+    _write_all(plan)
+    return (f"patched AITER {st.version} ({st.layout.kind} at {st.layout.root}): "
+            f"{len(plan)} files. FP4 paged attention: aiter.paged_attention_fp4, or pa_v1 with "
+            f"kv_cache_dtype='fp4_e2m1'; native FP4 MFMA by default, LUT path with {LUT_ENV}=1")
+
+
+def revert(root, dry_run: bool = False) -> str:
+    st = status(root)
+    plan = _plan_revert(st.layout)
+    if not plan:
+        return f"not patched: AITER {st.version} at {st.layout.root}; nothing changed"
+    if dry_run:
+        return _diff(st.layout, plan)
+    _write_all(plan)
+    return f"reverted AITER {st.version} at {st.layout.root}: {len(plan)} files restored or removed"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m turboquant.integration.aiter.patch",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--aiter-root", required=True, type=Path,
+                        help="AITER git checkout, or site-packages of an installed amd-aiter")
+    action = parser.add_mutually_exclusive_group()
+    action.add_argument("--check", action="store_true", help="report patched/unpatched/partial")
+    action.add_argument("--revert", action="store_true", help="remove the patch, byte for byte")
+    parser.add_argument("--dry-run", action="store_true", help="print the unified diff only")
+    args = parser.parse_args(argv)
+    try:
+        if args.check:
+            st = status(args.aiter_root)
+            print(f"{st.state}: AITER {st.version} ({st.layout.kind} at {st.layout.root})")
+            for line in st.details:
+                print(f"  {line}")
+            return {"patched": 0, "unpatched": 1}.get(st.state, 3)
+        print(revert(args.aiter_root, args.dry_run) if args.revert
+              else apply(args.aiter_root, args.dry_run))
+        return 0
+    except PatchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
