@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="FP4 KV-cache paged attention with one cache format across AMD and NVIDIA",
     packages=find_packages(include=["turboquant", "turboquant.*"]),
-    package_data={"turboquant": ["integration/aiter/files/**/*"]},
+    package_data={"turboquant": ["data/*.txt", "integration/aiter/files/**/*"]},
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],

@@ -1,4 +1,4 @@
-"""Command line: ``python -m turboquant [run|bench|backends] ...``.
+"""Command line: ``python -m turboquant [run|bench|accuracy|backends] ...``.
 
 With no subcommand it runs the main job (``run``): build a paged cache of realistic shape,
 quantize it through reshape_and_cache_fp4, run paged_attention_fp4 on the best backend, and
@@ -178,9 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(sub.add_parser("run", help="the main job (the default)"))
     p = sub.add_parser("backends", help="list backends, whether each can run here, and why not")
     p.add_argument("--json", action="store_true", help="print JSON")
-    from . import bench
+    from . import accuracy, bench
     bench.add_arguments(sub.add_parser("bench", help="benchmark against PyTorch SDPA on a "
                                                      "dense BF16 cache (needs a CUDA GPU)"))
+    accuracy.add_arguments(sub.add_parser("accuracy", help="the quantization options on "
+                                                           "synthetic data and SmolLM2-135M"))
     return parser
 
 
@@ -191,4 +193,7 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from . import bench
         return bench.main(args)
+    if args.command == "accuracy":
+        from . import accuracy
+        return accuracy.main(args)
     return run_main(args)
