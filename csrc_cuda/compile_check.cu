@@ -1,0 +1,30 @@
+// Instantiates every kernel template of the cuda backend, with no torch, so that
+// tests/test_cuda_compile.py can compile the headers standalone for sm_80 and sm_90a:
+//   nvcc -std=c++17 -arch=sm_90a -c csrc_cuda/compile_check.cu -Xptxas -v
+#include "paged_attention.cuh"
+#include "cache_writer.cuh"
+
+namespace turboquant {
+namespace cuda_fp4 {
+
+#define TQ_ATTN(D, T) template cudaError_t launch_paged_attention<D, T>(const AttnParams&, int, cudaStream_t);
+TQ_ATTN(64, __half)
+TQ_ATTN(128, __half)
+TQ_ATTN(256, __half)
+TQ_ATTN(64, __nv_bfloat16)
+TQ_ATTN(128, __nv_bfloat16)
+TQ_ATTN(256, __nv_bfloat16)
+
+#define TQ_WRITE(T, D) template cudaError_t launch_reshape_and_cache<T, D>(const CacheWriteParams&, cudaStream_t);
+TQ_WRITE(__half, 64)
+TQ_WRITE(__half, 128)
+TQ_WRITE(__half, 256)
+TQ_WRITE(__nv_bfloat16, 64)
+TQ_WRITE(__nv_bfloat16, 128)
+TQ_WRITE(__nv_bfloat16, 256)
+TQ_WRITE(float, 64)
+TQ_WRITE(float, 128)
+TQ_WRITE(float, 256)
+
+}  // namespace cuda_fp4
+}  // namespace turboquant

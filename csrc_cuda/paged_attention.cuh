@@ -1,0 +1,817 @@
+// turboquant cuda backend (SM80-SM90): fused split-KV paged attention over an FP4 cache.
+// Torch-free: plain CUDA C++ (the binding in torch_binding.cu is the only torch code).
+//
+// ============================== design note ==============================================
+// Grid: x = row tiles (16 MMA rows each), y = kv head, z = KV partition (flash-decoding split).
+//   A row tile holds 16 (query token, head-in-GQA-group) pairs of ONE sequence, query-token
+//   major: row R -> query token R / G, head kvh*G + R % G (G = num_heads / num_kv_heads).
+//   Decode (G <= 16): one tile per sequence, G real rows padded to 16; every K/V tile load is
+//   shared by all heads of the group. Multi-token (cu_query_lens): a sequence with q tokens has
+//   ceil(q*G/16) tiles; tiles are numbered base(s) + i with base(s) = s + floor(cu[s]*G/16)
+//   (strictly increasing, and leaves room for every sequence's tiles), so a CTA finds its
+//   sequence by a binary search over cu_query_lens, with no host sync; spare tiles exit.
+//   Causality/sliding window are per-row key ranges applied by selection (logit = -inf).
+// CTA: 4 warps (tuning.cuh). Every warp uses the same 16 rows of Q (fp16 A-fragments, built
+//   once per CTA in shared memory; kept in registers for D=64) and walks its own 16-token KV
+//   tiles of the partition (tile k of warp w = tile w + 4k);
+//   per warp: cp.async (16 B per lane, coalesced) of K codes, V codes and the 32 scale words of
+//   a tile into a private STAGES-deep shared-memory ring, so STAGES-1 tiles are in flight while
+//   one is decoded and multiplied. At the end the 4 warps' (m, l, O) are merged in shared
+//   memory; with one partition the CTA writes the output, else a partial (O/l, m, l) that
+//   paged_attention_reduce_kernel combines.
+// Math per tile and warp: S[16x16] = Q[16xD] K^T via mma.m16n8k16 (fp16 in, fp32 acc), online
+//   softmax in fp32 (exp2 domain), P[16x16] (fp16) x V[16xD] via mma.m16n8k16.
+// FP4 decode in registers, two routes: (0, SM80-SM87) fp4x8_to_f16x2x4: nibble magnitudes
+//   placed at fp16 bits 11..9 and the sign at bit 15 give value * 2^-14 exactly (2 integer ops
+//   per element); (1, sm_89+, default) fp4x8_to_e4m3x8 + cvt.rn.f16x2.e4m3x2: each nibble
+//   becomes an e4m3 byte worth value * 2^-6 (7 integer ops per 8 elements) and the hardware
+//   converts pairs to fp16. The power of two and the per-token E8M0 scales are applied in
+//   fp32: the K scale is a per-column factor of S (multiplied after the MMA), the V
+//   scale a per-row factor of P (multiplied into P before it is rounded to fp16). To keep P in
+//   fp16 range whatever the scales, P is scaled by 2^(b - VM + 15) where VM is the running
+//   maximum V-scale byte of the warp (a scalar, rescaled like the softmax max), so P <= 2^15.
+// Reduction-dimension permutation: Q.K^T is invariant under a permutation of D, so lane t of a
+//   quad reads a CONTIGUOUS D/8-byte slice of a key row (one 16-byte shared load for D=128)
+//   and Q's A-fragments are built with the same permutation; likewise the 16 tokens of a tile
+//   are permuted so that a thread's 4 S-columns are the 4 tokens whose V rows it reads for the
+//   P.V B-fragment (PV's k dim = tokens) and whose scales it needs (one 16-byte load each).
+// Q is converted to fp16 after multiplying by a power of two 2^e (per CTA, from the tile's
+//   amax, so amax*2^e in [2^14, 2^15)); 2^-e is folded into the fp32 logit scale. Exact for
+//   bf16 inputs within 2^-24 of the tile max.
+// Safety: every block id is range-checked before its tile is copied; a bad id makes the
+//   sequence's rows NaN (never a read). Tokens past seq_len / outside the window never reach
+//   the output: their logits are set to -inf and their P entries to 0 by selection, and they
+//   do not enter the V-scale maximum. A NaN scale byte (255) in a visible token gives NaN.
+// No host synchronization; the partition size comes from the host bound max_seq_len.
+// ===========================================================================================
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "fp4_common.cuh"
+#include "tuning.cuh"
+
+namespace turboquant {
+namespace cuda_fp4 {
+
+// FP4 decode route (see fp4_common.cuh): 0 = fp16 bit placement (any SM80+), 1 = e4m3 bytes +
+// hardware cvt.rn.f16x2.e4m3x2 on sm_89+ (SM80-SM87 always use route 0). Route 1 measured 5%
+// faster on H100 at batch 64 x 4k (156 vs 164 us) with the same accuracy, so it is the default.
+#ifndef TQ_DECODE_E4M3
+#define TQ_DECODE_E4M3 1
+#endif
+#if TQ_DECODE_E4M3 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define TQ_E4M3_PATH 1
+#else
+#define TQ_E4M3_PATH 0
+#endif
+// power of two folded out of the decoded values (fp16 route: 2^-14, e4m3 route: 2^-6)
+#define TQ_DEC_EXP (TQ_E4M3_PATH ? 6 : 14)
+// head-dim element (within a thread's 8) -> n-tile slot of the P.V product: identity for the
+// fp16 route; the e4m3 route produces elements in the order 0,2,4,6,1,3,5,7
+__host__ __device__ constexpr int pv_slot(int jj) {
+  return TQ_E4M3_PATH ? 8 * (jj >> 3) + ((jj & 1) ? 4 + ((jj & 7) >> 1) : ((jj & 7) >> 1)) : jj;
+}
+
+struct AttnParams {
+  void* out;                 // [num_tokens, num_heads, D] T (query dtype)
+  const void* query;         // [num_tokens, num_heads, D] T, last dim contiguous
+  long long q_stride_tok, q_stride_head;  // elements
+  long long o_stride_tok, o_stride_head;  // elements
+  const uint8_t* key_cache;    // [num_blocks, Hkv, block_size, D/2] ([bs, D/2] contiguous)
+  const uint8_t* value_cache;  // [num_blocks, Hkv, block_size, D/2]
+  long long kc_stride_blk, kc_stride_head;  // bytes; the binding requires the K and V strides
+  long long vc_stride_blk, vc_stride_head;  // to be equal and < 2^31 (one offset per tile)
+  const uint8_t* key_scales;    // [num_blocks, block_size, Hkv] contiguous
+  const uint8_t* value_scales;  // [num_blocks, block_size, Hkv] contiguous
+  const int* block_tables;      // [num_seqs, max_blocks_per_seq]
+  long long bt_stride;          // elements between rows
+  const int* seq_lens;          // [num_seqs]
+  const int* cu_query_lens;     // [num_seqs + 1] or nullptr (decode)
+  float* tmp_out;               // [num_tokens, num_heads, num_partitions, D] (partials)
+  float2* tmp_ml;               // [num_tokens, num_heads, num_partitions] (m, l)
+  int num_seqs, num_tokens, num_heads, num_kv_heads, group_size;
+  int log2_block_size, num_blocks, max_blocks_per_seq;
+  int partition_size, num_partitions, tiles_per_seq;
+  int sliding_window;
+  float soft_cap, scale;
+};
+
+template <int D>
+struct AttnLayout {
+  static constexpr int W = tuning::ATTN_WARPS;
+  static constexpr int ST = tuning::AttnStages<D>::value;
+  static constexpr int ROW = D / 2;             // bytes of one token row (K or V)
+  static constexpr int CPR = ROW / 16;          // 16-byte chunks per row
+  static constexpr int KV_TILE = 16 * ROW;      // bytes of one 16-token K (or V) tile
+  static constexpr int STAGE = 2 * KV_TILE + 128;  // K tile, V tile, 32 scale words
+  static constexpr int PIPE = W * ST * STAGE;
+  static constexpr int MROW = D + 8;            // merge row pitch (floats): conflict-free
+  static constexpr int MERGE = W * 16 * MROW * 4;  // per-warp O in fp32
+  static constexpr int QRAW = 16 * D * 2;
+  // the KV ring and the Q staging area are live together (the first tiles are copied while Q
+  // is prepared); the merge buffer reuses both at the end
+  static constexpr int OFF_QRAW = PIPE;
+  static constexpr int BIG = (PIPE + QRAW) > MERGE ? (PIPE + QRAW) : MERGE;
+  static constexpr int QFRAG = (D / 16) * 32 * 16;
+  static constexpr int OFF_QFRAG = BIG;
+  static constexpr int OFF_M = OFF_QFRAG + QFRAG;
+  static constexpr int OFF_L = OFF_M + W * 16 * 4;
+  static constexpr int OFF_MISC = OFF_L + W * 16 * 4;
+  static constexpr int TOTAL = OFF_MISC + 16;
+  static constexpr bool QREG = D <= tuning::QREG_MAX_D;  // Q fragments live in registers
+};
+
+// Shared-memory chunk swizzles (16-byte chunk index XOR), chosen so the per-lane shared loads
+// of a warp are bank-conflict free (see the read patterns in the kernel).
+template <int D> __device__ __forceinline__ int k_swz(int row) { return D == 256 ? (row & 1) : 0; }
+// D=128: the 16 rows of a tile are copied in the order 0,4,1,5,2,6,3,7,8,12,... (8 lanes of
+// a 16-byte store phase write tokens r and r+4) and V row r is stored at row r ^ ((r>>2)&1),
+// so that both the cp.async writes and the per-lane reads hit 32 distinct banks.
+template <int D> __device__ __forceinline__ int copy_token(int q) {
+  return D == 128 ? 8 * (q >> 3) + ((q & 7) >> 1) + 4 * (q & 1) : q;
+}
+template <int D> __device__ __forceinline__ int v_row(int r) { return D == 128 ? r ^ ((r >> 2) & 1) : r; }
+template <int D> __device__ __forceinline__ int v_swz(int row) {
+  return D == 128 ? (((row >> 1) & 1) << 1) : (D == 256 ? ((row & 3) << 1) : 0);
+}
+
+// Keep a loop-invariant value in a register: stops the compiler from recomputing per-lane
+// offsets (from %tid) inside the KV loop, which cost ~100 instructions per tile.
+__device__ __forceinline__ void pin(int& x) { asm volatile("" : "+r"(x)); }
+__device__ __forceinline__ void pin(uint32_t& x) { asm volatile("" : "+r"(x)); }
+template <typename P> __device__ __forceinline__ void pin(P*& x) {
+  uintptr_t v = (uintptr_t)x;
+  asm volatile("" : "+l"(v));
+  x = (P*)v;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Power of two 2^n as float for n in [-149, 127] (exact; below -149 gives 0).
+__device__ __forceinline__ float pow2i(int n) {
+  if (n >= -126) return __int_as_float((n + 127) << 23);
+  if (n >= -149) return __int_as_float(1 << (n + 149));
+  return 0.f;
+}
+
+// grid (row_tiles, num_kv_heads, num_partitions), block 128 (4 warps), dynamic smem
+// AttnLayout<D>::TOTAL bytes.
+template <int D, typename T>
+__global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_attention_fp4_kernel(const AttnParams p) {
+  using L = AttnLayout<D>;
+  constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int G = p.group_size;
+  const int kvh = blockIdx.y, part = blockIdx.z;
+  const int tile = blockIdx.x;
+
+  // ---- which sequence / rows ----
+  int s, lt, q0, qn;
+  if (p.cu_query_lens == nullptr) {
+    s = tile / p.tiles_per_seq;
+    lt = tile - s * p.tiles_per_seq;
+    q0 = s;
+    qn = 1;
+  } else {
+    const int* cu = p.cu_query_lens;
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+      int mid = (lo + hi + 1) >> 1;
+      long long base = mid + ((long long)max(__ldg(cu + mid), 0) * G) / 16;
+      if (base <= tile) lo = mid; else hi = mid - 1;
+    }
+    s = lo;
+    q0 = max(__ldg(cu + s), 0);
+    qn = min(__ldg(cu + s + 1), p.num_tokens) - q0;
+    lt = tile - (s + (int)(((long long)q0 * G) / 16));
+  }
+  if (s >= p.num_seqs || qn <= 0 || lt < 0 || lt * 16 >= qn * G) return;
+  const int nrows = qn * G;
+  const int seq_len = __ldg(p.seq_lens + s);
+  const int W = p.sliding_window;
+  const int P = p.partition_size;
+  const int nparts = p.num_partitions;
+
+  // key range of query token qi: [lo, hi]
+  auto row_hi = [&](int qi) { return seq_len - qn + qi; };
+  auto row_lo = [&](int qi) { return W > 0 ? max(0, seq_len - qn + qi - W + 1) : 0; };
+  const int qi_min = (lt * 16) / G;
+  const int qi_max = min(lt * 16 + 15, nrows - 1) / G;
+  const int lo_min = row_lo(qi_min), lo_max = row_lo(qi_max);
+  const int hi_min = row_hi(qi_min), hi_max = row_hi(qi_max);
+  const int part_lo = part * P;
+  const int r_lo = max(max(lo_min, part_lo), 0);
+  const int r_hi = min(min(hi_max + 1, seq_len), part_lo + P);  // exclusive
+
+  int* misc = reinterpret_cast<int*>(smem + L::OFF_MISC);
+  float* mS = reinterpret_cast<float*>(smem + L::OFF_M);
+  float* lS = reinterpret_cast<float*>(smem + L::OFF_L);
+
+  // output helpers (row r of the tile)
+  auto row_out = [&](int r, int& tok, int& head) -> bool {
+    int R = lt * 16 + r;
+    if (R >= nrows) return false;
+    tok = q0 + R / G;
+    head = kvh * G + R % G;
+    return tok < p.num_tokens;
+  };
+  // write a constant row value (empty partition: 0 / (-inf, 0); bad block: NaN)
+  auto write_const_rows = [&](float oval, float mval, float lval) {
+    for (int i = tid; i < 16 * D; i += blockDim.x) {
+      int r = i / D, d = i % D, tok, head;
+      if (!row_out(r, tok, head)) continue;
+      if (nparts == 1) {
+        T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+        o[d] = from_float<T>(oval);
+      } else {
+        size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
+        if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
+        if (d == 0) p.tmp_ml[idx] = make_float2(mval, lval);
+      }
+    }
+  };
+
+  if (r_lo >= r_hi) {  // nothing visible in this partition
+    write_const_rows(0.f, -INFINITY, 0.f);
+    return;
+  }
+  if (tid == 0) {
+    misc[0] = 0;  // Q amax bits
+    misc[1] = 0;  // a block id was out of range
+  }
+
+  // this thread's two rows (g, g+8): visible key range [lo, hi]
+  int rlo[2], rhi[2];
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    int R = lt * 16 + g + 8 * rh;
+    if (R < nrows) {
+      rlo[rh] = row_lo(R / G);
+      rhi[rh] = row_hi(R / G);
+    } else {
+      rlo[rh] = 0;
+      rhi[rh] = -1;
+    }
+  }
+
+  // ---- tiles of this warp ----
+  const int lbs = p.log2_block_size;
+  const int bs_mask = (1 << lbs) - 1;
+  const int tile_first = r_lo >> 4;
+  const int ntiles = ((r_hi - 1) >> 4) - tile_first + 1;
+  const int my_n = ntiles > warp ? (ntiles - warp + L::W - 1) / L::W : 0;
+  const int Hkv = p.num_kv_heads;
+  const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
+  // block id of this warp's tile k (lane-parallel, 32 tiles per register): -1 if invalid
+  auto load_bid = [&](int k) -> int {
+    if (k >= my_n) return 0;
+    int col = ((tile_first + warp + L::W * k) * 16) >> lbs;
+    if (col >= p.max_blocks_per_seq) return -1;
+    int b = __ldg(bt_row + col);
+    return (b < 0 || b >= p.num_blocks) ? -1 : b;
+  };
+  int kc = 0;
+  int bid_cur = load_bid(lane), bid_nxt = load_bid(32 + lane);
+  bool bad = false;
+  // scale byte position inside its aligned word: the same for all 4 tokens of a thread
+  const uint32_t k_sel = 0x4440u | (uint32_t)(((uintptr_t)p.key_scales + kvh + t4 * Hkv) & 3);
+  const uint32_t v_sel = 0x4440u | (uint32_t)(((uintptr_t)p.value_scales + kvh + t4 * Hkv) & 3);
+
+  uint8_t* pipe = smem + warp * ST * L::STAGE;
+  // per-lane copy offsets, identical for every tile: lane copies 16-byte chunks c = lane + 32i
+  // (token r = copy_token(c / CPR), chunk j = c % CPR) of the K and V tiles
+  constexpr int NI = 16 * CPR / 32;  // 16-byte chunks per lane per K (or V) tile
+  // D <= 128: chunk i of a lane is chunk 0 moved by 8*i token rows in global memory, in the K
+  // ring (logical rows) and in the V ring, so one base offset each plus immediates;
+  // D = 256 keeps per-chunk offsets (its logical K rows are not a shift of each other).
+  constexpr bool LINEAR = D <= 128;
+  constexpr int NIO = LINEAR ? 1 : NI;
+  int k_dst[NIO], v_dst[NIO], src_off[NIO];
+#pragma unroll
+  for (int i = 0; i < NIO; ++i) {
+    const int c = lane + 32 * i, r = copy_token<D>(c / CPR), j = c % CPR;
+    const int lc = 2 * (r & 3) + ((r >> 2) & 1) + 8 * (r >> 3);  // logical K row of token r
+    const int vr = v_row<D>(r);
+    k_dst[i] = lc * ROW + ((j ^ k_swz<D>(lc)) * 16);
+    v_dst[i] = L::KV_TILE + vr * ROW + ((j ^ v_swz<D>(vr)) * 16);
+    src_off[i] = r * ROW + j * 16;
+    if constexpr (!LINEAR) {  // D=128 (LINEAR) is register-bound at 128: let ptxas decide
+      pin(k_dst[i]);
+      pin(v_dst[i]);
+      pin(src_off[i]);
+    }
+  }
+  const int s_r = lane & 15;
+  int s_dst = 2 * L::KV_TILE + (lane & 16) * 4 + ((s_r & 3) * 4 + (s_r >> 2)) * 4;
+  pin(s_dst);
+  const uint8_t* s_base = (lane < 16 ? p.key_scales : p.value_scales) + (long long)s_r * Hkv + kvh;
+  pin(s_base);
+  const uint8_t* kc_base = p.key_cache + kvh * p.kc_stride_head;
+  const uint8_t* vc_base = p.value_cache + kvh * p.vc_stride_head;
+  const uint32_t blk_stride = (uint32_t)p.kc_stride_blk;  // == vc_stride_blk (binding checks)
+  const uint32_t pipe_s = (uint32_t)__cvta_generic_to_shared(pipe);
+  uint32_t st_issue = 0;  // ring slot of the next issue
+  auto issue = [&](int k) {
+    if (k >= kc + 32) { kc += 32; bid_cur = bid_nxt; bid_nxt = load_bid(kc + 32 + lane); }
+    const int phys = __shfl_sync(0xffffffffu, bid_cur, k - kc);
+    const uint32_t st = pipe_s + st_issue * L::STAGE;
+    st_issue = (st_issue + 1 == ST) ? 0 : st_issue + 1;
+    if (phys < 0) { bad = true; return; }
+    const int t0 = (tile_first + warp + L::W * k) * 16;
+    const int off = t0 & bs_mask;
+    const unsigned long long tile_off = (unsigned long long)(uint32_t)phys * blk_stride + (uint32_t)(off * ROW);
+    const uint8_t* kg = kc_base + tile_off;
+    const uint8_t* vg = vc_base + tile_off;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      const int ii = LINEAR ? 0 : i;
+      const int sh = LINEAR ? i * 8 * ROW : 0;
+      cp_async_16(st + k_dst[ii] + sh, kg + src_off[ii] + sh);
+      cp_async_16(st + v_dst[ii] + sh, vg + src_off[ii] + sh);
+    }
+    const unsigned long long srow = ((unsigned long long)(uint32_t)phys << lbs) + (uint32_t)off;
+    cp_async_4(st + s_dst, reinterpret_cast<const void*>((uintptr_t)(s_base + srow * (uint32_t)Hkv) & ~(uintptr_t)3));
+  };
+
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  int VM = 0;
+
+#pragma unroll
+  for (int k = 0; k < ST - 1; ++k) {
+    if (k < my_n) issue(k);
+    cp_async_commit();
+  }
+
+  // ---- Q: load 16 rows, tile amax, power-of-two prescale, fp16 fragments ----
+  T* qraw = reinterpret_cast<T*>(smem + L::OFF_QRAW);
+  unsigned amax_bits = 0;
+  for (int c = tid; c < 16 * D / 8; c += blockDim.x) {
+    int r = c / (D / 8), col = (c % (D / 8)) * 8, tok, head;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (row_out(r, tok, head)) {
+      v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) +
+                                          tok * p.q_stride_tok + head * p.q_stride_head + col);
+    }
+    *reinterpret_cast<uint4*>(qraw + r * D + col) = v;
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, __float_as_uint(fabsf(to_float(e[i]))));
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, o));
+  __syncthreads();
+  if (lane == 0) atomicMax(reinterpret_cast<unsigned*>(misc), amax_bits);
+  __syncthreads();
+  amax_bits = reinterpret_cast<unsigned*>(misc)[0];
+  int qexp = 0;
+  if (amax_bits != 0 && amax_bits < 0x7f800000u) {
+    int E;
+    frexpf(__uint_as_float(amax_bits), &E);
+    qexp = min(max(15 - E, -100), 100);
+  }
+  const float qmul = pow2i(qexp);
+  uint4* qf = reinterpret_cast<uint4*>(smem + L::OFF_QFRAG);
+  for (int idx = tid; idx < (D / 16) * 32; idx += blockDim.x) {
+    int ks = idx >> 5, ln = idx & 31, gg = ln >> 2, tt = ln & 3;
+    // the same head-dim permutation as the K decode: fp16 route pairs (i, i+4) of a word,
+    // e4m3 route pairs (0,2) (4,6) (1,3) (5,7)
+    const int E0 = tt * (D / 4) + 8 * (ks >> 1) + (TQ_E4M3_PATH ? (ks & 1) : 2 * (ks & 1));
+    const int A1 = TQ_E4M3_PATH ? 2 : 4;  // partner of E0 in reg 0 / 1
+    const int B0 = TQ_E4M3_PATH ? 4 : 1;  // first element of reg 2 / 3
+    auto q = [&](int r, int d) { return to_float(qraw[r * D + d]) * qmul; };
+    uint4 f;
+    f.x = pack_f16x2(q(gg, E0), q(gg, E0 + A1));
+    f.y = pack_f16x2(q(gg + 8, E0), q(gg + 8, E0 + A1));
+    f.z = pack_f16x2(q(gg, E0 + B0), q(gg, E0 + B0 + A1));
+    f.w = pack_f16x2(q(gg + 8, E0 + B0), q(gg + 8, E0 + B0 + A1));
+    qf[idx] = f;
+  }
+  __syncthreads();
+
+  uint32_t qa[L::QREG ? D / 16 : 1][4];
+  if constexpr (L::QREG) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint4 f = qf[ks * 32 + lane];
+      qa[ks][0] = f.x; qa[ks][1] = f.y; qa[ks][2] = f.z; qa[ks][3] = f.w;
+    }
+  }
+
+  const bool cap = p.soft_cap > 0.f;
+  const float LOG2E = 1.4426950408889634f;
+  // logit = acc * 2^(b-127) * kmul ; kmul folds 2^14 (decode), 2^-qexp (Q prescale), scale
+  // and, without soft cap, log2(e) (the softmax runs in the exp2 domain).
+  const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
+  const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
+
+
+  uint32_t st_comp = 0;  // ring slot being computed
+  for (int k = 0; k < my_n; ++k) {
+    if (k + ST - 1 < my_n) issue(k + ST - 1);
+    cp_async_commit();
+    cp_async_wait<ST - 1>();
+    __syncwarp();
+    const uint8_t* st = pipe + st_comp * L::STAGE;
+    st_comp = (st_comp + 1 == ST) ? 0 : st_comp + 1;
+    const int t0 = (tile_first + warp + L::W * k) * 16;
+    const bool need_mask = (t0 < lo_max) || (t0 + 15 > hi_min) || (t0 < r_lo) || (t0 + 15 >= r_hi);
+
+    // scales of this thread's 4 tokens t0 + t4 + 4u + 8v, index u + 2v
+    const uint4 kw = *reinterpret_cast<const uint4*>(st + 2 * L::KV_TILE + t4 * 16);
+    const uint4 vw = *reinterpret_cast<const uint4*>(st + 2 * L::KV_TILE + 64 + t4 * 16);
+    uint32_t kb[4] = {prmt(kw.x, 0, k_sel), prmt(kw.y, 0, k_sel), prmt(kw.z, 0, k_sel), prmt(kw.w, 0, k_sel)};
+    uint32_t vb[4] = {prmt(vw.x, 0, v_sel), prmt(vw.y, 0, v_sel), prmt(vw.z, 0, v_sel), prmt(vw.w, 0, v_sel)};
+
+    // ---- S = Q K^T (two n-tiles of 8 logical tokens) ----
+    float sacc[2][4], sacc2[2][4];  // two accumulation chains per n-tile (even/odd words)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sacc[v][i] = sacc2[v][i] = 0.f;
+      const int lc = g + 8 * v;
+      const uint8_t* krow = st + lc * ROW;
+      uint32_t kx[D / 32];
+      if constexpr (D == 64) {
+        uint2 a = *reinterpret_cast<const uint2*>(krow + t4 * 8);
+        kx[0] = a.x; kx[1] = a.y;
+      } else if constexpr (D == 128) {
+        uint4 a = *reinterpret_cast<const uint4*>(krow + t4 * 16);
+        kx[0] = a.x; kx[1] = a.y; kx[2] = a.z; kx[3] = a.w;
+      } else {
+        const int sw = k_swz<D>(lc);
+        uint4 a = *reinterpret_cast<const uint4*>(krow + (((2 * t4) ^ sw) * 16));
+        uint4 b = *reinterpret_cast<const uint4*>(krow + (((2 * t4 + 1) ^ sw) * 16));
+        kx[0] = a.x; kx[1] = a.y; kx[2] = a.z; kx[3] = a.w;
+        kx[4] = b.x; kx[5] = b.y; kx[6] = b.z; kx[7] = b.w;
+      }
+#pragma unroll
+      for (int w = 0; w < D / 32; ++w) {
+        uint32_t h[4];
+#if TQ_E4M3_PATH
+        {
+          uint32_t lo, hi;
+          fp4x8_to_e4m3x8(kx[w], lo, hi);
+          e4m3x4_to_f16x2x2(lo, h[0], h[1]);  // (e0,e2) (e4,e6)
+          e4m3x4_to_f16x2x2(hi, h[2], h[3]);  // (e1,e3) (e5,e7)
+        }
+#else
+        fp4x8_to_f16x2x4(kx[w], h);
+#endif
+        uint32_t a0[4], a1[4];
+        if constexpr (L::QREG) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) { a0[i] = qa[2 * w][i]; a1[i] = qa[2 * w + 1][i]; }
+        } else {
+          uint4 f0 = qf[(2 * w) * 32 + lane], f1 = qf[(2 * w + 1) * 32 + lane];
+          a0[0] = f0.x; a0[1] = f0.y; a0[2] = f0.z; a0[3] = f0.w;
+          a1[0] = f1.x; a1[1] = f1.y; a1[2] = f1.z; a1[3] = f1.w;
+        }
+        float (&sc)[4] = (w & 1) ? sacc2[v] : sacc[v];
+        mma_m16n8k16_f16(sc, a0, h[0], h[1]);
+        mma_m16n8k16_f16(sc, a1, h[2], h[3]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sacc[v][i] += sacc2[v][i];
+    }
+
+    // ---- logits (exp2 domain), masking by selection ----
+    float x[2][4];  // [v][rh*2+u]
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const float kf = e8m0_to_float(kb[u + 2 * v]) * kmul;
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) x[v][rh * 2 + u] = sacc[v][rh * 2 + u] * kf;
+      }
+    }
+    if (cap) {  // one warp-uniform branch for the tile
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i >> 2][i & 3] = cap_v * tanhf(x[i >> 2][i & 3] * inv_cap) * LOG2E;
+    }
+    if (need_mask) {
+#pragma unroll
+      for (int v = 0; v < 2; ++v)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int tok = t0 + t4 + 4 * u + 8 * v;
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh)
+            if (tok < rlo[rh] || tok > rhi[rh]) x[v][rh * 2 + u] = -INFINITY;
+          // tokens outside the CTA's range never raise the V-scale maximum
+          if (tok < r_lo || tok >= r_hi) vb[u + 2 * v] = 0u;
+        }
+    }
+    // ---- online softmax state ----
+    float m_new[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      float mx = fmaxf(fmaxf(x[0][rh * 2], x[0][rh * 2 + 1]), fmaxf(x[1][rh * 2], x[1][rh * 2 + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      m_new[rh] = fmaxf(m_run[rh], mx);
+    }
+    int vmax = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) vmax = max(vmax, vb[i] == 255u ? 0 : (int)vb[i]);
+    vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
+    vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
+    const int VM_new = max(VM, vmax);
+    const bool changed = (m_new[0] != m_run[0]) || (m_new[1] != m_run[1]) || (VM_new != VM);
+    if (__any_sync(0xffffffffu, changed)) {
+      const float vr = pow2i(VM - VM_new);
+      float f[2];
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const float alpha = (m_new[rh] == -INFINITY) ? 1.f : fast_exp2(m_run[rh] - m_new[rh]);
+        l_run[rh] *= alpha;
+        f[rh] = alpha * vr;
+        m_run[rh] = m_new[rh];
+      }
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[j][0] *= f[0]; acc[j][1] *= f[0]; acc[j][2] *= f[1]; acc[j][3] *= f[1];
+      }
+      VM = VM_new;
+    }
+    const float ms[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
+    float pv[2][4];
+#pragma unroll
+    for (int v = 0; v < 2; ++v)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const uint32_t b = vb[u + 2 * v];
+        // P' = p * 2^(b - VM + 15): V scale (and the 2^14 of the decode, with the 2^-128
+        // applied at the end) folded into P; 255 -> NaN
+        const float vf = b == 255u ? __int_as_float(0x7fc00000)
+                                   : __int_as_float(max((int)b - VM + 142, 0) << 23);
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const float xx = x[v][rh * 2 + u];
+          const float pr = fast_exp2(xx - ms[rh]);
+          l_run[rh] += pr;
+          float pp = pr * vf;
+          if (need_mask && xx == -INFINITY) pp = 0.f;
+          pv[v][rh * 2 + u] = pp;
+        }
+      }
+    uint32_t pa[4];
+    pa[0] = pack_f16x2(pv[0][0], pv[0][1]);
+    pa[1] = pack_f16x2(pv[0][2], pv[0][3]);
+    pa[2] = pack_f16x2(pv[1][0], pv[1][1]);
+    pa[3] = pack_f16x2(pv[1][2], pv[1][3]);
+
+    // ---- O += P V : V rows t4, t4+4 (b0 pair) and t4+8, t4+12 (b1 pair), d = g*D/8 + j ----
+    {
+      constexpr int NW = D / 64;  // 32-bit words per thread per token row
+      uint32_t xv[4][NW];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = v_row<D>(t4 + 4 * q);
+        const uint8_t* vrow = st + L::KV_TILE + r * ROW;
+        const int byte = g * (D / 16);
+        const int chunk = (byte >> 4) ^ v_swz<D>(r);
+        const uint8_t* src = vrow + chunk * 16 + (byte & 15);
+        if constexpr (NW == 1) {
+          xv[q][0] = *reinterpret_cast<const uint32_t*>(src);
+        } else if constexpr (NW == 2) {
+          uint2 a = *reinterpret_cast<const uint2*>(src);
+          xv[q][0] = a.x; xv[q][1] = a.y;
+        } else {
+          uint4 a = *reinterpret_cast<const uint4*>(src);
+          xv[q][0] = a.x; xv[q][1] = a.y; xv[q][2] = a.z; xv[q][3] = a.w;
+        }
+      }
+#if TQ_E4M3_PATH
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        uint32_t aL, aH, bL, bH, cL, cH, dL, dH;
+        fp4x8_to_e4m3x8(xv[0][w], aL, aH);
+        fp4x8_to_e4m3x8(xv[1][w], bL, bH);
+        fp4x8_to_e4m3x8(xv[2][w], cL, cH);
+        fp4x8_to_e4m3x8(xv[3][w], dL, dH);
+        uint32_t h0[8], h1[8];  // slot i <-> element pv order 0,2,4,6,1,3,5,7
+        e4m3x4_to_f16x2x2(prmt(aL, bL, 0x5140u), h0[0], h0[1]);
+        e4m3x4_to_f16x2x2(prmt(aL, bL, 0x7362u), h0[2], h0[3]);
+        e4m3x4_to_f16x2x2(prmt(aH, bH, 0x5140u), h0[4], h0[5]);
+        e4m3x4_to_f16x2x2(prmt(aH, bH, 0x7362u), h0[6], h0[7]);
+        e4m3x4_to_f16x2x2(prmt(cL, dL, 0x5140u), h1[0], h1[1]);
+        e4m3x4_to_f16x2x2(prmt(cL, dL, 0x7362u), h1[2], h1[3]);
+        e4m3x4_to_f16x2x2(prmt(cH, dH, 0x5140u), h1[4], h1[5]);
+        e4m3x4_to_f16x2x2(prmt(cH, dH, 0x7362u), h1[6], h1[7]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) mma_m16n8k16_f16(acc[8 * w + i], pa, h0[i], h1[i]);
+      }
+#else
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        uint32_t h0[4], h1[4];
+        fp4x8_to_f16x2x4(prmt(xv[0][w], xv[1][w], 0x5410u), h0);
+        fp4x8_to_f16x2x4(prmt(xv[2][w], xv[3][w], 0x5410u), h1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mma_m16n8k16_f16(acc[8 * w + i], pa, h0[i], h1[i]);
+        fp4x8_to_f16x2x4(prmt(xv[0][w], xv[1][w], 0x7632u), h0);
+        fp4x8_to_f16x2x4(prmt(xv[2][w], xv[3][w], 0x7632u), h1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mma_m16n8k16_f16(acc[8 * w + 4 + i], pa, h0[i], h1[i]);
+      }
+#endif
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the warps ----
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], 1);
+    l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], 2);
+  }
+  const bool any_bad = __any_sync(0xffffffffu, bad);
+  __syncthreads();  // every warp is done with its pipeline buffers
+  if (any_bad && lane == 0) misc[1] = 1;
+  if (t4 == 0) {
+    mS[warp * 16 + g] = m_run[0];
+    mS[warp * 16 + g + 8] = m_run[1];
+    lS[warp * 16 + g] = l_run[0];
+    lS[warp * 16 + g + 8] = l_run[1];
+  }
+  {
+    // [W][16][MROW]: element (n-tile j, column c = 2*t4 + u) at 8*j + c; its head-dim index
+    // is d = c * D/8 + j (the P.V B-fragment map), so a merging thread with fixed c reads the
+    // contiguous d range c*D/8 .. c*D/8 + D/8 - 1. float2 stores and reads are conflict-free.
+    float* mo = reinterpret_cast<float*>(smem);
+    const float osc = pow2i(VM - 142 + TQ_DEC_EXP);  // undo 2^(142-DEC-VM) of P' * V-decode
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      *reinterpret_cast<float2*>(mo + (warp * 16 + g) * L::MROW + 8 * j + 2 * t4) =
+          make_float2(acc[j][0] * osc, acc[j][1] * osc);
+      *reinterpret_cast<float2*>(mo + (warp * 16 + g + 8) * L::MROW + 8 * j + 2 * t4) =
+          make_float2(acc[j][2] * osc, acc[j][3] * osc);
+    }
+  }
+  __syncthreads();
+  if (misc[1]) {
+    write_const_rows(__int_as_float(0x7fc00000), 0.f, __int_as_float(0x7fc00000));
+    return;
+  }
+  {
+    const float* mo = reinterpret_cast<const float*>(smem);
+    constexpr int TPR = 128 / 16;  // threads per row
+    constexpr int DPT = D / TPR;   // contiguous elements per thread
+    const int r = tid / TPR, c8 = tid % TPR, d0 = c8 * DPT;
+    int tok, head;
+    if (!row_out(r, tok, head)) return;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < L::W; ++w) M = fmaxf(M, mS[w * 16 + r]);
+    float wt[L::W], Ls = 0.f;
+#pragma unroll
+    for (int w = 0; w < L::W; ++w) {
+      const float mw = mS[w * 16 + r];
+      wt[w] = (mw == -INFINITY) ? 0.f : fast_exp2(mw - M);
+      // a warp whose logits were all NaN has m = -inf and l = NaN: keep the NaN
+      Ls += (mw == -INFINITY) ? lS[w * 16 + r] * 0.f : wt[w] * lS[w * 16 + r];
+    }
+    const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
+    if (nparts == 1) {
+      T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;
+#pragma unroll
+      for (int i = 0; i < DPT; i += 8) {
+        T ov[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float a = 0.f;
+#pragma unroll
+          for (int w = 0; w < L::W; ++w)
+            if (wt[w] != 0.f || !(wt[w] == wt[w])) a += wt[w] * mo[(w * 16 + r) * L::MROW + 8 * pv_slot(i + e) + c8];
+          ov[e] = from_float<T>(a * inv);
+        }
+        *reinterpret_cast<uint4*>(o + i) = *reinterpret_cast<uint4*>(ov);
+      }
+    } else {
+      const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
+      float* o = p.tmp_out + idx * D + d0;
+#pragma unroll
+      for (int i = 0; i < DPT; i += 4) {
+        float a4[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float a = 0.f;
+#pragma unroll
+          for (int w = 0; w < L::W; ++w)
+            if (wt[w] != 0.f || !(wt[w] == wt[w])) a += wt[w] * mo[(w * 16 + r) * L::MROW + 8 * pv_slot(i + e) + c8];
+          a4[e] = a * inv;
+        }
+        *reinterpret_cast<float4*>(o + i) = make_float4(a4[0], a4[1], a4[2], a4[3]);
+      }
+      if (d0 == 0) p.tmp_ml[idx] = make_float2(M, Ls);
+    }
+  }
+}
+
+// grid (ceil(num_tokens * num_heads / REDUCE_WARPS)), block 32 * REDUCE_WARPS: one warp per
+// (query token, head) combines the num_partitions partials (O/l, m, l) of tmp_out / tmp_ml.
+// The weights of 32 partitions are computed lane-parallel, then 8 partial rows are loaded per
+// step (independent loads in flight, no dependent chain per partition).
+template <int D, typename T>
+__global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_reduce_kernel(const AttnParams p) {
+  const int lane = threadIdx.x & 31;
+  const long long item = (long long)blockIdx.x * tuning::REDUCE_WARPS + (threadIdx.x >> 5);
+  if (item >= (long long)p.num_tokens * p.num_heads) return;
+  const int tok = (int)(item / p.num_heads), head = (int)(item % p.num_heads);
+  const int NP = p.num_partitions;
+  const float2* ml = p.tmp_ml + item * NP;
+  float M = -INFINITY;
+  for (int i = lane; i < NP; i += 32) M = fmaxf(M, ml[i].x);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  constexpr int EPL = D / 32;  // elements per lane
+  float a[EPL];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) a[e] = 0.f;
+  float Ls = 0.f;
+  const float* src = p.tmp_out + item * NP * D + lane * EPL;
+  for (int i0 = 0; i0 < NP; i0 += 32) {
+    // lane i: weight of partition i0 + i (0 for empty ones; a NaN l stays NaN)
+    float w = 0.f;
+    if (i0 + lane < NP) {
+      const float2 v = ml[i0 + lane];
+      w = (v.x == -INFINITY) ? v.y * 0.f : fast_exp2(v.x - M) * v.y;
+    }
+    float wsum = w;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
+    Ls += wsum;
+    const int n = min(32, NP - i0);
+    for (int j0 = 0; j0 < n; j0 += 8) {
+      float wj[8];
+      float o8[8][EPL];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        wj[j] = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
+        const bool use = (j0 + j < n) && wj[j] != 0.f;  // skip empty partitions (O unwritten)
+#pragma unroll
+        for (int e = 0; e < EPL; e += 2) {
+          float2 o = make_float2(0.f, 0.f);
+          if (use) o = *reinterpret_cast<const float2*>(src + (size_t)(i0 + j0 + j) * D + e);
+          o8[j][e] = o.x;
+          o8[j][e + 1] = o.y;
+        }
+        if (!use) wj[j] = (j0 + j < n) ? wj[j] : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) a[e] += (wj[j] != 0.f || wj[j] != wj[j]) ? wj[j] * o8[j][e] : 0.f;
+    }
+  }
+  const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;
+  T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + lane * EPL;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) o[e] = from_float<T>(a[e] * inv);
+}
+
+// Host launcher (torch-free). grid_x = row tiles (see the design note).
+template <int D, typename T>
+cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
+  using L = AttnLayout<D>;
+  auto kern = paged_attention_fp4_kernel<D, T>;
+  static bool attr_set = false;  // per instantiation; the limit is per function
+  if (!attr_set) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, L::TOTAL);
+    if (e != cudaSuccess) return e;
+    // ask for the largest shared-memory carveout so registers, not the L1/smem split, bound
+    // the CTAs per SM (the default split allowed only 3 CTAs of 44 KB on H100)
+    e = cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  dim3 grid(grid_x, p.num_kv_heads, p.num_partitions);
+  kern<<<grid, 32 * L::W, L::TOTAL, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || p.num_partitions == 1) return e;
+  const long long items = (long long)p.num_tokens * p.num_heads;
+  const int blocks = (int)((items + tuning::REDUCE_WARPS - 1) / tuning::REDUCE_WARPS);
+  paged_attention_reduce_kernel<D, T><<<blocks, 32 * tuning::REDUCE_WARPS, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda_fp4
+}  // namespace turboquant

@@ -1,0 +1,207 @@
+// turboquant cuda backend: the one torch file. Implements (CUDA dispatch key) the ops
+//   turboquant::paged_attention_fp4_cuda   (ATTENTION_SCHEMA in turboquant/ops.py)
+//   turboquant::reshape_and_cache_fp4_cuda (CACHE_WRITE_SCHEMA)
+// The schemas are defined once, in Python (turboquant/backends/cuda.py, from ops.py), before
+// this library is loaded; here only TORCH_LIBRARY_IMPL. Metadata checks only: no host sync.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "cache_writer.cuh"
+#include "paged_attention.cuh"
+
+namespace tq = turboquant::cuda_fp4;
+
+namespace {
+
+int num_sms(int device) {
+  static int cache[64] = {0};
+  if (device < 0 || device >= 64) return 132;
+  if (!cache[device]) cache[device] = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  return cache[device];
+}
+
+void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, const at::Tensor& key_scales,
+                              const at::Tensor& value_scales, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens,
+                              const std::optional<at::Tensor>& cu_query_lens, double scale,
+                              int64_t sliding_window, double logits_soft_cap, int64_t max_seq_len) {
+  TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-D CUDA tensor");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "out: expected the query's shape and dtype");
+  TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16,
+              "query: expected float16 or bfloat16");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == at::kByte, "key_cache: expected uint8 4-D");
+  TORCH_CHECK(key_scales.dim() == 3, "key_scales: the cuda backend supports one scale per (token, head) only");
+  const int num_tokens = (int)query.size(0), num_heads = (int)query.size(1), D = (int)query.size(2);
+  const int num_blocks = (int)key_cache.size(0), hkv = (int)key_cache.size(1), bs = (int)key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) * 2 == D, "key_cache: D/2 mismatch");
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+  TORCH_CHECK(bs >= 16 && (bs & (bs - 1)) == 0, "block_size must be a power of two >= 16");
+  TORCH_CHECK(num_heads % hkv == 0, "num_heads % num_kv_heads != 0");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: last dim must be contiguous");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == D / 2 && value_cache.stride(3) == 1 &&
+                  value_cache.stride(2) == D / 2,
+              "key_cache/value_cache: [block_size, D/2] must be contiguous");
+  TORCH_CHECK(key_scales.is_contiguous() && value_scales.is_contiguous(), "scales must be contiguous");
+  TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0) && key_cache.stride(0) < (1LL << 31),
+              "key_cache/value_cache: expected equal block strides below 2^31 bytes");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables/seq_lens: expected int32");
+  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables: rows must be contiguous");
+  if (num_tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(query.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  const int num_seqs = (int)seq_lens.size(0);
+  const int G = num_heads / hkv;
+  const bool multi = cu_query_lens.has_value();
+  if (multi) {
+    TORCH_CHECK(cu_query_lens->scalar_type() == at::kInt && cu_query_lens->is_contiguous(),
+                "cu_query_lens: expected contiguous int32");
+  } else {
+    TORCH_CHECK(num_tokens == num_seqs, "decode: one query token per sequence");
+  }
+  const int tiles_per_seq = (G + 15) / 16;
+  const long long grid_x = multi ? (long long)num_seqs + ((long long)num_tokens * G + 15) / 16
+                                 : (long long)num_seqs * tiles_per_seq;
+  if (num_seqs == 0) return;
+  TORCH_CHECK(grid_x < (1LL << 31), "too many row tiles");
+  const long long base = grid_x * hkv;
+  const int msl = (int)std::max<int64_t>(max_seq_len, 0);
+  int P = turboquant::tuning::choose_partition_size(msl, (int)std::min<long long>(base, 1 << 30),
+                                                    num_sms(query.get_device()));
+  int nparts = std::max(1, (msl + P - 1) / P);
+  TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
+
+  at::Tensor tmp_out, tmp_ml;
+  if (nparts > 1) {
+    auto fopts = query.options().dtype(at::kFloat);
+    tmp_out = at::empty({num_tokens, num_heads, nparts, D}, fopts);
+    tmp_ml = at::empty({num_tokens, num_heads, nparts, 2}, fopts);
+  }
+  tq::AttnParams p{};
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.q_stride_tok = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.o_stride_tok = out.stride(0);
+  p.o_stride_head = out.stride(1);
+  p.key_cache = key_cache.data_ptr<uint8_t>();
+  p.value_cache = value_cache.data_ptr<uint8_t>();
+  p.kc_stride_blk = key_cache.stride(0);
+  p.kc_stride_head = key_cache.stride(1);
+  p.vc_stride_blk = value_cache.stride(0);
+  p.vc_stride_head = value_cache.stride(1);
+  p.key_scales = key_scales.data_ptr<uint8_t>();
+  p.value_scales = value_scales.data_ptr<uint8_t>();
+  p.block_tables = block_tables.data_ptr<int>();
+  p.bt_stride = block_tables.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.cu_query_lens = multi ? cu_query_lens->data_ptr<int>() : nullptr;
+  p.tmp_out = nparts > 1 ? tmp_out.data_ptr<float>() : nullptr;
+  p.tmp_ml = nparts > 1 ? reinterpret_cast<float2*>(tmp_ml.data_ptr<float>()) : nullptr;
+  p.num_seqs = num_seqs;
+  p.num_tokens = num_tokens;
+  p.num_heads = num_heads;
+  p.num_kv_heads = hkv;
+  p.group_size = G;
+  int lbs = 0;
+  while ((1 << lbs) < bs) ++lbs;
+  p.log2_block_size = lbs;
+  p.num_blocks = num_blocks;
+  p.max_blocks_per_seq = (int)block_tables.size(1);
+  p.partition_size = P;
+  p.num_partitions = nparts;
+  p.tiles_per_seq = tiles_per_seq;
+  p.sliding_window = (int)sliding_window;
+  p.soft_cap = (float)logits_soft_cap;
+  p.scale = (float)scale;
+
+  cudaError_t err = cudaSuccess;
+#define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, (int)grid_x, stream)
+  const bool half = query.scalar_type() == at::kHalf;
+#ifdef TQ_ONLY_D128_BF16  // fast tuning builds (benchmarks/tune_cuda.py)
+  TORCH_CHECK(D == 128 && !half, "this tuning build has only D=128 bf16");
+  TQ_LAUNCH(128, __nv_bfloat16);
+#else
+  if (D == 64) { if (half) TQ_LAUNCH(64, __half); else TQ_LAUNCH(64, __nv_bfloat16); }
+  else if (D == 128) { if (half) TQ_LAUNCH(128, __half); else TQ_LAUNCH(128, __nv_bfloat16); }
+  else { if (half) TQ_LAUNCH(256, __half); else TQ_LAUNCH(256, __nv_bfloat16); }
+#endif
+#undef TQ_LAUNCH
+  C10_CUDA_CHECK(err);
+}
+
+void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                                at::Tensor& value_cache, at::Tensor& key_scales, at::Tensor& value_scales,
+                                const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.is_cuda() && key.dim() == 3 && value.sizes() == key.sizes(), "key/value: expected 3-D CUDA");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key/value dtype mismatch");
+  const int num_tokens = (int)key.size(0), hkv = (int)key.size(1), D = (int)key.size(2);
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: last dim must be contiguous");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == D / 2 && value_cache.stride(3) == 1 &&
+                  value_cache.stride(2) == D / 2,
+              "key_cache/value_cache: [block_size, D/2] must be contiguous");
+  TORCH_CHECK(key_scales.is_contiguous() && value_scales.is_contiguous(), "scales must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
+              "slot_mapping: expected int64 or int32");
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping: expected contiguous");
+  if (num_tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(key.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  tq::CacheWriteParams p{};
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.k_stride_tok = key.stride(0);
+  p.k_stride_head = key.stride(1);
+  p.v_stride_tok = value.stride(0);
+  p.v_stride_head = value.stride(1);
+  p.key_cache = key_cache.data_ptr<uint8_t>();
+  p.value_cache = value_cache.data_ptr<uint8_t>();
+  p.kc_stride_blk = key_cache.stride(0);
+  p.kc_stride_head = key_cache.stride(1);
+  p.vc_stride_blk = value_cache.stride(0);
+  p.vc_stride_head = value_cache.stride(1);
+  p.key_scales = key_scales.data_ptr<uint8_t>();
+  p.value_scales = value_scales.data_ptr<uint8_t>();
+  p.slot_mapping = slot_mapping.data_ptr();
+  p.slot_is_64 = slot_mapping.scalar_type() == at::kLong;
+  p.num_tokens = num_tokens;
+  p.num_kv_heads = hkv;
+  p.head_dim = D;
+  p.group = key_scales.dim() == 4 ? 32 : D;
+  p.block_size = (int)key_cache.size(2);
+  TORCH_CHECK(p.block_size > 0 && (p.block_size & (p.block_size - 1)) == 0, "block_size must be a power of two");
+  p.log2_block_size = 0;
+  while ((1 << p.log2_block_size) < p.block_size) ++p.log2_block_size;
+  p.num_blocks = (int)key_cache.size(0);
+  cudaError_t err = cudaSuccess;
+#define TQ_W(TT)                                                              \
+  if (D == 64) err = tq::launch_reshape_and_cache<TT, 64>(p, stream);        \
+  else if (D == 128) err = tq::launch_reshape_and_cache<TT, 128>(p, stream); \
+  else err = tq::launch_reshape_and_cache<TT, 256>(p, stream);
+#ifdef TQ_ONLY_D128_BF16
+  TORCH_CHECK(D == 128 && key.scalar_type() == at::kBFloat16, "tuning build: D=128 bf16 only");
+  err = tq::launch_reshape_and_cache<__nv_bfloat16, 128>(p, stream);
+#else
+  if (key.scalar_type() == at::kHalf) { TQ_W(__half) }
+  else if (key.scalar_type() == at::kBFloat16) { TQ_W(__nv_bfloat16) }
+  else { TORCH_CHECK(key.scalar_type() == at::kFloat, "key: expected fp16/bf16/fp32"); TQ_W(float) }
+#endif
+#undef TQ_W
+  C10_CUDA_CHECK(err);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(turboquant, CUDA, m) {
+  m.impl("paged_attention_fp4_cuda", &paged_attention_fp4_cuda);
+  m.impl("reshape_and_cache_fp4_cuda", &reshape_and_cache_fp4_cuda);
+}

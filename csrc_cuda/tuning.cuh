@@ -1,0 +1,104 @@
+// turboquant cuda backend: every tuning choice of the SM80-SM90 kernels, in one place.
+// Torch-free (included by the kernels, the binding and csrc_cuda/compile_check.cu).
+//
+// Each constant carries a worked example. Measured numbers are in benchmarks/tune_cuda.py's
+// output and in the backend's report; the examples below are the arithmetic behind the choice.
+#pragma once
+
+namespace turboquant {
+namespace tuning {
+
+// ---- paged attention ----------------------------------------------------------------------
+
+// Warps per CTA. Every warp owns the same 16 MMA rows (the query heads of one GQA group, or
+// (query token, head) pairs for multi-token queries) and walks its own KV tiles (split-K inside
+// the CTA); the warps' partial softmax states are merged in shared memory at the end.
+// Example D=128: 4 warps x 32 lanes = 128 threads at 128 registers (TQ_ATTN_MIN_BLOCKS) and
+// 43.5 KB of shared memory -> 4 CTAs = 16 warps per H100 SM (ncu: 14 achieved), each warp with
+// ATTN_STAGES-1 tiles in flight.
+constexpr int ATTN_WARPS = 4;
+
+// KV tokens per warp iteration (one MMA K-step of the P.V product, two N-tiles of Q.K^T).
+// Fixed by the MMA shape (m16n8k16): do not change without rewriting the fragment maps.
+constexpr int ATTN_TILE = 16;
+
+// cp.async pipeline depth per warp (tiles in flight while one is computed).
+// Bytes a warp keeps in flight = (STAGES-1) * 16 tokens * (D/2 K + D/2 V + 2 scales).
+// Example D=128: 3 * 16 * 130 = 6.2 KB per warp; 4 CTAs x 4 warps -> ~100 KB per SM, ~4x what
+// Little's law asks for at 3.35 TB/s / 132 SMs x ~1 us latency (~25 KB): the kernel is bound by
+// instruction issue (decode), not by bytes in flight (see the backend report / ncu).
+// D=256 keeps 3 stages (smem per CTA is bounded by the 64 KB merge buffer anyway).
+#ifndef TQ_STAGES
+template <int D> struct AttnStages { static constexpr int value = (D >= 256) ? 3 : 4; };
+#else
+template <int D> struct AttnStages { static constexpr int value = TQ_STAGES; };
+#endif
+
+// Q fragments live in registers for head dims up to this, else they are re-read from shared
+// memory (one 16-byte load per lane per MMA k-step).
+// Example D=128: in registers the kernel needs ~160 registers -> 3 CTAs (12 warps) per SM;
+// from shared memory it fits 128 registers -> 4 CTAs (16 warps): measured +4% at batch 64 x 4k
+// and +15% at batch 1 x 32k on H100, so Q stays in registers only for D=64.
+#ifndef TQ_QREG_MAX_D
+#define TQ_QREG_MAX_D 64
+#endif
+constexpr int QREG_MAX_D = TQ_QREG_MAX_D;
+
+// Minimum resident CTAs per SM requested from the register allocator (__launch_bounds__).
+// Example: D<=128 -> 4 CTAs x 128 threads -> at most 128 registers/thread (no spills with Q
+// in shared memory); D=256 holds 128 fp32 accumulators per thread -> 2 CTAs (up to 255).
+#ifndef TQ_ATTN_MIN_BLOCKS
+#define TQ_ATTN_MIN_BLOCKS 4
+#endif
+template <int D> struct AttnMinBlocks { static constexpr int value = D >= 256 ? 2 : TQ_ATTN_MIN_BLOCKS; };
+
+// Split-KV (flash-decoding) partition size, chosen on the host without reading seq_lens:
+// aim for TARGET_CTAS_PER_SM * num_SMs CTAs in the grid, from the host-side bound max_seq_len.
+//   base   = row_tiles * num_kv_heads          (CTAs without splitting)
+//   nparts = ceil(num_SMs * TARGET / base)
+//   P      = round_up(ceil(max_seq_len / nparts), ATTN_WARPS * ATTN_TILE), clamped to
+//            [MIN_PARTITION, MAX_PARTITION]
+// Examples (H100, 132 SMs, TARGET 4 -> 528 CTAs wanted; 32 q heads / 8 kv heads):
+//   batch 64 x 4k : base 512 -> nparts 2 -> P = 2048 -> 1024 CTAs (2 partitions + reduce)
+//   batch 1 x 32k : base 8   -> nparts 66 -> P = 512 -> 64 partitions, 512 CTAs
+//   batch 1 x 4k  : base 8   -> nparts 66 -> P = 64 -> clamped to 256 -> 16 partitions
+//   batch 128 x 1k: base 1024 -> nparts 1 -> P = 1024 = whole sequence, no reduce pass
+constexpr int TARGET_CTAS_PER_SM = 4;
+// A CTA with fewer tokens than this spends more on its prologue (Q load, block ids, merge)
+// than on streaming KV: 256 tokens = 4 tiles per warp. Example batch 1 x 4k: 16 partitions x 8
+// kv heads = 128 CTAs. Measured on H100 (CUDA graph): 14.9 us with 256, 15.6 us with 128.
+#ifndef TQ_MIN_PARTITION
+#define TQ_MIN_PARTITION 256
+#endif
+constexpr int MIN_PARTITION = TQ_MIN_PARTITION;
+// Bounds the block-table slice a CTA stages in shared memory (MAX_PARTITION/16 + 2 ints).
+constexpr int MAX_PARTITION = 4096;
+constexpr int MAX_BT_ENTRIES = MAX_PARTITION / ATTN_TILE + 2;
+
+// Reduce pass: one warp per (query token, head), this many warps per CTA.
+// Example: 64 tokens x 32 heads = 2048 warps -> 512 CTAs of 128 threads.
+constexpr int REDUCE_WARPS = 4;
+
+inline int choose_partition_size(int max_seq_len, int base_ctas, int num_sms) {
+  const int step = ATTN_WARPS * ATTN_TILE;
+  if (base_ctas < 1) base_ctas = 1;
+  long long want = (long long)num_sms * TARGET_CTAS_PER_SM;
+  long long nparts = (want + base_ctas - 1) / base_ctas;
+  if (nparts < 1) nparts = 1;
+  long long p = ((long long)max_seq_len + nparts - 1) / nparts;
+  p = (p + step - 1) / step * step;
+  if (p < MIN_PARTITION) p = MIN_PARTITION;
+  if (p > MAX_PARTITION) p = MAX_PARTITION;
+  return (int)p;
+}
+
+// ---- cache writer -------------------------------------------------------------------------
+
+// Threads per (token, kv head, K-or-V) item = D / 8 (each thread quantizes 8 elements from one
+// 16-byte load and writes one 4-byte word of codes); CTA = WRITER_THREADS threads.
+// Example D=128: 16 threads per item, 16 items per 256-thread CTA; 8192 tokens x 8 heads x 2
+// -> 131072 items -> 8192 CTAs.
+constexpr int WRITER_THREADS = 256;
+
+}  // namespace tuning
+}  // namespace turboquant

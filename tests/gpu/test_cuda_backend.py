@@ -1,0 +1,294 @@
+"""GPU tests of the ``cuda`` backend against the reference backend (skipped, with the
+registry's reason, where the backend cannot run)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import turboquant
+from turboquant import format as tqf
+from turboquant import registry
+from turboquant.backends import cuda as tq_cuda
+from turboquant.cache import allocate_cache, build_paged_problem
+from turboquant.ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
+
+_REASON = tq_cuda.BACKEND.unavailable()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cuda backend: {_REASON}")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _problem(lens, hq, hkv, d, bs, dtype=torch.bfloat16, qlens=None, seed=0, spare=3):
+    g = torch.Generator().manual_seed(seed)
+    prob = build_paged_problem(lens, hkv, d, bs, dtype=dtype, device="cuda", generator=g,
+                               write_backend="reference", spare_blocks=spare)
+    ntok = len(lens) if qlens is None else sum(qlens)
+    q = torch.randn(ntok, hq, d, generator=g).to(dtype).cuda()
+    cu = None
+    if qlens is not None:
+        cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32,
+                          device="cuda")
+    return prob, q, cu
+
+
+def _run(backend, prob, q, cu=None, **kw):
+    return turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
+                                          q.shape[-1] ** -0.5, cu_query_lens=cu,
+                                          backend=backend, **kw)
+
+
+def _compare(out, ref, atol=2e-2):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    o, r = out.float(), ref.float()
+    assert torch.isfinite(o).all() == torch.isfinite(r).all()
+    err = (o - r).abs().max().item()
+    cos = torch.nn.functional.cosine_similarity(o.flatten(), r.flatten(), dim=0).item()
+    assert err <= atol, f"max abs error {err}"
+    assert cos >= 0.9999, f"cosine {cos}"
+
+
+def test_registered_schemas_match_ops_py():
+    for name, schema in (("paged_attention_fp4_cuda", ATTENTION_SCHEMA),
+                         ("reshape_and_cache_fp4_cuda", CACHE_WRITE_SCHEMA)):
+        op = getattr(torch.ops.turboquant, name).default
+        assert str(op._schema) == f"turboquant::{name}{schema}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"turboquant::{name}", "CUDA")
+
+
+def test_backend_listed_and_selected():
+    rows = {r["name"]: r for r in turboquant.api.backends()}
+    assert rows["cuda"]["available"], rows["cuda"]["reason"]
+    prob, q, cu = _problem([5], 8, 8, 128, 16)
+    call = turboquant.api.make_attention_call(q, *prob.cache, prob.block_tables, prob.seq_lens,
+                                              0.1)
+    assert registry.select("auto", "attention", call).name == "cuda"
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
+def test_head_dims_block_sizes(d, bs):
+    prob, q, _ = _problem([1, 54, 97, 0, 300, 17], 8, 2, d, bs, seed=d + bs)
+    _compare(_run("cuda", prob, q), _run("reference", prob, q))
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (64, 8), (28, 4), (32, 1), (40, 2)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gqa_and_dtypes(hq, hkv, dtype):
+    lens = [1, 54, 97, 0, 33, 1000, 5, 16, 17, 64, 65, 128, 129, 255, 256, 257, 2]  # batch 17
+    prob, q, _ = _problem(lens, hq, hkv, 128, 16, dtype=dtype, seed=hq * 7 + hkv)
+    _compare(_run("cuda", prob, q), _run("reference", prob, q))
+
+
+def test_long_context_split_kv():
+    prob, q, _ = _problem([9000, 20000, 4097], 32, 8, 128, 16, seed=5)
+    _compare(_run("cuda", prob, q), _run("reference", prob, q))
+    # a user bound smaller than the table capacity
+    out = _run("cuda", prob, q, max_seq_len=20000)
+    _compare(out, _run("reference", prob, q))
+
+
+@pytest.mark.parametrize("hq,hkv,qlens", [
+    (32, 8, [3, 8, 1, 2]), (8, 8, [8, 8, 8, 1]), (28, 4, [5, 2, 8, 7]), (64, 8, [4, 1, 8, 3])])
+@pytest.mark.parametrize("window,cap", [(0, 0.0), (64, 0.0), (0, 30.0), (100, 10.0)])
+def test_multi_token(hq, hkv, qlens, window, cap):
+    prob, q, cu = _problem([700, 33, 9, 300], hq, hkv, 128, 16, qlens=qlens, seed=len(qlens))
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    _compare(_run("cuda", prob, q, cu, **kw), _run("reference", prob, q, cu, **kw))
+
+
+@pytest.mark.parametrize("window", [1, 16, 63, 1000])
+def test_sliding_window_decode(window):
+    prob, q, _ = _problem([700, 33, 2000, 1], 32, 8, 128, 32, seed=window)
+    _compare(_run("cuda", prob, q, sliding_window=window),
+             _run("reference", prob, q, sliding_window=window))
+
+
+@pytest.mark.parametrize("cap", [5.0, 50.0])
+def test_soft_cap(cap):
+    prob, q, _ = _problem([700, 33], 32, 8, 64, 16, seed=3)
+    q = q * 4
+    _compare(_run("cuda", prob, q, logits_soft_cap=cap),
+             _run("reference", prob, q, logits_soft_cap=cap))
+
+
+def test_large_and_small_query_scale():
+    prob, q, _ = _problem([300, 40], 32, 8, 128, 16, seed=11)
+    for factor in (1e-6, 1e3):
+        qq = (q.float() * factor).to(q.dtype)
+        _compare(_run("cuda", prob, qq), _run("reference", prob, qq))
+
+
+def test_seq_len_zero_gives_zeros():
+    prob, q, _ = _problem([0, 0, 5], 8, 2, 128, 16)
+    out = _run("cuda", prob, q)
+    assert (out[:2] == 0).all()
+
+
+def test_nan_scale_in_used_token():
+    prob, q, _ = _problem([100, 100], 8, 2, 128, 16, seed=2)
+    ks = prob.cache.key_scales
+    blk = prob.block_tables[0, 3].item()
+    ks[blk, 5, 1] = 255  # token 53 of seq 0, kv head 1
+    out = _run("cuda", prob, q)
+    assert torch.isnan(out[0, 4:8]).all()  # heads of kv head 1
+    assert torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()
+    vs = prob.cache.value_scales
+    vs[prob.block_tables[1, 0].item(), 0, 0] = 255
+    out = _run("cuda", prob, q)
+    assert torch.isnan(out[1, :4]).all() and torch.isfinite(out[1, 4:]).all()
+
+
+def test_poisoned_unused_slots_do_not_leak():
+    # build_paged_problem poisons every unwritten byte (0xFF: NaN scales); partially filled
+    # last blocks must not leak into the output
+    prob, q, _ = _problem([1, 15, 17, 31], 8, 2, 128, 16)
+    out = _run("cuda", prob, q)
+    assert torch.isfinite(out).all()
+    _compare(out, _run("reference", prob, q))
+
+
+def test_out_of_range_block_id_gives_nan():
+    prob, q, _ = _problem([100, 100, 40], 8, 2, 128, 16)
+    bt = prob.block_tables.clone()
+    bt[1, 2] = 10 ** 6
+    bt[2, 0] = -5
+    with turboquant.value_checks(False):
+        out = turboquant.paged_attention_fp4(q, *prob.cache, bt, prob.seq_lens, 0.1,
+                                             backend="cuda")
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
+    assert torch.isfinite(out[0]).all()
+
+
+def _writer_inputs(n, hkv, d, dtype, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    key = (torch.randn(n, hkv, d, generator=g) * torch.rand(n, hkv, 1, generator=g) * 8).to(dtype)
+    val = torch.randn(n, hkv, d, generator=g).to(dtype)
+    # awkward values: exact ties, zeros, -0, a NaN row, an Inf, tiny and huge values
+    key[0, 0] = 0
+    key[1, 0] = -0.0
+    key[2, 0, : 8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -6.0])
+    key[3, 0, 5] = float("nan")
+    val[3, 1, 7] = float("inf")
+    key[4] = key[4] * 1e-30 if dtype == torch.float32 else key[4] * 1e-3
+    val[5] = val[5] * (1e30 if dtype == torch.float32 else 1e3)
+    nb = n // 4 + 2
+    slots = torch.randperm(nb * 16, generator=g)[:n]
+    slots[6] = -1
+    return key.cuda(), val.cuda(), nb, slots.cuda()
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("group", [None, 32])
+def test_cache_writer_bit_exact(d, dtype, group):
+    n, hkv = 61, 3
+    key, val, nb, slots = _writer_inputs(n, hkv, d, dtype, group, seed=d)
+    caches = []
+    for backend in ("reference", "cuda"):
+        c = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda", fill=0xAB)
+        for sm in (slots, slots.int()):
+            turboquant.reshape_and_cache_fp4(key, val, *c, sm, backend=backend)
+        caches.append(c)
+    for a, b in zip(*caches):
+        assert torch.equal(a, b)
+    # slot -1: token 6's bytes were not written anywhere: the fill survives in unused slots
+    assert (caches[1].key_scales == 0xAB).any()
+
+
+def test_opcheck_both_ops():
+    prob, q, cu = _problem([40, 7], 16, 4, 128, 16, qlens=[3, 2])
+    out = torch.empty_like(q)
+    args = (out, q, *prob.cache, prob.block_tables, prob.seq_lens, cu, 0.1, 0, 0.0,
+            prob.block_tables.shape[1] * 16)
+    torch.library.opcheck(torch.ops.turboquant.paged_attention_fp4_cuda.default, args)
+    key, val, nb, slots = _writer_inputs(9, 2, 128, torch.bfloat16, None)
+    c = allocate_cache(nb, 2, 16, 128, device="cuda")
+    torch.library.opcheck(torch.ops.turboquant.reshape_and_cache_fp4_cuda.default,
+                          (key, val, *c, slots))
+
+
+def test_cuda_graph_replay_equals_eager():
+    prob, q, _ = _problem([3000, 54, 97], 32, 8, 128, 16)
+    op = torch.ops.turboquant.paged_attention_fp4_cuda
+    cap = prob.block_tables.shape[1] * 16
+    out = torch.empty_like(q)
+    args = (q, *prob.cache, prob.block_tables, prob.seq_lens, None, 0.088, 0, 0.0, cap)
+    op(out, *args)
+    eager = out.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(out, *args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        op(out, *args)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    # new query values, same graph
+    q.copy_(torch.randn_like(q))
+    g.replay()
+    torch.cuda.synchronize()
+    _compare(out, turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables,
+                                                 prob.seq_lens, 0.088, backend="reference"))
+
+
+def test_torch_compile_fullgraph():
+    prob, q, _ = _problem([300, 54], 32, 8, 128, 16)
+    cap = prob.block_tables.shape[1] * 16
+
+    def f(q, kc, vc, ks, vs, bt, sl):
+        out = torch.empty_like(q)
+        torch.ops.turboquant.paged_attention_fp4_cuda(out, q, kc, vc, ks, vs, bt, sl, None,
+                                                      0.088, 0, 0.0, cap)
+        return out * 2
+
+    cf = torch.compile(f, fullgraph=True)
+    args = (q, *prob.cache, prob.block_tables, prob.seq_lens)
+    torch.testing.assert_close(cf(*args), f(*args), rtol=0, atol=0)
+
+
+SANITIZER_CASE = textwrap.dedent("""
+    import torch, turboquant
+    from turboquant.backends import cuda
+    from turboquant.cache import build_paged_problem
+    g = torch.Generator().manual_seed(0)
+    for d, bs, lens, qlens in ((128, 16, [1, 54, 97, 0, 300], None), (64, 32, [70, 9], [3, 2]),
+                               (256, 64, [129, 5], None)):
+        prob = build_paged_problem(lens, 2, d, bs, device="cuda", generator=g,
+                                   write_backend="cuda", spare_blocks=2)
+        nt = len(lens) if qlens is None else sum(qlens)
+        q = torch.randn(nt, 8, d, device="cuda", dtype=torch.bfloat16)
+        cu = None if qlens is None else torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")
+        for win in (0, 20):
+            turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
+                                           cu_query_lens=cu, sliding_window=win, backend="cuda")
+        bt = prob.block_tables.clone(); bt[0, 0] = 10 ** 6
+        with turboquant.value_checks(False):
+            turboquant.paged_attention_fp4(q, *prob.cache, bt, prob.seq_lens, 0.1,
+                                           cu_query_lens=cu, backend="cuda")
+    torch.cuda.synchronize()
+    print("SANITIZER_CASE_OK")
+""")
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
+def test_compute_sanitizer_memcheck(tmp_path):
+    script = tmp_path / "case.py"
+    script.write_text(SANITIZER_CASE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",
+                        sys.executable, str(script)], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert r.returncode == 0 and "SANITIZER_CASE_OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in (r.stdout + r.stderr)

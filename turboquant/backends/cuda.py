@@ -1,0 +1,235 @@
+"""The ``cuda`` backend: fused split-KV FP4 paged attention for NVIDIA SM80-SM90 (and later GPUs
+as a fallback), plus a CUDA cache writer. Kernels: ``csrc_cuda/`` (design note at the top of
+``csrc_cuda/paged_attention.cuh``, tuning choices in ``csrc_cuda/tuning.cuh``).
+
+Importing this module builds nothing: it defines the two op schemas (from ``turboquant.ops``),
+their fake (meta) implementations, and registers the backend. The extension is compiled with
+``torch.utils.cpp_extension.load`` on first use (``unavailable()`` or a call), for the present
+GPU's architecture only (sm_90a on H100/H200, sm_80 on A100, ...), and cached under
+``$TURBOQUANT_BUILD_DIR`` or ``~/.cache/turboquant``; the build name carries a hash of every
+file in ``csrc_cuda/``, so editing a header rebuilds. ``TURBOQUANT_CUDA_LIB=/path/lib.so``
+loads a prebuilt library instead.
+
+Supported: query fp16/bf16 on a CUDA device; head_dim 64/128/256; block_size a power of two
+>= 16; one scale per (token, head) for attention (per-32 scales are declined with a reason;
+the cache writer supports both); any GQA ratio; multi-token queries; sliding window; soft cap.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..api import attention_op_args, cache_write_op_args
+from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
+from ..registry import AttentionCall, Backend, CacheWrite, register
+
+ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
+CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_cuda"
+HEAD_DIMS = (64, 128, 256)
+MIN_BLOCK_SIZE = 16
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc_cuda"
+
+
+def _define_ops() -> None:
+    """Define the op schemas once (the C++ library only adds CUDA implementations)."""
+    for name, schema in ((ATTENTION_OP, ATTENTION_SCHEMA), (CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)):
+        ns, op = name.split("::")
+        if not hasattr(getattr(torch.ops, ns), op):
+            torch.library.define(name, schema)
+
+    @torch.library.register_fake(ATTENTION_OP)
+    def _attention_fake(out, query, key_cache, value_cache, key_scales, value_scales,
+                        block_tables, seq_lens, cu_query_lens, scale, sliding_window,
+                        logits_soft_cap, max_seq_len):
+        return None
+
+    @torch.library.register_fake(CACHE_WRITE_OP)
+    def _cache_write_fake(key, value, key_cache, value_cache, key_scales, value_scales,
+                          slot_mapping):
+        return None
+
+
+_define_ops()
+
+_lock = threading.Lock()
+_state: dict = {"loaded": False, "error": None}
+
+
+def _arch_flags(major: int, minor: int) -> tuple[str, str]:
+    """(-gencode flag, tag) for the present GPU: sm_90a on Hopper, else sm_XY."""
+    cc = f"{major}{minor}"
+    if cc == "90":
+        return "-gencode=arch=compute_90a,code=sm_90a", "sm90a"
+    return f"-gencode=arch=compute_{cc},code=sm_{cc}", f"sm{cc}"
+
+
+def _sources_hash() -> str:
+    h = hashlib.sha256()
+    for f in sorted(CSRC.glob("*")):
+        if f.suffix in (".cu", ".cuh", ".cpp", ".h"):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    root = os.environ.get("TURBOQUANT_BUILD_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "turboquant"
+    return base
+
+
+def _load() -> None:
+    """Build (or reuse) and load the extension; raises on failure."""
+    prebuilt = os.environ.get("TURBOQUANT_CUDA_LIB")
+    if prebuilt:
+        torch.ops.load_library(prebuilt)
+        return
+    from torch.utils import cpp_extension
+
+    major, minor = torch.cuda.get_device_capability()
+    gencode, tag = _arch_flags(major, minor)
+    extra = os.environ.get("TURBOQUANT_CUDA_EXTRA_FLAGS", "").split()  # tuning variants
+    suffix = hashlib.sha256(" ".join(extra).encode()).hexdigest()[:6] if extra else ""
+    name = f"turboquant_cuda_{tag}_{_sources_hash()}{'_' + suffix if suffix else ''}"
+    bdir = build_dir() / name
+    bdir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(CSRC / "torch_binding.cu")],
+        extra_include_paths=[str(CSRC)],
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=["-O3", "-std=c++17", gencode, "-lineinfo"] + extra,
+        build_directory=str(bdir),
+        is_python_module=False,
+        verbose=os.environ.get("TURBOQUANT_BUILD_VERBOSE", "0") == "1",
+    )
+
+
+def ensure_loaded() -> Optional[str]:
+    """Load the extension once; return None or the reason it cannot be used."""
+    with _lock:
+        if _state["loaded"]:
+            return None
+        if _state["error"] is not None:
+            return _state["error"]
+        try:
+            _load()
+            _state["loaded"] = True
+            return None
+        except Exception as e:  # noqa: BLE001 - any build failure is a reason, not a crash
+            msg = str(e).strip().splitlines()
+            tail = " | ".join(msg[-3:]) if msg else type(e).__name__
+            _state["error"] = f"building the CUDA extension failed: {type(e).__name__}: {tail}"
+            return _state["error"]
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> bool:
+    return t.data_ptr() % nbytes == 0
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    priority = 50
+    description = ("fused split-KV paged attention, FP4 decoded in registers, mma.sync fp16 "
+                   "tensor cores (NVIDIA SM80+)")
+
+    def unavailable(self) -> Optional[str]:
+        if getattr(torch.version, "hip", None):
+            return "ROCm build of PyTorch (the cuda backend needs NVIDIA CUDA)"
+        if torch.version.cuda is None:
+            return "PyTorch was built without CUDA"
+        if not torch.cuda.is_available():
+            return "no CUDA device is available"
+        major, minor = torch.cuda.get_device_capability()
+        if major < 8:
+            return f"compute capability {major}.{minor} < 8.0 (needs SM80 or newer)"
+        return ensure_loaded()
+
+    def check_attention(self, call: AttentionCall) -> Optional[str]:
+        q = call.query
+        if not q.is_cuda:
+            return f"tensors are on {q.device}, not on a CUDA device"
+        if call.scale_group != call.head_dim:
+            return (f"per-{call.scale_group} scales are not supported by the cuda attention "
+                    f"kernel (one scale per (token, head) only)")
+        if call.head_dim not in HEAD_DIMS:
+            return f"head_dim {call.head_dim} not in {HEAD_DIMS}"
+        if call.block_size < MIN_BLOCK_SIZE:
+            return f"block_size {call.block_size} < {MIN_BLOCK_SIZE}"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"query dtype {q.dtype} (expected float16 or bfloat16)"
+        d = call.head_dim
+        if q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or not _aligned(q, 16):
+            return "query must have a contiguous, 16-byte aligned head dimension"
+        for nm in ("key_cache", "value_cache"):
+            c = getattr(call, nm)
+            if (c.stride(3) != 1 or c.stride(2) != d // 2 or c.stride(1) % 16 or c.stride(0) % 16
+                    or not _aligned(c, 16)):
+                return f"{nm} must have contiguous, 16-byte aligned [block_size, D/2] blocks"
+        if not (call.key_scales.is_contiguous() and call.value_scales.is_contiguous()):
+            return "key_scales/value_scales must be contiguous"
+        if call.key_cache.stride(0) != call.value_cache.stride(0) or call.key_cache.stride(0) >= 2 ** 31:
+            return "key_cache and value_cache must have equal block strides below 2^31 bytes"
+        if call.block_tables.stride(1) != 1:
+            return "block_tables rows must be contiguous"
+        if call.cu_query_lens is not None and not call.cu_query_lens.is_contiguous():
+            return "cu_query_lens must be contiguous"
+        if not call.seq_lens.is_contiguous():
+            return "seq_lens must be contiguous"
+        return None
+
+    def check_cache_write(self, write: CacheWrite) -> Optional[str]:
+        k = write.key
+        if not k.is_cuda:
+            return f"tensors are on {k.device}, not on a CUDA device"
+        if write.head_dim not in HEAD_DIMS:
+            return f"head_dim {write.head_dim} not in {HEAD_DIMS}"
+        if write.scale_group not in (write.head_dim, 32):
+            return f"scale group {write.scale_group} not supported"
+        rule = getattr(write, "scale_rule", "smallest")
+        if rule != "smallest":
+            return f"scale_rule {rule!r} is not implemented by the cuda writer (only 'smallest')"
+        for nm in ("key", "value"):
+            t = getattr(write, nm)
+            el = t.element_size()
+            if (t.stride(2) != 1 or (t.stride(1) * el) % 16 or (t.stride(0) * el) % 16
+                    or not _aligned(t, 16)):
+                return f"{nm} must have a contiguous, 16-byte aligned head dimension"
+        d = write.head_dim
+        for nm in ("key_cache", "value_cache"):
+            c = getattr(write, nm)
+            if c.stride(3) != 1 or c.stride(2) != d // 2 or c.stride(1) % 4 or c.stride(0) % 4 \
+                    or not _aligned(c, 4):
+                return f"{nm} must have contiguous, 4-byte aligned [block_size, D/2] blocks"
+        if not (write.key_scales.is_contiguous() and write.value_scales.is_contiguous()):
+            return "key_scales/value_scales must be contiguous"
+        if not write.slot_mapping.is_contiguous():
+            return "slot_mapping must be contiguous"
+        return None
+
+    def paged_attention(self, call: AttentionCall, out: torch.Tensor) -> None:
+        torch.ops.turboquant.paged_attention_fp4_cuda(*attention_op_args(call, out))
+
+    def reshape_and_cache(self, write: CacheWrite) -> None:
+        torch.ops.turboquant.reshape_and_cache_fp4_cuda(*cache_write_op_args(write))
+
+
+BACKEND = CudaBackend()
+
+
+def register_backend() -> CudaBackend:
+    """Register the backend (idempotent; done at import)."""
+    from .. import registry
+
+    if "cuda" not in registry._BACKENDS:
+        register(BACKEND)
+    return BACKEND
+
+
+register_backend()
