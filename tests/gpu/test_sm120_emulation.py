@@ -1,0 +1,430 @@
+"""The SM120 kernels on a GPU: layout probes of each MMA instruction and attention against the
+reference, in two builds of the same source:
+
+- ``emulated`` (marker ``gpu``, needs an sm_90 GPU, e.g. H100): the MMA wrappers replaced by
+  the software model of each instruction (csrc_cuda/sm120/mma_sm120.cuh);
+- ``real`` (marker ``sm120``, needs an SM120-family GPU, e.g. RTX 50xx): the real
+  ``mma.sync ... block_scale`` instructions. ``pytest -m sm120`` on such a GPU checks every
+  layout assumption (fragments, scale lanes and bytes, encodings) in one command.
+
+The probes' expected results come from an independent Python transcription of the PTX ISA's
+fragment layouts (below), not from the C++ layout functions.
+
+Attention tolerance, per output element (derived, not tuned): the kernel rounds Q to E4M3
+with one E8M0 scale per 32 elements and P*sV to E4M3 with one scale per (row, 32 keys);
+everything else (FP4 K/V with power-of-two scales, fp32 MMA accumulation, softmax) is exact up
+to fp32 rounding. So
+    |out - ref| <= |ref_q8 - ref|                       Q's rounding, measured exactly: ref_q8
+                                                          is the reference on the E4M3-rounded Q
+                 + 2^-4 * sum_k w_k |v_k|                P's rounding: E4M3 round-to-nearest has
+                                                          relative error <= 2^-4 per element; the
+                                                          row sum uses unrounded P; w = softmax(q8)
+                 + 1.5e-4 * max|v|                       E4M3 subnormals within a 32-key chunk:
+                                                          absolute error < chunk max * 2^-10 / 224
+                 + 2^-8 * (|ref| + the above)            the kernel's bf16/fp16 output rounding
+                 + 1e-5 * sum_k w_k |v_k| + 1e-6         fp32 exp2 / accumulation order
+``sum_k w_k |v_k|`` is the reference run on the same cache with V's sign bits cleared.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from turboquant.api import attention_op_args, make_attention_call
+from turboquant.backends import sm120
+from turboquant.reference import attention_reference
+
+
+def _capability():
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+
+
+BUILDS = [
+    pytest.param(True, id="emulated", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(_capability() != (9, 0), reason="the emulation build is sm_90a (H100/H200)")]),
+    pytest.param(False, id="real", marks=[
+        pytest.mark.sm120,
+        pytest.mark.skipif(_capability()[0] != 12, reason="needs an SM120-family GPU (compute capability 12.x)")]),
+]
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def ops(request):
+    emulate = request.param
+    reason = sm120.load_extension(emulate=emulate)
+    assert reason is None, reason
+    attention, probe = sm120.op_names(emulate)
+    ns = torch.ops.turboquant
+    return getattr(ns, attention.split("::")[1]), getattr(ns, probe.split("::")[1])
+
+
+# ------------------------------------------------------------------------------------------
+# Layout probes. PTX ISA 9.7.14.5.10 / .11 and 9.7.14.3, lane = 4 g + t.
+# ------------------------------------------------------------------------------------------
+FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def e2m1(code):
+    return -FP4[code & 7] if code & 8 else FP4[code & 7]
+
+
+def e4m3(byte):
+    e, m = (byte >> 3) & 15, byte & 7
+    v = m * 2.0 ** -9 if e == 0 else (8 + m) * 2.0 ** (e - 10)
+    return -v if byte & 0x80 else v
+
+
+KINDS = {
+    # kind id, K, selector sets {0: (0,0,0,0), 1: ...} as built into the probe kernel
+    "mxf8f6f4_e4m3_e2m1_k32": (0, 32, {0: (0, 0, 0, 0), 1: (3, 1, 2, 3)}),
+    "mxf4_e2m1_e2m1_k64": (1, 64, {0: (0, 0, 0, 0), 1: (2, 1, 2, 3)}),
+}
+
+
+def a_slot(kind_k, lane, r, e):
+    """(row, k) of element e of A register r (8-bit elements for k32, nibbles for k64)."""
+    g, t = lane // 4, lane % 4
+    per = 4 if kind_k == 32 else 8
+    return g + 8 * (r % 2), per * t + e + (kind_k // 2) * (r // 2)
+
+
+def b_slot(kind_k, lane, r, e):
+    """(k, column) of element e of B register r."""
+    g, t = lane // 4, lane % 4
+    per = 4 if kind_k == 32 else 8
+    return per * t + e + (kind_k // 2) * r, g
+
+
+def pack(kind_k, A, B, sa, sb, sel):
+    """Matrices (codes) and scale bytes [rows/cols][k/32] -> per-lane registers."""
+    bid_a, tid_a, bid_b, tid_b = sel
+    a = [[0] * 4 for _ in range(32)]
+    b = [[0] * 2 for _ in range(32)]
+    sfa = [0xFFFFFFFF] * 32  # unused bytes NaN: reading a wrong one shows
+    sfb = [0xFFFFFFFF] * 32
+    for lane in range(32):
+        for r in range(4):
+            for e in range(4 if kind_k == 32 else 8):
+                row, k = a_slot(kind_k, lane, r, e)
+                a[lane][r] |= A[row][k] << (8 * e) if kind_k == 32 else A[row][k] << (4 * e)
+        for r in range(2):
+            for e in range(4 if kind_k == 32 else 8):
+                k, col = b_slot(kind_k, lane, r, e)
+                # k32: e2m1 in bits 5..2 of its byte; k64: packed nibbles
+                b[lane][r] |= (B[k][col] << (8 * e + 2)) if kind_k == 32 else B[k][col] << (4 * e)
+    for row in range(16):
+        lane = 4 * (row % 8) + 2 * tid_a + row // 8
+        for ch in range(kind_k // 32):
+            sh = 8 * (bid_a + ch)
+            sfa[lane] = (sfa[lane] & ~(0xFF << sh)) | (sa[row][ch] << sh)
+    for col in range(8):
+        lane = 4 * col + tid_b
+        for ch in range(kind_k // 32):
+            sh = 8 * (bid_b + ch)
+            sfb[lane] = (sfb[lane] & ~(0xFF << sh)) | (sb[col][ch] << sh)
+
+    def i32(x):
+        return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in x], dtype=torch.int32)
+
+    return (i32(sum(a, [])).view(32, 4).cuda(), i32(sum(b, [])).view(32, 2).cuda(), i32(sfa).cuda(),
+            i32(sfb).cuda())
+
+
+def expected(kind_k, A, B, sa, sb):
+    decode_a = e4m3 if kind_k == 32 else e2m1
+    D = [[0.0] * 8 for _ in range(16)]
+    for r in range(16):
+        for n in range(8):
+            D[r][n] = sum(decode_a(A[r][k]) * e2m1(B[k][n]) * 2.0 ** (sa[r][k // 32] - 127)
+                          * 2.0 ** (sb[n][k // 32] - 127) for k in range(kind_k))
+    return torch.tensor(D, dtype=torch.float64)
+
+
+def run_probe(probe, kind, kind_k, sel_id, sel, A, B, sa, sb):
+    a, b, sfa, sfb = pack(kind_k, A, B, sa, sb, sel)
+    d = probe(a, b, sfa, sfb, torch.zeros(32, 4, device="cuda"), kind, sel_id).cpu().double()
+    out = torch.empty(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        for i in range(4):  # C/D: row g + 8 (i // 2), column 2 t + i % 2
+            out[lane // 4 + 8 * (i // 2), 2 * (lane % 4) + i % 2] = d[lane, i]
+    return out
+
+
+def random_operands(kind_k, gen):
+    def rnd(n):
+        return torch.randint(0, n, (1,), generator=gen).item()
+    if kind_k == 32:  # e4m3 with exponent field 5..9 keeps every sum exact in fp32
+        A = [[(rnd(2) << 7) | ((5 + rnd(5)) << 3) | rnd(8) for _ in range(32)] for _ in range(16)]
+    else:
+        A = [[rnd(16) for _ in range(64)] for _ in range(16)]
+    B = [[rnd(16) for _ in range(8)] for _ in range(kind_k)]
+    return A, B
+
+
+@pytest.mark.parametrize("sel_id", [0, 1])
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_probe_identity_and_exact_values(ops, name, sel_id):
+    _, probe = ops
+    kind, kind_k, sels = KINDS[name]
+    gen = torch.Generator().manual_seed(17 + sel_id)
+    chunks = kind_k // 32
+    # identity A: D = B's first 16 rows, each element where the layout says
+    A = [[0] * kind_k for _ in range(16)]
+    for r in range(16):
+        A[r][r] = 0x38 if kind_k == 32 else 2  # 1.0
+    _, B = random_operands(kind_k, gen)
+    ones_a, ones_b = [[127] * chunks for _ in range(16)], [[127] * chunks for _ in range(8)]
+    got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, ones_a, ones_b)
+    assert torch.equal(got, expected(kind_k, A, B, ones_a, ones_b)), "identity A"
+    # identity B: D = A's first 8 columns
+    A, _ = random_operands(kind_k, gen)
+    B = [[2 if k == n else 0 for n in range(8)] for k in range(kind_k)]
+    got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, ones_a, ones_b)
+    assert torch.equal(got, expected(kind_k, A, B, ones_a, ones_b)), "identity B"
+    # exactly representable random values and scales: exact results
+    for _ in range(3):
+        A, B = random_operands(kind_k, gen)
+        lo, span = (125, 5) if kind_k == 64 else (120, 15)
+        sa = [[lo + torch.randint(0, span, (1,), generator=gen).item() for _ in range(chunks)] for _ in range(16)]
+        sb = [[lo + torch.randint(0, span, (1,), generator=gen).item() for _ in range(chunks)] for _ in range(8)]
+        got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, sa, sb)
+        assert torch.equal(got, expected(kind_k, A, B, sa, sb)), "random exact"
+
+
+@pytest.mark.parametrize("sel_id", [0, 1])
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_probe_one_lanes_scale_byte(ops, name, sel_id):
+    """Scale byte 128 (x2) for one row of A (one column of B) at a time: only that row (column)
+    of D doubles, which pins which lane and byte carry each row's (column's) scale."""
+    _, probe = ops
+    kind, kind_k, sels = KINDS[name]
+    gen = torch.Generator().manual_seed(5)
+    A, B = random_operands(kind_k, gen)
+    chunks = kind_k // 32
+    base_a, base_b = [[127] * chunks for _ in range(16)], [[127] * chunks for _ in range(8)]
+    for row in range(16):
+        for ch in range(chunks):
+            sa = [list(x) for x in base_a]
+            sa[row][ch] = 128
+            got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, sa, base_b)
+            assert torch.equal(got, expected(kind_k, A, B, sa, base_b)), f"A row {row} chunk {ch}"
+    for col in range(8):
+        for ch in range(chunks):
+            sb = [list(x) for x in base_b]
+            sb[col][ch] = 128
+            got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, base_a, sb)
+            assert torch.equal(got, expected(kind_k, A, B, base_a, sb)), f"B column {col} chunk {ch}"
+
+
+# ------------------------------------------------------------------------------------------
+# Attention against the reference.
+# ------------------------------------------------------------------------------------------
+def make_problem(lens, hq, hkv, d, bs, *, qlens=None, per32=False, dtype=torch.bfloat16, seed=0,
+                 k_scales=(123, 128), v_scales=(118, 133)):
+    """Random codes and scale bytes straight into a paged cache; every slot no sequence owns
+    (tails of last blocks, spare blocks) is poisoned with 0xFF (codes -6, scales NaN)."""
+    gen = torch.Generator().manual_seed(seed)
+    nblk = [math.ceil(n / bs) for n in lens]
+    total = sum(nblk) + 2
+    ids = torch.randperm(total, generator=gen)
+    shape = (total, hkv, bs, d // 2)
+    kc = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    vc = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    sshape = (total, bs, hkv) + ((d // 32,) if per32 else ())
+    ks = torch.randint(k_scales[0], k_scales[1] + 1, sshape, generator=gen, dtype=torch.uint8)
+    vs = torch.randint(v_scales[0], v_scales[1] + 1, sshape, generator=gen, dtype=torch.uint8)
+    width = max(max(nblk), 1) + 1
+    tables = torch.full((len(lens), width), int(ids[-1]), dtype=torch.int32)
+    owned = torch.zeros(total, bs, dtype=torch.bool)
+    at = 0
+    for s, n in enumerate(lens):
+        for i in range(nblk[s]):
+            blk = int(ids[at])
+            tables[s, i] = blk
+            owned[blk, : min(bs, n - i * bs)] = True
+            at += 1
+    for c in (kc, vc):
+        c.permute(0, 2, 1, 3)[~owned] = 0xFF
+    for sc in (ks, vs):
+        sc[~owned] = 0xFF
+    ntok = len(lens) if qlens is None else sum(qlens)
+    q = torch.randn(ntok, hq, d, generator=gen).to(dtype)
+    cu = None if qlens is None else torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return dict(query=q.cuda(), key_cache=kc.cuda(), value_cache=vc.cuda(), key_scales=ks.cuda(),
+                value_scales=vs.cuda(), block_tables=tables.cuda(), seq_lens=seq_lens.cuda(),
+                cu_query_lens=None if cu is None else cu.cuda())
+
+
+def _call(pr, query=None, value_cache=None, **kw):
+    return make_attention_call(query if query is not None else pr["query"], pr["key_cache"],
+                               value_cache if value_cache is not None else pr["value_cache"],
+                               pr["key_scales"], pr["value_scales"], pr["block_tables"],
+                               pr["seq_lens"], kw.get("scale", pr["query"].shape[-1] ** -0.5),
+                               pr["cu_query_lens"], kw.get("sliding_window", 0),
+                               kw.get("logits_soft_cap", 0.0), check_values=False)
+
+
+def reference_f32(pr, **kw):
+    call = _call(pr, **kw)
+    out = torch.empty(call.query.shape, dtype=torch.float32, device="cuda")
+    attention_reference(call, out)
+    return out
+
+
+def fp8_round_query(q):
+    """The kernel's Q rounding: E4M3 (round to nearest even) with one E8M0 scale per 32
+    elements, the smallest power of two 2^e with amax <= 448 * 2^e."""
+    t, h, d = q.shape
+    x = q.float().view(t, h, d // 32, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    m, e = torch.frexp(amax)
+    ex = torch.where(m <= 0.875, e - 9, e - 8).clamp(-127, 127)
+    ex = torch.where(amax > 0, ex, torch.zeros_like(ex))
+    s = torch.ldexp(torch.ones_like(amax), ex)
+    return ((x / s).to(torch.float8_e4m3fn).float() * s).view(t, h, d)
+
+
+def run_kernel(op, pr, **kw):
+    call = _call(pr, **kw)
+    out = torch.empty_like(pr["query"])
+    op(*attention_op_args(call, out))
+    torch.cuda.synchronize()
+    return out
+
+
+def check_against_reference(op, pr, label, **kw):
+    out = run_kernel(op, pr, **kw).float()
+    ref = reference_f32(pr, **kw)
+    q8 = fp8_round_query(pr["query"]).to(torch.bfloat16)
+    ref_q8 = reference_f32(pr, query=q8, **kw)
+    abs_v = reference_f32(pr, query=q8, value_cache=pr["value_cache"] & 0x77, **kw)
+    vmax = 6.0 * 2.0 ** (pr["value_scales"][pr["value_scales"] != 255].float().max().item() - 127)
+    bound = (ref_q8 - ref).abs() + 2.0 ** -4 * abs_v + 1.5e-4 * vmax
+    tol = bound * (1 + 2.0 ** -8) + 2.0 ** -8 * ref.abs() + 1e-5 * abs_v + 1e-6
+    nan_out, nan_ref = torch.isnan(out), torch.isnan(ref)
+    assert torch.equal(nan_out, nan_ref), f"{label}: NaN pattern differs"
+    fin = ~nan_ref
+    err = (out - ref).abs()[fin]
+    ratio = (err / tol[fin]).max().item() if err.numel() else 0.0
+    q_only = (ref_q8 - ref).abs()[fin]
+    print(f"{label}: max|out-ref| {err.max().item() if err.numel() else 0:.3e}  "
+          f"max|ref| {ref[fin].abs().max().item() if err.numel() else 0:.3e}  "
+          f"max|ref_q8-ref| {q_only.max().item() if err.numel() else 0:.3e}  "
+          f"max err/tol {ratio:.3f}")
+    assert ratio <= 1.0, f"{label}: error exceeds the derived tolerance (max err/tol {ratio:.3f})"
+    return out, ref
+
+
+FOUNDATION_SHAPES = [
+    # (label, lens, hq, hkv, d, bs)
+    ("8B batch1 ctx1k", [1024], 32, 8, 128, 16),
+    ("8B batch4 ctx<=4k", [4096, 1, 2500, 777], 32, 8, 128, 16),
+    ("8B batch128 ctx<=1k", None, 32, 8, 128, 16),
+    ("70B batch2 ctx32k", [32768, 9000], 64, 8, 128, 16),
+]
+
+
+@pytest.mark.parametrize("shape", FOUNDATION_SHAPES, ids=[s[0] for s in FOUNDATION_SHAPES])
+def test_attention_foundation_shapes(ops, shape):
+    label, lens, hq, hkv, d, bs = shape
+    if lens is None:
+        lens = torch.randint(1, 1025, (128,), generator=torch.Generator().manual_seed(3)).tolist()
+    check_against_reference(ops[0], make_problem(lens, hq, hkv, d, bs, seed=len(lens)), label)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("per32", [False, True], ids=["scale-per-head", "scale-per-32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_attention_head_dims_scales_dtypes(ops, d, per32, dtype):
+    pr = make_problem([1, 54, 97, 0, 300, 17], 8, 2, d, 32, per32=per32, dtype=dtype, seed=d)
+    check_against_reference(ops[0], pr, f"d{d} per32={per32} {dtype}")
+
+
+@pytest.mark.parametrize("per32", [False, True], ids=["scale-per-head", "scale-per-32"])
+def test_attention_multi_token_window_softcap(ops, per32):
+    lens, qlens = [40, 300, 5, 129, 1000], [3, 7, 5, 1, 0]
+    pr = make_problem(lens, 16, 4, 128, 16, qlens=qlens, per32=per32, seed=11)
+    check_against_reference(ops[0], pr, "multi-token")
+    check_against_reference(ops[0], pr, "multi-token window 100", sliding_window=100)
+    check_against_reference(ops[0], pr, "multi-token softcap 5", logits_soft_cap=5.0)
+    # GQA group 16 with 7 query tokens: 112 rows, 7 tiles
+    pr = make_problem([500, 77], 32, 2, 64, 64, qlens=[7, 2], per32=per32, seed=12)
+    check_against_reference(ops[0], pr, "multi-token group 16")
+
+
+@pytest.mark.parametrize("scale_group", [None, 32], ids=["scale-per-head", "scale-per-32"])
+def test_attention_cache_written_from_gaussian_kv(ops, scale_group):
+    """Realistic data: Gaussian K/V written by the reference cache writer (Llama-3-8B heads)."""
+    from turboquant.cache import build_paged_problem
+
+    gen = torch.Generator().manual_seed(41)
+    lens = [2048, 1000, 17, 3000]
+    prob = build_paged_problem(lens, 8, 128, 16, device="cuda", scale_group=scale_group, spare_blocks=2,
+                               generator=gen, write_backend="reference")
+    kc, vc, ks, vs = prob.cache
+    pr = dict(query=torch.randn(len(lens), 32, 128, generator=gen).to(torch.bfloat16).cuda(), key_cache=kc,
+              value_cache=vc, key_scales=ks, value_scales=vs, block_tables=prob.block_tables,
+              seq_lens=prob.seq_lens, cu_query_lens=None)
+    check_against_reference(ops[0], pr, f"gaussian kv, scale group {scale_group or 128}")
+
+def test_attention_nan_scale_and_out_of_range_block(ops):
+    op = ops[0]
+    pr = make_problem([200, 200, 0], 8, 2, 128, 16, seed=21)
+    blk = int(pr["block_tables"][0, 3])
+    pr["key_scales"][blk, 5, 1] = 255  # key 53 of sequence 0, kv head 1: visible, NaN scale
+    out, ref = check_against_reference(op, pr, "NaN key scale")
+    assert torch.isnan(out[0, 4:]).all() and not torch.isnan(out[0, :4]).any()
+    assert (out[2] == 0).all()  # seq_len 0 gives zeros
+    pr["key_scales"][blk, 5, 1] = 127
+    pr["block_tables"][1, 2] = pr["key_cache"].shape[0] + 5  # a block id outside the cache
+    out = run_kernel(op, pr)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+
+
+def test_attention_op_in_cuda_graph_and_torch_compile(ops):
+    """The op writes into `out` without host synchronization: it replays from a CUDA graph and
+    traces under torch.compile(fullgraph=True) (schema + fake from turboquant/backends/sm120.py)."""
+    op = ops[0]
+    pr = make_problem([700, 33, 0, 1500], 32, 8, 128, 16, seed=51)
+    call = _call(pr)
+    eager = run_kernel(op, pr)
+    out = torch.zeros_like(eager)
+    args = attention_op_args(call, out)
+    op(*args)  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        op(*args)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+    def fn(q):
+        o = torch.empty_like(q)
+        op(o, q, *attention_op_args(call, o)[2:])
+        return o * 1.0
+
+    compiled = torch.compile(fn, fullgraph=True)
+    assert torch.equal(compiled(pr["query"]), eager)
+
+@pytest.mark.sm120
+@pytest.mark.skipif(_capability()[0] != 12, reason="needs an SM120-family GPU (compute capability 12.x)")
+def test_dispatcher_picks_sm120_on_compute_capability_12():
+    import turboquant
+    from turboquant import registry
+
+    pr = make_problem([300, 5], 32, 8, 128, 16, seed=31)
+    call = _call(pr)
+    assert registry.select("auto", "attention", call).name == "sm120"
+    out = turboquant.paged_attention_fp4(pr["query"], pr["key_cache"], pr["value_cache"], pr["key_scales"],
+                                         pr["value_scales"], pr["block_tables"], pr["seq_lens"],
+                                         128 ** -0.5, backend="sm120")
+    ref = turboquant.paged_attention_fp4(pr["query"], pr["key_cache"], pr["value_cache"], pr["key_scales"],
+                                         pr["value_scales"], pr["block_tables"], pr["seq_lens"],
+                                         128 ** -0.5, backend="reference")
+    assert out.shape == ref.shape and torch.isfinite(out).all()

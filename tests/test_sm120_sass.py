@@ -1,0 +1,152 @@
+"""The SM120 kernels compile for sm_120a and sm_121a to the block-scaled tensor-core
+instructions, with no spills and no local memory (no SM120 GPU needed).
+
+Compiles csrc_cuda/sm120/sass_check.cu (the attention kernel for head dims 64/128/256, the
+per-32-scale variant, the split combiner and the two layout-probe kernels) with
+``nvcc -cubin -Xptxas -v``, reads ptxas's resource lines and the SASS from cuobjdump, and
+asserts: QMMA.SF.16832.F32.E4M3.E2M1.E8 inside a loop (a backward branch spans it) in every
+attention kernel, OMMA.SF.16864.F32.E2M1.E2M1.E8 in the mxf4 probe, 0 bytes of stack frame,
+spill stores / loads, and no LDL/STL in the attention kernels. Prints the register counts.
+
+Needs nvcc (CUDA 12.9+/13) and cuobjdump + nvdisasm; where no CUDA toolkit has them:
+    python -m pip install "nvidia-cuda-cuobjdump>=13.2" "nvidia-cuda-nvdisasm>=13.2"
+(the wheels put them in site-packages/nvidia/cu13/bin, which this test searches).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SM120 = ROOT / "csrc_cuda" / "sm120"
+ARCHS = ("sm_120a", "sm_121a")
+QMMA = "QMMA.SF.16832.F32.E4M3.E2M1.E8"
+OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.E8"
+
+
+def _find_tool(name):
+    found = shutil.which(name)
+    if found:
+        return found
+    for base in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]:
+        if base and (Path(base) / "bin" / name).exists():
+            return str(Path(base) / "bin" / name)
+    try:
+        import nvidia  # the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels
+        for root in nvidia.__path__:
+            for cand in sorted(Path(root).glob(f"cu*/bin/{name}")):
+                return str(cand)
+    except ImportError:
+        pass
+    return None
+
+
+NVCC, CUOBJDUMP, NVDISASM = (_find_tool(n) for n in ("nvcc", "cuobjdump", "nvdisasm"))
+pytestmark = [
+    pytest.mark.slow,  # two nvcc compiles: about 40 s on 2 cores
+    pytest.mark.skipif(not (NVCC and CUOBJDUMP and NVDISASM),
+                       reason=f"needs nvcc, cuobjdump and nvdisasm (found {NVCC}, {CUOBJDUMP}, {NVDISASM})"),
+]
+
+
+def _compile(arch, out_dir):
+    cubin = out_dir / f"sass_check_{arch}.cubin"
+    res = subprocess.run([NVCC, "-std=c++17", "-O3", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
+                          f"-I{SM120}", str(SM120 / "sass_check.cu"), "-o", str(cubin)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return cubin, res.stderr
+
+
+def _ptxas_resources(log):
+    """{mangled kernel: (registers, stack bytes, spill store bytes, spill load bytes)}"""
+    out, current, props = {}, None, None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            current = m.group(1)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            props = tuple(int(x) for x in m.groups())
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            out[current] = (int(m.group(1)),) + props
+            current = None
+    return out
+
+
+def _sass_by_function(cubin):
+    env = dict(os.environ, PATH=f"{Path(NVDISASM).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    res = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    funcs, name = {}, None
+    for line in res.stdout.splitlines():
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            name = m.group(1)
+            funcs[name] = []
+        elif name:
+            m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line)
+            if m:
+                funcs[name].append((int(m.group(1), 16), m.group(2)))
+    return funcs
+
+
+def _in_loop(addr, instrs):
+    for at, text in instrs:
+        m = re.search(r"\bBRA(?:\.\S+)?\s+(?:!?U?P\d+,\s*)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) <= addr < at:
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("sm120_sass")
+    with ThreadPoolExecutor(len(ARCHS)) as pool:
+        results = list(pool.map(lambda a: _compile(a, out_dir), ARCHS))
+    return {arch: (_ptxas_resources(log), _sass_by_function(cubin)) for arch, (cubin, log) in zip(ARCHS, results)}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_kernels_use_block_scaled_mma_without_spills(builds, arch):
+    resources, sass = builds[arch]
+    attention = sorted(k for k in sass if "paged_attention_sm120_kernel" in k)
+    assert len(attention) == 4, sorted(sass)
+    for name in attention:
+        regs, stack, spill_st, spill_ld = resources[name]
+        instrs = sass[name]
+        mma = [(a, t) for a, t in instrs if QMMA in t]
+        local = [t for _, t in instrs if re.search(r"\b(LDL|STL)\b", t)]
+        print(f"{arch} {name}: {regs} registers, {stack} B stack, {spill_st}/{spill_ld} B spill "
+              f"stores/loads, {len(local)} local-memory instructions, {len(mma)} x {QMMA}")
+        assert mma, f"{name}: no {QMMA}"
+        assert all(_in_loop(a, instrs) for a, _ in mma), f"{name}: a {QMMA} outside the key loop"
+        assert (stack, spill_st, spill_ld) == (0, 0, 0), f"{name}: stack/spills {stack}/{spill_st}/{spill_ld}"
+        assert not local, f"{name}: local memory {local[:3]}"
+        assert not any(t.startswith("HMMA") or " HMMA" in t for _, t in instrs), "unscaled fp16 MMA in kernel"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_probe_kernels_hold_each_instruction(builds, arch):
+    resources, sass = builds[arch]
+    probes = {k: v for k, v in sass.items() if "mma_probe_sm120_kernel" in k}
+    k32 = [k for k in probes if "kernelILi0E" in k]
+    k64 = [k for k in probes if "kernelILi1E" in k]
+    assert k32 and k64, sorted(probes)
+    for name in k32:
+        lines = [t for _, t in probes[name] if "MMA" in t]
+        print(f"{arch} {name}: {lines}")
+        assert len(lines) == 1 and QMMA in lines[0]
+    for name in k64:
+        lines = [t for _, t in probes[name] if "MMA" in t]
+        print(f"{arch} {name}: {lines}")
+        assert len(lines) == 1 and OMMA in lines[0]
