@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.tune_cuda import attn_fn, make_case  # noqa: E402
-from turboquant.backends import cuda as tq_cuda  # noqa: E402
+from turboquant._backends import cuda as tq_cuda  # noqa: E402
 
 batch, ctx = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (64, 4096)
 assert tq_cuda.BACKEND.unavailable() is None

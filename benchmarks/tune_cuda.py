@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turboquant  # noqa: E402
-from turboquant.backends import cuda as tq_cuda  # noqa: E402
+from turboquant._backends import cuda as tq_cuda  # noqa: E402
 
 
 def bench_events(fn, iters=200, warmup=20):

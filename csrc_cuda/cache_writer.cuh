@@ -52,65 +52,65 @@ __device__ __forceinline__ uint32_t e8m0_for_amax(float amax, bool finite) {
 }
 
 // E2M1 code of a value already divided by its scale (format.py encode_e2m1): round to nearest,
-// ties to the even code, saturate at 6, sign from the sign bit.
-//   |q| < 1 : code = rint(2|q|)              (0, 0.5, 1 -> codes 0, 1, 2; ties to even)
-//   |q| >= 1: round |q| to 1 mantissa bit (ties to even) and read code = 2 + 2*exp + mbit,
-//             clamped to 7 (the odd code 7 = 6 is reached only from [5, 6] and above).
+// ties to the even code, sign from the sign bit. Branch-free (a per-element branch diverges
+// inside a warp, which then runs both paths): with k = clamp(floor(log2 |q|), 0, 2) the grid
+// spacing in |q|'s binade is 2^(k-1), so r = rint(|q| * 2^(1-k)) (one FFMA with 2^23: the
+// product is exact, the add rounds to nearest even and leaves r in the low mantissa bits) and
+// code = r + 2k. Examples: 1.75 -> k 0, r = rint(3.5) = 4 -> code 4 (2.0); 3.5 -> k 1,
+// r = 4 -> code 6 (4.0); 5 -> k 2, r = rint(2.5) = 2 -> code 6 (4.0); 6 -> code 7.
+// The scale rule keeps |q| <= 6; larger values would saturate at code 7.
 __device__ __forceinline__ uint32_t encode_e2m1(float q) {
-  const float a = fabsf(q);
-  uint32_t c;
-  if (a < 1.f) {
-    c = (uint32_t)rintf(2.f * a);
-  } else {
-    uint32_t u = __float_as_uint(a);
-    u += 0x1fffffu + ((u >> 22) & 1u);  // RNE to one mantissa bit
-    const uint32_t e = (u >> 23) - 127u, m = (u >> 22) & 1u;
-    c = min(2u + 2u * e + m, 7u);  // a = inf/huge: e large -> 7 (NaN never gets here: b = 255)
-  }
+  const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
+  const int k = min(max((int)(u >> 23) - 127, 0), 2);
+  const float t = __fmaf_rn(__uint_as_float(u), __uint_as_float((uint32_t)(128 - k) << 23), 8388608.f);
+  const uint32_t c = min(__float_as_uint(t) - 0x4B000000u + 2u * (uint32_t)k, 7u);
   return c | ((__float_as_uint(q) >> 28) & 8u);
 }
 
-// Quantize the 8 elements f of one thread (a group spans tpg consecutive lanes) and store.
-template <int D>
-__device__ __forceinline__ void quantize_store8(const float (&f)[8], int tpg, bool active, uint8_t* code_dst,
-                                                uint8_t* scale_dst) {
-  float amax = 0.f;
-  bool finite = true;
+// Quantize the E (8 or 16) elements f of one thread (a group spans tpg consecutive lanes) and
+// store E/2 bytes of codes (one 4- or 8-byte store) and, from the group's first lane, the scale.
+template <int E>
+__device__ __forceinline__ void quantize_store(const float (&f)[E], int tpg, bool active, uint8_t* code_dst,
+                                               uint8_t* scale_dst) {
+  // group max of |f| as integer bits: for non-negative floats the integer order is the float
+  // order, and any NaN or Inf (bits >= 0x7f800000) wins the max, so one reduction gives both
+  // the max and the "group is finite" test
+  uint32_t umax = 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    finite = finite && isfinite(f[i]);
-    amax = fmaxf(amax, fabsf(f[i]));
-  }
-  unsigned fin = finite ? 1u : 0u;
+  for (int i = 0; i < E; ++i) umax = max(umax, __float_as_uint(f[i]) & 0x7fffffffu);
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
-    if (o < tpg) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      fin &= __shfl_xor_sync(0xffffffffu, fin, o);
-    }
+    if (o < tpg) umax = max(umax, __shfl_xor_sync(0xffffffffu, umax, o));
   }
   if (!active) return;
-  const uint32_t b = e8m0_for_amax(amax, fin != 0);
-  uint32_t word = 0;
+  const uint32_t b = e8m0_for_amax(__uint_as_float(umax), umax < 0x7f800000u);
+  uint32_t word[E / 8];
+#pragma unroll
+  for (int w = 0; w < E / 8; ++w) word[w] = 0;
   if (b != 255u) {
     // 2^(127 - b): b = 254 -> 2^-127 (subnormal), else normal
     const float inv = (b == 254u) ? __int_as_float(0x00400000) : __int_as_float((254u - b) << 23);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) word |= encode_e2m1(f[i] * inv) << (4 * i);
+    for (int i = 0; i < E; ++i) word[i / 8] |= encode_e2m1(f[i] * inv) << (4 * (i % 8));
   }
-  *reinterpret_cast<uint32_t*>(code_dst) = word;
+  if constexpr (E == 8) {
+    *reinterpret_cast<uint32_t*>(code_dst) = word[0];
+  } else {
+    *reinterpret_cast<uint2*>(code_dst) = make_uint2(word[0], word[1]);
+  }
   if (scale_dst) *scale_dst = (uint8_t)b;
 }
 
-// grid (ceil(num_tokens * Hkv * D/8 / WRITER_THREADS)), block WRITER_THREADS.
-// Item = (token, kv head); D/8 consecutive lanes per item, each quantizing 8 elements of K and
-// 8 of V (two 16-byte loads issued together with the slot load: one memory latency per item)
-// and writing one 4-byte word of codes to each cache. The group max is a shuffle reduction
-// over the group's group/8 lanes (an item never spans more than one warp).
+// grid (ceil(num_tokens * Hkv * D/E / WRITER_THREADS)), block WRITER_THREADS, E = WRITER_EPT.
+// Item = (token, kv head); D/E consecutive lanes per item, each quantizing E elements of K and
+// E of V (2E/8 16-byte loads issued together with the slot load: one memory latency per item)
+// and writing E/2 bytes of codes to each cache. The group max is a shuffle reduction over the
+// group's group/E lanes (an item never spans more than one warp).
 template <typename T, int D>
 __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_kernel(const CacheWriteParams p) {
-  constexpr int TPI = D / 8;  // threads per item (8, 16 or 32: divides 32)
-  // 32-bit index math (the launcher checks num_tokens * Hkv * D/8 < 2^31)
+  constexpr int E = tuning::WRITER_EPT;
+  constexpr int TPI = D / E;  // threads per item (4 .. 32: divides 32)
+  // 32-bit index math (the launcher checks num_tokens * Hkv * D/E < 2^31)
   const uint32_t gtid = blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t item = gtid / TPI;
   const int sub = (int)(gtid % TPI);
@@ -121,34 +121,40 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
   const int tok = (int)(it / (uint32_t)p.num_kv_heads);
   const int head = (int)(it - (uint32_t)tok * (uint32_t)p.num_kv_heads);
   long long slot = -1;
-  float fk[8], fv[8];
+  float fk[E], fv[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) fk[i] = fv[i] = 0.f;
   if (live) {
     slot = p.slot_is_64 ? __ldg(reinterpret_cast<const long long*>(p.slot_mapping) + tok)
                         : (long long)__ldg(reinterpret_cast<const int*>(p.slot_mapping) + tok);
-    load8<T>(reinterpret_cast<const T*>(p.key) + tok * p.k_stride_tok + head * p.k_stride_head + sub * 8, fk);
-    load8<T>(reinterpret_cast<const T*>(p.value) + tok * p.v_stride_tok + head * p.v_stride_head + sub * 8, fv);
-  } else {
+    const T* kp = reinterpret_cast<const T*>(p.key) + tok * p.k_stride_tok + head * p.k_stride_head + sub * E;
+    const T* vp = reinterpret_cast<const T*>(p.value) + tok * p.v_stride_tok + head * p.v_stride_head + sub * E;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) fk[i] = fv[i] = 0.f;
+    for (int h = 0; h < E / 8; ++h) {
+      float a[8], c[8];
+      load8<T>(kp + 8 * h, a);
+      load8<T>(vp + 8 * h, c);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { fk[8 * h + i] = a[i]; fv[8 * h + i] = c[i]; }
+    }
   }
   const long long blk = slot >= 0 ? (slot >> p.log2_block_size) : -1;
   const bool active = live && slot >= 0 && blk < p.num_blocks;
   const int off = active ? (int)(slot & (p.block_size - 1)) : 0;
   const long long b0 = active ? blk : 0;
-  const int tpg = p.group / 8;
-  const bool first = (sub * 8) % p.group == 0;
-  const long long sidx = ((b0 * p.block_size + off) * p.num_kv_heads + head) * (D / p.group) + (sub * 8) / p.group;
-  quantize_store8<D>(fk, tpg, active,
-                     p.key_cache + b0 * p.kc_stride_blk + head * p.kc_stride_head + (long long)off * (D / 2) + sub * 4,
-                     first ? p.key_scales + sidx : nullptr);
-  quantize_store8<D>(fv, tpg, active,
-                     p.value_cache + b0 * p.vc_stride_blk + head * p.vc_stride_head + (long long)off * (D / 2) + sub * 4,
-                     first ? p.value_scales + sidx : nullptr);
+  const int tpg = p.group / E;
+  const bool first = (sub * E) % p.group == 0;
+  const long long sidx = ((b0 * p.block_size + off) * p.num_kv_heads + head) * (D / p.group) + (sub * E) / p.group;
+  const long long row = (long long)off * (D / 2) + sub * (E / 2);  // code bytes inside the block
+  quantize_store<E>(fk, tpg, active, p.key_cache + b0 * p.kc_stride_blk + head * p.kc_stride_head + row,
+                    first ? p.key_scales + sidx : nullptr);
+  quantize_store<E>(fv, tpg, active, p.value_cache + b0 * p.vc_stride_blk + head * p.vc_stride_head + row,
+                    first ? p.value_scales + sidx : nullptr);
 }
 
 template <typename T, int D>
 cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream) {
-  const long long threads = (long long)p.num_tokens * p.num_kv_heads * (D / 8);
+  const long long threads = (long long)p.num_tokens * p.num_kv_heads * (D / tuning::WRITER_EPT);
   if (threads == 0) return cudaSuccess;
   if (threads >= (1LL << 31)) return cudaErrorInvalidValue;  // split the call
   const int blocks = (int)((threads + tuning::WRITER_THREADS - 1) / tuning::WRITER_THREADS);

@@ -47,6 +47,21 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// ---- griddepcontrol.launch_dependents / griddepcontrol.wait (programmatic dependent launch) ---
+// sm_90+: a grid launched with programmatic stream serialization may start once every CTA of
+// the grid before it has called launch_dependents (or exited); its wait blocks until that
+// grid has completed and its memory is visible. Per CTA, any thread; no-ops below sm_90.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---- FP4 (E2M1) -> fp16 in registers --------------------------------------------------------
 // x holds 8 packed codes (nibble i = bits 4i..4i+3; sign in the nibble's bit 3, magnitude
 // e1 e0 m in bits 2..0). Output h[i] (i = 0..3) is an fp16x2 word: low half = nibble i, high

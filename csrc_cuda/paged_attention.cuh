@@ -11,12 +11,12 @@
 //   (strictly increasing, and leaves room for every sequence's tiles), so a CTA finds its
 //   sequence by a binary search over cu_query_lens, with no host sync; spare tiles exit.
 //   Causality/sliding window are per-row key ranges applied by selection (logit = -inf).
-// CTA: 4 warps (tuning.cuh). Every warp uses the same 16 rows of Q (fp16 A-fragments, built
-//   once per CTA in shared memory; kept in registers for D=64) and walks its own 16-token KV
-//   tiles of the partition (tile k of warp w = tile w + 4k);
+// CTA: ATTN_WARPS = 8 warps (tuning.cuh). Every warp uses the same 16 rows of Q (fp16
+//   A-fragments, built once per CTA in shared memory; kept in registers for D=64) and walks its
+//   own 16-token KV tiles of the partition (tile k of warp w = tile w + 8k);
 //   per warp: cp.async (16 B per lane, coalesced) of K codes, V codes and the 32 scale words of
 //   a tile into a private STAGES-deep shared-memory ring, so STAGES-1 tiles are in flight while
-//   one is decoded and multiplied. At the end the 4 warps' (m, l, O) are merged in shared
+//   one is decoded and multiplied. At the end the warps' (m, l, O) are merged in shared
 //   memory; with one partition the CTA writes the output, else a partial (O/l, m, l) that
 //   paged_attention_reduce_kernel combines.
 // Math per tile and warp: S[16x16] = Q[16xD] K^T via mma.m16n8k16 (fp16 in, fp32 acc), online
@@ -28,8 +28,11 @@
 //   converts pairs to fp16. The power of two and the per-token E8M0 scales are applied in
 //   fp32: the K scale is a per-column factor of S (multiplied after the MMA), the V
 //   scale a per-row factor of P (multiplied into P before it is rounded to fp16). To keep P in
-//   fp16 range whatever the scales, P is scaled by 2^(b - VM + 15) where VM is the running
-//   maximum V-scale byte of the warp (a scalar, rescaled like the softmax max), so P <= 2^15.
+//   fp16 range whatever the scales, P is scaled by 2^(b - VM + 15 - SLACK) where VM is the
+//   running maximum V-scale byte of the warp (a scalar, rescaled like the softmax max), so
+//   P' <= 2^15. Lazy rescaling: a warp rescales O and l only when a row maximum grows by more
+//   than SLACK (tuning.cuh), so p = 2^(x - m) <= 2^SLACK against the stale maximum m.
+// Per-thread cp.async addresses live in shared memory (LaneCopy), re-read at each tile issue.
 // Reduction-dimension permutation: Q.K^T is invariant under a permutation of D, so lane t of a
 //   quad reads a CONTIGUOUS D/8-byte slice of a key row (one 16-byte shared load for D=128)
 //   and Q's A-fragments are built with the same permutation; likewise the 16 tokens of a tile
@@ -66,6 +69,8 @@ namespace cuda_fp4 {
 #else
 #define TQ_E4M3_PATH 0
 #endif
+// P's fp16 scale leaves room for the lazy-rescaling slack (tuning.cuh RESCALE_SLACK)
+#define TQ_SLACK (tuning::RESCALE_SLACK)
 // power of two folded out of the decoded values (fp16 route: 2^-14, e4m3 route: 2^-6)
 #define TQ_DEC_EXP (TQ_E4M3_PATH ? 6 : 14)
 // head-dim element (within a thread's 8) -> n-tile slot of the P.V product: identity for the
@@ -98,6 +103,19 @@ struct AttnParams {
   float soft_cap, scale;
 };
 
+// Per-thread cp.async addresses, the same for every KV tile: thread copies 16-byte chunks
+// c = lane + 32i of a tile's K and V (source and ring-slot offsets) and one scale word. Kept in
+// shared memory (each thread reads only the entry it wrote) and re-read at each tile issue:
+// 4-6 shared loads instead of recomputing ~50 instructions of lane offsets and 64-bit bases,
+// which the register allocator (128 registers for 16 warps per SM) would not keep in registers.
+template <int NIO>
+struct LaneCopy {
+  const uint8_t* k_src[NIO];  // key_cache + kv-head offset + chunk offset (block 0)
+  const uint8_t* v_src[NIO];
+  const uint8_t* s_src;       // scale byte of token row lane%16 (K: lanes 0-15, V: 16-31)
+  uint32_t k_dst[NIO], v_dst[NIO], s_dst;  // byte offsets inside a ring slot
+};
+
 template <int D>
 struct AttnLayout {
   static constexpr int W = tuning::ATTN_WARPS;
@@ -119,7 +137,15 @@ struct AttnLayout {
   static constexpr int OFF_M = OFF_QFRAG + QFRAG;
   static constexpr int OFF_L = OFF_M + W * 16 * 4;
   static constexpr int OFF_MISC = OFF_L + W * 16 * 4;
-  static constexpr int TOTAL = OFF_MISC + 16;
+  static constexpr int NI = 16 * CPR / 32;     // 16-byte chunks per lane per K (or V) tile
+  // D <= 128: chunk i of a lane is chunk 0 moved by 8*i token rows in global memory, in the K
+  // ring (logical rows) and in the V ring, so one address each plus immediates; D = 256 keeps
+  // per-chunk addresses (its logical K rows are not a shift of each other).
+  static constexpr bool LINEAR = D <= 128;
+  static constexpr int NIO = LINEAR ? 1 : NI;
+  static constexpr int OFF_LANE = (OFF_MISC + 16 + 15) / 16 * 16;
+  static constexpr int LANE_SZ = (sizeof(LaneCopy<NIO>) + 15) / 16 * 16;
+  static constexpr int TOTAL = OFF_LANE + W * 32 * LANE_SZ;
   static constexpr bool QREG = D <= tuning::QREG_MAX_D;  // Q fragments live in registers
 };
 
@@ -137,19 +163,14 @@ template <int D> __device__ __forceinline__ int v_swz(int row) {
   return D == 128 ? (((row >> 1) & 1) << 1) : (D == 256 ? ((row & 3) << 1) : 0);
 }
 
-// Keep a loop-invariant value in a register: stops the compiler from recomputing per-lane
-// offsets (from %tid) inside the KV loop, which cost ~100 instructions per tile.
-__device__ __forceinline__ void pin(int& x) { asm volatile("" : "+r"(x)); }
-__device__ __forceinline__ void pin(uint32_t& x) { asm volatile("" : "+r"(x)); }
-template <typename P> __device__ __forceinline__ void pin(P*& x) {
-  uintptr_t v = (uintptr_t)x;
-  asm volatile("" : "+l"(v));
-  x = (P*)v;
-}
+template <bool B> struct BoolConst { static constexpr bool value = B; };
 
+// ex2.approx.ftz.f32: 2^x, results below 2^-126 flushed to 0 (a probability that small is 0
+// after the fp16 rounding of P anyway). The non-ftz form costs 3 more instructions per call
+// (a range test and two fix-up multiplies around MUFU.EX2).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
-  asm("ex2.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 
@@ -165,10 +186,11 @@ __device__ __forceinline__ float pow2i(int n) {
   return 0.f;
 }
 
-// grid (row_tiles, num_kv_heads, num_partitions), block 128 (4 warps), dynamic smem
+// grid (row_tiles, num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem
 // AttnLayout<D>::TOTAL bytes.
 template <int D, typename T>
-__global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_attention_fp4_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks<D>::value)
+    paged_attention_fp4_kernel(const AttnParams p) {
   using L = AttnLayout<D>;
   constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -177,6 +199,9 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
   const int G = p.group_size;
   const int kvh = blockIdx.y, part = blockIdx.z;
   const int tile = blockIdx.x;
+  // the reduce pass (launched as a programmatic dependent) may be scheduled once every CTA of
+  // this grid has started; it waits for this grid's completion before reading the partials
+  pdl_launch_dependents();
 
   // ---- which sequence / rows ----
   int s, lt, q0, qn;
@@ -291,36 +316,28 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
   const uint32_t v_sel = 0x4440u | (uint32_t)(((uintptr_t)p.value_scales + kvh + t4 * Hkv) & 3);
 
   uint8_t* pipe = smem + warp * ST * L::STAGE;
-  // per-lane copy offsets, identical for every tile: lane copies 16-byte chunks c = lane + 32i
-  // (token r = copy_token(c / CPR), chunk j = c % CPR) of the K and V tiles
-  constexpr int NI = 16 * CPR / 32;  // 16-byte chunks per lane per K (or V) tile
-  // D <= 128: chunk i of a lane is chunk 0 moved by 8*i token rows in global memory, in the K
-  // ring (logical rows) and in the V ring, so one base offset each plus immediates;
-  // D = 256 keeps per-chunk offsets (its logical K rows are not a shift of each other).
-  constexpr bool LINEAR = D <= 128;
-  constexpr int NIO = LINEAR ? 1 : NI;
-  int k_dst[NIO], v_dst[NIO], src_off[NIO];
+  // per-thread copy addresses, identical for every tile (see LaneCopy): token row
+  // r = copy_token(c / CPR), chunk j = c % CPR of chunk c = lane + 32i
+  constexpr int NI = L::NI, NIO = L::NIO;
+  constexpr bool LINEAR = L::LINEAR;
+  volatile LaneCopy<NIO>* lcp = reinterpret_cast<LaneCopy<NIO>*>(smem + L::OFF_LANE + tid * L::LANE_SZ);
+  {
+    const uint8_t* kc_base = p.key_cache + kvh * p.kc_stride_head;
+    const uint8_t* vc_base = p.value_cache + kvh * p.vc_stride_head;
 #pragma unroll
-  for (int i = 0; i < NIO; ++i) {
-    const int c = lane + 32 * i, r = copy_token<D>(c / CPR), j = c % CPR;
-    const int lc = 2 * (r & 3) + ((r >> 2) & 1) + 8 * (r >> 3);  // logical K row of token r
-    const int vr = v_row<D>(r);
-    k_dst[i] = lc * ROW + ((j ^ k_swz<D>(lc)) * 16);
-    v_dst[i] = L::KV_TILE + vr * ROW + ((j ^ v_swz<D>(vr)) * 16);
-    src_off[i] = r * ROW + j * 16;
-    if constexpr (!LINEAR) {  // D=128 (LINEAR) is register-bound at 128: let ptxas decide
-      pin(k_dst[i]);
-      pin(v_dst[i]);
-      pin(src_off[i]);
+    for (int i = 0; i < NIO; ++i) {
+      const int c = lane + 32 * i, r = copy_token<D>(c / CPR), j = c % CPR;
+      const int lc = 2 * (r & 3) + ((r >> 2) & 1) + 8 * (r >> 3);  // logical K row of token r
+      const int vr = v_row<D>(r);
+      lcp->k_dst[i] = lc * ROW + ((j ^ k_swz<D>(lc)) * 16);
+      lcp->v_dst[i] = L::KV_TILE + vr * ROW + ((j ^ v_swz<D>(vr)) * 16);
+      lcp->k_src[i] = kc_base + r * ROW + j * 16;
+      lcp->v_src[i] = vc_base + r * ROW + j * 16;
     }
+    const int s_r = lane & 15;
+    lcp->s_dst = 2 * L::KV_TILE + (lane & 16) * 4 + ((s_r & 3) * 4 + (s_r >> 2)) * 4;
+    lcp->s_src = (lane < 16 ? p.key_scales : p.value_scales) + (long long)s_r * Hkv + kvh;
   }
-  const int s_r = lane & 15;
-  int s_dst = 2 * L::KV_TILE + (lane & 16) * 4 + ((s_r & 3) * 4 + (s_r >> 2)) * 4;
-  pin(s_dst);
-  const uint8_t* s_base = (lane < 16 ? p.key_scales : p.value_scales) + (long long)s_r * Hkv + kvh;
-  pin(s_base);
-  const uint8_t* kc_base = p.key_cache + kvh * p.kc_stride_head;
-  const uint8_t* vc_base = p.value_cache + kvh * p.vc_stride_head;
   const uint32_t blk_stride = (uint32_t)p.kc_stride_blk;  // == vc_stride_blk (binding checks)
   const uint32_t pipe_s = (uint32_t)__cvta_generic_to_shared(pipe);
   uint32_t st_issue = 0;  // ring slot of the next issue
@@ -333,17 +350,20 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
     const int t0 = (tile_first + warp + L::W * k) * 16;
     const int off = t0 & bs_mask;
     const unsigned long long tile_off = (unsigned long long)(uint32_t)phys * blk_stride + (uint32_t)(off * ROW);
-    const uint8_t* kg = kc_base + tile_off;
-    const uint8_t* vg = vc_base + tile_off;
 #pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      const int ii = LINEAR ? 0 : i;
-      const int sh = LINEAR ? i * 8 * ROW : 0;
-      cp_async_16(st + k_dst[ii] + sh, kg + src_off[ii] + sh);
-      cp_async_16(st + v_dst[ii] + sh, vg + src_off[ii] + sh);
+    for (int i = 0; i < NIO; ++i) {
+      const uint32_t kd = st + lcp->k_dst[i], vd = st + lcp->v_dst[i];
+      const uint8_t* ks = lcp->k_src[i] + tile_off;
+      const uint8_t* vs = lcp->v_src[i] + tile_off;
+#pragma unroll
+      for (int h = 0; h < (LINEAR ? NI : 1); ++h) {  // LINEAR: chunk h is 8*h rows further on
+        cp_async_16(kd + h * 8 * ROW, ks + h * 8 * ROW);
+        cp_async_16(vd + h * 8 * ROW, vs + h * 8 * ROW);
+      }
     }
     const unsigned long long srow = ((unsigned long long)(uint32_t)phys << lbs) + (uint32_t)off;
-    cp_async_4(st + s_dst, reinterpret_cast<const void*>((uintptr_t)(s_base + srow * (uint32_t)Hkv) & ~(uintptr_t)3));
+    cp_async_4(st + lcp->s_dst,
+               reinterpret_cast<const void*>((uintptr_t)(lcp->s_src + srow * (uint32_t)Hkv) & ~(uintptr_t)3));
   };
 
   float acc[D / 8][4];
@@ -533,7 +553,11 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
     vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
     vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
     const int VM_new = max(VM, vmax);
-    const bool changed = (m_new[0] != m_run[0]) || (m_new[1] != m_run[1]) || (VM_new != VM);
+    // lazy rescaling: keep a stale row maximum while the new one exceeds it by at most
+    // RESCALE_SLACK (exp2 domain), so p <= 2^SLACK relative to it (see tuning.cuh); the V-scale
+    // maximum VM is kept exact
+    constexpr float SLACK = (float)tuning::RESCALE_SLACK;
+    const bool changed = (m_new[0] > m_run[0] + SLACK) || (m_new[1] > m_run[1] + SLACK) || (VM_new != VM);
     if (__any_sync(0xffffffffu, changed)) {
       const float vr = pow2i(VM - VM_new);
       float f[2];
@@ -552,25 +576,33 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
     }
     const float ms[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
     float pv[2][4];
+    // P for one tile; the masked variant zeroes P where the logit is -inf (a masked token with
+    // a NaN V scale must not reach the row). Two copies behind one warp-uniform branch, so
+    // unmasked tiles skip the 16 compare/selects.
+    auto make_p = [&](auto masked) {
 #pragma unroll
-    for (int v = 0; v < 2; ++v)
+      for (int v = 0; v < 2; ++v)
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const uint32_t b = vb[u + 2 * v];
-        // P' = p * 2^(b - VM + 15): V scale (and the 2^14 of the decode, with the 2^-128
-        // applied at the end) folded into P; 255 -> NaN
-        const float vf = b == 255u ? __int_as_float(0x7fc00000)
-                                   : __int_as_float(max((int)b - VM + 142, 0) << 23);
+        for (int u = 0; u < 2; ++u) {
+          const uint32_t b = vb[u + 2 * v];
+          // P' = p * 2^(b - VM + 15 - SLACK): V scale (and the 2^DEC of the decode, with
+          // 2^-(127 + DEC) applied at the end) folded into P; 255 -> NaN
+          const float vf = b == 255u ? __int_as_float(0x7fc00000)
+                                     : __int_as_float(max((int)b - VM + 142 - TQ_SLACK, 0) << 23);
 #pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const float xx = x[v][rh * 2 + u];
-          const float pr = fast_exp2(xx - ms[rh]);
-          l_run[rh] += pr;
-          float pp = pr * vf;
-          if (need_mask && xx == -INFINITY) pp = 0.f;
-          pv[v][rh * 2 + u] = pp;
+          for (int rh = 0; rh < 2; ++rh) {
+            const float xx = x[v][rh * 2 + u];
+            const float pr = fast_exp2(xx - ms[rh]);
+            l_run[rh] += pr;
+            float pp = pr * vf;
+            if constexpr (decltype(masked)::value) {
+              if (xx == -INFINITY) pp = 0.f;
+            }
+            pv[v][rh * 2 + u] = pp;
+          }
         }
-      }
+    };
+    if (need_mask) make_p(BoolConst<true>{}); else make_p(BoolConst<false>{});
     uint32_t pa[4];
     pa[0] = pack_f16x2(pv[0][0], pv[0][1]);
     pa[1] = pack_f16x2(pv[0][2], pv[0][3]);
@@ -601,20 +633,22 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
 #if TQ_E4M3_PATH
 #pragma unroll
       for (int w = 0; w < NW; ++w) {
-        uint32_t aL, aH, bL, bH, cL, cH, dL, dH;
-        fp4x8_to_e4m3x8(xv[0][w], aL, aH);
-        fp4x8_to_e4m3x8(xv[1][w], bL, bH);
-        fp4x8_to_e4m3x8(xv[2][w], cL, cH);
-        fp4x8_to_e4m3x8(xv[3][w], dL, dH);
+        // interleave the bytes of two rows first (a0 a1 b0 b1 a2 a3 b2 b3 as nibbles), then one
+        // decode yields the (row a, row b) pairs: 2 prmt + 2 decodes per 16 elements
+        uint32_t L0, H0, L1, H1, L2, H2, L3, H3;
+        fp4x8_to_e4m3x8(prmt(xv[0][w], xv[1][w], 0x5140u), L0, H0);  // elems 0,2 | 1,3
+        fp4x8_to_e4m3x8(prmt(xv[0][w], xv[1][w], 0x7362u), L1, H1);  // elems 4,6 | 5,7
+        fp4x8_to_e4m3x8(prmt(xv[2][w], xv[3][w], 0x5140u), L2, H2);
+        fp4x8_to_e4m3x8(prmt(xv[2][w], xv[3][w], 0x7362u), L3, H3);
         uint32_t h0[8], h1[8];  // slot i <-> element pv order 0,2,4,6,1,3,5,7
-        e4m3x4_to_f16x2x2(prmt(aL, bL, 0x5140u), h0[0], h0[1]);
-        e4m3x4_to_f16x2x2(prmt(aL, bL, 0x7362u), h0[2], h0[3]);
-        e4m3x4_to_f16x2x2(prmt(aH, bH, 0x5140u), h0[4], h0[5]);
-        e4m3x4_to_f16x2x2(prmt(aH, bH, 0x7362u), h0[6], h0[7]);
-        e4m3x4_to_f16x2x2(prmt(cL, dL, 0x5140u), h1[0], h1[1]);
-        e4m3x4_to_f16x2x2(prmt(cL, dL, 0x7362u), h1[2], h1[3]);
-        e4m3x4_to_f16x2x2(prmt(cH, dH, 0x5140u), h1[4], h1[5]);
-        e4m3x4_to_f16x2x2(prmt(cH, dH, 0x7362u), h1[6], h1[7]);
+        e4m3x4_to_f16x2x2(L0, h0[0], h0[1]);
+        e4m3x4_to_f16x2x2(L1, h0[2], h0[3]);
+        e4m3x4_to_f16x2x2(H0, h0[4], h0[5]);
+        e4m3x4_to_f16x2x2(H1, h0[6], h0[7]);
+        e4m3x4_to_f16x2x2(L2, h1[0], h1[1]);
+        e4m3x4_to_f16x2x2(L3, h1[2], h1[3]);
+        e4m3x4_to_f16x2x2(H2, h1[4], h1[5]);
+        e4m3x4_to_f16x2x2(H3, h1[6], h1[7]);
 #pragma unroll
         for (int i = 0; i < 8; ++i) mma_m16n8k16_f16(acc[8 * w + i], pa, h0[i], h1[i]);
       }
@@ -657,7 +691,7 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
     // is d = c * D/8 + j (the P.V B-fragment map), so a merging thread with fixed c reads the
     // contiguous d range c*D/8 .. c*D/8 + D/8 - 1. float2 stores and reads are conflict-free.
     float* mo = reinterpret_cast<float*>(smem);
-    const float osc = pow2i(VM - 142 + TQ_DEC_EXP);  // undo 2^(142-DEC-VM) of P' * V-decode
+    const float osc = pow2i(VM - 142 + TQ_SLACK + TQ_DEC_EXP);  // undo 2^(142-SLACK-DEC-VM) of P' * V-decode
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) {
       *reinterpret_cast<float2*>(mo + (warp * 16 + g) * L::MROW + 8 * j + 2 * t4) =
@@ -673,11 +707,11 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
   }
   {
     const float* mo = reinterpret_cast<const float*>(smem);
-    constexpr int TPR = 128 / 16;  // threads per row
-    constexpr int DPT = D / TPR;   // contiguous elements per thread
+    constexpr int TPR = 8;        // threads per row: one per P.V column c (the merge layout)
+    constexpr int DPT = D / TPR;  // contiguous elements per thread
     const int r = tid / TPR, c8 = tid % TPR, d0 = c8 * DPT;
     int tok, head;
-    if (!row_out(r, tok, head)) return;
+    if (r >= 16 || !row_out(r, tok, head)) return;  // threads 128.. idle (ATTN_WARPS > 4)
     float M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < L::W; ++w) M = fmaxf(M, mS[w * 16 + r]);
@@ -732,6 +766,7 @@ __global__ void __launch_bounds__(128, tuning::AttnMinBlocks<D>::value) paged_at
 // step (independent loads in flight, no dependent chain per partition).
 template <int D, typename T>
 __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_reduce_kernel(const AttnParams p) {
+  pdl_wait();  // the attention grid's partials are complete and visible
   const int lane = threadIdx.x & 31;
   const long long item = (long long)blockIdx.x * tuning::REDUCE_WARPS + (threadIdx.x >> 5);
   if (item >= (long long)p.num_tokens * p.num_heads) return;
@@ -809,8 +844,23 @@ cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t
   if (e != cudaSuccess || p.num_partitions == 1) return e;
   const long long items = (long long)p.num_tokens * p.num_heads;
   const int blocks = (int)((items + tuning::REDUCE_WARPS - 1) / tuning::REDUCE_WARPS);
-  paged_attention_reduce_kernel<D, T><<<blocks, 32 * tuning::REDUCE_WARPS, 0, stream>>>(p);
-  return cudaGetLastError();
+  // sm_90+: launch the reduce as a programmatic dependent of the attention grid, so its launch
+  // and CTA start overlap the attention grid's last CTAs (see pdl_launch_dependents)
+  int dev = 0, major = 0;
+  e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e != cudaSuccess) return e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(32 * tuning::REDUCE_WARPS);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = major >= 9 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, paged_attention_reduce_kernel<D, T>, p);
 }
 
 }  // namespace cuda_fp4

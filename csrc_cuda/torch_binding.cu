@@ -1,7 +1,7 @@
 // turboquant cuda backend: the one torch file. Implements (CUDA dispatch key) the ops
 //   turboquant::paged_attention_fp4_cuda   (ATTENTION_SCHEMA in turboquant/ops.py)
 //   turboquant::reshape_and_cache_fp4_cuda (CACHE_WRITE_SCHEMA)
-// The schemas are defined once, in Python (turboquant/backends/cuda.py, from ops.py), before
+// The schemas are defined once, in Python (turboquant/_backends/cuda.py, from ops.py), before
 // this library is loaded; here only TORCH_LIBRARY_IMPL. Metadata checks only: no host sync.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -13,10 +13,17 @@ namespace tuning {
 // Warps per CTA. Every warp owns the same 16 MMA rows (the query heads of one GQA group, or
 // (query token, head) pairs for multi-token queries) and walks its own KV tiles (split-K inside
 // the CTA); the warps' partial softmax states are merged in shared memory at the end.
-// Example D=128: 4 warps x 32 lanes = 128 threads at 128 registers (TQ_ATTN_MIN_BLOCKS) and
-// 43.5 KB of shared memory -> 4 CTAs = 16 warps per H100 SM (ncu: 14 achieved), each warp with
-// ATTN_STAGES-1 tiles in flight.
-constexpr int ATTN_WARPS = 4;
+// Example D=128: 8 warps x 32 lanes = 256 threads at 128 registers (TQ_ATTN_MIN_BLOCKS = 2)
+// and ~90 KB of shared memory -> 2 CTAs = 16 warps per H100 SM (the register limit), each warp
+// with ATTN_STAGES-1 tiles in flight. Against 4 warps (4 CTAs of 128 threads, the same 16
+// warps per SM) each warp of a partition walks half as many tiles, which shortens the serial
+// per-warp chain where partitions are short: measured on H100 (CUDA graph) 136.4 vs 140.6 us
+// at batch 64 x 4k, 13.7 vs 13.9 us at batch 1 x 4k, 32.6 vs 36.3 us at batch 1 x 32k.
+// The merge epilogue uses 128 threads (8 per row), so ATTN_WARPS >= 4.
+#ifndef TQ_ATTN_WARPS
+#define TQ_ATTN_WARPS 8
+#endif
+constexpr int ATTN_WARPS = TQ_ATTN_WARPS;
 
 // KV tokens per warp iteration (one MMA K-step of the P.V product, two N-tiles of Q.K^T).
 // Fixed by the MMA shape (m16n8k16): do not change without rewriting the fragment maps.
@@ -24,7 +31,7 @@ constexpr int ATTN_TILE = 16;
 
 // cp.async pipeline depth per warp (tiles in flight while one is computed).
 // Bytes a warp keeps in flight = (STAGES-1) * 16 tokens * (D/2 K + D/2 V + 2 scales).
-// Example D=128: 3 * 16 * 130 = 6.2 KB per warp; 4 CTAs x 4 warps -> ~100 KB per SM, ~4x what
+// Example D=128: 3 * 16 * 130 = 6.2 KB per warp; 16 warps -> ~100 KB per SM, ~4x what
 // Little's law asks for at 3.35 TB/s / 132 SMs x ~1 us latency (~25 KB): the kernel is bound by
 // instruction issue (decode), not by bytes in flight (see the backend report / ncu).
 // D=256 keeps 3 stages (smem per CTA is bounded by the 64 KB merge buffer anyway).
@@ -34,10 +41,22 @@ template <int D> struct AttnStages { static constexpr int value = (D >= 256) ? 3
 template <int D> struct AttnStages { static constexpr int value = TQ_STAGES; };
 #endif
 
+// Lazy softmax rescaling (exp2 domain): a warp rescales its O accumulators and l only when a
+// row maximum grows by more than RESCALE_SLACK over the maximum it last rescaled to, so P is
+// at most 2^SLACK before the V-scale factor; P's fp16 scale 2^(b - VM + 15 - SLACK) keeps
+// P' <= 2^15. Example batch 64 x 4k: a warp walks 32 tiles; with exact rescaling the 4 real
+// rows of a GQA group set a new maximum in about a third of them (~110 instructions each);
+// with slack 8 only the first few tiles rescale. Cost: probabilities below 2^-(9+SLACK)
+// of the row maximum lose fp16 bits (they weigh < 2^-17 of the output).
+#ifndef TQ_RESCALE_SLACK
+#define TQ_RESCALE_SLACK 8
+#endif
+constexpr int RESCALE_SLACK = TQ_RESCALE_SLACK;
+
 // Q fragments live in registers for head dims up to this, else they are re-read from shared
 // memory (one 16-byte load per lane per MMA k-step).
 // Example D=128: in registers the kernel needs ~160 registers -> 3 CTAs (12 warps) per SM;
-// from shared memory it fits 128 registers -> 4 CTAs (16 warps): measured +4% at batch 64 x 4k
+// from shared memory it fits 128 registers -> 16 warps per SM: measured +4% at batch 64 x 4k
 // and +15% at batch 1 x 32k on H100, so Q stays in registers only for D=64.
 #ifndef TQ_QREG_MAX_D
 #define TQ_QREG_MAX_D 64
@@ -45,12 +64,15 @@ template <int D> struct AttnStages { static constexpr int value = TQ_STAGES; };
 constexpr int QREG_MAX_D = TQ_QREG_MAX_D;
 
 // Minimum resident CTAs per SM requested from the register allocator (__launch_bounds__).
-// Example: D<=128 -> 4 CTAs x 128 threads -> at most 128 registers/thread (no spills with Q
-// in shared memory); D=256 holds 128 fp32 accumulators per thread -> 2 CTAs (up to 255).
+// Example: D<=128, 8 warps -> 2 CTAs x 256 threads -> at most 128 registers/thread (no spills
+// with Q in shared memory); D=256 holds 128 fp32 accumulators per thread -> 8 warps per SM,
+// 1 CTA of 8 warps (up to 255 registers).
 #ifndef TQ_ATTN_MIN_BLOCKS
-#define TQ_ATTN_MIN_BLOCKS 4
+#define TQ_ATTN_MIN_BLOCKS (16 / TQ_ATTN_WARPS)
 #endif
-template <int D> struct AttnMinBlocks { static constexpr int value = D >= 256 ? 2 : TQ_ATTN_MIN_BLOCKS; };
+template <int D> struct AttnMinBlocks {
+  static constexpr int value = D >= 256 ? (TQ_ATTN_MIN_BLOCKS + 1) / 2 : TQ_ATTN_MIN_BLOCKS;
+};
 
 // Split-KV (flash-decoding) partition size, chosen on the host without reading seq_lens:
 // aim for TARGET_CTAS_PER_SM * num_SMs CTAs in the grid, from the host-side bound max_seq_len.
@@ -58,15 +80,15 @@ template <int D> struct AttnMinBlocks { static constexpr int value = D >= 256 ? 
 //   nparts = ceil(num_SMs * TARGET / base)
 //   P      = round_up(ceil(max_seq_len / nparts), ATTN_WARPS * ATTN_TILE), clamped to
 //            [MIN_PARTITION, MAX_PARTITION]
-// Examples (H100, 132 SMs, TARGET 4 -> 528 CTAs wanted; 32 q heads / 8 kv heads):
-//   batch 64 x 4k : base 512 -> nparts 2 -> P = 2048 -> 1024 CTAs (2 partitions + reduce)
-//   batch 1 x 32k : base 8   -> nparts 66 -> P = 512 -> 64 partitions, 512 CTAs
-//   batch 1 x 4k  : base 8   -> nparts 66 -> P = 64 -> clamped to 256 -> 16 partitions
+// Examples (H100, 132 SMs, 8 warps -> TARGET 2 -> 264 CTAs wanted; 32 q / 8 kv heads):
+//   batch 64 x 4k : base 512 -> nparts 1 -> P = 4096 = whole sequence, no reduce pass
+//   batch 1 x 32k : base 8   -> nparts 33 -> P = 993 -> 1024 -> 32 partitions, 256 CTAs
+//   batch 1 x 4k  : base 8   -> nparts 33 -> P = 125 -> 128 -> clamped to 256 -> 16 partitions
 //   batch 128 x 1k: base 1024 -> nparts 1 -> P = 1024 = whole sequence, no reduce pass
-constexpr int TARGET_CTAS_PER_SM = 4;
+constexpr int TARGET_CTAS_PER_SM = 16 / ATTN_WARPS;  // 16 warps per SM (the register limit)
 // A CTA with fewer tokens than this spends more on its prologue (Q load, block ids, merge)
-// than on streaming KV: 256 tokens = 4 tiles per warp. Example batch 1 x 4k: 16 partitions x 8
-// kv heads = 128 CTAs. Measured on H100 (CUDA graph): 14.9 us with 256, 15.6 us with 128.
+// than on streaming KV. Example batch 1 x 4k: 16 partitions x 8 kv heads = 128 CTAs. Measured
+// on H100 (CUDA graph, 4 warps per CTA): 13.6 us with 256, 15.2 us with 128, 15.6 with 512.
 #ifndef TQ_MIN_PARTITION
 #define TQ_MIN_PARTITION 256
 #endif
@@ -94,11 +116,18 @@ inline int choose_partition_size(int max_seq_len, int base_ctas, int num_sms) {
 
 // ---- cache writer -------------------------------------------------------------------------
 
-// Threads per (token, kv head, K-or-V) item = D / 8 (each thread quantizes 8 elements from one
-// 16-byte load and writes one 4-byte word of codes); CTA = WRITER_THREADS threads.
-// Example D=128: 16 threads per item, 16 items per 256-thread CTA; 8192 tokens x 8 heads x 2
-// -> 131072 items -> 8192 CTAs.
+// Cache writer: each thread quantizes WRITER_EPT consecutive elements of K and of V of one
+// (token, kv head) item (EPT/8 16-byte loads of each, issued together with the slot load) and
+// writes EPT/2 bytes of codes to each cache; D/EPT threads per item; CTA = WRITER_THREADS.
+// Example D=128, EPT 16: 8 threads per item, 32 items per 256-thread CTA; 65536 tokens x 8
+// heads -> 524288 items -> 16384 CTAs. Measured on H100 (65536 x 8 x 128 bf16): 137 us (80%
+// of HBM read bandwidth, bytes read + written) with 16 vs 170 us with 8: the per-thread index
+// math, slot load and group-max shuffles are shared by twice the elements.
 constexpr int WRITER_THREADS = 256;
+#ifndef TQ_WRITER_EPT
+#define TQ_WRITER_EPT 16
+#endif
+constexpr int WRITER_EPT = TQ_WRITER_EPT;
 
 }  // namespace tuning
 }  // namespace turboquant

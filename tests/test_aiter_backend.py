@@ -13,7 +13,7 @@ import torch
 import turboquant
 from turboquant import registry
 from turboquant.api import make_attention_call
-from turboquant.backends import aiter as tq_aiter
+from turboquant._backends import aiter as tq_aiter
 from turboquant.cache import build_paged_problem
 from turboquant.integration.aiter import patch
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_import_is_cheap_and_registers():
-    code = ("import sys, turboquant.backends.aiter as a; from turboquant import registry; "
+    code = ("import sys, turboquant._backends.aiter as a; from turboquant import registry; "
             "assert 'aiter' not in sys.modules; b = registry.get('aiter'); "
             "assert b.priority == 60 and isinstance(b, a.AiterBackend); print(b.unavailable())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -10,7 +10,7 @@ import torch
 import turboquant
 from turboquant import registry
 from turboquant.api import make_attention_call
-from turboquant.backends import sm120
+from turboquant._backends import sm120
 from turboquant.ops import ATTENTION_SCHEMA
 
 ROOT = Path(__file__).resolve().parents[1]

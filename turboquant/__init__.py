@@ -8,6 +8,7 @@
                                    backend="auto")
     turboquant.backends()  # every backend, whether it can run here, and why not
 """
+from . import _backends  # registers the vendor backends  # noqa: F401
 from . import reference as _reference  # registers the reference backend  # noqa: F401
 from .api import backends, paged_attention_fp4, reshape_and_cache_fp4, value_checks
 from .cache import FP4Cache, allocate_cache

@@ -538,47 +538,16 @@ def measure_bandwidth(device: torch.device, nbytes: int, repeats: int, warmup: i
 def _api():
     import turboquant as tq  # lazy: turboquant.cli imports this module
 
-    missing = [n for n in ("reshape_and_cache_fp4", "paged_attention_fp4")
-               if not hasattr(tq, n)]
-    if missing:
-        raise RuntimeError(f"turboquant lacks {', '.join(missing)}")
-    if torch.cuda.is_available():  # make sure the cuda backend is registered (builds nothing)
-        with contextlib.suppress(Exception):
-            import importlib
-
-            importlib.import_module("turboquant.backends.cuda")
     return tq
 
 
-@contextlib.contextmanager
 def checks_off(tq):
     """``turboquant.value_checks(False)`` for the duration, restoring the previous setting."""
-    vc = getattr(tq, "value_checks", None)
-    if vc is None:
-        yield False
-        return
-    handle = vc(False)
-    if hasattr(handle, "__enter__"):
-        with handle:
-            yield True
-    else:  # a plain setter
-        try:
-            yield True
-        finally:
-            vc(True)
+    return tq.value_checks(False)
 
 
 def _backend_status(tq) -> list:
-    # turboquant.api.backends, not turboquant.backends: importing the subpackage
-    # turboquant.backends (e.g. turboquant.backends.cuda) rebinds that package attribute
-    api = getattr(tq, "api", None)
-    fn = getattr(api, "backends", None) or getattr(tq, "backends", None)
-    if not callable(fn):
-        return []
-    try:
-        return [r if isinstance(r, dict) else {"repr": repr(r)} for r in fn()]
-    except Exception as exc:  # diagnostic only
-        return [{"error": repr(exc)}]
+    return tq.backends()
 
 
 def _select(kind: str, requested: str, *call_args) -> str:

@@ -17,3 +17,16 @@ CACHE_WRITE_SCHEMA = (
     "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor(c!) key_scales, Tensor(d!) value_scales, Tensor slot_mapping) -> ()"
 )
+
+
+def define(qualname: str, schema: str) -> None:
+    """Define ``qualname`` (``turboquant::<op>_<backend>``) with ``schema`` once, with a fake
+    (meta) implementation: the ops only write into their mutable arguments and return
+    nothing, so tracing needs no shape logic."""
+    import torch
+
+    ns, name = qualname.split("::")
+    if hasattr(getattr(torch.ops, ns), name):
+        return
+    torch.library.define(qualname, schema)
+    torch.library.register_fake(qualname)(lambda *args, **kwargs: None)

@@ -21,7 +21,7 @@ import torch
 
 from .api import attention_op_args, cache_write_op_args, make_attention_call, make_cache_write
 from .format import dequantize_fp4, quantize_fp4
-from .ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
+from .ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from .registry import AttentionCall, Backend, CacheWrite, register
 
 DEFAULT_CHUNK_TOKENS = 4096
@@ -117,7 +117,7 @@ def cache_write_reference(write: CacheWrite) -> None:
 
 # The reference as torch.library ops with the shared schema, so the public API traces under
 # torch.compile and captures in CUDA graphs whichever backend runs.
-torch.library.define("turboquant::paged_attention_fp4_reference", ATTENTION_SCHEMA)
+define("turboquant::paged_attention_fp4_reference", ATTENTION_SCHEMA)
 # One cache-writer op per scale rule, both with the shared schema.
 CACHE_WRITE_OPS = {"smallest": "reshape_and_cache_fp4_reference",
                    "mse": "reshape_and_cache_fp4_mse_reference"}
@@ -134,7 +134,7 @@ def _attention_op(out, query, key_cache, value_cache, key_scales, value_scales, 
 
 def _register_cache_write_op(rule: str, op_name: str) -> None:
     qualname = f"turboquant::{op_name}"
-    torch.library.define(qualname, CACHE_WRITE_SCHEMA)
+    define(qualname, CACHE_WRITE_SCHEMA)
 
     def impl(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping):
         cache_write_reference(make_cache_write(key, value, key_cache, value_cache, key_scales,
@@ -142,16 +142,10 @@ def _register_cache_write_op(rule: str, op_name: str) -> None:
                                                scale_rule=rule))
 
     torch.library.impl(qualname, "CompositeExplicitAutograd")(impl)
-    torch.library.register_fake(qualname)(lambda *args: None)
 
 
 for _rule, _op in CACHE_WRITE_OPS.items():
     _register_cache_write_op(_rule, _op)
-
-
-@torch.library.register_fake("turboquant::paged_attention_fp4_reference")
-def _attention_fake(*args):
-    return None
 
 
 class ReferenceBackend(Backend):

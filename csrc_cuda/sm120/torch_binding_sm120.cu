@@ -1,12 +1,12 @@
 // torch.library registration of the SM120 kernels.
 //
-// Built two ways by turboquant/backends/sm120.py:
+// Built two ways by turboquant/_backends/sm120.py:
 //   - for sm_120a + sm_121a: implements turboquant::paged_attention_fp4_sm120 and
 //     turboquant::sm120_mma_probe (the real block-scaled MMA instructions);
 //   - with -DTQ_SM120_EMULATE for sm_90a: the same kernels with the MMA wrappers replaced by
 //     their software model, as turboquant::paged_attention_fp4_sm120_emulated and
 //     turboquant::sm120_mma_probe_emulated.
-// The schemas are defined in Python (turboquant/backends/sm120.py, attention: turboquant.ops.
+// The schemas are defined in Python (turboquant/_backends/sm120.py, attention: turboquant.ops.
 // ATTENTION_SCHEMA); this file adds the CUDA implementations.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>

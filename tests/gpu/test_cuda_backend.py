@@ -15,7 +15,7 @@ import torch
 import turboquant
 from turboquant import format as tqf
 from turboquant import registry
-from turboquant.backends import cuda as tq_cuda
+from turboquant._backends import cuda as tq_cuda
 from turboquant.cache import allocate_cache, build_paged_problem
 from turboquant.ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
 
@@ -260,7 +260,7 @@ def test_torch_compile_fullgraph():
 
 SANITIZER_CASE = textwrap.dedent("""
     import torch, turboquant
-    from turboquant.backends import cuda
+    from turboquant._backends import cuda
     from turboquant.cache import build_paged_problem
     g = torch.Generator().manual_seed(0)
     for d, bs, lens, qlens in ((128, 16, [1, 54, 97, 0, 300], None), (64, 32, [70, 9], [3, 2]),

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from turboquant.api import attention_op_args, make_attention_call
-from turboquant.backends import sm120
+from turboquant._backends import sm120
 from turboquant.reference import attention_reference
 
 
@@ -387,7 +387,7 @@ def test_attention_nan_scale_and_out_of_range_block(ops):
 
 def test_attention_op_in_cuda_graph_and_torch_compile(ops):
     """The op writes into `out` without host synchronization: it replays from a CUDA graph and
-    traces under torch.compile(fullgraph=True) (schema + fake from turboquant/backends/sm120.py)."""
+    traces under torch.compile(fullgraph=True) (schema + fake from turboquant/_backends/sm120.py)."""
     op = ops[0]
     pr = make_problem([700, 33, 0, 1500], 32, 8, 128, 16, seed=51)
     call = _call(pr)

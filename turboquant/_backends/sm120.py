@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from ..api import attention_op_args
-from ..ops import ATTENTION_SCHEMA
+from ..ops import ATTENTION_SCHEMA, define
 from ..registry import AttentionCall, Backend, register
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_sm120"
@@ -55,20 +55,14 @@ def _define_ops() -> None:
     """Define the schemas once (the C++ library only adds CUDA implementations)."""
     for emulate in (False, True):
         attention, probe = op_names(emulate)
-        for name, schema in ((attention, ATTENTION_SCHEMA), (probe, PROBE_SCHEMA)):
-            ns, op = name.split("::")
-            if not hasattr(getattr(torch.ops, ns), op):
-                torch.library.define(name, schema)
+        define(attention, ATTENTION_SCHEMA)
+        ns, op = probe.split("::")
+        if not hasattr(getattr(torch.ops, ns), op):
+            torch.library.define(probe, PROBE_SCHEMA)
 
-        @torch.library.register_fake(attention)
-        def _attention_fake(out, query, key_cache, value_cache, key_scales, value_scales,
-                            block_tables, seq_lens, cu_query_lens, scale, sliding_window,
-                            logits_soft_cap, max_seq_len):
-            return None
-
-        @torch.library.register_fake(probe)
-        def _probe_fake(a, b, sfa, sfb, c, kind, selectors):
-            return c.new_empty((32, 4))
+            @torch.library.register_fake(probe)
+            def _probe_fake(a, b, sfa, sfb, c, kind, selectors):
+                return c.new_empty((32, 4))
 
 
 _define_ops()

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..api import attention_op_args, cache_write_op_args
-from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
+from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from ..registry import AttentionCall, Backend, CacheWrite, register
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
@@ -36,26 +36,8 @@ MIN_BLOCK_SIZE = 16
 CSRC = Path(__file__).resolve().parents[2] / "csrc_cuda"
 
 
-def _define_ops() -> None:
-    """Define the op schemas once (the C++ library only adds CUDA implementations)."""
-    for name, schema in ((ATTENTION_OP, ATTENTION_SCHEMA), (CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)):
-        ns, op = name.split("::")
-        if not hasattr(getattr(torch.ops, ns), op):
-            torch.library.define(name, schema)
-
-    @torch.library.register_fake(ATTENTION_OP)
-    def _attention_fake(out, query, key_cache, value_cache, key_scales, value_scales,
-                        block_tables, seq_lens, cu_query_lens, scale, sliding_window,
-                        logits_soft_cap, max_seq_len):
-        return None
-
-    @torch.library.register_fake(CACHE_WRITE_OP)
-    def _cache_write_fake(key, value, key_cache, value_cache, key_scales, value_scales,
-                          slot_mapping):
-        return None
-
-
-_define_ops()
+define(ATTENTION_OP, ATTENTION_SCHEMA)
+define(CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "error": None}

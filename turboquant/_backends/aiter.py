@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ..api import attention_op_args
-from ..ops import ATTENTION_SCHEMA
+from ..ops import ATTENTION_SCHEMA, define
 from ..registry import AttentionCall, Backend, CacheWrite, register
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
@@ -31,28 +31,17 @@ MAX_GQA = 16
 PATCH_COMMAND = "python -m turboquant.integration.aiter.patch --aiter-root {root}"
 
 
-def _define_op() -> None:
-    ns, op = ATTENTION_OP.split("::")
-    if hasattr(getattr(torch.ops, ns), op):
-        return
-    torch.library.define(ATTENTION_OP, ATTENTION_SCHEMA)
-
-    @torch.library.register_fake(ATTENTION_OP)
-    def _fake(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
-              seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len):
-        return None
-
-    @torch.library.impl(ATTENTION_OP, "CUDA")  # ROCm builds of PyTorch dispatch HIP as CUDA
-    def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
-              seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len):
-        import aiter
-
-        aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
-                                  block_tables, seq_lens, scale, out=out,
-                                  logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len)
+define(ATTENTION_OP, ATTENTION_SCHEMA)
 
 
-_define_op()
+@torch.library.impl(ATTENTION_OP, "CUDA")  # ROCm builds of PyTorch dispatch HIP as CUDA
+def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
+          seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len):
+    import aiter
+
+    aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
+                              block_tables, seq_lens, scale, out=out,
+                              logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len)
 
 _lock = threading.Lock()
 _state: dict = {"checked": False, "reason": None}
