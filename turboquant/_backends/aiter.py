@@ -152,16 +152,4 @@ class AiterBackend(Backend):
         torch.ops.turboquant.paged_attention_fp4_aiter(*attention_op_args(call, out))
 
 
-BACKEND = AiterBackend()
-
-
-def register_backend() -> AiterBackend:
-    """Register the backend (idempotent; done at import)."""
-    from .. import registry
-
-    if AiterBackend.name not in registry._BACKENDS:
-        register(BACKEND)
-    return BACKEND
-
-
-register_backend()
+BACKEND = register(AiterBackend())

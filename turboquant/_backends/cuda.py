@@ -26,6 +26,7 @@ import torch
 
 from ..api import attention_op_args, cache_write_op_args
 from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
+from ._jit import load, sources_hash
 from ..registry import AttentionCall, Backend, CacheWrite, register
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
@@ -51,46 +52,18 @@ def _arch_flags(major: int, minor: int) -> tuple[str, str]:
     return f"-gencode=arch=compute_{cc},code=sm_{cc}", f"sm{cc}"
 
 
-def _sources_hash() -> str:
-    h = hashlib.sha256()
-    for f in sorted(CSRC.glob("*")):
-        if f.suffix in (".cu", ".cuh", ".cpp", ".h"):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:12]
-
-
-def build_dir() -> Path:
-    root = os.environ.get("TURBOQUANT_BUILD_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "turboquant"
-    return base
-
-
 def _load() -> None:
     """Build (or reuse) and load the extension; raises on failure."""
     prebuilt = os.environ.get("TURBOQUANT_CUDA_LIB")
     if prebuilt:
         torch.ops.load_library(prebuilt)
         return
-    from torch.utils import cpp_extension
-
     major, minor = torch.cuda.get_device_capability()
     gencode, tag = _arch_flags(major, minor)
     extra = os.environ.get("TURBOQUANT_CUDA_EXTRA_FLAGS", "").split()  # tuning variants
     suffix = hashlib.sha256(" ".join(extra).encode()).hexdigest()[:6] if extra else ""
-    name = f"turboquant_cuda_{tag}_{_sources_hash()}{'_' + suffix if suffix else ''}"
-    bdir = build_dir() / name
-    bdir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(CSRC / "torch_binding.cu")],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17", gencode, "-lineinfo"] + extra,
-        build_directory=str(bdir),
-        is_python_module=False,
-        verbose=os.environ.get("TURBOQUANT_BUILD_VERBOSE", "0") == "1",
-    )
+    name = f"turboquant_cuda_{tag}_{sources_hash(CSRC)}{'_' + suffix if suffix else ''}"
+    load(name, CSRC / "torch_binding.cu", [gencode, "-lineinfo"] + extra)
 
 
 def ensure_loaded() -> Optional[str]:
@@ -202,16 +175,4 @@ class CudaBackend(Backend):
         torch.ops.turboquant.reshape_and_cache_fp4_cuda(*cache_write_op_args(write))
 
 
-BACKEND = CudaBackend()
-
-
-def register_backend() -> CudaBackend:
-    """Register the backend (idempotent; done at import)."""
-    from .. import registry
-
-    if "cuda" not in registry._BACKENDS:
-        register(BACKEND)
-    return BACKEND
-
-
-register_backend()
+BACKEND = register(CudaBackend())

@@ -21,8 +21,6 @@ queries; sliding window; soft cap. The cache writer is left to the other backend
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import threading
 from pathlib import Path
 from typing import Optional
@@ -31,6 +29,7 @@ import torch
 
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
+from ._jit import load, sources_hash
 from ..registry import AttentionCall, Backend, register
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_sm120"
@@ -71,36 +70,9 @@ _lock = threading.Lock()
 _state: dict = {}  # emulate -> None (loaded) or the reason the build failed
 
 
-def _sources_hash() -> str:
-    h = hashlib.sha256()
-    for f in sorted(CSRC.glob("*")):
-        if f.suffix in (".cu", ".cuh"):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:12]
-
-
-def _build_root() -> Path:
-    root = os.environ.get("TURBOQUANT_BUILD_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "turboquant"
-
-
 def _build(emulate: bool) -> None:
-    from torch.utils import cpp_extension
-
-    name = f"turboquant_sm120{'_emulated' if emulate else ''}_{_sources_hash()}"
-    bdir = _build_root() / name
-    bdir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=name,
-        sources=[str(CSRC / "torch_binding_sm120.cu")],
-        extra_include_paths=[str(CSRC)],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo"] + ARCH_FLAGS[emulate],
-        build_directory=str(bdir),
-        is_python_module=False,
-        verbose=os.environ.get("TURBOQUANT_BUILD_VERBOSE", "0") == "1",
-    )
+    name = f"turboquant_sm120{'_emulated' if emulate else ''}_{sources_hash(CSRC)}"
+    load(name, CSRC / "torch_binding_sm120.cu", ["-lineinfo"] + ARCH_FLAGS[emulate])
 
 
 def load_extension(emulate: bool = False) -> Optional[str]:
@@ -159,16 +131,4 @@ class Sm120Backend(Backend):
         torch.ops.turboquant.paged_attention_fp4_sm120(*attention_op_args(call, out))
 
 
-BACKEND = Sm120Backend()
-
-
-def register_backend() -> Sm120Backend:
-    """Register the backend (idempotent; done at import)."""
-    from .. import registry
-
-    if BACKEND.name not in registry._BACKENDS:
-        register(BACKEND)
-    return BACKEND
-
-
-register_backend()
+BACKEND = register(Sm120Backend())
