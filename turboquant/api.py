@@ -255,12 +255,10 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     config = _check_config(config, write.scale_group, write.head_dim)
     if write.key.shape[0] == 0:
         return
-    if config.rotation or config.scale_rule != "smallest":
-        write = make_cache_write(
-            rotate(key, config.rotation_seed) if config.rotation else key,
-            rotate(value, config.rotation_seed) if config.rotation else value,
-            key_cache, value_cache, key_scales, value_scales, slot_mapping,
-            check_values=False, scale_rule=config.scale_rule)
+    write = dataclasses.replace(write, scale_rule=config.scale_rule)
+    if config.rotation:
+        write = dataclasses.replace(write, key=rotate(key, config.rotation_seed),
+                                    value=rotate(value, config.rotation_seed))
     registry.select(backend, "cache_write", write).reshape_and_cache(write)
 
 
