@@ -62,40 +62,24 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// ---- FP4 (E2M1) -> fp16 in registers --------------------------------------------------------
-// x holds 8 packed codes (nibble i = bits 4i..4i+3; sign in the nibble's bit 3, magnitude
-// e1 e0 m in bits 2..0). Output h[i] (i = 0..3) is an fp16x2 word: low half = nibble i, high
-// half = nibble i+4. The magnitude bits go to fp16 bits 11..9 (two low exponent bits and the
-// top mantissa bit) and the sign to bit 15, so each fp16 equals the E2M1 value times 2^-14
-// exactly (code 1 = 0.5 becomes the fp16 subnormal 2^-15; tensor cores take fp16 subnormals
-// as they are). Pairing nibble i with i+4 makes both halves need the same shift: 2 shifts,
-// 1 and, 1 lop3 per word pair (~2 integer ops per element).
-__device__ __forceinline__ void fp4x8_to_f16x2x4(uint32_t x, uint32_t (&h)[4]) {
-  const uint32_t M = 0x0E000E00u, S = 0x80008000u;
-  h[0] = ((x << 9) & M) | ((x << 12) & S);
-  h[1] = ((x << 5) & M) | ((x << 8) & S);
-  h[2] = ((x << 1) & M) | ((x << 4) & S);
-  h[3] = ((x >> 3) & M) | (x & S);
+// ---- FP4 (E2M1) -> fp16 in registers (any SM80+) -------------------------------------------
+// The fp16 whose high byte is (sign << 7) | (magnitude << 1) and whose low byte is 0 equals the
+// E2M1 value times 2^-14 exactly: magnitude bits e1 e0 m land on fp16 bits 11..9 (two low
+// exponent bits and the top mantissa bit; code 1 = 0.5 becomes the fp16 subnormal 2^-15, which
+// tensor cores take as it is). Two steps:
+// fp4x8_to_f16hi8: x holds 8 codes (nibble i = bits 4i..4i+3, sign in bit 3); lo gets the high
+//   bytes of elements 0,2,4,6 and hi of 1,3,5,7 (byte k = element 2k / 2k+1). 7 integer ops.
+__device__ __forceinline__ void fp4x8_to_f16hi8(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  lo = ((x << 1) & 0x0E0E0E0Eu) | ((x << 4) & 0x80808080u);
+  hi = ((x >> 3) & 0x0E0E0E0Eu) | (x & 0x80808080u);
 }
-
-// ---- FP4 (E2M1) -> e4m3 bytes -> fp16 (sm_89+: cvt.rn.f16x2.e4m3x2) ------------------------
-// Alternative decode: each nibble becomes an e4m3 byte (sign -> bit 7, e1 e0 -> exponent bits
-// 1..0 = bits 4..3, m -> top mantissa bit 2), i.e. E2M1 value * 2^-6 exactly (em=1 -> the e4m3
-// subnormal 2^-7). lo holds elements 0,2,4,6 of x, hi elements 1,3,5,7 (byte k = element 2k /
-// 2k+1). 7 integer ops per 8 elements; then one cvt per 2 elements gives normal fp16 values.
-__device__ __forceinline__ void fp4x8_to_e4m3x8(uint32_t x, uint32_t& lo, uint32_t& hi) {
-  lo = ((x << 2) & 0x1C1C1C1Cu) | ((x << 4) & 0x80808080u);
-  hi = ((x >> 2) & 0x1C1C1C1Cu) | (x & 0x80808080u);
-}
-// cvt.rn.f16x2.e4m3x2 on both 16-bit halves of x: d0 <- bytes 0,1 ; d1 <- bytes 2,3.
-__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t x, uint32_t& d0, uint32_t& d1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
-      " cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(d0), "=r"(d1) : "r"(x));
-#else
-  d0 = d1 = 0u;  // not used below sm_89 (the kernel keeps the fp16 bit decode there)
-#endif
+// f16hi4_to_f16x2x2: 4 high bytes -> 2 fp16x2 words, d0 = (byte 0, byte 1), d1 = (byte 2,
+//   byte 3), each byte moved to bits 15..8 of its half and zeros below: one prmt each (the
+//   integer pipe; measured on H100 no slower than the two cvt.rn.f16x2.e4m3x2 of an e4m3 byte
+//   route, and it runs on SM80 too).
+__device__ __forceinline__ void f16hi4_to_f16x2x2(uint32_t x, uint32_t& d0, uint32_t& d1) {
+  asm("prmt.b32 %0, %1, 0, 0x1404;\n" : "=r"(d0) : "r"(x));
+  asm("prmt.b32 %0, %1, 0, 0x3424;\n" : "=r"(d1) : "r"(x));
 }
 
 // ---- prmt.b32 (byte permute) ----------------------------------------------------------------

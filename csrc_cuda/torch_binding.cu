@@ -12,7 +12,7 @@
 #include <optional>
 
 #include "cache_writer.cuh"
-#include "paged_attention.cuh"
+#include "paged_attention_decode.cuh"
 
 namespace tq = turboquant::cuda_fp4;
 
@@ -74,8 +74,11 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   TORCH_CHECK(grid_x < (1LL << 31), "too many row tiles");
   const long long base = grid_x * hkv;
   const int msl = (int)std::max<int64_t>(max_seq_len, 0);
-  int P = turboquant::tuning::choose_partition_size(msl, (int)std::min<long long>(base, 1 << 30),
-                                                    num_sms(query.get_device()));
+  namespace tn = turboquant::tuning;
+  const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
+  int P = tq::use_decode_kernel(multi, G)
+              ? tn::choose_partition_size(msl, base_ctas, sms, tn::DECODE_WARPS, tn::decode_min_blocks(D))
+              : tn::choose_partition_size(msl, base_ctas, sms);
   int nparts = std::max(1, (msl + P - 1) / P);
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 

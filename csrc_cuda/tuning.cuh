@@ -97,14 +97,44 @@ constexpr int MIN_PARTITION = TQ_MIN_PARTITION;
 constexpr int MAX_PARTITION = 4096;
 constexpr int MAX_BT_ENTRIES = MAX_PARTITION / ATTN_TILE + 2;
 
+// ---- decode kernel (paged_attention_decode.cuh: one query token, G <= 8) ----
+// Warps per CTA, as in the general kernel (each warp walks its own tiles, merged at the end;
+// the last step writes head r of the group from warp r, so DECODE_WARPS >= 8).
+#ifndef TQ_DECODE_WARPS
+#define TQ_DECODE_WARPS 8
+#endif
+constexpr int DECODE_WARPS = TQ_DECODE_WARPS;
+// cp.async ring depth per warp.
+// Example D=128: 3 stages x (2 x 1024 + 128) B x 8 warps = 52 KB per CTA, so three CTAs
+// (24 warps, 2 x 16 x 130 B = 4.2 KB in flight per warp, ~100 KB per SM) fit the 227 KB of an
+// H100 SM; 4 stages (70 KB) would allow only two.
+#ifndef TQ_DECODE_STAGES
+#define TQ_DECODE_STAGES 3
+#endif
+template <int D> struct DecodeStages { static constexpr int value = TQ_DECODE_STAGES; };
+// CTAs per SM asked of the register allocator. Example D=128: O^T is 32 fp32 registers and Q^T
+// 16, so 3 CTAs x 256 threads (at most 85 -> 80 registers) fit without spills; D=256 (64 + 32
+// registers) takes 2 (128 registers).
+#ifndef TQ_DECODE_MIN_BLOCKS
+#define TQ_DECODE_MIN_BLOCKS 2
+#endif
+// Q^T fragments live in registers for head dims up to this (D/8 registers), else they are
+// re-read from shared memory (one 8-byte load per lane per MMA k-step).
+#ifndef TQ_DECODE_QREG_MAX_D
+#define TQ_DECODE_QREG_MAX_D 128
+#endif
+constexpr int DECODE_QREG_MAX_D = TQ_DECODE_QREG_MAX_D;
+constexpr int decode_min_blocks(int D) { return D >= 256 ? 2 : TQ_DECODE_MIN_BLOCKS; }
+
 // Reduce pass: one warp per (query token, head), this many warps per CTA.
 // Example: 64 tokens x 32 heads = 2048 warps -> 512 CTAs of 128 threads.
 constexpr int REDUCE_WARPS = 4;
 
-inline int choose_partition_size(int max_seq_len, int base_ctas, int num_sms) {
-  const int step = ATTN_WARPS * ATTN_TILE;
+inline int choose_partition_size(int max_seq_len, int base_ctas, int num_sms, int warps = ATTN_WARPS,
+                                 int ctas_per_sm = TARGET_CTAS_PER_SM) {
+  const int step = warps * ATTN_TILE;
   if (base_ctas < 1) base_ctas = 1;
-  long long want = (long long)num_sms * TARGET_CTAS_PER_SM;
+  long long want = (long long)num_sms * ctas_per_sm;
   long long nparts = (want + base_ctas - 1) / base_ctas;
   if (nparts < 1) nparts = 1;
   long long p = ((long long)max_seq_len + nparts - 1) / nparts;

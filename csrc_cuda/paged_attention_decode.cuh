@@ -1,0 +1,576 @@
+// turboquant cuda backend (SM80-SM90): the decode kernel, one query token per sequence and at
+// most 8 query heads per kv head, in the swapped form S^T = K Q^T, O^T = V^T P^T.
+// Torch-free. Shares the parameters, the reduce pass and the register helpers with
+// paged_attention.cuh (the general kernel: multi-token queries and groups of more than 8 heads).
+//
+// ============================== design note ==============================================
+// Why a second kernel: in decode the MMA rows of the general kernel are the G query heads of a
+//   GQA group padded to 16, so at G = 4 three quarters of its Q.K^T / P.V work, softmax
+//   instructions and O registers are padding. Here the KV tokens are the MMA's M dimension and
+//   the (at most 8) heads its N dimension (m16n8k16): per 16-token tile a warp runs D/16 MMAs for
+//   S^T and D/16 for O^T instead of twice as many, O^T takes D/4 registers instead of D/2, and
+//   every thread holds 4 logits instead of 8.
+// Grid (num_seqs, num_kv_heads, num_partitions), DECODE_WARPS warps per CTA, each walking its
+//   own 16-token tiles of the partition (tile k of warp w = w + W k) through a private
+//   STAGES-deep cp.async ring, then merged in shared memory like the general kernel; with more
+//   than one partition the CTA writes partials that paged_attention_reduce_kernel combines.
+// Lane = 4 g + t. Per tile:
+//   S^T[16 x 8] = K[16 x D] Q^T[D x 8]: A = K rows g and g+8 (lane t reads a contiguous D/8-byte
+//     slice of each and decodes it in registers; D/16 k-steps), B = Q^T fragments held in
+//     registers for the whole loop (D/16 x 2 words, same reduction-dimension permutation as
+//     the general kernel). C: thread holds tokens g, g+8 x heads 2t, 2t+1.
+//   Softmax in the exp2 domain with lazy rescaling (tuning.cuh RESCALE_SLACK): the row maxima
+//     are NOT reduced on every tile. A thread only checks its own 4 logits against the reference
+//     maximum + SLACK, its tokens' V-scale bytes against the warp's running maximum VM, and its
+//     K-scale bytes against 255; one vote decides. Only a tile where some check fails (or that
+//     needs masking) takes the slow path: NaN scales, masking, the exact row maxima (shuffles),
+//     the V-scale maximum, and the rescale of O and l.
+//   P' = 2^(x - m) * 2^(vb - VM + 15 - SLACK) (V scale folded into P, as in the general kernel),
+//     packed to fp16: thread holds P'[token g | g+8][head 2t, 2t+1], which is the C fragment of
+//     two 8x8 blocks; movmatrix.trans turns each into the B fragment of O^T = V^T P^T
+//     (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g). No shuffles.
+//   O^T[D x 8] += V^T[D x 16] P^T[16 x 8]: A = V^T; thread g owns head-dim range
+//     [g D/8, (g+1) D/8) of tokens 2t, 2t+1, 2t+8, 2t+9: the bytes of two tokens are interleaved
+//     with prmt so that one decode yields fp16 pairs (token 2t, token 2t+1) at one head-dim index.
+//     m-tile j = 4 w + i holds head-dim g D/8 + 8 w + i (rows g) and + 4 (rows g+8).
+// Shared-memory layouts (per ring slot: K tile, V tile, 32 scale words):
+//   K: token r at row r; D = 256 swaps 16-byte chunks by (r & 1) (dk_swz). Reads: rows g, g+8.
+//   V: token r at row dv_row(r), chunks XOR dv_swz(r); chosen so that the four tokens
+//     2t + a (t = 0..3) one V load instruction reads fall in distinct banks (see dv_row).
+//   Scales: words of K(g), K(g+8), V(g), V(g+8) at 16 g (one 16-byte load per thread).
+//   cp.async (16 B per lane): K chunks in token order, V chunks in dv_copy_token order (so the
+//   8 lanes of a store phase hit distinct banks); chunk i of a lane is chunk 0 moved by a
+//   compile-time number of token rows (dk_step / dv_step), so each lane keeps 4 offsets.
+// Masking, NaN and bad block ids follow the general kernel: tokens outside the visible range
+//   get logit -inf and P 0 by selection; a visible token whose scale byte is 255 makes the rows
+//   that see it NaN; a block id out of range makes the sequence's rows NaN, never a read.
+// ===========================================================================================
+#pragma once
+
+#include "paged_attention.cuh"
+
+namespace turboquant {
+namespace cuda_fp4 {
+
+template <int D>
+struct DecodeLayout {
+  static constexpr int W = tuning::DECODE_WARPS;
+  static constexpr int ST = tuning::DecodeStages<D>::value;
+  static constexpr int ROW = D / 2;             // bytes of one token row (K or V)
+  static constexpr int CPR = ROW / 16;          // 16-byte chunks per row
+  static constexpr int KV_TILE = 16 * ROW;      // bytes of one 16-token K (or V) tile
+  static constexpr int STAGE = 2 * KV_TILE + 128;
+  static constexpr int PIPE = W * ST * STAGE;
+  static constexpr int NI = 16 * CPR / 32;      // 16-byte chunks per lane per K (or V) tile
+  static constexpr int QRAW = 8 * D * 2;
+  static constexpr int MROW = D + 4;            // merge row pitch (floats)
+  static constexpr int MERGE = W * 8 * MROW * 4;
+  static constexpr int OFF_QRAW = PIPE;
+  static constexpr int BIG = (PIPE + QRAW) > MERGE ? (PIPE + QRAW) : MERGE;
+  static constexpr int OFF_QFRAG = BIG;         // (D/16) x 32 lanes x 2 words
+  static constexpr int OFF_M = OFF_QFRAG + (D / 16) * 32 * 8;
+  static constexpr int OFF_L = OFF_M + W * 8 * 4;
+  static constexpr int OFF_MISC = OFF_L + W * 8 * 4;
+  static constexpr int TOTAL = OFF_MISC + 16;
+};
+
+// V rows: token r is stored at row dv_row(r) with its 16-byte chunks XOR dv_swz(r). A V load
+// instruction reads tokens 2t + a (t = 0..3, a in {0, 1, 8, 9}) at head-dim bytes g D/16:
+//   D=64  (4 B, one 32-lane phase; row = 8 banks): rows 2t+a land on bank quarters t (dv_row).
+//   D=128 (8 B, 16-lane phases; row = 16 banks): row parity from token bit 2, chunk XOR from
+//         token bit 1 -> the 4 tokens x 2 chunks of a phase fill 8 distinct 16-byte bank groups.
+//   D=256 (16 B, 8-lane phases; row = 32 banks): chunk XOR 2 (token bits 1..2).
+template <int D> __device__ __forceinline__ int dv_row(int r) {
+  if constexpr (D == 64) return ((r >> 1) & 3) | ((r & 1) << 2) | (r & 8);
+  else if constexpr (D == 128) return (r & 10) | ((r >> 2) & 1) | ((r & 1) << 2);
+  else return r;
+}
+template <int D> __device__ __forceinline__ int dv_swz(int r) {
+  if constexpr (D == 64) return 0;
+  else if constexpr (D == 128) return r & 2;
+  else return (r & 6);
+}
+// K rows: identity; D=256 rows are 8 chunks (all banks), so odd rows swap chunk pairs to keep
+// the two rows of an 8-lane phase (g, g+1) on distinct banks.
+template <int D> __device__ __forceinline__ int dk_swz(int r) { return D == 256 ? (r & 1) : 0; }
+// Copy order of V: copy index q (lane / CPR + (32 / CPR) i) -> token. D=128: tokens r, r+4 in
+// one 8-lane store phase (different row parity); D=64/256: tokens with distinct bits 1..2.
+template <int D> __device__ __forceinline__ int dv_copy_token(int q) {
+  if constexpr (D == 128) return 8 * (q >> 3) + ((q & 7) >> 1) + 4 * (q & 1);
+  else return 2 * (q & 3) + ((q >> 2) & 1) + 8 * (q >> 3);
+}
+// rows between chunk 0 and chunk i of a lane (K: token order; V: the copy order above)
+template <int D> __host__ __device__ constexpr int dk_step(int i) { return (32 / (D / 32)) * i; }
+template <int D> __host__ __device__ constexpr int dv_step(int i) {
+  return D == 128 ? 8 * i : (i & 1) + 8 * (i >> 1);
+}
+
+// ---- movmatrix.sync.aligned.m8n8.trans.b16 ------------------------------------------------
+// Transposes an 8x8 matrix of 16-bit elements held as an MMA fragment: in, lane 4g+t holds
+// row g, columns 2t, 2t+1; out, it holds row g, columns 2t, 2t+1 of the transpose.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// One FP4 word of a K row -> 4 fp16x2 A-fragment words: elements (e0,e2) (e4,e6) (e1,e3) (e5,e7)
+// (the general kernel's B-fragment order).
+__device__ __forceinline__ void decode_k_word(uint32_t x, uint32_t (&h)[4]) {
+  uint32_t lo, hi;
+  fp4x8_to_f16hi8(x, lo, hi);
+  f16hi4_to_f16x2x2(lo, h[0], h[1]);
+  f16hi4_to_f16x2x2(hi, h[2], h[3]);
+}
+// The same FP4 word (8 head-dim elements) of two tokens a, b -> e[i] = fp16x2 (a_i, b_i).
+__device__ __forceinline__ void decode_v_pair(uint32_t a, uint32_t b, uint32_t (&e)[8]) {
+  uint32_t l0, h0, l1, h1;
+  fp4x8_to_f16hi8(prmt(a, b, 0x5140u), l0, h0);  // nibbles a0 a1 b0 b1 a2 a3 b2 b3
+  fp4x8_to_f16hi8(prmt(a, b, 0x7362u), l1, h1);
+  f16hi4_to_f16x2x2(l0, e[0], e[2]);
+  f16hi4_to_f16x2x2(h0, e[1], e[3]);
+  f16hi4_to_f16x2x2(l1, e[4], e[6]);
+  f16hi4_to_f16x2x2(h1, e[5], e[7]);
+}
+
+// grid (num_seqs, num_kv_heads, num_partitions), block 32 * DECODE_WARPS, dynamic smem
+// DecodeLayout<D>::TOTAL bytes. Requires cu_query_lens == nullptr and group_size <= 8.
+template <int D, typename T>
+__global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::decode_min_blocks(D))
+    paged_attention_fp4_decode_kernel(const AttnParams p) {
+  using L = DecodeLayout<D>;
+  constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR, NI = L::NI;
+  constexpr int KW = D / 32;  // FP4 words per thread per K row
+  constexpr int NW = D / 64;  // FP4 words per thread per V row
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int G = p.group_size;
+  const int s = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+  pdl_wait();  // launched as a programmatic dependent (launch_programmatic)
+  pdl_launch_dependents();  // see the general kernel
+
+  // The three loads of the prologue are independent and issued together: seq_len, this
+  // thread's 16 bytes of Q, and the block ids of the warp's first 32 tiles, located from the
+  // partition start (a sliding window that starts later relocates them below).
+  const int seq_len = __ldg(p.seq_lens + s);
+  const int P = p.partition_size, nparts = p.num_partitions;
+  static_assert(8 * D / 8 <= 32 * L::W, "one 16-byte Q chunk per thread");
+  const int q_r = tid / (D / 8), q_col = (tid % (D / 8)) * 8;  // Q chunk: head q_r, 8 elements
+  uint4 q_v = make_uint4(0, 0, 0, 0);
+  if (q_r < G)
+    q_v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) + s * p.q_stride_tok +
+                                          (kvh * G + q_r) * p.q_stride_head + q_col);
+  const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
+  const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
+  const uint32_t blk_stride = (uint32_t)p.kc_stride_blk;  // == vc_stride_blk (binding checks)
+  // tile k of this warp, counted from tile_first: byte offset of its first token row in the kv
+  // head's cache (~0 for a block id out of range) and its first scale row
+  // (block * block_size + offset). Unused tiles may be located: the block table row is read
+  // only below max_blocks_per_seq.
+  auto locate = [&](int tf, int k, unsigned long long& toff, uint32_t& srow) {
+    const int t0 = (tf + warp + L::W * k) * 16;
+    const int col = t0 >> lbs;
+    const int b = col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
+    toff = ~0ull;
+    srow = 0;
+    if (b < 0 || b >= p.num_blocks) return;
+    toff = (unsigned long long)(uint32_t)b * blk_stride + (uint32_t)((t0 & bs_mask) * ROW);
+    srow = ((uint32_t)b << lbs) + (uint32_t)(t0 & bs_mask);
+  };
+  unsigned long long toff_l;
+  uint32_t srow_l;
+  locate((part * P) >> 4, lane, toff_l, srow_l);
+
+  // the query token (position seq_len - 1) sees keys [lo, seq_len - 1]
+  const int lo = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
+  const int r_lo = max(lo, part * P), r_hi = min(seq_len, part * P + P);  // [r_lo, r_hi)
+
+  // constant rows (empty partition: 0 / (-inf, 0); bad block id: NaN)
+  auto write_const_rows = [&](float oval, float mval, float lval) {
+    for (int i = tid; i < G * D; i += blockDim.x) {
+      const int r = i / D, d = i % D, head = kvh * G + r;
+      if (nparts == 1) {
+        T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head;
+        o[d] = from_float<T>(oval);
+      } else {
+        const size_t idx = ((size_t)s * p.num_heads + head) * nparts + part;
+        if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
+        if (d == 0) p.tmp_ml[idx] = make_float2(mval, lval);
+      }
+    }
+  };
+  if (r_lo >= r_hi) {
+    write_const_rows(0.f, -INFINITY, 0.f);
+    return;
+  }
+  int* misc = reinterpret_cast<int*>(smem + L::OFF_MISC);
+  float* mS = reinterpret_cast<float*>(smem + L::OFF_M);
+  float* lS = reinterpret_cast<float*>(smem + L::OFF_L);
+  if (tid == 0) {
+    misc[0] = 0;  // Q amax bits
+    misc[1] = 0;  // a block id was out of range
+  }
+
+  // ---- tiles of this warp (the lanes hold where tiles kc .. kc + 31 are) ----
+  const int tile_first = r_lo >> 4;
+  const int ntiles = ((r_hi - 1) >> 4) - tile_first + 1;
+  const int my_n = ntiles > warp ? (ntiles - warp + L::W - 1) / L::W : 0;
+  const int Hkv = p.num_kv_heads;
+  if (tile_first != (part * P) >> 4) locate(tile_first, lane, toff_l, srow_l);  // window start
+  int kc = 0;
+  bool bad = false;
+
+  // ---- per-lane copy offsets (chunk 0; chunk i is dk_step / dv_step rows further) ----
+  const int q0 = lane / CPR, j0 = lane % CPR;
+  const int vt = dv_copy_token<D>(q0);
+  const uint32_t k_dst = q0 * ROW + ((j0 ^ dk_swz<D>(q0)) * 16);
+  const uint32_t v_dst = L::KV_TILE + dv_row<D>(vt) * ROW + ((j0 ^ dv_swz<D>(vt)) * 16);
+  const int s_tok = lane & 15;  // scale word: K of token s_tok (lanes 0-15), V (lanes 16-31)
+  const uint32_t s_dst = 2 * L::KV_TILE + 16 * (s_tok & 7) + 4 * (s_tok >> 3) + ((lane & 16) >> 1);
+  const uint8_t* s_base = (lane < 16 ? p.key_scales : p.value_scales) + (long long)s_tok * Hkv + kvh;
+  const uint8_t* k_base = p.key_cache + kvh * p.kc_stride_head + q0 * ROW + j0 * 16;
+  const uint8_t* v_base = p.value_cache + kvh * p.vc_stride_head + vt * ROW + j0 * 16;
+  const uint32_t pipe_s = (uint32_t)__cvta_generic_to_shared(smem + warp * ST * L::STAGE);
+  uint32_t st_issue = 0;
+  auto issue = [&](int k) {
+    if (k >= kc + 32) {  // past 32 tiles (a partition of 4096 tokens, a window start)
+      kc += 32;
+      locate(tile_first, kc + lane, toff_l, srow_l);
+    }
+    const unsigned long long toff = __shfl_sync(0xffffffffu, toff_l, k - kc);
+    const uint32_t srow = __shfl_sync(0xffffffffu, srow_l, k - kc);
+    const uint32_t st = pipe_s + st_issue * L::STAGE;
+    st_issue = (st_issue + 1 == ST) ? 0 : st_issue + 1;
+    if (toff == ~0ull) { bad = true; return; }
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      cp_async_16(st + k_dst + dk_step<D>(i) * ROW, k_base + toff + dk_step<D>(i) * ROW);
+      cp_async_16(st + v_dst + dv_step<D>(i) * ROW, v_base + toff + dv_step<D>(i) * ROW);
+    }
+    cp_async_4(st + s_dst, reinterpret_cast<const void*>((uintptr_t)(s_base + (unsigned long long)srow * (uint32_t)Hkv) & ~(uintptr_t)3));
+  };
+#pragma unroll
+  for (int k = 0; k < ST - 1; ++k) {
+    if (k < my_n) issue(k);
+    cp_async_commit();
+  }
+
+  // ---- Q: G rows (padded to 8), tile amax, power-of-two prescale, fp16 B fragments ----
+  T* qraw = reinterpret_cast<T*>(smem + L::OFF_QRAW);
+  unsigned amax_bits = 0;
+  if (q_r < 8) {
+    *reinterpret_cast<uint4*>(qraw + q_r * D + q_col) = q_v;
+    const T* e = reinterpret_cast<const T*>(&q_v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, __float_as_uint(fabsf(to_float(e[i]))));
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, o));
+  __syncthreads();
+  if (lane == 0) atomicMax(reinterpret_cast<unsigned*>(misc), amax_bits);
+  __syncthreads();
+  amax_bits = reinterpret_cast<unsigned*>(misc)[0];
+  int qexp = 0;
+  if (amax_bits != 0 && amax_bits < 0x7f800000u) {
+    int E;
+    frexpf(__uint_as_float(amax_bits), &E);
+    qexp = min(max(15 - E, -100), 100);
+  }
+  const float qmul = pow2i(qexp);
+  uint2* qf = reinterpret_cast<uint2*>(smem + L::OFF_QFRAG);
+  for (int idx = tid; idx < (D / 16) * 32; idx += blockDim.x) {
+    const int ks = idx >> 5, gg = (idx & 31) >> 2, tt = idx & 3;
+    // B fragment of k-step ks: Q^T rows (slots) 2t, 2t+1 | 2t+8, 2t+9 of head gg, in the
+    // permutation of decode_k_word
+    const int E0 = tt * (D / 4) + 8 * (ks >> 1) + (ks & 1);
+    const int A1 = 2, B0 = 4;
+    auto q = [&](int d) { return to_float(qraw[gg * D + d]) * qmul; };
+    qf[idx] = make_uint2(pack_f16x2(q(E0), q(E0 + A1)), pack_f16x2(q(E0 + B0), q(E0 + B0 + A1)));
+  }
+  __syncthreads();
+  constexpr bool QREG = D <= tuning::DECODE_QREG_MAX_D;
+  uint32_t qb[QREG ? D / 16 : 1][2];
+  if constexpr (QREG) {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint2 f = qf[ks * 32 + lane];
+      qb[ks][0] = f.x;
+      qb[ks][1] = f.y;
+    }
+  }
+
+  const bool cap = p.soft_cap > 0.f;
+  const float LOG2E = 1.4426950408889634f;
+  // logit = acc * 2^(b-127) * kmul (see the general kernel)
+  const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
+  const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
+  const uint32_t k_sel = 0x4440u | (uint32_t)(((uintptr_t)p.key_scales + kvh + g * Hkv) & 3);
+  const uint32_t v_sel = 0x4440u | (uint32_t)(((uintptr_t)p.value_scales + kvh + g * Hkv) & 3);
+  constexpr float SLACK = (float)tuning::RESCALE_SLACK;
+
+  float acc[D / 16][4];
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  // per head 2t, 2t+1: reference maximum (-inf: none yet), the same with -inf -> 0 (used in
+  // exp2), the fast-path threshold, and this thread's share of the row sum
+  float m_ref[2] = {-INFINITY, -INFINITY}, m_use[2] = {0.f, 0.f}, m_thr[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  int VM = 0;  // running maximum V-scale byte of the warp's visible tokens
+
+  uint32_t st_comp = 0;
+  for (int k = 0; k < my_n; ++k) {
+    if (k + ST - 1 < my_n) issue(k + ST - 1);
+    cp_async_commit();
+    cp_async_wait<ST - 1>();
+    __syncwarp();
+    const uint8_t* st = smem + (warp * ST + st_comp) * L::STAGE;
+    st_comp = (st_comp + 1 == ST) ? 0 : st_comp + 1;
+    const int t0 = (tile_first + warp + L::W * k) * 16;
+    const bool need_mask = (t0 < r_lo) || (t0 + 16 > r_hi);
+
+    const uint4 sw = *reinterpret_cast<const uint4*>(st + 2 * L::KV_TILE + 16 * g);
+    uint32_t kb0 = prmt(sw.x, 0, k_sel), kb1 = prmt(sw.y, 0, k_sel);  // tokens g, g+8
+    uint32_t vb0 = prmt(sw.z, 0, v_sel), vb1 = prmt(sw.w, 0, v_sel);
+
+    // ---- S^T = K Q^T ----
+    uint32_t ka[KW], kb[KW];  // this thread's slice of token rows g, g+8
+    {
+      const uint8_t* r0 = st + g * ROW;
+      const uint8_t* r1 = st + (g + 8) * ROW;
+      if constexpr (D == 64) {
+        const uint2 a = *reinterpret_cast<const uint2*>(r0 + t4 * 8), b = *reinterpret_cast<const uint2*>(r1 + t4 * 8);
+        ka[0] = a.x; ka[1] = a.y; kb[0] = b.x; kb[1] = b.y;
+      } else if constexpr (D == 128) {
+        const uint4 a = *reinterpret_cast<const uint4*>(r0 + t4 * 16), b = *reinterpret_cast<const uint4*>(r1 + t4 * 16);
+        ka[0] = a.x; ka[1] = a.y; ka[2] = a.z; ka[3] = a.w;
+        kb[0] = b.x; kb[1] = b.y; kb[2] = b.z; kb[3] = b.w;
+      } else {
+        const int sw0 = ((2 * t4) ^ dk_swz<D>(g)) * 16, sw1 = ((2 * t4 + 1) ^ dk_swz<D>(g)) * 16;
+        const uint4 a0 = *reinterpret_cast<const uint4*>(r0 + sw0), a1 = *reinterpret_cast<const uint4*>(r0 + sw1);
+        const uint4 b0 = *reinterpret_cast<const uint4*>(r1 + sw0), b1 = *reinterpret_cast<const uint4*>(r1 + sw1);
+        ka[0] = a0.x; ka[1] = a0.y; ka[2] = a0.z; ka[3] = a0.w; ka[4] = a1.x; ka[5] = a1.y; ka[6] = a1.z; ka[7] = a1.w;
+        kb[0] = b0.x; kb[1] = b0.y; kb[2] = b0.z; kb[3] = b0.w; kb[4] = b1.x; kb[5] = b1.y; kb[6] = b1.z; kb[7] = b1.w;
+      }
+    }
+    float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};  // even / odd k-steps
+#pragma unroll
+    for (int w = 0; w < KW; ++w) {
+      uint32_t h0[4], h1[4];
+      decode_k_word(ka[w], h0);
+      decode_k_word(kb[w], h1);
+      const uint32_t a_even[4] = {h0[0], h1[0], h0[1], h1[1]};
+      const uint32_t a_odd[4] = {h0[2], h1[2], h0[3], h1[3]};
+      if constexpr (QREG) {
+        mma_m16n8k16_f16(sa, a_even, qb[2 * w][0], qb[2 * w][1]);
+        mma_m16n8k16_f16(sb, a_odd, qb[2 * w + 1][0], qb[2 * w + 1][1]);
+      } else {
+        const uint2 f0 = qf[(2 * w) * 32 + lane], f1 = qf[(2 * w + 1) * 32 + lane];
+        mma_m16n8k16_f16(sa, a_even, f0.x, f0.y);
+        mma_m16n8k16_f16(sb, a_odd, f1.x, f1.y);
+      }
+    }
+    // x[0] token g head 2t, x[1] token g head 2t+1, x[2] token g+8 head 2t, x[3] token g+8 head 2t+1
+    float x[4];
+    {
+      const float kf0 = __int_as_float(kb0 << 23) * kmul, kf1 = __int_as_float(kb1 << 23) * kmul;
+      x[0] = (sa[0] + sb[0]) * kf0;
+      x[1] = (sa[1] + sb[1]) * kf0;
+      x[2] = (sa[2] + sb[2]) * kf1;
+      x[3] = (sa[3] + sb[3]) * kf1;
+    }
+    if (cap) {  // warp-uniform
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = cap_v * tanhf(x[i] * inv_cap) * LOG2E;
+    }
+    const bool odd = (fmaxf(x[0], x[2]) > m_thr[0]) || (fmaxf(x[1], x[3]) > m_thr[1]) ||
+                     (max(vb0, vb1) > (uint32_t)VM) || (max(kb0, kb1) == 255u);
+    float vf0, vf1;  // V-scale factors of tokens g, g+8 folded into P
+    if (__any_sync(0xffffffffu, odd || need_mask)) {
+      // ---- slow path: NaN scales, masking, exact maxima, rescale ----
+      const float NaN = __int_as_float(0x7fc00000);
+      if (kb0 == 255u) x[0] = x[1] = NaN;
+      if (kb1 == 255u) x[2] = x[3] = NaN;
+      if (need_mask) {
+        const int tok0 = t0 + g, tok1 = t0 + g + 8;
+        if (tok0 < r_lo || tok0 >= r_hi) { x[0] = x[1] = -INFINITY; vb0 = 0u; }
+        if (tok1 < r_lo || tok1 >= r_hi) { x[2] = x[3] = -INFINITY; vb1 = 0u; }
+      }
+      float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
+      int vmax = max(vb0 == 255u ? 0 : (int)vb0, vb1 == 255u ? 0 : (int)vb1);
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
+        mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
+        vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, o));
+      }
+      const int VM_new = max(VM, vmax);
+      const float vr = pow2i(VM - VM_new);
+      float f[2];
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const float m_new = fmaxf(m_ref[rh], mx[rh]);
+        const float alpha = (m_new == -INFINITY) ? 1.f : fast_exp2(m_ref[rh] - m_new);
+        l_run[rh] *= alpha;
+        f[rh] = alpha * vr;
+        m_ref[rh] = m_new;
+        m_use[rh] = (m_new == -INFINITY) ? 0.f : m_new;
+        m_thr[rh] = m_new + SLACK;
+      }
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        acc[j][0] *= f[0]; acc[j][1] *= f[1]; acc[j][2] *= f[0]; acc[j][3] *= f[1];
+      }
+      VM = VM_new;
+      vf0 = vb0 == 255u ? NaN : __int_as_float(max((int)vb0 - VM + 142 - TQ_SLACK, 0) << 23);
+      vf1 = vb1 == 255u ? NaN : __int_as_float(max((int)vb1 - VM + 142 - TQ_SLACK, 0) << 23);
+    } else {
+      vf0 = __int_as_float(max((int)vb0 - VM + 142 - TQ_SLACK, 0) << 23);
+      vf1 = __int_as_float(max((int)vb1 - VM + 142 - TQ_SLACK, 0) << 23);
+    }
+    // ---- P' (fp16), transposed into the B fragments of O^T = V^T P^T ----
+    uint32_t pb0, pb1;
+    {
+      const float p0 = fast_exp2(x[0] - m_use[0]), p1 = fast_exp2(x[1] - m_use[1]);
+      const float p2 = fast_exp2(x[2] - m_use[0]), p3 = fast_exp2(x[3] - m_use[1]);
+      l_run[0] += p0 + p2;
+      l_run[1] += p1 + p3;
+      pb0 = movmatrix_trans(pack_f16x2(p0 * vf0, p1 * vf0));
+      pb1 = movmatrix_trans(pack_f16x2(p2 * vf1, p3 * vf1));
+    }
+
+    // ---- O^T += V^T P^T: tokens 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3) ----
+    {
+      uint32_t xv[4][NW];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int tok = 2 * t4 + (q & 1) + 8 * (q >> 1);
+        const int byte = g * (D / 16);
+        const uint8_t* src = st + L::KV_TILE + dv_row<D>(tok) * ROW + (((byte >> 4) ^ dv_swz<D>(tok)) * 16) + (byte & 15);
+        if constexpr (NW == 1) {
+          xv[q][0] = *reinterpret_cast<const uint32_t*>(src);
+        } else if constexpr (NW == 2) {
+          const uint2 a = *reinterpret_cast<const uint2*>(src);
+          xv[q][0] = a.x; xv[q][1] = a.y;
+        } else {
+          const uint4 a = *reinterpret_cast<const uint4*>(src);
+          xv[q][0] = a.x; xv[q][1] = a.y; xv[q][2] = a.z; xv[q][3] = a.w;
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        uint32_t e01[8], e89[8];
+        decode_v_pair(xv[0][w], xv[1][w], e01);
+        decode_v_pair(xv[2][w], xv[3][w], e89);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t a[4] = {e01[i], e01[i + 4], e89[i], e89[i + 4]};
+          mma_m16n8k16_f16(acc[4 * w + i], a, pb0, pb1);
+        }
+      }
+    }
+    __syncwarp();
+  }
+  cp_async_wait<0>();
+
+  // ---- merge the warps ----
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], o);
+  const bool any_bad = __any_sync(0xffffffffu, bad);
+  __syncthreads();  // every warp is done with its pipeline buffers
+  if (any_bad && lane == 0) misc[1] = 1;
+  if (g == 0) {
+    mS[warp * 8 + 2 * t4] = m_ref[0];
+    mS[warp * 8 + 2 * t4 + 1] = m_ref[1];
+    lS[warp * 8 + 2 * t4] = l_run[0];
+    lS[warp * 8 + 2 * t4 + 1] = l_run[1];
+  }
+  {
+    float* mo = reinterpret_cast<float*>(smem);  // [W][8 heads][MROW], natural head-dim order
+    const float osc = pow2i(VM - 142 + TQ_SLACK + TQ_DEC_EXP);  // undo P's and the decode's powers of two
+    float* m0 = mo + (warp * 8 + 2 * t4) * L::MROW + g * (D / 8);
+    float* m1 = m0 + L::MROW;
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) {
+      const int d = 8 * (j >> 2) + (j & 3);
+      m0[d] = acc[j][0] * osc;
+      m1[d] = acc[j][1] * osc;
+      m0[d + 4] = acc[j][2] * osc;
+      m1[d + 4] = acc[j][3] * osc;
+    }
+  }
+  __syncthreads();
+  if (misc[1]) {
+    write_const_rows(__int_as_float(0x7fc00000), 0.f, __int_as_float(0x7fc00000));
+    return;
+  }
+  // warp r writes head r of the group; lane: D/32 consecutive elements
+  const int r = warp;
+  if (r >= G) return;
+  const float* mo = reinterpret_cast<const float*>(smem);
+  float M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < L::W; ++w) M = fmaxf(M, mS[w * 8 + r]);
+  float wt[L::W], Ls = 0.f;
+#pragma unroll
+  for (int w = 0; w < L::W; ++w) {
+    const float mw = mS[w * 8 + r];
+    wt[w] = (mw == -INFINITY) ? 0.f : fast_exp2(mw - M);
+    Ls += (mw == -INFINITY) ? lS[w * 8 + r] * 0.f : wt[w] * lS[w * 8 + r];  // keeps a NaN l
+  }
+  const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
+  constexpr int EPL = D / 32;
+  const int d0 = lane * EPL;
+  float a[EPL];
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < L::W; ++w)
+      if (wt[w] != 0.f || !(wt[w] == wt[w])) v += wt[w] * mo[(w * 8 + r) * L::MROW + d0 + e];
+    a[e] = v * inv;
+  }
+  const int head = kvh * G + r;
+  if (nparts == 1) {
+    T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head + d0;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) o[e] = from_float<T>(a[e]);
+  } else {
+    const size_t idx = ((size_t)s * p.num_heads + head) * nparts + part;
+    float* o = p.tmp_out + idx * D + d0;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) o[e] = a[e];
+    if (lane == 0) p.tmp_ml[idx] = make_float2(M, Ls);
+  }
+}
+
+// The decode kernel applies to single-token queries of groups of at most 8 heads.
+inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_token && group_size <= 8; }
+
+// Host launcher (torch-free): the decode or the general kernel, then the reduce pass when the
+// KV range is split. grid_x = row tiles (general kernel) = num_seqs (decode kernel).
+template <int D, typename T>
+cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
+  cudaError_t e;
+  if (use_decode_kernel(p.cu_query_lens != nullptr, p.group_size)) {
+    using L = DecodeLayout<D>;
+    auto kern = paged_attention_fp4_decode_kernel<D, T>;
+    static bool attr_set = false;  // per instantiation
+    if (!attr_set) {
+      e = set_smem_attributes(kern, L::TOTAL);
+      if (e != cudaSuccess) return e;
+      attr_set = true;
+    }
+    e = launch_programmatic(kern, dim3(p.num_seqs, p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
+                            stream, p);
+  } else {
+    e = launch_general_attention<D, T>(p, grid_x, stream);
+  }
+  if (e != cudaSuccess || p.num_partitions == 1) return e;
+  return launch_reduce<D, T>(p, stream);
+}
+
+}  // namespace cuda_fp4
+}  // namespace turboquant
