@@ -732,71 +732,77 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   }
 }
 
-// grid (ceil(num_tokens * num_heads / REDUCE_WARPS)), block 32 * REDUCE_WARPS: one warp per
-// (query token, head) combines the num_partitions partials (O/l, m, l) of tmp_out / tmp_ml.
-// The weights of 32 partitions are computed lane-parallel, then 8 partial rows are loaded per
-// step (independent loads in flight, no dependent chain per partition).
+// grid (num_tokens * num_heads), block 32 * REDUCE_WARPS: one CTA per (query token, head)
+// combines the num_partitions partials (O/l, m, l) of tmp_out / tmp_ml. Warp w takes partitions
+// w, w + REDUCE_WARPS, ...; it loads its first REDUCE_BATCH partial rows together with the
+// (m, l) words (no dependency between them), so one round of loads covers up to
+// REDUCE_WARPS * REDUCE_BATCH partitions; the warps' sums meet in shared memory.
 template <int D, typename T>
 __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_reduce_kernel(const AttnParams p) {
+  constexpr int NWR = tuning::REDUCE_WARPS, NB = tuning::REDUCE_BATCH;
+  constexpr int EPL = D / 32;  // elements per lane
+  __shared__ float part_sum[NWR][D];
   pdl_wait();  // the attention grid's partials are complete and visible
-  const int lane = threadIdx.x & 31;
-  const long long item = (long long)blockIdx.x * tuning::REDUCE_WARPS + (threadIdx.x >> 5);
-  if (item >= (long long)p.num_tokens * p.num_heads) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long item = blockIdx.x;
   const int tok = (int)(item / p.num_heads), head = (int)(item % p.num_heads);
   const int NP = p.num_partitions;
   const float2* ml = p.tmp_ml + item * NP;
-  constexpr int EPL = D / 32;  // elements per lane
   const float* src = p.tmp_out + item * NP * D + lane * EPL;
-  // 8 partial rows at a time; an empty partition's row was never written and is loaded but
-  // not used (its weight is 0)
-  float o8[8][EPL];
-  auto load8 = [&](int j0) {
+  // partial rows warp + NWR * (j0 + j), j < NB; an empty partition's row was never written and
+  // is loaded but not used (its weight is 0)
+  float ob[NB][EPL];
+  auto load_rows = [&](int j0) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NB; ++j) {
+      const int i = warp + NWR * (j0 + j);
 #pragma unroll
       for (int e = 0; e < EPL; e += 2) {
         float2 o = make_float2(0.f, 0.f);
-        if (j0 + j < NP) o = *reinterpret_cast<const float2*>(src + (size_t)(j0 + j) * D + e);
-        o8[j][e] = o.x;
-        o8[j][e + 1] = o.y;
+        if (i < NP) o = *reinterpret_cast<const float2*>(src + (size_t)i * D + e);
+        ob[j][e] = o.x;
+        ob[j][e + 1] = o.y;
       }
+    }
   };
-  load8(0);  // issued together with the (m, l) loads below
+  load_rows(0);
   float M = -INFINITY;
   for (int i = lane; i < NP; i += 32) M = fmaxf(M, ml[i].x);
 #pragma unroll
   for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  // weight of partition i: 0 for empty ones; a NaN l stays NaN
+  auto weight = [&](int i) -> float {
+    if (i >= NP) return 0.f;
+    const float2 v = ml[i];
+    return (v.x == -INFINITY) ? v.y * 0.f : fast_exp2(v.x - M) * v.y;
+  };
+  float Ls = 0.f;
+  for (int i = lane; i < NP; i += 32) Ls += weight(i);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) Ls += __shfl_xor_sync(0xffffffffu, Ls, o);
   float a[EPL];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) a[e] = 0.f;
-  float Ls = 0.f;
-  for (int i0 = 0; i0 < NP; i0 += 32) {
-    // lane i: weight of partition i0 + i (0 for empty ones; a NaN l stays NaN)
-    float w = 0.f;
-    if (i0 + lane < NP) {
-      const float2 v = ml[i0 + lane];
-      w = (v.x == -INFINITY) ? v.y * 0.f : fast_exp2(v.x - M) * v.y;
-    }
-    float wsum = w;
+  for (int j0 = 0; warp + NWR * j0 < NP; j0 += NB) {
+    if (j0 > 0) load_rows(j0);
 #pragma unroll
-    for (int o = 16; o; o >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, o);
-    Ls += wsum;
-    const int n = min(32, NP - i0);
-    for (int j0 = 0; j0 < n; j0 += 8) {
-      if (i0 + j0 > 0) load8(i0 + j0);
+    for (int j = 0; j < NB; ++j) {
+      const float w = weight(warp + NWR * (j0 + j));  // the same address in every lane: one load
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float wj = __shfl_sync(0xffffffffu, w, (j0 + j) & 31);
-        if (j0 + j >= n) wj = 0.f;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) a[e] += (wj != 0.f || wj != wj) ? wj * o8[j][e] : 0.f;
-      }
+      for (int e = 0; e < EPL; ++e) a[e] += (w != 0.f || w != w) ? w * ob[j][e] : 0.f;
     }
   }
-  const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;
-  T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + lane * EPL;
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) o[e] = from_float<T>(a[e] * inv);
+  for (int e = 0; e < EPL; ++e) part_sum[warp][lane * EPL + e] = a[e];
+  __syncthreads();
+  const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;
+  T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+  for (int d = threadIdx.x; d < D; d += 32 * NWR) {
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWR; ++w) v += part_sum[w][d];
+    o[d] = from_float<T>(v * inv);
+  }
 }
 
 // Dynamic shared memory above 48 KB, and the largest shared-memory carveout so that registers,
@@ -857,8 +863,7 @@ cudaError_t launch_general_attention(const AttnParams& p, int grid_x, cudaStream
 template <int D, typename T>
 cudaError_t launch_reduce(const AttnParams& p, cudaStream_t stream) {
   const long long items = (long long)p.num_tokens * p.num_heads;
-  const int blocks = (int)((items + tuning::REDUCE_WARPS - 1) / tuning::REDUCE_WARPS);
-  return launch_programmatic(paged_attention_reduce_kernel<D, T>, dim3(blocks), dim3(32 * tuning::REDUCE_WARPS), 0,
+  return launch_programmatic(paged_attention_reduce_kernel<D, T>, dim3((unsigned)items), dim3(32 * tuning::REDUCE_WARPS), 0,
                              stream, p);
 }
 

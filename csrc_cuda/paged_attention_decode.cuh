@@ -136,7 +136,7 @@ __device__ __forceinline__ void decode_v_pair(uint32_t a, uint32_t b, uint32_t (
 // grid (num_seqs, num_kv_heads, num_partitions), block 32 * DECODE_WARPS, dynamic smem
 // DecodeLayout<D>::TOTAL bytes. Requires cu_query_lens == nullptr and group_size <= 8.
 template <int D, typename T>
-__global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::decode_min_blocks(D))
+__global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_BLOCKS)
     paged_attention_fp4_decode_kernel(const AttnParams p) {
   using L = DecodeLayout<D>;
   constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR, NI = L::NI;

@@ -51,6 +51,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   TORCH_CHECK(key_scales.is_contiguous() && value_scales.is_contiguous(), "scales must be contiguous");
   TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0) && key_cache.stride(0) < (1LL << 31),
               "key_cache/value_cache: expected equal block strides below 2^31 bytes");
+  TORCH_CHECK((long long)num_blocks * bs <= (1LL << 32), "key_cache: at most 2^32 token slots (num_blocks * block_size)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables/seq_lens: expected int32");
   TORCH_CHECK(block_tables.stride(1) == 1, "block_tables: rows must be contiguous");
@@ -77,7 +78,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   namespace tn = turboquant::tuning;
   const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
   int P = tq::use_decode_kernel(multi, G)
-              ? tn::choose_partition_size(msl, base_ctas, sms, tn::DECODE_WARPS, tn::decode_min_blocks(D))
+              ? tn::choose_partition_size(msl, base_ctas, sms, tn::DECODE_WARPS, tn::DECODE_MIN_BLOCKS)
               : tn::choose_partition_size(msl, base_ctas, sms);
   int nparts = std::max(1, (msl + P - 1) / P);
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");

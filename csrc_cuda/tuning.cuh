@@ -104,31 +104,37 @@ constexpr int MAX_BT_ENTRIES = MAX_PARTITION / ATTN_TILE + 2;
 #define TQ_DECODE_WARPS 8
 #endif
 constexpr int DECODE_WARPS = TQ_DECODE_WARPS;
-// cp.async ring depth per warp.
-// Example D=128: 3 stages x (2 x 1024 + 128) B x 8 warps = 52 KB per CTA, so three CTAs
-// (24 warps, 2 x 16 x 130 B = 4.2 KB in flight per warp, ~100 KB per SM) fit the 227 KB of an
-// H100 SM; 4 stages (70 KB) would allow only two.
+// cp.async ring depth per warp (STAGES - 1 tiles in flight while one is computed).
+// Example D=128: 3 x (2 x 1024 + 128) B x 8 warps = 52 KB per CTA, 2 CTAs per SM (the register
+// limit below): 16 warps x 2 x 16 x 130 B = 67 KB in flight per SM. Measured on H100 (CUDA
+// graph, 32/8/128): batch 64 x 4k 107.0 us with 3 stages, 110.1 with 4 (same call, noise ~2%).
 #ifndef TQ_DECODE_STAGES
 #define TQ_DECODE_STAGES 3
 #endif
 template <int D> struct DecodeStages { static constexpr int value = TQ_DECODE_STAGES; };
-// CTAs per SM asked of the register allocator. Example D=128: O^T is 32 fp32 registers and Q^T
-// 16, so 3 CTAs x 256 threads (at most 85 -> 80 registers) fit without spills; D=256 (64 + 32
-// registers) takes 2 (128 registers).
+// CTAs per SM asked of the register allocator. Example D=128: the kernel takes ~122 registers
+// at 2 CTAs x 256 threads (16 warps per SM). At 3 CTAs (80 registers) ptxas spills 88 bytes
+// inside the key loop; measured on H100: batch 64 x 4k 160.4 us vs 107.0 us, so 2 it is.
 #ifndef TQ_DECODE_MIN_BLOCKS
 #define TQ_DECODE_MIN_BLOCKS 2
 #endif
 // Q^T fragments live in registers for head dims up to this (D/8 registers), else they are
 // re-read from shared memory (one 8-byte load per lane per MMA k-step).
+// Example: D=128 holds 16 registers of Q^T; D=256 would need 32 and spilled 80 bytes at the
+// 128-register limit, so D=256 re-reads them.
 #ifndef TQ_DECODE_QREG_MAX_D
 #define TQ_DECODE_QREG_MAX_D 128
 #endif
 constexpr int DECODE_QREG_MAX_D = TQ_DECODE_QREG_MAX_D;
-constexpr int decode_min_blocks(int D) { return D >= 256 ? 2 : TQ_DECODE_MIN_BLOCKS; }
+constexpr int DECODE_MIN_BLOCKS = TQ_DECODE_MIN_BLOCKS;
 
-// Reduce pass: one warp per (query token, head), this many warps per CTA.
-// Example: 64 tokens x 32 heads = 2048 warps -> 512 CTAs of 128 threads.
+// Reduce pass: one CTA of REDUCE_WARPS warps per (query token, head); each warp loads
+// REDUCE_BATCH partial rows per round (D/32 floats per lane each).
+// Example batch 1 x 32k (32 partitions, 32 heads): 32 CTAs, every warp loads its 8 rows in one
+// round (32 registers per lane at D=128) instead of one warp walking 32 rows in 4 dependent
+// rounds.
 constexpr int REDUCE_WARPS = 4;
+constexpr int REDUCE_BATCH = 8;
 
 inline int choose_partition_size(int max_seq_len, int base_ctas, int num_sms, int warps = ATTN_WARPS,
                                  int ctas_per_sm = TARGET_CTAS_PER_SM) {

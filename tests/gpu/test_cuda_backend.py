@@ -71,10 +71,12 @@ def test_backend_listed_and_selected():
     assert registry.select("auto", "attention", call).name == "cuda"
 
 
+# 8 / 2 heads (G = 4) runs the decode kernel, 32 / 2 (G = 16) the general kernel
+@pytest.mark.parametrize("hq", [8, 32])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
-def test_head_dims_block_sizes(d, bs):
-    prob, q, _ = _problem([1, 54, 97, 0, 300, 17], 8, 2, d, bs, seed=d + bs)
+def test_head_dims_block_sizes(d, bs, hq):
+    prob, q, _ = _problem([1, 54, 97, 0, 300, 17], hq, 2, d, bs, seed=d + bs + hq)
     _compare(_run("cuda", prob, q), _run("reference", prob, q))
 
 
