@@ -164,23 +164,25 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
   const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
   const uint32_t blk_stride = (uint32_t)p.kc_stride_blk;  // == vc_stride_blk (binding checks)
-  // tile k of this warp, counted from tile_first: byte offset of its first token row in the kv
-  // head's cache (~0 for a block id out of range) and its first scale row
-  // (block * block_size + offset). Unused tiles may be located: the block table row is read
-  // only below max_blocks_per_seq.
-  auto locate = [&](int tf, int k, unsigned long long& toff, uint32_t& srow) {
-    const int t0 = (tf + warp + L::W * k) * 16;
-    const int col = t0 >> lbs;
+  // tile k of this warp, counted from tile_first tf: its block id (-1 if out of range; unused
+  // tiles may be looked up: the block table row is read only below max_blocks_per_seq), then
+  // the byte offset of its first token row in the kv head's cache (~0 for a bad id) and its
+  // first scale row (block * block_size + offset)
+  auto load_bid = [&](int tf, int k) -> int {
+    const int col = ((tf + warp + L::W * k) * 16) >> lbs;
     const int b = col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
-    toff = ~0ull;
-    srow = 0;
-    if (b < 0 || b >= p.num_blocks) return;
-    toff = (unsigned long long)(uint32_t)b * blk_stride + (uint32_t)((t0 & bs_mask) * ROW);
-    srow = ((uint32_t)b << lbs) + (uint32_t)(t0 & bs_mask);
+    return (b < 0 || b >= p.num_blocks) ? -1 : b;
   };
+  auto locate = [&](int tf, int k, int b, unsigned long long& toff, uint32_t& srow) {
+    const int off = ((tf + warp + L::W * k) * 16) & bs_mask;
+    toff = b < 0 ? ~0ull : (unsigned long long)(uint32_t)b * blk_stride + (uint32_t)(off * ROW);
+    srow = ((uint32_t)max(b, 0) << lbs) + (uint32_t)off;
+  };
+  // the lanes hold tiles kc + lane (located) and kc + 32 + lane (block id, prefetched)
+  int bid_nxt = load_bid((part * P) >> 4, 32 + lane);
   unsigned long long toff_l;
   uint32_t srow_l;
-  locate((part * P) >> 4, lane, toff_l, srow_l);
+  locate((part * P) >> 4, lane, load_bid((part * P) >> 4, lane), toff_l, srow_l);
 
   // the query token (position seq_len - 1) sees keys [lo, seq_len - 1]
   const int lo = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
@@ -217,7 +219,10 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int ntiles = ((r_hi - 1) >> 4) - tile_first + 1;
   const int my_n = ntiles > warp ? (ntiles - warp + L::W - 1) / L::W : 0;
   const int Hkv = p.num_kv_heads;
-  if (tile_first != (part * P) >> 4) locate(tile_first, lane, toff_l, srow_l);  // window start
+  if (tile_first != (part * P) >> 4) {  // a window start: relocate
+    locate(tile_first, lane, load_bid(tile_first, lane), toff_l, srow_l);
+    bid_nxt = load_bid(tile_first, 32 + lane);
+  }
   int kc = 0;
   bool bad = false;
 
@@ -234,9 +239,10 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const uint32_t pipe_s = (uint32_t)__cvta_generic_to_shared(smem + warp * ST * L::STAGE);
   uint32_t st_issue = 0;
   auto issue = [&](int k) {
-    if (k >= kc + 32) {  // past 32 tiles (a partition of 4096 tokens, a window start)
+    if (k >= kc + 32) {  // the next 32 tiles: locate the prefetched ids, prefetch the next
       kc += 32;
-      locate(tile_first, kc + lane, toff_l, srow_l);
+      locate(tile_first, kc + lane, bid_nxt, toff_l, srow_l);
+      bid_nxt = load_bid(tile_first, kc + 32 + lane);
     }
     const unsigned long long toff = __shfl_sync(0xffffffffu, toff_l, k - kc);
     const uint32_t srow = __shfl_sync(0xffffffffu, srow_l, k - kc);

@@ -77,9 +77,8 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   const int msl = (int)std::max<int64_t>(max_seq_len, 0);
   namespace tn = turboquant::tuning;
   const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
-  int P = tq::use_decode_kernel(multi, G)
-              ? tn::choose_partition_size(msl, base_ctas, sms, tn::DECODE_WARPS, tn::DECODE_MIN_BLOCKS)
-              : tn::choose_partition_size(msl, base_ctas, sms);
+  int P = tq::use_decode_kernel(multi, G) ? tn::choose_decode_partition_size(msl, base_ctas, sms)
+                                          : tn::choose_partition_size(msl, base_ctas, sms);
   int nparts = std::max(1, (msl + P - 1) / P);
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 

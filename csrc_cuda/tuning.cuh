@@ -136,9 +136,10 @@ constexpr int DECODE_MIN_BLOCKS = TQ_DECODE_MIN_BLOCKS;
 constexpr int REDUCE_WARPS = 4;
 constexpr int REDUCE_BATCH = 8;
 
-inline int choose_partition_size(int max_seq_len, int base_ctas, int num_sms, int warps = ATTN_WARPS,
-                                 int ctas_per_sm = TARGET_CTAS_PER_SM) {
-  const int step = warps * ATTN_TILE;
+// General kernel (see the examples above).
+inline int choose_partition_size(int max_seq_len, int base_ctas, int num_sms) {
+  const int step = ATTN_WARPS * ATTN_TILE;
+  const int ctas_per_sm = TARGET_CTAS_PER_SM;
   if (base_ctas < 1) base_ctas = 1;
   long long want = (long long)num_sms * ctas_per_sm;
   long long nparts = (want + base_ctas - 1) / base_ctas;
@@ -164,6 +165,39 @@ constexpr int WRITER_THREADS = 256;
 #define TQ_WRITER_EPT 16
 #endif
 constexpr int WRITER_EPT = TQ_WRITER_EPT;
+
+// Decode kernel: the partition count n that minimizes a wave model of the run time,
+//   cost(n) = ceil(base * n / slots) * (P(n) + CTA_COST) + (n > 1 ? REDUCE_COST : 0),
+//   P(n) = round_up(ceil(max_seq_len / n), DECODE_WARPS * 16) >= MIN_PARTITION,
+// slots = num_SMs * DECODE_MIN_BLOCKS (resident CTAs), P in tokens per CTA (all CTAs stream at
+// the same rate), CTA_COST a CTA's prologue and merge and REDUCE_COST the reduce pass, both in
+// token-equivalents (~1.5 us each on H100, where a CTA streams ~80 tokens per us); ties go to
+// fewer partitions. The decode kernel keeps no block-table slice in shared memory, so P has
+// no upper bound. Examples (H100: 132 SMs x 2 = 264 slots; 32 q / 8 kv heads):
+//   batch 1 x 32k  : base 8    -> n 32: P 1024, 256 CTAs in one wave (cost 1280; n 64: two
+//                                 waves of 512, 1408)
+//   batch 1 x 4k   : base 8    -> n 16: P 256 (the minimum), 128 CTAs
+//   batch 16 x 16k : base 128  -> n 2: P 8192, 256 CTAs in one wave (8448; n 4: two waves of
+//                                 4096, 8576; n 1: 16512)
+//   batch 64 x 4k  : base 512  -> n 1: two waves of 4096 (8448; n 2: four waves of 2048, 8832)
+//   batch 128 x 16k: base 1024 -> n 1: four waves of 16384, no reduce pass
+constexpr int DECODE_CTA_COST = 128, DECODE_REDUCE_COST = 128;
+inline int choose_decode_partition_size(int max_seq_len, int base_ctas, int num_sms) {
+  const long long step = DECODE_WARPS * 16, slots = (long long)num_sms * DECODE_MIN_BLOCKS;
+  const long long L = max_seq_len > 0 ? max_seq_len : 1, base = base_ctas > 0 ? base_ctas : 1;
+  long long best_p = 0, best_cost = 0;
+  const long long n_max = (L + MIN_PARTITION - 1) / MIN_PARTITION;
+  for (long long n = 1; n <= n_max && n <= 4 * slots; ++n) {
+    long long p = (L + n - 1) / n;
+    p = (p + step - 1) / step * step;
+    if (p < MIN_PARTITION) p = MIN_PARTITION;
+    const long long parts = (L + p - 1) / p;
+    const long long cost =
+        (base * parts + slots - 1) / slots * (p + DECODE_CTA_COST) + (parts > 1 ? DECODE_REDUCE_COST : 0);
+    if (best_p == 0 || cost < best_cost) { best_p = p; best_cost = cost; }
+  }
+  return (int)(best_p < (1LL << 30) ? best_p : (1LL << 30));
+}
 
 }  // namespace tuning
 }  // namespace turboquant

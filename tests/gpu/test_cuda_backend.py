@@ -96,6 +96,14 @@ def test_long_context_split_kv():
     _compare(out, _run("reference", prob, q))
 
 
+def test_long_partitions_cross_block_id_batches():
+    """32 sequences of ~12k tokens: no split, so each decode warp walks ~96 tiles and moves to
+    a new batch of 32 prefetched block ids twice (shuffled block table)."""
+    lens = [12288 - 37 * i for i in range(32)]
+    prob, q, _ = _problem(lens, 32, 8, 128, 16, seed=12, spare=0)
+    _compare(_run("cuda", prob, q), _run("reference", prob, q))
+
+
 @pytest.mark.parametrize("hq,hkv,qlens", [
     (32, 8, [3, 8, 1, 2]), (8, 8, [8, 8, 8, 1]), (28, 4, [5, 2, 8, 7]), (64, 8, [4, 1, 8, 3])])
 @pytest.mark.parametrize("window,cap", [(0, 0.0), (64, 0.0), (0, 30.0), (100, 10.0)])
