@@ -175,6 +175,51 @@ __device__ __forceinline__ float pow2i(int n) {
   return 0.f;
 }
 
+// Largest |x| of the 8 elements of a 16-byte chunk, as float bits (monotonic for |x|).
+template <typename T>
+__device__ __forceinline__ unsigned amax8_bits(const uint4& v) {
+  const T* e = reinterpret_cast<const T*>(&v);
+  unsigned m = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = max(m, __float_as_uint(fabsf(to_float(e[i]))));
+  return m;
+}
+
+// CTA-wide Q prescale: e such that the CTA's largest |q| times 2^e lies in [2^14, 2^15) (fp16
+// with headroom; 0 for an all-zero or non-finite Q), from each thread's amax bits. word: a
+// shared word set to 0 before the first __syncthreads of the kernel. Two __syncthreads.
+__device__ __forceinline__ int q_prescale_exponent(unsigned amax_bits, unsigned* word) {
+#pragma unroll
+  for (int o = 16; o; o >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) atomicMax(word, amax_bits);
+  __syncthreads();
+  amax_bits = *word;
+  if (amax_bits == 0 || amax_bits >= 0x7f800000u) return 0;
+  int E;
+  frexpf(__uint_as_float(amax_bits), &E);
+  return min(max(15 - E, -100), 100);
+}
+
+// Merge weights of W per-warp softmax states (m, l) of one row (m[w * stride], l[w * stride]):
+// M = the largest m, wt[w] = 2^(m_w - M); returns the merged l. A warp with nothing visible
+// (m = -inf) weighs 0, but a NaN l (all its logits NaN) is kept.
+template <int W>
+__device__ __forceinline__ float merge_weights(const float* m, const float* l, int stride, float (&wt)[W],
+                                               float& M) {
+  M = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < W; ++w) M = fmaxf(M, m[w * stride]);
+  float Ls = 0.f;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const float mw = m[w * stride];
+    wt[w] = (mw == -INFINITY) ? 0.f : fast_exp2(mw - M);
+    Ls += (mw == -INFINITY) ? l[w * stride] * 0.f : wt[w] * l[w * stride];
+  }
+  return Ls;
+}
+
 // grid (row_tiles, num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem
 // AttnLayout<D>::TOTAL bytes.
 template <int D, typename T>
@@ -381,22 +426,9 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
                                           tok * p.q_stride_tok + head * p.q_stride_head + col);
     }
     *reinterpret_cast<uint4*>(qraw + r * D + col) = v;
-    const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, __float_as_uint(fabsf(to_float(e[i]))));
+    amax_bits = max(amax_bits, amax8_bits<T>(v));
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, o));
-  __syncthreads();
-  if (lane == 0) atomicMax(reinterpret_cast<unsigned*>(misc), amax_bits);
-  __syncthreads();
-  amax_bits = reinterpret_cast<unsigned*>(misc)[0];
-  int qexp = 0;
-  if (amax_bits != 0 && amax_bits < 0x7f800000u) {
-    int E;
-    frexpf(__uint_as_float(amax_bits), &E);
-    qexp = min(max(15 - E, -100), 100);
-  }
+  const int qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(misc));
   const float qmul = pow2i(qexp);
   uint4* qf = reinterpret_cast<uint4*>(smem + L::OFF_QFRAG);
   for (int idx = tid; idx < (D / 16) * 32; idx += blockDim.x) {
@@ -684,17 +716,8 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     const int r = tid / TPR, c8 = tid % TPR, d0 = c8 * DPT;
     int tok, head;
     if (r >= 16 || !row_out(r, tok, head)) return;  // threads 128.. idle (ATTN_WARPS > 4)
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < L::W; ++w) M = fmaxf(M, mS[w * 16 + r]);
-    float wt[L::W], Ls = 0.f;
-#pragma unroll
-    for (int w = 0; w < L::W; ++w) {
-      const float mw = mS[w * 16 + r];
-      wt[w] = (mw == -INFINITY) ? 0.f : fast_exp2(mw - M);
-      // a warp whose logits were all NaN has m = -inf and l = NaN: keep the NaN
-      Ls += (mw == -INFINITY) ? lS[w * 16 + r] * 0.f : wt[w] * lS[w * 16 + r];
-    }
+    float wt[L::W], M;
+    const float Ls = merge_weights(mS + r, lS + r, 16, wt, M);
     const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
     if (nparts == 1) {
       T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;

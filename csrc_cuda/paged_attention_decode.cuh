@@ -267,22 +267,9 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   unsigned amax_bits = 0;
   if (q_r < 8) {
     *reinterpret_cast<uint4*>(qraw + q_r * D + q_col) = q_v;
-    const T* e = reinterpret_cast<const T*>(&q_v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, __float_as_uint(fabsf(to_float(e[i]))));
+    amax_bits = amax8_bits<T>(q_v);
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, o));
-  __syncthreads();
-  if (lane == 0) atomicMax(reinterpret_cast<unsigned*>(misc), amax_bits);
-  __syncthreads();
-  amax_bits = reinterpret_cast<unsigned*>(misc)[0];
-  int qexp = 0;
-  if (amax_bits != 0 && amax_bits < 0x7f800000u) {
-    int E;
-    frexpf(__uint_as_float(amax_bits), &E);
-    qexp = min(max(15 - E, -100), 100);
-  }
+  const int qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(misc));
   const float qmul = pow2i(qexp);
   uint2* qf = reinterpret_cast<uint2*>(smem + L::OFF_QFRAG);
   for (int idx = tid; idx < (D / 16) * 32; idx += blockDim.x) {
@@ -516,16 +503,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int r = warp;
   if (r >= G) return;
   const float* mo = reinterpret_cast<const float*>(smem);
-  float M = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < L::W; ++w) M = fmaxf(M, mS[w * 8 + r]);
-  float wt[L::W], Ls = 0.f;
-#pragma unroll
-  for (int w = 0; w < L::W; ++w) {
-    const float mw = mS[w * 8 + r];
-    wt[w] = (mw == -INFINITY) ? 0.f : fast_exp2(mw - M);
-    Ls += (mw == -INFINITY) ? lS[w * 8 + r] * 0.f : wt[w] * lS[w * 8 + r];  // keeps a NaN l
-  }
+  float wt[L::W], M;
+  const float Ls = merge_weights(mS + r, lS + r, 8, wt, M);
   const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
   constexpr int EPL = D / 32;
   const int d0 = lane * EPL;
