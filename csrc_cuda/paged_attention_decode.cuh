@@ -16,9 +16,10 @@
 //   than one partition the CTA writes partials that paged_attention_reduce_kernel combines.
 // Lane = 4 g + t. Per tile:
 //   S^T[16 x 8] = K[16 x D] Q^T[D x 8]: A = K rows g and g+8 (lane t reads a contiguous D/8-byte
-//     slice of each and decodes it in registers; D/16 k-steps), B = Q^T fragments held in
-//     registers for the whole loop (D/16 x 2 words, same reduction-dimension permutation as
-//     the general kernel). C: thread holds tokens g, g+8 x heads 2t, 2t+1.
+//     slice of each and decodes it in registers; D/16 k-steps), B = Q^T fragments built once
+//     per CTA (D/16 x 2 words, same reduction-dimension permutation as the general kernel; in
+//     registers up to DECODE_QREG_MAX_D, else re-read from shared memory). C: thread holds
+//     tokens g, g+8 x heads 2t, 2t+1.
 //   Softmax in the exp2 domain with lazy rescaling (tuning.cuh RESCALE_SLACK): the row maxima
 //     are NOT reduced on every tile. A thread only checks its own 4 logits against the reference
 //     maximum + SLACK, its tokens' V-scale bytes against the warp's running maximum VM, and its
@@ -40,7 +41,12 @@
 //   Scales: words of K(g), K(g+8), V(g), V(g+8) at 16 g (one 16-byte load per thread).
 //   cp.async (16 B per lane): K chunks in token order, V chunks in dv_copy_token order (so the
 //   8 lanes of a store phase hit distinct banks); chunk i of a lane is chunk 0 moved by a
-//   compile-time number of token rows (dk_step / dv_step), so each lane keeps 4 offsets.
+//   compile-time number of token rows (dk_step / dv_step), so each lane keeps one address per
+//   cache.
+// Where the tiles are: the lanes of a warp hold the cache offsets of its tiles kc .. kc+31 and
+//   the block ids of the next 32 (prefetched), one shuffle per tile. The prologue issues its
+//   three independent loads together (seq_len, the thread's 16 bytes of Q, the first block ids,
+//   located from the partition start). Partitions: tuning.cuh choose_decode_partition_size.
 // Masking, NaN and bad block ids follow the general kernel: tokens outside the visible range
 //   get logit -inf and P 0 by selection; a visible token whose scale byte is 255 makes the rows
 //   that see it NaN; a block id out of range makes the sequence's rows NaN, never a read.
