@@ -18,6 +18,20 @@ namespace tq = turboquant::cuda_fp4;
 
 namespace {
 
+// The cache pointers and byte strides: the same fields in AttnParams and CacheWriteParams.
+template <typename Params>
+void set_cache_fields(Params& p, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                      const at::Tensor& key_scales, const at::Tensor& value_scales) {
+  p.key_cache = key_cache.data_ptr<uint8_t>();
+  p.value_cache = value_cache.data_ptr<uint8_t>();
+  p.kc_stride_blk = key_cache.stride(0);
+  p.kc_stride_head = key_cache.stride(1);
+  p.vc_stride_blk = value_cache.stride(0);
+  p.vc_stride_head = value_cache.stride(1);
+  p.key_scales = key_scales.data_ptr<uint8_t>();
+  p.value_scales = value_scales.data_ptr<uint8_t>();
+}
+
 int num_sms(int device) {
   static int cache[64] = {0};
   if (device < 0 || device >= 64) return 132;
@@ -95,14 +109,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.q_stride_head = query.stride(1);
   p.o_stride_tok = out.stride(0);
   p.o_stride_head = out.stride(1);
-  p.key_cache = key_cache.data_ptr<uint8_t>();
-  p.value_cache = value_cache.data_ptr<uint8_t>();
-  p.kc_stride_blk = key_cache.stride(0);
-  p.kc_stride_head = key_cache.stride(1);
-  p.vc_stride_blk = value_cache.stride(0);
-  p.vc_stride_head = value_cache.stride(1);
-  p.key_scales = key_scales.data_ptr<uint8_t>();
-  p.value_scales = value_scales.data_ptr<uint8_t>();
+  set_cache_fields(p, key_cache, value_cache, key_scales, value_scales);
   p.block_tables = block_tables.data_ptr<int>();
   p.bt_stride = block_tables.stride(0);
   p.seq_lens = seq_lens.data_ptr<int>();
@@ -166,14 +173,7 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
   p.k_stride_head = key.stride(1);
   p.v_stride_tok = value.stride(0);
   p.v_stride_head = value.stride(1);
-  p.key_cache = key_cache.data_ptr<uint8_t>();
-  p.value_cache = value_cache.data_ptr<uint8_t>();
-  p.kc_stride_blk = key_cache.stride(0);
-  p.kc_stride_head = key_cache.stride(1);
-  p.vc_stride_blk = value_cache.stride(0);
-  p.vc_stride_head = value_cache.stride(1);
-  p.key_scales = key_scales.data_ptr<uint8_t>();
-  p.value_scales = value_scales.data_ptr<uint8_t>();
+  set_cache_fields(p, key_cache, value_cache, key_scales, value_scales);
   p.slot_mapping = slot_mapping.data_ptr();
   p.slot_is_64 = slot_mapping.scalar_type() == at::kLong;
   p.num_tokens = num_tokens;
