@@ -220,6 +220,24 @@ __device__ __forceinline__ float merge_weights(const float* m, const float* l, i
   return Ls;
 }
 
+// sum over w of wt[w] * x[w * stride], skipping warps of weight 0 (their rows may hold 0 * inf)
+// but not a NaN weight.
+template <int W>
+__device__ __forceinline__ float merge_sum(const float (&wt)[W], const float* x, int stride) {
+  float v = 0.f;
+#pragma unroll
+  for (int w = 0; w < W; ++w)
+    if (wt[w] != 0.f || !(wt[w] == wt[w])) v += wt[w] * x[w * stride];
+  return v;
+}
+
+// V-scale factor folded into P for scale byte b < 255: 2^(b - VM + 15 - SLACK) (with the
+// decode's 2^DEC and 2^-(127 + DEC) applied at the end), 0 below 2^-127; VM is the warp's running
+// maximum scale byte, so P' = p * factor <= 2^15 for p <= 2^SLACK.
+__device__ __forceinline__ float p_vscale(uint32_t b, int VM) {
+  return __int_as_float(max((int)b - VM + 142 - TQ_SLACK, 0) << 23);
+}
+
 // grid (row_tiles, num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem
 // AttnLayout<D>::TOTAL bytes.
 template <int D, typename T>
@@ -604,10 +622,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const uint32_t b = vb[u + 2 * v];
-          // P' = p * 2^(b - VM + 15 - SLACK): V scale (and the 2^DEC of the decode, with
-          // 2^-(127 + DEC) applied at the end) folded into P; 255 -> NaN
-          const float vf = b == 255u ? __int_as_float(0x7fc00000)
-                                     : __int_as_float(max((int)b - VM + 142 - TQ_SLACK, 0) << 23);
+          const float vf = b == 255u ? __int_as_float(0x7fc00000) : p_vscale(b, VM);  // 255 -> NaN
 #pragma unroll
           for (int rh = 0; rh < 2; ++rh) {
             const float xx = x[v][rh * 2 + u];
@@ -726,10 +741,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
         T ov[8];
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          float a = 0.f;
-#pragma unroll
-          for (int w = 0; w < L::W; ++w)
-            if (wt[w] != 0.f || !(wt[w] == wt[w])) a += wt[w] * mo[(w * 16 + r) * L::MROW + 8 * pv_slot(i + e) + c8];
+          const float a = merge_sum(wt, mo + r * L::MROW + 8 * pv_slot(i + e) + c8, 16 * L::MROW);
           ov[e] = from_float<T>(a * inv);
         }
         *reinterpret_cast<uint4*>(o + i) = *reinterpret_cast<uint4*>(ov);
@@ -742,11 +754,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
         float a4[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float a = 0.f;
-#pragma unroll
-          for (int w = 0; w < L::W; ++w)
-            if (wt[w] != 0.f || !(wt[w] == wt[w])) a += wt[w] * mo[(w * 16 + r) * L::MROW + 8 * pv_slot(i + e) + c8];
-          a4[e] = a * inv;
+          a4[e] = merge_sum(wt, mo + r * L::MROW + 8 * pv_slot(i + e) + c8, 16 * L::MROW) * inv;
         }
         *reinterpret_cast<float4*>(o + i) = make_float4(a4[0], a4[1], a4[2], a4[3]);
       }

@@ -421,11 +421,11 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
         acc[j][0] *= f[0]; acc[j][1] *= f[1]; acc[j][2] *= f[0]; acc[j][3] *= f[1];
       }
       VM = VM_new;
-      vf0 = vb0 == 255u ? NaN : __int_as_float(max((int)vb0 - VM + 142 - TQ_SLACK, 0) << 23);
-      vf1 = vb1 == 255u ? NaN : __int_as_float(max((int)vb1 - VM + 142 - TQ_SLACK, 0) << 23);
-    } else {
-      vf0 = __int_as_float(max((int)vb0 - VM + 142 - TQ_SLACK, 0) << 23);
-      vf1 = __int_as_float(max((int)vb1 - VM + 142 - TQ_SLACK, 0) << 23);
+      vf0 = vb0 == 255u ? NaN : p_vscale(vb0, VM);
+      vf1 = vb1 == 255u ? NaN : p_vscale(vb1, VM);
+    } else {  // every byte is <= VM < 255 here
+      vf0 = p_vscale(vb0, VM);
+      vf1 = p_vscale(vb1, VM);
     }
     // ---- P' (fp16), transposed into the B fragments of O^T = V^T P^T ----
     uint32_t pb0, pb1;
@@ -516,13 +516,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int d0 = lane * EPL;
   float a[EPL];
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) {
-    float v = 0.f;
-#pragma unroll
-    for (int w = 0; w < L::W; ++w)
-      if (wt[w] != 0.f || !(wt[w] == wt[w])) v += wt[w] * mo[(w * 8 + r) * L::MROW + d0 + e];
-    a[e] = v * inv;
-  }
+  for (int e = 0; e < EPL; ++e) a[e] = merge_sum(wt, mo + r * L::MROW + d0 + e, 8 * L::MROW) * inv;
   const int head = kvh * G + r;
   if (nparts == 1) {
     T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head + d0;
