@@ -4,11 +4,14 @@
     python benchmarks/locality_check.py
 """
 import sys
+from pathlib import Path
 
 import torch
-sys.path.insert(0, ".")
-from benchmarks.tune_cuda import make_case, attn_fn, bench_graph, hbm_bandwidth
-from turboquant._backends import cuda as tq_cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.tune_cuda import attn_fn, bench_graph, hbm_bandwidth, make_case  # noqa: E402
+from turboquant._backends import cuda as tq_cuda  # noqa: E402
+
 assert tq_cuda.ensure_loaded() is None
 bw, _ = hbm_bandwidth()
 print(f"HBM read {bw:.0f} GB/s")
