@@ -192,6 +192,9 @@ inline int choose_decode_partition_size(int max_seq_len, int base_ctas, int num_
     p = (p + step - 1) / step * step;
     if (p < MIN_PARTITION) p = MIN_PARTITION;
     const long long parts = (L + p - 1) / p;
+    // cost(n) >= (base * parts / slots) * (L / parts + CTA_COST), which never falls as n grows
+    // (parts does not): once it reaches the best cost, no larger n can win
+    if (best_p != 0 && base * L + base * parts * DECODE_CTA_COST >= best_cost * slots) break;
     const long long cost =
         (base * parts + slots - 1) / slots * (p + DECODE_CTA_COST) + (parts > 1 ? DECODE_REDUCE_COST : 0);
     if (best_p == 0 || cost < best_cost) { best_p = p; best_cost = cost; }
