@@ -139,9 +139,8 @@ constexpr int REDUCE_BATCH = 8;
 // General kernel (see the examples above).
 inline int choose_partition_size(int max_seq_len, int base_ctas, int num_sms) {
   const int step = ATTN_WARPS * ATTN_TILE;
-  const int ctas_per_sm = TARGET_CTAS_PER_SM;
   if (base_ctas < 1) base_ctas = 1;
-  long long want = (long long)num_sms * ctas_per_sm;
+  long long want = (long long)num_sms * TARGET_CTAS_PER_SM;
   long long nparts = (want + base_ctas - 1) / base_ctas;
   if (nparts < 1) nparts = 1;
   long long p = ((long long)max_seq_len + nparts - 1) / nparts;
