@@ -151,6 +151,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", help="batch x context list instead of the defaults, e.g. 1x32768,16x16384")
     args = ap.parse_args()
     reason = tq_cuda.BACKEND.unavailable()
     if reason:
@@ -165,6 +166,8 @@ def main():
     shapes = [(64, 4096), (1, 4096), (1, 32768), (128, 1024), (16, 8192), (32, 4096)]
     if args.quick:
         shapes = shapes[:3]
+    if args.shapes:
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
     for batch, ctx in shapes:
         probe, nbytes = make_case(batch, ctx, copies=1)
         copies = max(1, min(16, int(3 * 60e6 // nbytes) + 1)) if nbytes < 200e6 else 1
