@@ -44,7 +44,13 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                               const at::Tensor& value_scales, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens,
                               const std::optional<at::Tensor>& cu_query_lens, double scale,
-                              int64_t sliding_window, double logits_soft_cap, int64_t max_seq_len) {
+                              int64_t sliding_window, double logits_soft_cap, int64_t max_seq_len,
+                              const std::optional<at::Tensor>& rotation_signs,  // float32 [D]
+                              const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 4, D]
+                              const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
+                              bool sink) {
+  TORCH_CHECK(!rotation_signs.has_value() && !seq_state.has_value() && !state_ids.has_value() && !sink,
+              "rotation_signs/seq_state/state_ids/sink: not implemented by the cuda kernels yet");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-D CUDA tensor");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               "out: expected the query's shape and dtype");
@@ -150,7 +156,12 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
 
 void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                                 at::Tensor& value_cache, at::Tensor& key_scales, at::Tensor& value_scales,
-                                const at::Tensor& slot_mapping) {
+                                const at::Tensor& slot_mapping,
+                                const std::optional<at::Tensor>& rotation_signs,  // float32 [D]
+                                const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 4, D]
+                                const std::optional<at::Tensor>& state_ids) {  // int32 [num_tokens]
+  TORCH_CHECK(!rotation_signs.has_value() && !seq_state.has_value() && !state_ids.has_value(),
+              "rotation_signs/seq_state/state_ids: not implemented by the cuda writer yet");
   TORCH_CHECK(key.is_cuda() && key.dim() == 3 && value.sizes() == key.sizes(), "key/value: expected 3-D CUDA");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key/value dtype mismatch");
   const int num_tokens = (int)key.size(0), hkv = (int)key.size(1), D = (int)key.size(2);

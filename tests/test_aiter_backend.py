@@ -15,6 +15,7 @@ from turboquant import registry
 from turboquant.api import make_attention_call
 from turboquant._backends import aiter as tq_aiter
 from turboquant.cache import build_paged_problem
+from turboquant.config import PLAIN
 from turboquant.integration.aiter import patch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +81,7 @@ def test_unpatched_aiter_names_the_command(fake_gfx950, monkeypatch, tmp_path):
 
 def _call(seq_lens=(20, 33), hkv=2, gqa=4, d=128, bs=16, **kw):
     prob = build_paged_problem(list(seq_lens), hkv, d, bs, write_backend="reference",
-                               generator=torch.Generator().manual_seed(0))
+                               generator=torch.Generator().manual_seed(0), config=PLAIN)
     q = torch.randn(len(seq_lens), hkv * gqa, d).to(torch.bfloat16)
     args = dict(cu_query_lens=None, sliding_window=0, logits_soft_cap=0.0, max_seq_len=None)
     args.update(kw)
@@ -112,16 +113,16 @@ def test_on_gfx950_matches_reference(shape, lut, monkeypatch):
     hq, hkv, d, bs = shape
     lens = [1, 255, 256, 257, 1000, 4097]
     prob = build_paged_problem(lens, hkv, d, bs, device="cuda", spare_blocks=3,
-                               generator=torch.Generator().manual_seed(1))
+                               generator=torch.Generator().manual_seed(1), config=PLAIN)
     q = torch.randn(len(lens), hq, d, generator=torch.Generator().manual_seed(2)).to("cuda",
                                                                                      torch.bfloat16)
     args = (q, *prob.cache, prob.block_tables, prob.seq_lens, d ** -0.5)
-    out = turboquant.paged_attention_fp4(*args, backend="aiter")
-    ref = turboquant.paged_attention_fp4(*args, backend="reference")
+    out = turboquant.paged_attention_fp4(*args, backend="aiter", config=PLAIN)
+    ref = turboquant.paged_attention_fp4(*args, backend="reference", config=PLAIN)
     assert torch.isfinite(out).all()
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 1e-2, rel  # the lane simulation measured 3e-4 to 2e-3 on such data
     for c in (5.0,):
-        out = turboquant.paged_attention_fp4(*args, logits_soft_cap=c, backend="aiter")
-        ref = turboquant.paged_attention_fp4(*args, logits_soft_cap=c, backend="reference")
+        out = turboquant.paged_attention_fp4(*args, logits_soft_cap=c, backend="aiter", config=PLAIN)
+        ref = turboquant.paged_attention_fp4(*args, logits_soft_cap=c, backend="reference", config=PLAIN)
         assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2

@@ -25,6 +25,7 @@ import torch
 
 from turboquant.api import make_attention_call
 from turboquant.cache import build_paged_problem
+from turboquant.config import PLAIN
 from turboquant.format import decode_e2m1, decode_e8m0, unpack_fp4
 from turboquant.reference import attention_reference
 
@@ -163,7 +164,7 @@ def _problem(seq_lens, hkv, head, bs, dtype=torch.bfloat16, seed=0, kv_factory=N
     gen = torch.Generator().manual_seed(seed)
     return build_paged_problem(seq_lens, hkv, head, bs, dtype=dtype, generator=gen,
                                spare_blocks=2, poison=True, write_backend="reference",
-                               kv_factory=kv_factory), gen
+                               kv_factory=kv_factory, config=PLAIN), gen
 
 
 CONFIGS = [  # (dtype, head, block_size, gqa, num_kv_heads, seq_lens)

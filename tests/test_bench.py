@@ -76,27 +76,32 @@ def test_refuses_without_gpu(tmp_path, capsys):
 def test_cpu_run_writes_json_and_csv(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--allow-cpu", "--quick", "--out", str(out), "--no-plot", "--shapes", "4/2/32",
-            "--batches", "1,2", "--contexts", "40", "--repeats", "1", "--writer-tokens", "64"]
+            "--batches", "1,2", "--contexts", "40", "--repeats", "1", "--writer-tokens", "64",
+            "--configs", "default,plain"]
     assert bench.main(_args(*argv)) == 0
     text = capsys.readouterr().out
     assert "summary" in text and "cache writer" in text
 
     doc = json.loads((out / "bench.json").read_text())
-    assert set(doc) >= {"meta", "bandwidth", "rows", "writer", "byte_counting"}
+    assert set(doc) >= {"meta", "bandwidth", "rows", "writers", "byte_counting"}
     bw = doc["bandwidth"]
     assert bw["read_GBps"] > 0 and "read-only" in bw["read_method"]
     assert bw["read_GBps"] == max(m["GBps"] for m in bw["methods"].values())
     assert set(bw["methods"]) >= {"sum", "gemv"}
     assert doc["meta"]["backend_requested"] == "auto"
     rows = doc["rows"]
-    assert [(r["batch"], r["context"]) for r in rows] == [(1, 40), (2, 40)]
+    assert [(r["batch"], r["context"], r["config"]) for r in rows] == [
+        (1, 40, "default"), (1, 40, "plain"), (2, 40, "default"), (2, 40, "plain")]
     for r in rows:
         assert r["status"] == "ok", r
         assert set(r) == set(bench.ATTENTION_FIELDS)
         assert r["backend"] == "reference"
         # context 40 is not a multiple of the block size: bytes count the 40 tokens only
         b = r["batch"]
-        assert r["fp4_bytes"] == (2 * b * 40 * 2 * 16 + 2 * b * 40 * 2 * 1 + 2 * b * 4 * 32 * 2)
+        # the default config's reader also takes lam and the sink's key and value (fp32)
+        state = b * 2 * 32 * 4 * 3 if r["config"] == "default" else 0
+        assert r["fp4_bytes"] == (2 * b * 40 * 2 * 16 + 2 * b * 40 * 2 * 1 + 2 * b * 4 * 32 * 2
+                                  + state)
         assert r["sdpa_bytes"] == 2 * b * 40 * 2 * 32 * 2 + 2 * b * 4 * 32 * 2
         assert r["fp4_GBps"] == pytest.approx(r["fp4_bytes"] / (r["fp4_us"] * 1e-6) / 1e9)
         assert r["fp4_pct_bw"] == pytest.approx(
@@ -104,15 +109,16 @@ def test_cpu_run_writes_json_and_csv(tmp_path, capsys):
         assert r["speedup"] == pytest.approx(r["sdpa_us"] / r["fp4_us"])
         # the FP4 output is attention over the quantized cache: close to SDPA, not equal
         assert 0.0 < r["rel_err_vs_sdpa"] < 0.35
-    w = doc["writer"]
-    assert w["status"] == "ok" and set(w) == set(bench.WRITER_FIELDS)
-    assert w["bytes"] == 2 * 64 * 2 * 32 * 2 + 2 * 64 * 2 * 16 + 2 * 64 * 2
+    assert [w["config"] for w in doc["writers"]] == ["default", "plain"]
+    for w in doc["writers"]:
+        assert w["status"] == "ok" and set(w) == set(bench.WRITER_FIELDS)
+        assert w["bytes"] == 2 * 64 * 2 * 32 * 2 + 2 * 64 * 2 * 16 + 2 * 64 * 2
 
     with open(out / "bench.csv") as fh:
         reader = csv.DictReader(fh)
         assert reader.fieldnames == bench.ATTENTION_FIELDS
         csv_rows = list(reader)
-    assert len(csv_rows) == 2
+    assert len(csv_rows) == 4
     assert int(csv_rows[1]["fp4_bytes"]) == rows[1]["fp4_bytes"]
     assert float(csv_rows[0]["fp4_us"]) == pytest.approx(rows[0]["fp4_us"])
     with open(out / "bench_writer.csv") as fh:

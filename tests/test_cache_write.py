@@ -1,8 +1,11 @@
 """reshape_and_cache_fp4 (reference backend): vLLM slot semantics, neighbours untouched."""
+import dataclasses
+
 import pytest
 import torch
 
 import turboquant as tq
+from turboquant.config import PLAIN
 from turboquant import format as fmt
 
 
@@ -23,7 +26,7 @@ def test_writes_exactly_the_mapped_slots(group, dtype, gen):
     value = torch.randn(n, hkv, d, generator=gen).to(dtype) * 7
     slots = torch.randperm(nb * bs, generator=gen)[:n]
     slots[::5] = -1  # every fifth token is skipped
-    tq.reshape_and_cache_fp4(key, value, *cache, slots)
+    tq.reshape_and_cache_fp4(key, value, *cache, slots, config=dataclasses.replace(PLAIN, scale_group=group))
 
     kc, ks = fmt.quantize_fp4(key, group)
     vc, vs = fmt.quantize_fp4(value, group)
@@ -50,9 +53,9 @@ def test_int32_slots_and_all_skipped(gen):
     cache = _random_cache(4, 2, 16, 128, None, gen)
     before = [t.clone() for t in cache]
     key = torch.randn(3, 2, 128, generator=gen)
-    tq.reshape_and_cache_fp4(key, key, *cache, torch.full((3,), -1, dtype=torch.int32))
+    tq.reshape_and_cache_fp4(key, key, *cache, torch.full((3,), -1, dtype=torch.int32), config=PLAIN)
     assert all(torch.equal(a, b) for a, b in zip(cache, before))
-    tq.reshape_and_cache_fp4(key, key, *cache, torch.tensor([63, 0, 17], dtype=torch.int32))
+    tq.reshape_and_cache_fp4(key, key, *cache, torch.tensor([63, 0, 17], dtype=torch.int32), config=PLAIN)
     assert torch.equal(cache.key_cache[3, :, 15], fmt.quantize_fp4(key[0])[0])
 
 
@@ -60,12 +63,12 @@ def test_nan_token_gets_nan_scale(gen):
     cache = tq.allocate_cache(2, 1, 16, 64)
     key = torch.randn(2, 1, 64, generator=gen)
     key[1, 0, 3] = float("nan")
-    tq.reshape_and_cache_fp4(key, key.clone(), *cache, torch.tensor([0, 1]))
+    tq.reshape_and_cache_fp4(key, key.clone(), *cache, torch.tensor([0, 1]), config=PLAIN)
     assert cache.key_scales[0, 1, 0].item() == 255 and cache.key_scales[0, 0, 0].item() != 255
 
 
 def test_empty_batch_is_a_no_op():
     cache = tq.allocate_cache(2, 1, 16, 64)
     empty = torch.zeros(0, 1, 64)
-    tq.reshape_and_cache_fp4(empty, empty, *cache, torch.zeros(0, dtype=torch.int64))
+    tq.reshape_and_cache_fp4(empty, empty, *cache, torch.zeros(0, dtype=torch.int64), config=PLAIN)
     assert all((t == 0).all() for t in cache)

@@ -6,8 +6,10 @@ import torch
 
 import turboquant as tq
 from turboquant.cache import build_paged_problem
+from turboquant.config import PLAIN
 from turboquant.reference import attention_reference
 from turboquant.api import make_attention_call
+from turboquant.rotation import rotation_signs
 
 from conftest import dequant_f64
 
@@ -54,7 +56,7 @@ def run_case(seq_lens, hq, hkv, d, bs, *, query_lens=None, group=None, window=0,
              dtype=torch.bfloat16, seed=0):
     gen = torch.Generator().manual_seed(seed)
     prob = build_paged_problem(seq_lens, hkv, d, bs, dtype=dtype, scale_group=group,
-                               generator=gen, spare_blocks=3)
+                               generator=gen, spare_blocks=3, config=PLAIN)
     cu = None
     if query_lens is None:
         num_tokens = len(seq_lens)
@@ -65,7 +67,7 @@ def run_case(seq_lens, hq, hkv, d, bs, *, query_lens=None, group=None, window=0,
     scale = 1.0 / math.sqrt(d)
     out = tq.paged_attention_fp4(query, *prob.cache, prob.block_tables, prob.seq_lens, scale,
                                  cu_query_lens=cu, sliding_window=window, logits_soft_cap=cap,
-                                 backend="reference")
+                                 backend="reference", **prob.kwargs)
     ref = attention_f64(query, prob.cache, prob.block_tables, prob.seq_lens, scale, cu, window,
                         cap)
     return out, ref, prob, query
@@ -134,7 +136,7 @@ def test_poisoned_tail_never_reaches_output():
     assert (ks[spare] == 255).all()
     tables = prob.block_tables.clone()
     tables[tables < 0] = spare  # padding now names a real block full of NaN
-    again = tq.paged_attention_fp4(query, *prob.cache, tables, prob.seq_lens, 1 / 8)
+    again = tq.paged_attention_fp4(query, *prob.cache, tables, prob.seq_lens, 1 / 8, **prob.kwargs)
     assert torch.equal(again, out)
 
 
@@ -143,30 +145,30 @@ def test_nan_scale_in_a_visible_token_gives_nan():
     kc, vc, ks, vs = prob.cache
     b = int(prob.block_tables[1, 0])
     vs[b, 3, 0] = 255
-    again = tq.paged_attention_fp4(query, kc, vc, ks, vs, prob.block_tables, prob.seq_lens, 0.125)
+    again = tq.paged_attention_fp4(query, kc, vc, ks, vs, prob.block_tables, prob.seq_lens, 0.125, **prob.kwargs)
     assert torch.isnan(again[1]).all() and not torch.isnan(again[0]).any()
     ks[b, 3, 0] = 255
     vs[b, 3, 0] = 0
-    again = tq.paged_attention_fp4(query, kc, vc, ks, vs, prob.block_tables, prob.seq_lens, 0.125)
+    again = tq.paged_attention_fp4(query, kc, vc, ks, vs, prob.block_tables, prob.seq_lens, 0.125, **prob.kwargs)
     assert torch.isnan(again[1]).all()
 
 
 def test_nan_outside_the_window_does_not_leak():
     gen = torch.Generator().manual_seed(3)
-    prob = build_paged_problem([64], 1, 64, 16, generator=gen)
+    prob = build_paged_problem([64], 1, 64, 16, generator=gen, config=PLAIN)
     kc, vc, ks, vs = prob.cache
     b0 = int(prob.block_tables[0, 0])
     ks[b0, 0, 0] = 255
     vs[b0, 0, 0] = 255  # token 0 is NaN, outside a window of 8 ending at token 63
     query = torch.randn(1, 2, 64, generator=gen).bfloat16()
     out = tq.paged_attention_fp4(query, *prob.cache, prob.block_tables, prob.seq_lens, 0.125,
-                                 sliding_window=8)
+                                 sliding_window=8, **prob.kwargs)
     assert not torch.isnan(out).any()
 
 
 def test_chunked_equals_unchunked():
     gen = torch.Generator().manual_seed(5)
-    prob = build_paged_problem([300, 97], 2, 64, 16, generator=gen)
+    prob = build_paged_problem([300, 97], 2, 64, 16, generator=gen, config=PLAIN)
     query = torch.randn(2, 8, 64, generator=gen).bfloat16()
     call = make_attention_call(query, *prob.cache, prob.block_tables, prob.seq_lens, 0.2)
     a = torch.empty(2, 8, 64, dtype=torch.float32)
@@ -180,31 +182,37 @@ def test_out_argument_is_written_and_returned():
     out, ref, prob, query = run_case([9, 3], 4, 2, 64, 16)
     buf = torch.full_like(query, float("nan"))
     res = tq.paged_attention_fp4(query, *prob.cache, prob.block_tables, prob.seq_lens,
-                                 1 / 8, out=buf)
+                                 1 / 8, out=buf, **prob.kwargs)
     assert res is buf and torch.equal(buf, out)
 
 
 def test_torch_library_op_checks():
     gen = torch.Generator().manual_seed(9)
-    prob = build_paged_problem([20, 7], 2, 64, 16, generator=gen)
+    prob = build_paged_problem([20, 7], 2, 64, 16, generator=gen)  # the default config
     query = torch.randn(2, 4, 64, generator=gen).bfloat16()
     out = torch.empty_like(query)
-    args = (out, query, *prob.cache, prob.block_tables, prob.seq_lens, None, 0.125, 0, 0.0, 32)
-    torch.library.opcheck(torch.ops.turboquant.paged_attention_fp4_reference.default, args)
+    signs = rotation_signs(64)
+    for transforms in ((None, None, None, False),
+                       (signs, prob.kwargs["seq_state"], prob.kwargs["state_ids"], True)):
+        args = (out, query, *prob.cache, prob.block_tables, prob.seq_lens, None, 0.125, 0, 0.0,
+                32, *transforms)
+        torch.library.opcheck(torch.ops.turboquant.paged_attention_fp4_reference.default, args)
     key = torch.randn(3, 2, 64, generator=gen)
     cache = tq.allocate_cache(4, 2, 16, 64)
-    torch.library.opcheck(torch.ops.turboquant.reshape_and_cache_fp4_reference.default,
-                          (key, key, *cache, torch.tensor([0, 5, -1])))
+    state = prob.kwargs["seq_state"]
+    for transforms in ((None, None, None), (signs, state, torch.tensor([0, 1, 0], dtype=torch.int32))):
+        torch.library.opcheck(torch.ops.turboquant.reshape_and_cache_fp4_reference.default,
+                              (key, key, *cache, torch.tensor([0, 5, -1]), *transforms))
 
 
 def test_torch_compile_fullgraph():
     gen = torch.Generator().manual_seed(11)
-    prob = build_paged_problem([20, 7], 2, 64, 16, generator=gen)
+    prob = build_paged_problem([20, 7], 2, 64, 16, generator=gen)  # the default config
     query = torch.randn(2, 4, 64, generator=gen).bfloat16()
 
     def f(q):
         return tq.paged_attention_fp4(q * 2, *prob.cache, prob.block_tables, prob.seq_lens,
-                                      0.125, backend="reference")
+                                      0.125, backend="reference", **prob.kwargs)
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(query), f(query))

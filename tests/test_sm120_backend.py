@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from turboquant.config import PLAIN
+
 import turboquant
 from turboquant import registry
 from turboquant.api import make_attention_call
@@ -62,5 +64,6 @@ def test_declines_cpu_tensors_and_auto_never_picks_it_here():
     assert "not on a CUDA device" in sm120.BACKEND.check_attention(call)
     assert registry.select("auto", "attention", call).name != "sm120"
     out = turboquant.paged_attention_fp4(call.query, call.key_cache, call.value_cache, call.key_scales,
-                                         call.value_scales, call.block_tables, call.seq_lens, 0.1)
+                                         call.value_scales, call.block_tables, call.seq_lens, 0.1,
+                                         config=PLAIN)
     assert out.shape == call.query.shape

@@ -4,6 +4,8 @@ import torch
 
 import turboquant as tq
 from turboquant.cache import build_paged_problem
+from turboquant.config import PLAIN
+from turboquant.smoothing import allocate_state
 
 
 @pytest.fixture
@@ -13,13 +15,15 @@ def case():
     query = torch.randn(3, 4, 64, generator=gen).bfloat16()
     kc, vc, ks, vs = prob.cache
     return dict(query=query, key_cache=kc, value_cache=vc, key_scales=ks, value_scales=vs,
-                block_tables=prob.block_tables, seq_lens=prob.seq_lens, scale=0.125)
+                block_tables=prob.block_tables, seq_lens=prob.seq_lens, scale=0.125,
+                **prob.kwargs)
 
 
 def call(case, **changes):
     args = dict(case)
     kwargs = {k: args.pop(k) for k in list(args) if k in (
-        "cu_query_lens", "out", "sliding_window", "logits_soft_cap", "backend", "max_seq_len")}
+        "cu_query_lens", "out", "sliding_window", "logits_soft_cap", "backend", "max_seq_len",
+        "config", "seq_state", "state_ids")}
     args.update({k: v for k, v in changes.items() if k in args})
     kwargs.update({k: v for k, v in changes.items() if k not in args})
     return tq.paged_attention_fp4(*args.values(), **kwargs)
@@ -55,6 +59,17 @@ BAD = [
      "cu_query_lens.*end at"),
     (dict(cu_query_lens=torch.tensor([0, 1, 2, 3], dtype=torch.int64)), TypeError,
      "cu_query_lens.*int32"),
+    (dict(seq_state=None), ValueError, "seq_state: config 'default'.*allocate_state"),
+    (dict(state_ids=None), ValueError, "seq_state: config 'default'"),
+    (dict(seq_state=torch.zeros(3, 2, 4, 64, dtype=torch.float16)), TypeError,
+     "seq_state.*float32"),
+    (dict(seq_state=torch.zeros(3, 2, 3, 64)), ValueError, "seq_state.*shape"),
+    (dict(state_ids=torch.tensor([0, 1, 2])), TypeError, "state_ids.*int32"),
+    (dict(state_ids=torch.tensor([0, 1], dtype=torch.int32)), ValueError, "state_ids.*shape"),
+    (dict(state_ids=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError,
+     r"state_ids.*\[0, 3\).*max 3"),
+    (dict(config=tq.QuantConfig(key_smoothing=None, sink=False)), ValueError,
+     "seq_state: config 'rotation' keeps no per-sequence state"),
 ]
 
 
@@ -103,7 +118,7 @@ def test_empty_batch_returns_empty(case):
     out = tq.paged_attention_fp4(torch.zeros(0, 4, 64).bfloat16(), kc, case["value_cache"],
                                  case["key_scales"], case["value_scales"],
                                  torch.zeros(0, 3, dtype=torch.int32),
-                                 torch.zeros(0, dtype=torch.int32), 0.125)
+                                 torch.zeros(0, dtype=torch.int32), 0.125, config=PLAIN)
     assert out.shape == (0, 4, 64)
 
 
@@ -134,6 +149,27 @@ CACHE_BAD = [
     (dict(slot_mapping=torch.tensor([0, 1, 2, -2])), ValueError, "slot_mapping.*-2"),
     (dict(slot_mapping=torch.tensor([0.0, 1, 2, 3])), TypeError, "slot_mapping.*int64"),
     (dict(slot_mapping=torch.tensor([0, 1, 2])), ValueError, "slot_mapping.*shape"),
+    (dict(seq_state=None), ValueError, "seq_state: config 'default'"),
+    (dict(state_ids=torch.tensor([0, 0, 0, 2], dtype=torch.int32)), ValueError,
+     r"state_ids.*\[0, 2\).*max 2"),
+    (dict(positions=torch.tensor([0, 1, 2])), ValueError, "positions.*shape"),
+    (dict(positions=torch.tensor([0.0, 1, 2, 3])), TypeError, "positions.*int"),
+    (dict(calibration=(torch.zeros(2, 64), torch.ones(2, 64))), ValueError,
+     "calibration: config 'default' does not use a calibration file"),
+    (dict(config=tq.QuantConfig(key_smoothing="calibrated")), ValueError,
+     "calibration: key_smoothing='calibrated' needs"),
+    (dict(config=tq.QuantConfig(key_smoothing="calibrated"),
+          calibration=(torch.zeros(2, 64), torch.ones(2, 32))), ValueError,
+     r"calibration: key_scale: expected shape \[num_kv_heads, D\] = \(2, 64\)"),
+    (dict(config=tq.QuantConfig(key_smoothing="calibrated"),
+          calibration=(torch.zeros(2, 64), torch.ones(2, 64).double())), TypeError,
+     "calibration: key_scale: expected dtype torch.float32"),
+    (dict(config=tq.QuantConfig(key_smoothing="calibrated"),
+          calibration=(torch.zeros(2, 64), torch.zeros(2, 64))), ValueError,
+     "calibration: key_scale: expected values > 0"),
+    (dict(config=tq.QuantConfig(key_smoothing="calibrated"),
+          calibration=(torch.full((2, 64), float("inf")), torch.ones(2, 64))), ValueError,
+     "calibration: key_center: expected finite values"),
 ]
 
 
@@ -143,7 +179,8 @@ def test_bad_cache_write_arguments(changes, exc, match):
     args = dict(key=torch.randn(4, 2, 64), value=torch.randn(4, 2, 64),
                 key_cache=cache.key_cache, value_cache=cache.value_cache,
                 key_scales=cache.key_scales, value_scales=cache.value_scales,
-                slot_mapping=torch.tensor([0, 1, 2, 3]))
+                slot_mapping=torch.tensor([0, 1, 2, 3]), seq_state=allocate_state(2, 2, 64),
+                state_ids=torch.zeros(4, dtype=torch.int32), positions=torch.arange(4))
     args.update(changes)
     with pytest.raises(exc, match=match):
         tq.reshape_and_cache_fp4(**args)

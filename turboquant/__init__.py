@@ -1,11 +1,14 @@
 """turboquant: FP4 KV-cache paged attention with one cache format and one API across vendors.
 
     turboquant.reshape_and_cache_fp4(key, value, key_cache, value_cache,
-                                     key_scales, value_scales, slot_mapping)
+                                     key_scales, value_scales, slot_mapping, *, config=None,
+                                     seq_state=None, state_ids=None, positions=None,
+                                     calibration=None, backend="auto")
     turboquant.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                                    block_tables, seq_lens, scale, *, cu_query_lens=None,
                                    out=None, sliding_window=0, logits_soft_cap=0.0,
-                                   backend="auto")
+                                   backend="auto", max_seq_len=None, config=None,
+                                   seq_state=None, state_ids=None)
     turboquant.backends()  # every backend, whether it can run here, and why not
 """
 from . import _backends  # registers the vendor backends  # noqa: F401
@@ -14,7 +17,9 @@ from .api import backends, paged_attention_fp4, reshape_and_cache_fp4, value_che
 from .cache import FP4Cache, allocate_cache
 from .config import QuantConfig
 from .format import dequantize_fp4, quantize_fp4
+from .smoothing import allocate_state, load_calibration, save_calibration
 
-__all__ = ["FP4Cache", "QuantConfig", "allocate_cache", "backends", "dequantize_fp4", "paged_attention_fp4",
-           "quantize_fp4", "reshape_and_cache_fp4", "value_checks"]
+__all__ = ["FP4Cache", "QuantConfig", "allocate_cache", "allocate_state", "backends",
+           "dequantize_fp4", "load_calibration", "paged_attention_fp4", "quantize_fp4",
+           "reshape_and_cache_fp4", "save_calibration", "value_checks"]
 __version__ = "0.1.0"

@@ -23,7 +23,8 @@ import torch
 from . import registry
 from .config import QuantConfig
 from .registry import AttentionCall, CacheWrite
-from .rotation import rotate
+from .rotation import rotation_signs
+from .smoothing import STATE_ROWS, check_smoothing, init_state
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -198,7 +199,8 @@ def _check_attention_values(block_tables, seq_lens, cu_query_lens, num_tokens, n
 
 
 def _check_config(config, group: int, head_dim: int) -> QuantConfig:
-    """The config to use; its scale group must match the scale tensors' layout."""
+    """The config to use (None: the default); its scale group must match the scale tensors'
+    layout (the default config takes its scale group from them)."""
     if config is None:
         return QuantConfig(scale_group=None if group == head_dim else group)
     if not isinstance(config, QuantConfig):
@@ -209,11 +211,46 @@ def _check_config(config, group: int, head_dim: int) -> QuantConfig:
             f"[num_blocks, block_size, num_kv_heads, {head_dim // 32}]"
         raise ValueError(f"config: scale_group {config.scale_group} needs key_scales shaped "
                          f"{layout}; the scales given hold one scale per {group} elements")
+    if config.rotation and head_dim & (head_dim - 1):
+        raise ValueError(f"config: rotation needs a power-of-two head dim, got {head_dim}; "
+                         f"use config=QuantConfig(rotation=False, ...)")
     return config
 
 
+def _check_state(config: QuantConfig, seq_state, state_ids, num_ids: int, hkv: int, d: int,
+                 device, ids_name: str = "state_ids") -> None:
+    """seq_state/state_ids are required exactly when the config uses the state record."""
+    if not config.uses_state:
+        for name, t in (("seq_state", seq_state), (ids_name, state_ids)):
+            if t is not None:
+                raise ValueError(f"{name}: config {config.name!r} keeps no per-sequence state; "
+                                 f"expected None")
+        return
+    if seq_state is None or state_ids is None:
+        raise ValueError(f"seq_state: config {config.name!r} (key smoothing "
+                         f"{config.key_smoothing}, sink {config.sink}) keeps one state record "
+                         f"per sequence: pass seq_state=turboquant.allocate_state(num_slots, "
+                         f"{hkv}, {d}) and {ids_name}= each sequence's slot, or a config "
+                         f"without them (e.g. QuantConfig(key_smoothing=None, sink=False))")
+    _tensor("seq_state", seq_state, (torch.float32,), (4,))
+    if tuple(seq_state.shape[1:]) != (hkv, STATE_ROWS, d):
+        raise ValueError(f"seq_state: expected shape [num_slots, {hkv}, {STATE_ROWS}, {d}], "
+                         f"got {tuple(seq_state.shape)}")
+    if not seq_state.is_contiguous():
+        raise ValueError("seq_state: expected a contiguous tensor")
+    _tensor(ids_name, state_ids, INDEX_DTYPES, (1,))
+    _shape(ids_name, state_ids, (num_ids,))
+    _same_device(device, seq_state=seq_state, **{ids_name: state_ids})
+    if num_ids and _values_checkable(state_ids):
+        lo, hi = int(state_ids.min()), int(state_ids.max())
+        if lo < 0 or hi >= seq_state.shape[0]:
+            raise ValueError(f"{ids_name}: expected slots in [0, {seq_state.shape[0]}) "
+                             f"(seq_state's dim 0), got min {lo}, max {hi}")
+
+
 def make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
-                     slot_mapping, check_values=True, scale_rule="smallest") -> CacheWrite:
+                     slot_mapping, check_values=True, scale_rule="smallest",
+                     rotation_signs=None, seq_state=None, state_ids=None) -> CacheWrite:
     """Validate the arguments of reshape_and_cache_fp4 and bundle them."""
     _tensor("key", key, KV_DTYPES, (3,))
     _tensor("value", value, (key.dtype,), (3,))
@@ -236,50 +273,107 @@ def make_cache_write(key, value, key_cache, value_cache, key_scales, value_scale
     return CacheWrite(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                       key_scales=key_scales, value_scales=value_scales,
                       slot_mapping=slot_mapping, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      num_blocks=nb, scale_group=group, scale_rule=scale_rule)
+                      num_blocks=nb, scale_group=group, scale_rule=scale_rule,
+                      rotation_signs=rotation_signs, seq_state=seq_state, state_ids=state_ids)
 
 
 def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_scales,
                           slot_mapping, *, config: Optional[QuantConfig] = None,
+                          seq_state: Optional[torch.Tensor] = None,
+                          state_ids: Optional[torch.Tensor] = None,
+                          positions: Optional[torch.Tensor] = None,
+                          calibration: Optional[tuple] = None,
                           backend: str = "auto") -> None:
     """Quantize ``key``/``value`` [num_tokens, num_kv_heads, D] to FP4 and write them into the
     paged cache (in place) at ``slot_mapping`` (slot = block * block_size + offset; -1 skips
     the token; other slots are untouched; two tokens with the same slot: undefined which wins).
 
-    ``config`` (default: DESIGN.md's format, scale group taken from the scales' shape) picks
-    the scale rule and the rotation; with rotation, K and V are rotated in fp32 and rounded
-    back to their dtype before quantization. Read the cache with the same config.
+    ``config`` (default ``QuantConfig()``, scale group taken from the scales' shape) picks the
+    scale rule and the transforms (CONTRACT.md section 2); read the cache with the same config.
+    With key smoothing or the sink (the default) the writer keeps one record per sequence:
+    ``seq_state`` float32 [num_slots, num_kv_heads, 4, D] (``turboquant.allocate_state``),
+    ``state_ids`` int32 [num_tokens] (each token's slot), and ``positions`` [num_tokens] (each
+    token's position in its sequence; int32/int64) in every call that may write a sequence's
+    position 0: those sequences' records are filled first, from this call's tokens of the
+    sequence (``turboquant.smoothing.init_state``; a host synchronization). Calls without
+    position 0 (decode steps) may leave ``positions`` None. ``calibration`` (m, lam), float32
+    [num_kv_heads, D] each, is this layer's entry of a calibration file, needed with
+    ``key_smoothing="calibrated"``.
     """
     write = make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
                              slot_mapping)
-    config = _check_config(config, write.scale_group, write.head_dim)
-    if write.key.shape[0] == 0:
+    num_tokens, hkv, d = key.shape
+    config = _check_config(config, write.scale_group, d)
+    _check_state(config, seq_state, state_ids, num_tokens, hkv, d, key.device)
+    if config.key_smoothing == "calibrated":
+        if not isinstance(calibration, (tuple, list)) or len(calibration) != 2:
+            raise ValueError("calibration: key_smoothing='calibrated' needs this layer's "
+                             "(key_center, key_scale) from turboquant.smoothing.load_calibration")
+        check_smoothing("calibration", *calibration, num_kv_heads=hkv, head_dim=d)
+    elif calibration is not None:
+        raise ValueError(f"calibration: config {config.name!r} does not use a calibration "
+                         f"file; expected None")
+    if positions is not None:
+        _tensor("positions", positions, (torch.int32, torch.int64), (1,))
+        _shape("positions", positions, (num_tokens,))
+        _same_device(key.device, positions=positions)
+        if not config.uses_state:
+            raise ValueError(f"positions: config {config.name!r} keeps no per-sequence state; "
+                             f"expected None")
+    if num_tokens == 0:
         return
-    write = dataclasses.replace(write, scale_rule=config.scale_rule)
-    if config.rotation:
-        write = dataclasses.replace(write, key=rotate(key, config.rotation_seed),
-                                    value=rotate(value, config.rotation_seed))
+    signs = rotation_signs(d, config.rotation_seed, key.device) if config.rotation else None
+    if positions is not None:
+        init_state(key, value, seq_state, state_ids, positions, config, calibration, signs)
+    smoothing = config.key_smoothing is not None
+    write = dataclasses.replace(write, scale_rule=config.scale_rule, rotation_signs=signs,
+                                seq_state=seq_state if smoothing else None,
+                                state_ids=state_ids if smoothing else None)
     registry.select(backend, "cache_write", write).reshape_and_cache(write)
+
+
+def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, block_tables,
+                      seq_lens, scale, *, cu_query_lens=None, sliding_window=0,
+                      logits_soft_cap=0.0, max_seq_len: Optional[int] = None,
+                      config: Optional[QuantConfig] = None,
+                      seq_state: Optional[torch.Tensor] = None,
+                      state_ids: Optional[torch.Tensor] = None) -> AttentionCall:
+    """Validate the arguments of ``paged_attention_fp4`` (all but ``out`` and ``backend``) and
+    return the call a backend runs, transforms included (``registry.select`` takes it)."""
+    call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
+                               block_tables, seq_lens, scale, cu_query_lens, sliding_window,
+                               logits_soft_cap, max_seq_len)
+    config = _check_config(config, call.scale_group, call.head_dim)
+    _check_state(config, seq_state, state_ids, call.num_seqs, call.num_kv_heads,
+                 call.head_dim, query.device)
+    signs = (rotation_signs(call.head_dim, config.rotation_seed, query.device)
+             if config.rotation else None)
+    return dataclasses.replace(call, rotation_signs=signs, seq_state=seq_state,
+                               state_ids=state_ids, sink=config.sink)
 
 
 def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales, block_tables,
                         seq_lens, scale, *, cu_query_lens=None, out=None, sliding_window=0,
                         logits_soft_cap=0.0, backend: str = "auto",
                         max_seq_len: Optional[int] = None,
-                        config: Optional[QuantConfig] = None) -> torch.Tensor:
+                        config: Optional[QuantConfig] = None,
+                        seq_state: Optional[torch.Tensor] = None,
+                        state_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``query`` [num_tokens, num_heads, D] over the FP4 paged cache.
 
-    ``max_seq_len`` (an extension to DESIGN.md section 2) is an optional host-side upper bound
-    of ``seq_lens``; kernels size their split-KV grid with it (default: the block table's
-    capacity), so passing it avoids launching work for empty table columns.
-    ``config``: the QuantConfig the cache was written with (needed for rotation: the query is
-    rotated and the output un-rotated, both in fp32).
+    ``max_seq_len`` (an extension to the contract's signature) is an optional host-side upper
+    bound of ``seq_lens``; kernels size their split-KV grid with it (default: the block
+    table's capacity), so passing it avoids launching work for empty table columns.
+    ``config``: the QuantConfig the cache was written with (default ``QuantConfig()``).
+    ``seq_state``/``state_ids`` (int32 [num_seqs], each sequence's slot): the state records
+    the writer filled, needed when the config uses them (the default does).
     Returns ``out`` (allocated like ``query`` when not given).
     """
-    call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
-                               block_tables, seq_lens, scale, cu_query_lens, sliding_window,
-                               logits_soft_cap, max_seq_len)
-    config = _check_config(config, call.scale_group, call.head_dim)
+    call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
+                             block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
+                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                             max_seq_len=max_seq_len, config=config, seq_state=seq_state,
+                             state_ids=state_ids)
     if out is None:
         out = torch.empty_like(query)
     else:
@@ -289,12 +383,6 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous tensor")
     if query.shape[0] == 0:
-        return out
-    if config.rotation:
-        call = dataclasses.replace(call, query=rotate(query, config.rotation_seed))
-        rotated = torch.empty_like(out)
-        registry.select(backend, "attention", call).paged_attention(call, rotated)
-        out.copy_(rotate(rotated, config.rotation_seed, inverse=True))
         return out
     registry.select(backend, "attention", call).paged_attention(call, out)
     return out
@@ -309,10 +397,12 @@ def attention_op_args(call: AttentionCall, out: torch.Tensor) -> tuple:
     """The positional arguments of every ``paged_attention_fp4_<backend>`` op (ATTENTION_SCHEMA)."""
     return (out, call.query, call.key_cache, call.value_cache, call.key_scales,
             call.value_scales, call.block_tables, call.seq_lens, call.cu_query_lens,
-            call.scale, call.sliding_window, call.logits_soft_cap, call.max_seq_len)
+            call.scale, call.sliding_window, call.logits_soft_cap, call.max_seq_len,
+            call.rotation_signs, call.seq_state, call.state_ids, call.sink)
 
 
 def cache_write_op_args(write: CacheWrite) -> tuple:
     """The positional arguments of every ``reshape_and_cache_fp4_<backend>`` op."""
     return (write.key, write.value, write.key_cache, write.value_cache, write.key_scales,
-            write.value_scales, write.slot_mapping)
+            write.value_scales, write.slot_mapping, write.rotation_signs, write.seq_state,
+            write.state_ids)

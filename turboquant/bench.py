@@ -70,10 +70,14 @@ import platform
 import statistics
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
+
+from .config import QuantConfig
+from .rotation import rotation_signs
 
 GB = 1e9
 GiB = 1 << 30
@@ -97,6 +101,7 @@ ATTENTION_FIELDS = [
     "head_dim",
     "block_size",
     "scale_group",
+    "config",
     "batch",
     "context",
     "status",
@@ -127,6 +132,7 @@ WRITER_FIELDS = [
     "head_dim",
     "block_size",
     "scale_group",
+    "config",
     "dtype",
     "status",
     "backend",
@@ -249,6 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--scale-group", type=int, default=0, choices=[0, 32],
                    help="elements per E8M0 scale: 0 = head dim, one per token and head "
                         "(default), or 32")
+    g.add_argument("--configs", default="default",
+                   help="comma-separated QuantConfig names, each timed at every shape, e.g. "
+                        "'default,plain' for the transforms on and off (default: default)")
     g.add_argument("--backend", default="auto",
                    help="paged_attention_fp4 and timed cache-writer backend (default auto)")
     g.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
@@ -550,18 +559,18 @@ def _backend_status(tq) -> list:
     return tq.backends()
 
 
-def _select(kind: str, requested: str, *call_args) -> str:
-    """The backend ``requested`` resolves to for these arguments (what ``auto`` picks)."""
-    try:
-        from . import api, registry
+def _select(kind: str, requested: str, *call_args, **kwargs) -> str:
+    """The backend ``requested`` resolves to for these arguments (what ``auto`` picks); for
+    kind 'attention' the arguments of ``paged_attention_fp4``, for 'cache_write' those of the
+    writer op (``api.make_cache_write``)."""
+    from . import api, registry
 
+    with api.value_checks(False):
         if kind == "attention":
-            call = api.make_attention_call(*call_args, check_values=False)
+            call = api.prepare_attention(*call_args, **kwargs)
         else:
-            call = api.make_cache_write(*call_args, check_values=False)
-        return registry.select(requested, kind, call).name
-    except ImportError:
-        return requested
+            call = api.make_cache_write(*call_args, check_values=False, **kwargs)
+    return registry.select(requested, kind, call).name
 
 
 # --------------------------------------------------------------------------------------------
@@ -615,8 +624,22 @@ def _sets_for(row: Row, args, l2_bytes: int) -> int:
     return max(1, math.ceil(args.l2_multiple * l2_bytes / set_fp4))
 
 
+def _config(name: str, args):
+    """The QuantConfig ``name`` with the bench's scale group."""
+    return dataclasses.replace(QuantConfig.parse(name),
+                               scale_group=args.scale_group or None)
+
+
+def state_bytes(batch: int, num_kv_heads: int, head_dim: int, config) -> int:
+    """What the reader takes from the state records: lam (and the sink's key and value), fp32."""
+    if not config.uses_state:
+        return 0
+    return batch * num_kv_heads * head_dim * 4 * (1 + 2 * config.sink)
+
+
 def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: int,
-            gqa: bool) -> dict:
+            gqa: bool, config_name: str = "default") -> dict:
+    config = _config(config_name, args)
     dtype = _dtype(args.dtype)
     elem = torch.finfo(dtype).bits // 8
     bs = args.block_size
@@ -624,13 +647,14 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     B, L = row.batch, row.context
     group = args.scale_group or d
     nblk = math.ceil(L / bs)
-    fp4_bytes = fp4_attention_bytes(B, L, hq, hkv, d, args.scale_group, elem)
+    fp4_bytes = (fp4_attention_bytes(B, L, hq, hkv, d, args.scale_group, elem)
+                 + state_bytes(B, hkv, d, config))
     sdpa_bytes = dense_attention_bytes(B, L, hq, hkv, d, elem)
     if not gqa:
         sdpa_bytes = dense_attention_bytes(B, L, hq, hq, d, elem)
     rec = {f: "" for f in ATTENTION_FIELDS}
     rec.update(shape=f"{hq}/{hkv}/{d}", num_heads=hq, num_kv_heads=hkv, head_dim=d,
-               block_size=bs, scale_group=group, batch=B, context=L,
+               block_size=bs, scale_group=group, config=config_name, batch=B, context=L,
                fp4_bytes=fp4_bytes, sdpa_bytes="" if args.no_sdpa else sdpa_bytes,
                floor_us=fp4_bytes / (bw_ref * GB) * 1e6 if bw_ref > 0 else "",
                sdpa_gqa="" if args.no_sdpa else ("enable_gqa" if gqa else "repeated"))
@@ -679,25 +703,39 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     spc = max(1, chunk_bytes // per_seq)
     pos = torch.arange(L, device=device)
     flat_tables = block_tables.view(nseq, nblk)
+    # sequence i keeps its state record (if the config has one) in slot i
+    state = tq.allocate_state(nseq, hkv, d, device) if config.uses_state else None
     with checks_off(tq):
         for i0 in range(0, nseq, spc):
             i1 = min(nseq, i0 + spc)
             k = dense_k[i0:i1].permute(0, 2, 1, 3).reshape(-1, hkv, d)
             v = dense_v[i0:i1].permute(0, 2, 1, 3).reshape(-1, hkv, d)
             slots = (flat_tables[i0:i1][:, pos // bs].long() * bs + pos % bs).reshape(-1)
-            tq.reshape_and_cache_fp4(k, v, *cache, slots)
-            del k, v, slots
+            extra = {}
+            if state is not None:
+                ids = torch.arange(i0, i1, device=device, dtype=torch.int32)
+                extra = dict(seq_state=state, state_ids=ids.repeat_interleave(L),
+                             positions=pos.repeat(i1 - i0))
+            tq.reshape_and_cache_fp4(k, v, *cache, slots, config=config, **extra)
+            del k, v, slots, extra
     _sync(device)
 
+    def attn_kwargs(s):
+        if state is None:
+            return {"config": config}
+        return {"config": config, "seq_state": state,
+                "state_ids": torch.arange(s * B, (s + 1) * B, device=device, dtype=torch.int32)}
+
+    set_kwargs = [attn_kwargs(s) for s in range(n_sets)]
     rec["backend"] = _select("attention", args.backend, query[0], *cache, block_tables[0],
-                             seq_lens, scale, None, 0, 0.0, L)
+                             seq_lens, scale, max_seq_len=L, **set_kwargs[0])
 
     def fp4_call(s):
-        q, o, bt = query[s], out[s], block_tables[s]
+        q, o, bt, kw = query[s], out[s], block_tables[s], set_kwargs[s]
 
         def f():
             tq.paged_attention_fp4(q, *cache, bt, seq_lens, scale, out=o,
-                                   backend=args.backend, max_seq_len=L)
+                                   backend=args.backend, max_seq_len=L, **kw)
         return f
 
     notes = []
@@ -765,8 +803,10 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     return rec
 
 
-def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple) -> dict:
+def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
+               config_name: str = "default") -> dict:
     _hq, hkv, d = shape
+    config = _config(config_name, args)
     dtype = _dtype(args.dtype)
     elem = torch.finfo(dtype).bits // 8
     bs = args.block_size
@@ -775,7 +815,7 @@ def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple) -> d
     nbytes = writer_bytes(T, hkv, d, args.scale_group, elem)
     rec = {f: "" for f in WRITER_FIELDS}
     rec.update(num_tokens=T, num_kv_heads=hkv, head_dim=d, block_size=bs, scale_group=group,
-               dtype=args.dtype, bytes=nbytes)
+               config=config_name, dtype=args.dtype, bytes=nbytes)
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed + 17)
     nblk = math.ceil(T / bs)
@@ -789,17 +829,34 @@ def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple) -> d
     perm = torch.randperm(nblk, device=device, generator=gen)
     pos = torch.arange(T, device=device)
     slots = (perm[pos // bs] * bs + pos % bs).long()
+    # the tokens belong to 64 sequences (state slots) whose records are filled first, untimed:
+    # the timed writes are the steady state (no position 0), where the writer reads the slot
+    extra, op_state = {}, {}
+    signs = rotation_signs(d, config.rotation_seed, device) if config.rotation else None
+    if config.uses_state:
+        state = tq.allocate_state(64, hkv, d, device)
+        ids = (pos * 64 // T).to(torch.int32)
+        with checks_off(tq):
+            tq.reshape_and_cache_fp4(key, value, kc, vc, ks, vs, slots, config=config,
+                                     seq_state=state, state_ids=ids,
+                                     positions=pos - (ids.long() * T + 63) // 64)
+        extra = dict(seq_state=state, state_ids=ids)
+        if config.key_smoothing is not None:
+            op_state = extra
     backend = args.backend
     note = ""
+    op_args = (key, value, kc, vc, ks, vs, slots)
     try:
-        rec["backend"] = _select("cache_write", backend, key, value, kc, vc, ks, vs, slots)
+        rec["backend"] = _select("cache_write", backend, *op_args, scale_rule=config.scale_rule,
+                                 rotation_signs=signs, **op_state)
     except ValueError as exc:  # the named attention backend has no writer: time auto's
         backend = "auto"
-        rec["backend"] = _select("cache_write", backend, key, value, kc, vc, ks, vs, slots)
+        rec["backend"] = _select("cache_write", backend, *op_args, scale_rule=config.scale_rule,
+                                 rotation_signs=signs, **op_state)
         note = f"--backend {args.backend} cannot write ({str(exc)[:100]}); timed auto"
 
     def f():
-        tq.reshape_and_cache_fp4(key, value, kc, vc, ks, vs, slots, backend=backend)
+        tq.reshape_and_cache_fp4(*op_args, config=config, backend=backend, **extra)
 
     with checks_off(tq):
         us, used, _n, tnote = time_calls([f], device, args.repeats, args.warmup, args.timing,
@@ -825,7 +882,7 @@ def _fmt(v, spec: str) -> str:
 
 HEADER = (f"{'shape':>9} {'batch':>5} {'ctx':>6} {'sets':>4} {'fp4_us':>8} {'fp4_GB/s':>8} "
           f"{'%bw':>5} {'floor_us':>8} {'sdpa_us':>8} {'sdpa_GB/s':>9} {'%bw':>5} "
-          f"{'speedup':>7} {'rel_err':>7} backend")
+          f"{'speedup':>7} {'rel_err':>7} backend config")
 
 
 def format_row(r: dict) -> str:
@@ -837,7 +894,8 @@ def format_row(r: dict) -> str:
             f"{_fmt(r['fp4_pct_bw'], '5.1f'):>5} {_fmt(r['floor_us'], '8.1f'):>8} "
             f"{_fmt(r['sdpa_us'], '8.1f'):>8} {_fmt(r['sdpa_GBps'], '9.0f'):>9} "
             f"{_fmt(r['sdpa_pct_bw'], '5.1f'):>5} {_fmt(r['speedup'], '7.2f'):>7} "
-            f"{_fmt(r['rel_err_vs_sdpa'], '7.3f'):>7} {r.get('backend', '')}/{r['timing']}")
+            f"{_fmt(r['rel_err_vs_sdpa'], '7.3f'):>7} {r.get('backend', '')}/{r['timing']}"
+            f" {r.get('config', '')}")
     if r.get("note"):
         line += "  # " + r["note"]
     return line
@@ -846,7 +904,7 @@ def format_row(r: dict) -> str:
 def format_writer(w: dict) -> str:
     if w.get("status") != "ok":
         return f"cache writer: {w.get('status')}: {w.get('note', '')}"
-    return (f"cache writer ({w['backend']}/{w['timing']}): {w['num_tokens']} tokens x "
+    return (f"cache writer ({w['backend']}/{w['timing']}, {w['config']}): {w['num_tokens']} tokens x "
             f"{w['num_kv_heads']} kv heads x D {w['head_dim']} {w['dtype']}: {w['us']:.1f} us, "
             f"{w['GBps']:.0f} GB/s, {_fmt(w['pct_bw'], '.1f')}% of measured read bandwidth "
             f"(bytes {w['bytes']} = input read + codes + scales written)"
@@ -966,10 +1024,13 @@ def main(args: argparse.Namespace) -> int:
         contexts = parse_int_list(args.contexts or (
             (CPU_QUICK_CONTEXTS if args.quick else CPU_CONTEXTS) if on_cpu else
             QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS))
-    except argparse.ArgumentTypeError as exc:
+        configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+        for c in configs:
+            QuantConfig.parse(c)
+    except (argparse.ArgumentTypeError, ValueError) as exc:
         print(f"turboquant bench: {exc}", file=sys.stderr)
         return 2
-    if not (shapes and batches and contexts):
+    if not (shapes and batches and contexts and configs):
         print("turboquant bench: nothing to run (empty --shapes/--batches/--contexts)",
               file=sys.stderr)
         return 2
@@ -1035,31 +1096,34 @@ def main(args: argparse.Namespace) -> int:
     for (hq, hkv, d) in shapes:
         for B in batches:
             for L in contexts:
-                try:
-                    rec = run_row(tq, Row(hq, hkv, d, B, L), args, device, bw, l2, gqa)
-                except Exception as exc:
-                    failed += 1
-                    rec = {f: "" for f in ATTENTION_FIELDS}
-                    rec.update(shape=f"{hq}/{hkv}/{d}", num_heads=hq, num_kv_heads=hkv,
-                               head_dim=d, block_size=args.block_size, batch=B, context=L,
-                               status="error",
-                               note=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                rows.append(rec)
-                print(format_row(rec), flush=True)
+                for name in configs:
+                    try:
+                        rec = run_row(tq, Row(hq, hkv, d, B, L), args, device, bw, l2, gqa,
+                                      name)
+                    except Exception as exc:
+                        failed += 1
+                        rec = {f: "" for f in ATTENTION_FIELDS}
+                        rec.update(shape=f"{hq}/{hkv}/{d}", num_heads=hq, num_kv_heads=hkv,
+                                   head_dim=d, block_size=args.block_size, config=name,
+                                   batch=B, context=L, status="error",
+                                   note=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    rows.append(rec)
+                    print(format_row(rec), flush=True)
 
-    writer = None
-    if not args.no_writer:
+    writers = []
+    for name in ([] if args.no_writer else configs):
         try:
-            writer = run_writer(tq, args, device, bw, shapes[0])
+            writer = run_writer(tq, args, device, bw, shapes[0], name)
         except Exception as exc:
             failed += 1
             writer = {f: "" for f in WRITER_FIELDS}
-            writer.update(num_tokens=args.writer_tokens, status="error",
+            writer.update(num_tokens=args.writer_tokens, config=name, status="error",
                           note=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        writers.append(writer)
 
     ceiling_note = note_max_observed(rows, bandwidth)
 
@@ -1074,14 +1138,14 @@ def main(args: argparse.Namespace) -> int:
             "GB": GB,
         },
         "rows": rows,
-        "writer": writer,
+        "writers": writers,
     }
     json_path = os.path.join(args.out, "bench.json")
     with open(json_path, "w") as fh:
         json.dump(doc, fh, indent=2, default=str)
     write_csv(os.path.join(args.out, "bench.csv"), rows, ATTENTION_FIELDS)
-    if writer is not None:
-        write_csv(os.path.join(args.out, "bench_writer.csv"), [writer], WRITER_FIELDS)
+    if writers:
+        write_csv(os.path.join(args.out, "bench_writer.csv"), writers, WRITER_FIELDS)
     plot_msg = None
     if not args.no_plot:
         plot_msg = write_plot(os.path.join(args.out, "bench.png"), rows, bandwidth,
@@ -1102,11 +1166,11 @@ def main(args: argparse.Namespace) -> int:
     print(HEADER)
     for r in rows:
         print(format_row(r))
-    if writer is not None:
+    for writer in writers:
         print(format_writer(writer))
     if ceiling_note:
         print(ceiling_note)
-    written = ["bench.json", "bench.csv"] + (["bench_writer.csv"] if writer else [])
+    written = ["bench.json", "bench.csv"] + (["bench_writer.csv"] if writers else [])
     if not args.no_plot and not plot_msg:
         written.append("bench.png")
     print(f"wrote {', '.join(written)} in {args.out}")

@@ -1,10 +1,12 @@
 """Allocating an FP4 paged cache, and building random paged problems (main job, tests, bench)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
 
+from .config import QuantConfig
 from .format import MX_GROUP
 
 
@@ -47,16 +49,24 @@ class PagedProblem(NamedTuple):
     seq_lens: torch.Tensor  # int32 [num_seqs]
     keys: list  # per sequence: [seq_len, num_kv_heads, D] in the source dtype
     values: list  # per sequence: [seq_len, num_kv_heads, D]
+    kwargs: dict  # what paged_attention_fp4 needs besides the tensors: config, seq_state, state_ids
 
 
 def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: int, *,
                         dtype=torch.bfloat16, device="cpu", scale_group=None, spare_blocks=0,
                         poison: bool = True, generator=None, write_backend: str = "auto",
-                        kv_factory=None) -> PagedProblem:
-    """Random K/V for each sequence, written through ``reshape_and_cache_fp4`` into blocks in
-    shuffled order. With ``poison``, every byte not written (unused slots of the last blocks,
-    spare blocks, block table padding is -1) is 0xFF, i.e. NaN scales."""
+                        kv_factory=None, config: Optional[QuantConfig] = None) -> PagedProblem:
+    """Random K/V for each sequence, written through ``reshape_and_cache_fp4`` with ``config``
+    (default ``QuantConfig()``, its scale group replaced by ``scale_group``) into blocks in
+    shuffled order; sequence s keeps its state record (if the config uses one) in slot
+    ``num_seqs - 1 - s``. With ``poison``, every byte not written (unused slots of the last
+    blocks, spare blocks, block table padding is -1) is 0xFF, i.e. NaN scales."""
     from .api import reshape_and_cache_fp4
+    from .smoothing import allocate_state
+
+    config = dataclasses.replace(config or QuantConfig(),
+                                 scale_group=None if scale_group in (None, head_dim) else
+                                 scale_group)
 
     seq_lens = [int(n) for n in seq_lens]
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
@@ -66,7 +76,7 @@ def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: 
     perm = torch.randperm(max(num_blocks, 1), generator=generator).tolist()
     width = max(blocks_per_seq + [1])
     table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
-    keys, values, slots = [], [], []
+    keys, values, slots, positions = [], [], [], []
     used = 0
     for s, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
         ids = perm[used:used + nb]
@@ -82,8 +92,21 @@ def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: 
         values.append(v.to(device))
         pos = torch.arange(n)
         slots.append(table[s, pos // block_size].long() * block_size + pos % block_size)
+        positions.append(pos)
+    kwargs = {"config": config}
+    write_kwargs = {}
+    if config.uses_state:
+        num_seqs = len(seq_lens)
+        slot_of = torch.arange(num_seqs - 1, -1, -1, dtype=torch.int32)
+        kwargs["seq_state"] = allocate_state(max(num_seqs, 1), num_kv_heads, head_dim, device)
+        kwargs["state_ids"] = slot_of.to(device)
+        write_kwargs = {"seq_state": kwargs["seq_state"], "positions": torch.cat(positions).to(device),
+                        "state_ids": torch.repeat_interleave(slot_of, torch.tensor(seq_lens)
+                                                             ).to(device)}
     if sum(seq_lens):
         reshape_and_cache_fp4(torch.cat(keys), torch.cat(values), *cache,
-                              torch.cat(slots).to(device), backend=write_backend)
+                              torch.cat(slots).to(device), config=config,
+                              backend=write_backend, **write_kwargs)
     return PagedProblem(cache, table.to(device), torch.tensor(seq_lens, dtype=torch.int32,
-                                                                 device=device), keys, values)
+                                                                 device=device), keys, values,
+                        kwargs)

@@ -84,7 +84,7 @@ def run_main(args) -> int:
     scale = d ** -0.5
     cache = problem.cache
     call_args = (query, *cache, problem.block_tables, problem.seq_lens, scale)
-    call = api.make_attention_call(*call_args)
+    call = api.prepare_attention(*call_args, **problem.kwargs)
     from . import registry
     backend = registry.select(args.backend, "attention", call).name
 
@@ -93,7 +93,7 @@ def run_main(args) -> int:
     with api.value_checks(False):
         def attend():
             api.paged_attention_fp4(*call_args, out=out, backend=backend,
-                                    max_seq_len=context)
+                                    max_seq_len=context, **problem.kwargs)
         seconds = _time(attend, device, iters)
 
     _progress("[3/4] BF16 attention on the unquantized cache", quiet)

@@ -1,13 +1,21 @@
-"""Quantization options, one small object a cache is created with and read with.
+"""Quantization options, one small object a cache is written with and read with.
 
-    QuantConfig()                              # DESIGN.md default: one scale per (token, head)
-    QuantConfig(scale_group=32)                # one E8M0 scale per 32 elements (OCP MX block)
-    QuantConfig(rotation=True)                 # randomized Hadamard rotation of the head dim
-    QuantConfig(scale_rule="mse")              # better of two exponents by squared error
-    QuantConfig.parse("rotation+per32")        # the names used by `python -m turboquant accuracy`
+    QuantConfig()                          # the default: rotation + sequence key smoothing + sink
+    QuantConfig.parse("plain")             # CONTRACT.md section 1 alone: no transform
+    QuantConfig.parse("rotation+per32")    # the names used by `python -m turboquant accuracy`
 
-The writer needs all of it; the reader needs ``rotation`` (Q is rotated and the output
-un-rotated) and finds the scale group from the scale tensors' shape, which must agree.
+Fields (CONTRACT.md section 2 defines each transform):
+
+- ``scale_group``: None (one E8M0 scale per (token, head)) or 32 (per 32 elements).
+- ``scale_rule``: "smallest" (the format's rule) or "mse" (better of two exponents).
+- ``rotation``: K, V and Q rotated by a randomized Hadamard matrix (``rotation_seed``).
+- ``key_smoothing``: None; "sequence" (a key center m and per-channel key scale lam per
+  sequence and kv head, taken from the sequence's first written chunk); or "calibrated" (m and
+  lam per layer from a calibration file, ``turboquant.smoothing``).
+- ``sink``: the first token of every sequence kept in fp32 in the sequence's state record.
+
+Smoothing and the sink keep one record per sequence (``seq_state``); the writer fills it when a
+sequence's position 0 is written and the reader uses it.
 """
 from __future__ import annotations
 
@@ -15,14 +23,22 @@ from dataclasses import dataclass
 from typing import Optional
 
 SCALE_RULES = ("smallest", "mse")
+KEY_SMOOTHINGS = (None, "sequence", "calibrated")
+# QuantConfig.parse names: part -> (field, value); "plain" turns every transform off.
+_PARTS = {"rotation": ("rotation", True), "per32": ("scale_group", 32),
+          "mse": ("scale_rule", "mse"), "smooth": ("key_smoothing", "sequence"),
+          "calibrated": ("key_smoothing", "calibrated"), "sink": ("sink", True)}
+_PLAIN = {"rotation": False, "key_smoothing": None, "sink": False}
 
 
 @dataclass(frozen=True)
 class QuantConfig:
     scale_group: Optional[int] = None  # None: one scale per (token, head); 32: per 32 elements
-    rotation: bool = False  # rotate K, V and Q by a randomized Hadamard matrix (head dim)
+    rotation: bool = True  # rotate K, V and Q by a randomized Hadamard matrix (head dim)
     rotation_seed: int = 0  # seed of the rotation's random signs
-    scale_rule: str = "smallest"  # "smallest" (DESIGN.md) or "mse" (better of two exponents)
+    scale_rule: str = "smallest"  # "smallest" (CONTRACT.md) or "mse" (better of two exponents)
+    key_smoothing: Optional[str] = "sequence"  # None, "sequence" or "calibrated"
+    sink: bool = True  # the first token of a sequence kept in fp32 in its state record
 
     def __post_init__(self):
         if self.scale_group not in (None, 32):
@@ -30,31 +46,49 @@ class QuantConfig:
         if self.scale_rule not in SCALE_RULES:
             raise ValueError(f"scale_rule: expected one of {SCALE_RULES}, "
                              f"got {self.scale_rule!r}")
+        if self.key_smoothing not in KEY_SMOOTHINGS:
+            raise ValueError(f"key_smoothing: expected one of {KEY_SMOOTHINGS}, "
+                             f"got {self.key_smoothing!r}")
+        if not isinstance(self.rotation_seed, int) or not 0 <= self.rotation_seed < 2 ** 63:
+            raise ValueError(f"rotation_seed: expected an int in [0, 2^63), "
+                             f"got {self.rotation_seed!r}")
+
+    @property
+    def uses_state(self) -> bool:
+        """Whether the writer and reader need a per-sequence state record (``seq_state``)."""
+        return self.key_smoothing is not None or self.sink
 
     @property
     def name(self) -> str:
-        parts = (["rotation"] if self.rotation else []) + \
-                (["per32"] if self.scale_group == 32 else []) + \
+        extra = (["per32"] if self.scale_group == 32 else []) + \
                 (["mse"] if self.scale_rule == "mse" else [])
-        return "+".join(parts) or "default"
+        if self == QuantConfig(scale_group=self.scale_group, scale_rule=self.scale_rule,
+                               rotation_seed=self.rotation_seed):
+            base = ["default"]
+        else:
+            base = [part for part, (field, value) in _PARTS.items()
+                    if field not in ("scale_group", "scale_rule")
+                    and getattr(self, field) == value]
+        return "+".join(base + extra) or "plain"
 
     @classmethod
     def parse(cls, name: str) -> "QuantConfig":
-        """'default', or '+'-joined parts of 'rotation', 'per32', 'mse'."""
-        kwargs = {}
-        for part in name.split("+"):
-            if part == "default":
+        """'default' (the default config), 'plain' (no transform) or '+'-joined parts of
+        'rotation', 'per32', 'mse', 'smooth', 'calibrated', 'sink'; 'default+per32' adds a
+        part to the default, 'per32' alone adds it to 'plain'."""
+        parts = name.split("+")
+        kwargs = {} if parts[0] == "default" else dict(_PLAIN)
+        for part in parts:
+            if part in ("default", "plain") and part == parts[0]:
                 continue
-            elif part == "rotation":
-                kwargs["rotation"] = True
-            elif part == "per32":
-                kwargs["scale_group"] = 32
-            elif part == "mse":
-                kwargs["scale_rule"] = "mse"
-            else:
+            if part not in _PARTS:
                 raise ValueError(f"config: unknown option {part!r} in {name!r}; expected "
-                                 f"'default' or '+'-joined 'rotation', 'per32', 'mse'")
+                                 f"'default' or 'plain' first, or '+'-joined "
+                                 f"{', '.join(repr(p) for p in _PARTS)}")
+            field, value = _PARTS[part]
+            kwargs[field] = value
         return cls(**kwargs)
 
 
 DEFAULT = QuantConfig()
+PLAIN = QuantConfig.parse("plain")

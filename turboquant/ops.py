@@ -4,18 +4,26 @@ Each backend registers its kernels under ``turboquant::<op>_<backend>`` with exa
 schemas (the C++ extensions use the same text), so the Python layer calls every backend the
 same way, and ``torch.compile`` / CUDA graphs see an opaque op that writes into
 caller-allocated outputs and never synchronizes with the host.
+
+The transforms of CONTRACT.md section 2 travel with every call: ``rotation_signs`` (float32
+[D] of +-1, or None: no rotation), ``seq_state`` (float32 [num_slots, num_kv_heads, 4, D],
+``turboquant.smoothing``) and ``state_ids`` (int32: the slot of each sequence for attention,
+of each token for the writer), ``sink`` (attention reads position 0 from the state record).
+The writer gets ``seq_state`` only with key smoothing; the reader whenever the config uses it.
 """
 
 ATTENTION_SCHEMA = (
     "(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
     "Tensor key_scales, Tensor value_scales, Tensor block_tables, Tensor seq_lens, "
     "Tensor? cu_query_lens, float scale, int sliding_window, float logits_soft_cap, "
-    "int max_seq_len) -> ()"
+    "int max_seq_len, Tensor? rotation_signs, Tensor? seq_state, Tensor? state_ids, "
+    "bool sink) -> ()"
 )
 
 CACHE_WRITE_SCHEMA = (
     "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-    "Tensor(c!) key_scales, Tensor(d!) value_scales, Tensor slot_mapping) -> ()"
+    "Tensor(c!) key_scales, Tensor(d!) value_scales, Tensor slot_mapping, "
+    "Tensor? rotation_signs, Tensor? seq_state, Tensor? state_ids) -> ()"
 )
 
 

@@ -11,16 +11,26 @@ It defines what every other backend must compute:
 - NaN in gives NaN out: a visible key whose scale byte is 255 (NaN) makes the logits NaN and
   so the whole output row; a visible value that is not finite makes the output NaN.
 - A query row that sees no key (seq_len 0) gives zeros.
+- Transforms (CONTRACT.md section 2), all in fp32: with a state record (slot r of the
+  sequence), q becomes q * lam_r; with rotation q is rotated and the output un-rotated
+  (``turboquant.rotation``); with ``sink``, position 0's key and value come from the record
+  (rows SINK_KEY, SINK_VALUE) instead of the FP4 cache; with a soft cap and a record, q.m_r is
+  added to every q.k before the scale (without a soft cap softmax does not depend on it).
+  A slot outside the state tensor gives NaN for that sequence.
 
 Work is done one sequence at a time, ``chunk_tokens`` keys at a time, with an online softmax,
 so memory stays bounded on long contexts.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .api import attention_op_args, cache_write_op_args, make_attention_call, make_cache_write
 from .format import dequantize_fp4, quantize_fp4
+from .rotation import rotate, unrotate
+from .smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE, transform_keys
 from .ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from .registry import AttentionCall, Backend, CacheWrite, register
 
@@ -62,6 +72,14 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
             continue
         q = call.query[q0:q1].float().view(nq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, nq, D]
         q = q.reshape(hkv, g * nq, d)
+        record = _state_record(call, s)  # [Hkv, 4, D] or None
+        q_dot_m = None
+        if record is not None:
+            if call.logits_soft_cap > 0:
+                q_dot_m = (q * record[:, KEY_CENTER, None]).sum(-1)[..., None]  # [Hkv, g*nq, 1]
+            q = q * record[:, KEY_SCALE, None]
+        if call.rotation_signs is not None:
+            q = rotate(q, call.rotation_signs)
         pos = torch.arange(n - nq, n, device=q.device).repeat(g)  # [g*nq], row r -> query r % nq
         m = torch.full((hkv, g * nq), float("-inf"), device=q.device)
         l = torch.zeros((hkv, g * nq), device=q.device)
@@ -74,7 +92,12 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
                                call.block_size)
             v = _gather_tokens(call.value_cache, call.value_scales, blocks, group, c0, c1,
                                call.block_size)
-            logits = torch.matmul(q, k.transpose(1, 2)) * call.scale  # [Hkv, g*nq, T]
+            if call.sink and c0 == 0:
+                k[:, 0], v[:, 0] = record[:, SINK_KEY], record[:, SINK_VALUE]
+            logits = torch.matmul(q, k.transpose(1, 2))  # [Hkv, g*nq, T]
+            if q_dot_m is not None:
+                logits = logits + q_dot_m
+            logits = logits * call.scale
             if call.logits_soft_cap > 0:
                 logits = call.logits_soft_cap * torch.tanh(logits / call.logits_soft_cap)
             key_pos = torch.arange(c0, c1, device=q.device)
@@ -96,19 +119,48 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
         o = torch.where(bad[..., None], float("nan"), o)
         # a NaN logit leaves m NaN: the whole row must be NaN
         o = torch.where(torch.isnan(m)[..., None], float("nan"), o)
+        if call.rotation_signs is not None:
+            o = unrotate(o, call.rotation_signs)
         out[q0:q1] = o.view(hkv, g, nq, d).permute(2, 0, 1, 3).reshape(nq, hkv * g, d).to(out.dtype)
 
 
+def _state_record(call: AttentionCall, s: int):
+    """Sequence s's state record [Hkv, 4, D] (NaN if its slot is outside the tensor), or None."""
+    if call.seq_state is None:
+        return None
+    slot = int(call.state_ids[s])
+    if not 0 <= slot < call.seq_state.shape[0]:
+        return torch.full(call.seq_state.shape[1:], float("nan"), device=call.query.device)
+    return call.seq_state[slot]
+
+
+def _smoothing_of_tokens(write: CacheWrite, keep: torch.Tensor):
+    """(m, lam) [n, Hkv, D] of the kept tokens' slots (NaN for a slot outside the tensor)."""
+    state = write.seq_state
+    ids = write.state_ids[keep].long()
+    valid = (ids >= 0) & (ids < state.shape[0])
+    rec = state[ids.clamp(0, state.shape[0] - 1)]  # [n, Hkv, 4, D]
+    rec = torch.where(valid[:, None, None, None], rec, float("nan"))
+    return rec[:, :, KEY_CENTER], rec[:, :, KEY_SCALE]
+
+
 def cache_write_reference(write: CacheWrite) -> None:
-    """Quantize key/value and scatter them into the paged cache at ``slot_mapping``."""
+    """Transform and quantize key/value and scatter them into the paged cache at
+    ``slot_mapping``: key -> rotate((k - m) / lam) (m, lam from each token's state slot, with
+    key smoothing), value -> rotate(v), each step only where configured, in fp32."""
     d, bs = write.head_dim, write.block_size
     group = None if write.scale_group == d else write.scale_group
     keep = write.slot_mapping >= 0
     slots = write.slot_mapping[keep].long()
     blocks, offsets = slots // bs, slots % bs
-    for src, cache, scales in ((write.key, write.key_cache, write.key_scales),
-                               (write.value, write.value_cache, write.value_scales)):
-        codes, sc = quantize_fp4(src[keep], group, write.scale_rule)  # [n, Hkv, D/2], [n, Hkv, G]
+    center = scale = None
+    if write.seq_state is not None:
+        center, scale = _smoothing_of_tokens(write, keep)
+    key = transform_keys(write.key[keep], center, scale, write.rotation_signs)
+    value = transform_keys(write.value[keep], None, None, write.rotation_signs)
+    for src, cache, scales in ((key, write.key_cache, write.key_scales),
+                               (value, write.value_cache, write.value_scales)):
+        codes, sc = quantize_fp4(src, group, write.scale_rule)  # [n, Hkv, D/2], [n, Hkv, G]
         if group is None:
             sc = sc.squeeze(-1)
         cache[blocks, :, offsets] = codes
@@ -125,10 +177,13 @@ CACHE_WRITE_OPS = {"smallest": "reshape_and_cache_fp4_reference",
 
 @torch.library.impl("turboquant::paged_attention_fp4_reference", "CompositeExplicitAutograd")
 def _attention_op(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
-                  seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len):
+                  seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
+                  rotation_signs, seq_state, state_ids, sink):
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len, check_values=False)
+    call = dataclasses.replace(call, rotation_signs=rotation_signs, seq_state=seq_state,
+                               state_ids=state_ids, sink=sink)
     attention_reference(call, out)
 
 
@@ -136,10 +191,12 @@ def _register_cache_write_op(rule: str, op_name: str) -> None:
     qualname = f"turboquant::{op_name}"
     define(qualname, CACHE_WRITE_SCHEMA)
 
-    def impl(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping):
+    def impl(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping,
+             rotation_signs, seq_state, state_ids):
         cache_write_reference(make_cache_write(key, value, key_cache, value_cache, key_scales,
                                                value_scales, slot_mapping, check_values=False,
-                                               scale_rule=rule))
+                                               scale_rule=rule, rotation_signs=rotation_signs,
+                                               seq_state=seq_state, state_ids=state_ids))
 
     torch.library.impl(qualname, "CompositeExplicitAutograd")(impl)
 

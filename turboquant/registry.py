@@ -42,6 +42,10 @@ class AttentionCall:
     block_size: int
     num_blocks: int
     scale_group: int  # elements per E8M0 scale: head_dim (default) or 32
+    rotation_signs: Optional[torch.Tensor] = None  # float32 [D] of +-1; None: no rotation
+    seq_state: Optional[torch.Tensor] = None  # float32 [num_slots, num_kv_heads, 4, D]
+    state_ids: Optional[torch.Tensor] = None  # int32 [num_seqs]: each sequence's state slot
+    sink: bool = False  # position 0 read from the state record, not from the FP4 cache
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,11 @@ class CacheWrite:
     block_size: int
     num_blocks: int
     scale_group: int
-    scale_rule: str = "smallest"  # "smallest" (DESIGN.md) or "mse" (QuantConfig.scale_rule)
+    scale_rule: str = "smallest"  # "smallest" (CONTRACT.md) or "mse" (QuantConfig.scale_rule)
+    rotation_signs: Optional[torch.Tensor] = None  # float32 [D] of +-1; None: no rotation
+    seq_state: Optional[torch.Tensor] = None  # float32 [num_slots, num_kv_heads, 4, D]; with
+    # key smoothing only: each token's key becomes (k - m) / lam of its slot
+    state_ids: Optional[torch.Tensor] = None  # int32 [num_tokens]: each token's state slot
 
 
 class Backend:
@@ -74,6 +82,18 @@ class Backend:
 
     def unavailable(self) -> Optional[str]:
         return None
+
+    @staticmethod
+    def transforms_reason(call: AttentionCall, kernel: str) -> Optional[str]:
+        """The reason a kernel without the transforms of CONTRACT.md section 2 declines
+        ``call``, or None when the call uses none of them."""
+        used = [name for name, on in (("rotation", call.rotation_signs is not None),
+                                      ("key smoothing / state records", call.seq_state is not None),
+                                      ("the sink token", call.sink)) if on]
+        if not used:
+            return None
+        return (f"{', '.join(used)} not fused into the {kernel} kernel yet: pass "
+                f"config=turboquant.QuantConfig.parse('plain') for a cache written without them")
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
         return "paged attention is not implemented by this backend"

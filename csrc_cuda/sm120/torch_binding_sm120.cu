@@ -40,7 +40,15 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
                                const at::Tensor& block_tables,  // int32 [num_seqs, max_blocks_per_seq]
                                const at::Tensor& seq_lens,      // int32 [num_seqs]
                                const std::optional<at::Tensor>& cu_query_lens,  // int32 [num_seqs + 1]
-                               double scale, int64_t sliding_window, double logits_soft_cap, int64_t max_seq_len) {
+                               double scale, int64_t sliding_window, double logits_soft_cap, int64_t max_seq_len,
+                               const std::optional<at::Tensor>& rotation_signs,  // float32 [D]: not fused here
+                               const std::optional<at::Tensor>& seq_state,       // float32 [slots, Hkv, 4, D]: not fused
+                               const std::optional<at::Tensor>& state_ids,       // int32 [num_seqs]: not fused
+                               bool sink) {
+  // The transforms of CONTRACT.md section 2 are not in this kernel yet: the backend declines
+  // such calls in Python (turboquant/_backends/sm120.py) with that reason.
+  TORCH_CHECK(!rotation_signs.has_value() && !seq_state.has_value() && !state_ids.has_value() && !sink,
+              "rotation_signs/seq_state/state_ids/sink: not implemented by the sm120 kernel");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-d CUDA tensor");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kHalf,
               "query: expected bfloat16 or float16, got ", query.scalar_type());

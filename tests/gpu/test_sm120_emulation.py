@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from turboquant.api import attention_op_args, make_attention_call
+from turboquant.config import PLAIN
 from turboquant._backends import sm120
 from turboquant.reference import attention_reference
 
@@ -364,7 +365,7 @@ def test_attention_cache_written_from_gaussian_kv(ops, scale_group):
     gen = torch.Generator().manual_seed(41)
     lens = [2048, 1000, 17, 3000]
     prob = build_paged_problem(lens, 8, 128, 16, device="cuda", scale_group=scale_group, spare_blocks=2,
-                               generator=gen, write_backend="reference")
+                               generator=gen, write_backend="reference", config=PLAIN)
     kc, vc, ks, vs = prob.cache
     pr = dict(query=torch.randn(len(lens), 32, 128, generator=gen).to(torch.bfloat16).cuda(), key_cache=kc,
               value_cache=vc, key_scales=ks, value_scales=vs, block_tables=prob.block_tables,
@@ -423,8 +424,8 @@ def test_dispatcher_picks_sm120_on_compute_capability_12():
     assert registry.select("auto", "attention", call).name == "sm120"
     out = turboquant.paged_attention_fp4(pr["query"], pr["key_cache"], pr["value_cache"], pr["key_scales"],
                                          pr["value_scales"], pr["block_tables"], pr["seq_lens"],
-                                         128 ** -0.5, backend="sm120")
+                                         128 ** -0.5, backend="sm120", config=PLAIN)
     ref = turboquant.paged_attention_fp4(pr["query"], pr["key_cache"], pr["value_cache"], pr["key_scales"],
                                          pr["value_scales"], pr["block_tables"], pr["seq_lens"],
-                                         128 ** -0.5, backend="reference")
+                                         128 ** -0.5, backend="reference", config=PLAIN)
     assert out.shape == ref.shape and torch.isfinite(out).all()

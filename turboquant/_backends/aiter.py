@@ -36,8 +36,13 @@ define(ATTENTION_OP, ATTENTION_SCHEMA)
 
 @torch.library.impl(ATTENTION_OP, "CUDA")  # ROCm builds of PyTorch dispatch HIP as CUDA
 def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
-          seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len):
+          seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
+          rotation_signs, seq_state, state_ids, sink):
     import aiter
+
+    if rotation_signs is not None or seq_state is not None or sink:
+        raise ValueError("rotation_signs/seq_state/sink: not implemented by the aiter kernel "
+                         "(the backend declines such calls)")
 
     aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                               block_tables, seq_lens, scale, out=out,
@@ -110,6 +115,9 @@ class AiterBackend(Backend):
             return _state["reason"]
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
+        reason = self.transforms_reason(call, "aiter")
+        if reason is not None:
+            return reason
         if call.cu_query_lens is not None:
             return ("multi-token queries (cu_query_lens) are not implemented by the aiter "
                     "kernel (decode only: one query token per sequence)")

@@ -108,6 +108,9 @@ class CudaBackend(Backend):
         return ensure_loaded()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
+        reason = self.transforms_reason(call, "cuda")
+        if reason is not None:
+            return reason
         q = call.query
         if not q.is_cuda:
             return f"tensors are on {q.device}, not on a CUDA device"
@@ -148,6 +151,9 @@ class CudaBackend(Backend):
             return f"head_dim {write.head_dim} not in {HEAD_DIMS}"
         if write.scale_group not in (write.head_dim, 32):
             return f"scale group {write.scale_group} not supported"
+        if write.rotation_signs is not None or write.seq_state is not None:
+            return ("rotation and key smoothing are not fused into the cuda writer yet: pass "
+                    "config=turboquant.QuantConfig.parse('plain') for the plain format")
         rule = getattr(write, "scale_rule", "smallest")
         if rule != "smallest":
             return f"scale_rule {rule!r} is not implemented by the cuda writer (only 'smallest')"

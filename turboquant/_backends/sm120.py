@@ -107,6 +107,9 @@ class Sm120Backend(Backend):
         return load_extension()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
+        reason = self.transforms_reason(call, "sm120")
+        if reason is not None:
+            return reason
         q = call.query
         if not q.is_cuda:
             return f"tensors are on {q.device}, not on a CUDA device"
