@@ -97,7 +97,7 @@ def attn_fn(case, scale, max_seq_len):
     op = torch.ops.turboquant.paged_attention_fp4_cuda
 
     def f():
-        op(out, q, kc, vc, ks, vs, bt, sl, None, scale, 0, 0.0, max_seq_len)
+        op(out, q, kc, vc, ks, vs, bt, sl, None, scale, 0, 0.0, max_seq_len, None, None, None, False)
     return f
 
 
@@ -122,14 +122,20 @@ def check(quick):
     for (lens, hq, hkv, d, bs, dtype, win, cap, qlens) in shapes:
         g = torch.Generator().manual_seed(1)
         prob = build_paged_problem(lens, hkv, d, bs, dtype=dtype, device="cuda", generator=g,
-                                   write_backend="reference", spare_blocks=2)
+                                   write_backend="reference", spare_blocks=2)  # default config
         ntok = len(lens) if qlens is None else sum(qlens)
         q = torch.randn(ntok, hq, d, generator=g).to(dtype).cuda()
         cu = None
         if qlens is not None:
             cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32,
                               device="cuda")
-        kw = dict(cu_query_lens=cu, sliding_window=win, logits_soft_cap=cap)
+        kw = dict(cu_query_lens=cu, sliding_window=win, logits_soft_cap=cap, **prob.kwargs)
+        if cap > 0:  # the cuda kernels decline a soft cap with state records: plain config
+            prob = build_paged_problem(lens, hkv, d, bs, dtype=dtype, device="cuda",
+                                       generator=torch.Generator().manual_seed(1),
+                                       write_backend="reference", spare_blocks=2,
+                                       config=turboquant.QuantConfig.parse("plain"))
+            kw.update(prob.kwargs, seq_state=None, state_ids=None)
         ref = turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
                                              d ** -0.5, backend="reference", **kw)
         try:
@@ -198,7 +204,7 @@ def main():
     nbytes = 2 * key.numel() * 2 + 2 * ntok * hkv * (d // 2 + 1) + ntok * 8
     for kind, slots in (("contiguous slots (prefill)", torch.arange(ntok, device="cuda")),
                         ("shuffled slots", torch.randperm(ntok, device="cuda"))):
-        t = bench_events(lambda: op(key, val, kc, vc, ks, vs, slots), iters=50)
+        t = bench_events(lambda: op(key, val, kc, vc, ks, vs, slots, None, None, None), iters=50)
         gbs = nbytes / (t * 1e-6) / 1e9
         print(f"cache writer {ntok} tok x {hkv} heads x {d} bf16, {kind}: {t:.1f} us, "
               f"{gbs:.0f} GB/s = {100 * gbs / bw:.1f}% of HBM read bw (bytes read+written)")

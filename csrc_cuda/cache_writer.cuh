@@ -7,6 +7,10 @@
 // - codes: x * 2^(127 - b) (exact: multiplying by a power of two), round to nearest with ties to
 //   the even code, saturate at 6, sign from the sign bit (so -0.0 and small negatives give 8).
 // - packing: even element in the low nibble.
+// - transforms (turboquant/reference.py cache_write_reference), in fp32 before the scale rule:
+//   key -> rotate((k - m) / lam) with m, lam from the token's state record (key smoothing),
+//   value -> rotate(v); rotate(x) = fwht(x * s) * D^-0.5 in the stage order of
+//   turboquant.rotation.fwht, so the codes are the reference's bit for bit.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +37,11 @@ struct CacheWriteParams {
   int slot_is_64;
   int num_tokens, num_kv_heads, head_dim, group, block_size, num_blocks;
   int log2_block_size;  // block_size is a power of two
+  const float* rot_signs;  // [D] +-1, or nullptr: no rotation
+  float rot_norm;          // D^-0.5 (fp32)
+  const float* seq_state;  // [num_slots, Hkv, 4, D] fp32 (rows 0, 1: m, lam), or nullptr
+  const int* state_ids;    // [num_tokens] slot of each token (outside [0, num_slots): NaN codes)
+  int num_slots;
 };
 
 // E8M0 byte for a group max magnitude (format.py e8m0_for_amax), given as float bits.
@@ -136,6 +145,30 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
       load8<T>(vp + 8 * h, c);
 #pragma unroll
       for (int i = 0; i < 8; ++i) { fk[8 * h + i] = a[i]; fv[8 * h + i] = c[i]; }
+    }
+    if (p.seq_state != nullptr) {  // key smoothing: (k - m) / lam of the token's slot
+      const int slot = __ldg(p.state_ids + tok);
+      const bool bad = slot < 0 || slot >= p.num_slots;
+      const float* rec = p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + head) * 4 * D + sub * E;
+#pragma unroll
+      for (int i = 0; i < E; ++i)
+        fk[i] = bad ? __int_as_float(0x7fc00000) : (fk[i] - __ldg(rec + i)) / __ldg(rec + D + i);
+    }
+  }
+  if (p.rot_signs != nullptr) {  // uniform: every lane of the warp shuffles
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const float sg = __ldg(p.rot_signs + sub * E + i);
+      fk[i] *= sg;
+      fv[i] *= sg;
+    }
+    fwht_row<E, TPI>(fk, lane);
+    fwht_row<E, TPI>(fv, lane);
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      fk[i] *= p.rot_norm;
+      fv[i] *= p.rot_norm;
     }
   }
   const long long blk = slot >= 0 ? (slot >> p.log2_block_size) : -1;

@@ -127,5 +127,42 @@ __device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
   }
 }
 
+// ---- the rotation of turboquant/rotation.py (writer and attention kernels) ----
+// Unnormalized Walsh-Hadamard transform of one row of N * LANES elements, held as N consecutive
+// elements per lane by LANES consecutive, aligned lanes: stages h = 1, 2, .., N * LANES / 2 in
+// the order of turboquant.rotation.fwht (in-lane stages first, then one shuffle per element and
+// stage), so the fp32 results equal the reference's bit for bit. Every lane of the warp calls it.
+template <int N, int LANES>
+__device__ __forceinline__ void fwht_row(float (&x)[N], int lane) {
+#pragma unroll
+  for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (!(i & h)) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < LANES; m <<= 1) {
+    const bool upper = lane & m;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[i], m);
+      x[i] = upper ? y - x[i] : x[i] + y;
+    }
+  }
+}
+
+// Sum of v over the LANES consecutive, aligned lanes of a row (every lane of the warp calls it).
+template <int LANES>
+__device__ __forceinline__ float row_sum(float v) {
+#pragma unroll
+  for (int m = 1; m < LANES; m <<= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
 }  // namespace cuda_fp4
 }  // namespace turboquant

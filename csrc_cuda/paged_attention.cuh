@@ -90,7 +90,57 @@ struct AttnParams {
   int partition_size, num_partitions, tiles_per_seq;
   int sliding_window;
   float soft_cap, scale;
+  // accuracy transforms (CONTRACT.md section 2); nullptr / 0: off
+  const float* rot_signs;  // [D] +-1: Q rotated in the prologue, O un-rotated before its store
+  float rot_norm;          // D^-0.5 as the fp32 constant of turboquant.rotation.rotation_norm
+  const float* seq_state;  // [num_slots, Hkv, 4, D] fp32 records: Q * lam (row 1); sink K/V rows 2, 3
+  const int* state_ids;    // [num_seqs] slot of each sequence (outside [0, num_slots): NaN rows)
+  int num_slots;
+  int sink;                // position 0 comes from the record (rows 2, 3), not from the FP4 cache
 };
+
+// ---- accuracy transforms (turboquant/rotation.py, turboquant/smoothing.py) ---------------
+// Record rows of seq_state (turboquant.smoothing KEY_SCALE, SINK_KEY, SINK_VALUE).
+constexpr int STATE_SCALE = 1, STATE_SINK_K = 2, STATE_SINK_V = 3;
+
+// The state record [4][D] of sequence s and kv head kvh; nullptr without records. A slot
+// outside [0, num_slots) sets bad (the caller makes the rows NaN) and reads slot 0 instead.
+template <int D>
+__device__ __forceinline__ const float* state_record(const AttnParams& p, int s, int kvh, bool& bad) {
+  if (p.seq_state == nullptr) return nullptr;
+  const int slot = __ldg(p.state_ids + s);
+  bad = slot < 0 || slot >= p.num_slots;
+  return p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + kvh) * 4 * D;
+}
+
+// Query transform of the 8 elements f of row chunk [col, col + 8) (D/8 lanes per row):
+// q * lam (with a record), then rotate (x * s, fwht, * norm). rec_bad gives NaN.
+template <int D>
+__device__ __forceinline__ void transform_q8(const AttnParams& p, const float* rec, bool rec_bad, int col,
+                                             float (&f)[8], int lane) {
+  if (rec != nullptr) {
+    const float* lam = rec + STATE_SCALE * D + col;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = rec_bad ? __int_as_float(0x7fc00000) : f[i] * __ldg(lam + i);
+  }
+  if (p.rot_signs != nullptr) {  // uniform: every lane shuffles
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] *= __ldg(p.rot_signs + col + i);
+    fwht_row<8, D / 8>(f, lane);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] *= p.rot_norm;
+  }
+}
+
+// Output un-rotation of the N consecutive elements [d0, d0 + N) of a row held by LANES lanes:
+// o = fwht(o') * norm * s (turboquant.rotation.unrotate).
+template <int N, int LANES>
+__device__ __forceinline__ void unrotate_row(const AttnParams& p, float (&o)[N], int d0, int lane) {
+  fwht_row<N, LANES>(o, lane);
+#pragma unroll
+  for (int i = 0; i < N; ++i) o[i] = o[i] * p.rot_norm * __ldg(p.rot_signs + d0 + i);
+}
+
 
 // Per-thread cp.async addresses, the same for every KV tile: thread copies 16-byte chunks
 // c = lane + 32i of a tile's K and V (source and ring-slot offsets) and one scale word. Kept in
@@ -116,7 +166,7 @@ struct AttnLayout {
   static constexpr int PIPE = W * ST * STAGE;
   static constexpr int MROW = D + 8;            // merge row pitch (floats): conflict-free
   static constexpr int MERGE = W * 16 * MROW * 4;  // per-warp O in fp32
-  static constexpr int QRAW = 16 * D * 2;
+  static constexpr int QRAW = 16 * D * 4;       // Q rows in fp32, after the transforms
   // the KV ring and the Q staging area are live together (the first tiles are copied while Q
   // is prepared); the merge buffer reuses both at the end
   static constexpr int OFF_QRAW = PIPE;
@@ -132,7 +182,8 @@ struct AttnLayout {
   // per-chunk addresses (its logical K rows are not a shift of each other).
   static constexpr bool LINEAR = D <= 128;
   static constexpr int NIO = LINEAR ? 1 : NI;
-  static constexpr int OFF_LANE = (OFF_MISC + 16 + 15) / 16 * 16;
+  static constexpr int OFF_SINK = OFF_MISC + 16;  // 16 floats: q'.k0' of each row (sink)
+  static constexpr int OFF_LANE = (OFF_SINK + 16 * 4 + 15) / 16 * 16;
   static constexpr int LANE_SZ = (sizeof(LaneCopy<NIO>) + 15) / 16 * 16;
   static constexpr int TOTAL = OFF_LANE + W * 32 * LANE_SZ;
   static constexpr bool QREG = D <= tuning::QREG_MAX_D;  // Q fragments live in registers
@@ -166,6 +217,20 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Folds the sink (logit ls in the exp2 domain, value row v of N elements at d0) into a row's
+// merged state (M, Ls, a = O / Ls) as one more key: the two-way log-sum-exp merge.
+template <int N>
+__device__ __forceinline__ void merge_sink(float ls, const float* v, float& M, float& Ls, float (&a)[N]) {
+  const float M2 = fmaxf(M, ls);
+  const float f_old = (M == -INFINITY) ? 0.f : fast_exp2(M - M2), f_s = fast_exp2(ls - M2);
+  const float L2 = Ls * f_old + f_s;
+  const float inv = 1.f / L2;
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = (a[i] * Ls * f_old + __ldg(v + i) * f_s) * inv;
+  M = M2;
+  Ls = L2;
 }
 
 // Power of two 2^n as float for n in [-149, 127] (exact; below -149 gives 0).
@@ -293,10 +358,14 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   const int lo_min = row_lo(qi_min), lo_max = row_lo(qi_max);
   const int hi_min = row_hi(qi_min), hi_max = row_hi(qi_max);
   const int part_lo = part * P;
-  const int r_lo = max(max(lo_min, part_lo), 0);
+  // with the sink, position 0 comes from the state record (merged in by partition 0's CTA for
+  // the rows whose window holds it): the FP4 stream starts at 1
+  const bool sink_here = p.sink && part == 0 && lo_min == 0 && seq_len > 0;
+  const int r_lo = max(max(lo_min, part_lo), p.sink ? 1 : 0);
   const int r_hi = min(min(hi_max + 1, seq_len), part_lo + P);  // exclusive
 
   int* misc = reinterpret_cast<int*>(smem + L::OFF_MISC);
+  float* sinkS = reinterpret_cast<float*>(smem + L::OFF_SINK);
   float* mS = reinterpret_cast<float*>(smem + L::OFF_M);
   float* lS = reinterpret_cast<float*>(smem + L::OFF_L);
 
@@ -324,7 +393,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     }
   };
 
-  if (r_lo >= r_hi) {  // nothing visible in this partition
+  if (r_lo >= r_hi && !sink_here) {  // nothing visible in this partition
     write_const_rows(0.f, -INFINITY, 0.f);
     return;
   }
@@ -339,7 +408,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   for (int rh = 0; rh < 2; ++rh) {
     int R = lt * 16 + g + 8 * rh;
     if (R < nrows) {
-      rlo[rh] = row_lo(R / G);
+      rlo[rh] = max(row_lo(R / G), p.sink ? 1 : 0);
       rhi[rh] = row_hi(R / G);
     } else {
       rlo[rh] = 0;
@@ -433,18 +502,34 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     cp_async_commit();
   }
 
-  // ---- Q: load 16 rows, tile amax, power-of-two prescale, fp16 fragments ----
-  T* qraw = reinterpret_cast<T*>(smem + L::OFF_QRAW);
+  // ---- Q: load 16 rows, the transforms in fp32 (q * lam, rotation; D/8 lanes per row), the
+  //      sink's logits, tile amax, power-of-two prescale, fp16 fragments ----
+  bool rec_bad = false;
+  const float* rec = state_record<D>(p, s, kvh, rec_bad);
+  float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
-  for (int c = tid; c < 16 * D / 8; c += blockDim.x) {
+  for (int c = tid; c < 16 * D / 8; c += blockDim.x) {  // warp-uniform trip count
     int r = c / (D / 8), col = (c % (D / 8)) * 8, tok, head;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (row_out(r, tok, head)) {
       v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) +
                                           tok * p.q_stride_tok + head * p.q_stride_head + col);
     }
-    *reinterpret_cast<uint4*>(qraw + r * D + col) = v;
-    amax_bits = max(amax_bits, amax8_bits<T>(v));
+    float qv[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&v)[i]);
+    transform_q8<D>(p, rec, rec_bad, col, qv, lane);
+    if (sink_here) {  // CTA-uniform
+      float dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot += qv[i] * __ldg(rec + STATE_SINK_K * D + col + i);
+      dot = row_sum<D / 8>(dot);
+      if (col == 0) sinkS[r] = dot;
+    }
+    *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
+    *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, __float_as_uint(fabsf(qv[i])));
   }
   const int qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(misc));
   const float qmul = pow2i(qexp);
@@ -455,7 +540,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     const int E0 = tt * (D / 4) + 8 * (ks >> 1) + (ks & 1);
     const int A1 = 2;  // partner of E0 in reg 0 / 1
     const int B0 = 4;  // first element of reg 2 / 3
-    auto q = [&](int r, int d) { return to_float(qraw[r * D + d]) * qmul; };
+    auto q = [&](int r, int d) { return qraw[r * D + d] * qmul; };
     uint4 f;
     f.x = pack_f16x2(q(gg, E0), q(gg, E0 + A1));
     f.y = pack_f16x2(q(gg + 8, E0), q(gg + 8, E0 + A1));
@@ -729,35 +814,36 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     constexpr int TPR = 8;        // threads per row: one per P.V column c (the merge layout)
     constexpr int DPT = D / TPR;  // contiguous elements per thread
     const int r = tid / TPR, c8 = tid % TPR, d0 = c8 * DPT;
+    if (r >= 16) return;  // threads 128.. idle (ATTN_WARPS > 4): whole warps
     int tok, head;
-    if (r >= 16 || !row_out(r, tok, head)) return;  // threads 128.. idle (ATTN_WARPS > 4)
+    const bool valid = row_out(r, tok, head);  // rows past the tile still join the shuffles
     float wt[L::W], M;
-    const float Ls = merge_weights(mS + r, lS + r, 16, wt, M);
+    float Ls = merge_weights(mS + r, lS + r, 16, wt, M);
     const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
+    float a[DPT];
+#pragma unroll
+    for (int i = 0; i < DPT; ++i) a[i] = merge_sum(wt, mo + r * L::MROW + 8 * pv_slot(i) + c8, 16 * L::MROW) * inv;
+    // the sink joins rows whose window holds position 0 as one more key (exp2 domain; the
+    // binding rules out a soft cap together with state records)
+    if (sink_here && valid && row_lo((lt * 16 + r) / G) == 0)
+      merge_sink<DPT>(sinkS[r] * p.scale * 1.4426950408889634f, rec + STATE_SINK_V * D + d0, M, Ls, a);
+    // rotated partials are combined as they are; the reduce pass un-rotates the sum
+    if (p.rot_signs != nullptr && nparts == 1) unrotate_row<DPT, TPR>(p, a, d0, lane);
+    if (!valid) return;
     if (nparts == 1) {
       T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;
 #pragma unroll
       for (int i = 0; i < DPT; i += 8) {
         T ov[8];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const float a = merge_sum(wt, mo + r * L::MROW + 8 * pv_slot(i + e) + c8, 16 * L::MROW);
-          ov[e] = from_float<T>(a * inv);
-        }
+        for (int e = 0; e < 8; ++e) ov[e] = from_float<T>(a[i + e]);
         *reinterpret_cast<uint4*>(o + i) = *reinterpret_cast<uint4*>(ov);
       }
     } else {
       const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
       float* o = p.tmp_out + idx * D + d0;
 #pragma unroll
-      for (int i = 0; i < DPT; i += 4) {
-        float a4[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          a4[e] = merge_sum(wt, mo + r * L::MROW + 8 * pv_slot(i + e) + c8, 16 * L::MROW) * inv;
-        }
-        *reinterpret_cast<float4*>(o + i) = make_float4(a4[0], a4[1], a4[2], a4[3]);
-      }
+      for (int i = 0; i < DPT; i += 4) *reinterpret_cast<float4*>(o + i) = make_float4(a[i], a[i + 1], a[i + 2], a[i + 3]);
       if (d0 == 0) p.tmp_ml[idx] = make_float2(M, Ls);
     }
   }
@@ -828,12 +914,19 @@ __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_red
   __syncthreads();
   const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;
   T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-  for (int d = threadIdx.x; d < D; d += 32 * NWR) {
-    float v = 0.f;
+  if (warp != 0) return;
+  // warp 0 writes the row, D/32 elements per lane, un-rotated when the cache is rotated
+  float v[EPL];
 #pragma unroll
-    for (int w = 0; w < NWR; ++w) v += part_sum[w][d];
-    o[d] = from_float<T>(v * inv);
+  for (int e = 0; e < EPL; ++e) {
+    v[e] = 0.f;
+#pragma unroll
+    for (int w = 0; w < NWR; ++w) v[e] += part_sum[w][lane * EPL + e];
+    v[e] *= inv;
   }
+  if (p.rot_signs != nullptr) unrotate_row<EPL, 32>(p, v, lane * EPL, lane);
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) o[lane * EPL + e] = from_float<T>(v[e]);
 }
 
 // Dynamic shared memory above 48 KB, and the largest shared-memory carveout so that registers,

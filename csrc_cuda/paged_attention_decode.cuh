@@ -68,7 +68,7 @@ struct DecodeLayout {
   static constexpr int STAGE = 2 * KV_TILE + 128;
   static constexpr int PIPE = W * ST * STAGE;
   static constexpr int NI = 16 * CPR / 32;      // 16-byte chunks per lane per K (or V) tile
-  static constexpr int QRAW = 8 * D * 2;
+  static constexpr int QRAW = 8 * D * 4;        // Q rows in fp32, after the transforms
   static constexpr int MROW = D + 4;            // merge row pitch (floats)
   static constexpr int MERGE = W * 8 * MROW * 4;
   static constexpr int OFF_QRAW = PIPE;
@@ -77,7 +77,8 @@ struct DecodeLayout {
   static constexpr int OFF_M = OFF_QFRAG + (D / 16) * 32 * 8;
   static constexpr int OFF_L = OFF_M + W * 8 * 4;
   static constexpr int OFF_MISC = OFF_L + W * 8 * 4;
-  static constexpr int TOTAL = OFF_MISC + 16;
+  static constexpr int OFF_SINK = OFF_MISC + 16;  // 8 floats: q'.k0' of each head (sink)
+  static constexpr int TOTAL = OFF_SINK + 8 * 4;
 };
 
 // V rows: token r is stored at row dv_row(r) with its 16-byte chunks XOR dv_swz(r). A V load
@@ -190,9 +191,11 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   uint32_t srow_l;
   locate((part * P) >> 4, lane, load_bid((part * P) >> 4, lane), toff_l, srow_l);
 
-  // the query token (position seq_len - 1) sees keys [lo, seq_len - 1]
+  // the query token (position seq_len - 1) sees keys [lo, seq_len - 1]; with the sink,
+  // position 0 comes from the state record, merged in by the CTA of partition 0
   const int lo = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
-  const int r_lo = max(lo, part * P), r_hi = min(seq_len, part * P + P);  // [r_lo, r_hi)
+  const bool sink_here = p.sink && part == 0 && lo == 0 && seq_len > 0;
+  const int r_lo = max(p.sink ? max(lo, 1) : lo, part * P), r_hi = min(seq_len, part * P + P);  // [r_lo, r_hi)
 
   // constant rows (empty partition: 0 / (-inf, 0); bad block id: NaN)
   auto write_const_rows = [&](float oval, float mval, float lval) {
@@ -208,11 +211,12 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
       }
     }
   };
-  if (r_lo >= r_hi) {
+  if (r_lo >= r_hi && !sink_here) {
     write_const_rows(0.f, -INFINITY, 0.f);
     return;
   }
   int* misc = reinterpret_cast<int*>(smem + L::OFF_MISC);
+  float* sinkS = reinterpret_cast<float*>(smem + L::OFF_SINK);
   float* mS = reinterpret_cast<float*>(smem + L::OFF_M);
   float* lS = reinterpret_cast<float*>(smem + L::OFF_L);
   if (tid == 0) {
@@ -268,12 +272,28 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
     cp_async_commit();
   }
 
-  // ---- Q: G rows (padded to 8), tile amax, power-of-two prescale, fp16 B fragments ----
-  T* qraw = reinterpret_cast<T*>(smem + L::OFF_QRAW);
+  // ---- Q: G rows (padded to 8), the transforms in fp32 (q * lam, rotation; D/8 lanes per
+  //      row), the sink's logit, tile amax, power-of-two prescale, fp16 B fragments ----
+  bool rec_bad = false;
+  const float* rec = state_record<D>(p, s, kvh, rec_bad);
+  float qv[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&q_v)[i]);
+  transform_q8<D>(p, rec, rec_bad, q_col, qv, lane);
+  if (sink_here) {  // CTA-uniform
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot += qv[i] * __ldg(rec + STATE_SINK_K * D + q_col + i);
+    dot = row_sum<D / 8>(dot);
+    if (q_r < 8 && q_col == 0) sinkS[q_r] = dot;
+  }
+  float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
   if (q_r < 8) {
-    *reinterpret_cast<uint4*>(qraw + q_r * D + q_col) = q_v;
-    amax_bits = amax8_bits<T>(q_v);
+    *reinterpret_cast<float4*>(qraw + q_r * D + q_col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
+    *reinterpret_cast<float4*>(qraw + q_r * D + q_col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax_bits = max(amax_bits, __float_as_uint(fabsf(qv[i])));
   }
   const int qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(misc));
   const float qmul = pow2i(qexp);
@@ -284,7 +304,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
     // permutation of decode_k_word
     const int E0 = tt * (D / 4) + 8 * (ks >> 1) + (ks & 1);
     const int A1 = 2, B0 = 4;
-    auto q = [&](int d) { return to_float(qraw[gg * D + d]) * qmul; };
+    auto q = [&](int d) { return qraw[gg * D + d] * qmul; };
     qf[idx] = make_uint2(pack_f16x2(q(E0), q(E0 + A1)), pack_f16x2(q(E0 + B0), q(E0 + B0 + A1)));
   }
   __syncthreads();
@@ -510,13 +530,18 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   if (r >= G) return;
   const float* mo = reinterpret_cast<const float*>(smem);
   float wt[L::W], M;
-  const float Ls = merge_weights(mS + r, lS + r, 8, wt, M);
+  float Ls = merge_weights(mS + r, lS + r, 8, wt, M);
   const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
   constexpr int EPL = D / 32;
   const int d0 = lane * EPL;
   float a[EPL];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) a[e] = merge_sum(wt, mo + r * L::MROW + d0 + e, 8 * L::MROW) * inv;
+  // the sink joins as one more key (its logit in the exp2 domain; the binding rules out a
+  // soft cap together with state records)
+  if (sink_here) merge_sink<EPL>(sinkS[r] * p.scale * 1.4426950408889634f, rec + STATE_SINK_V * D + d0, M, Ls, a);
+  // rotated partials are combined as they are; the reduce pass un-rotates the sum
+  if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
   const int head = kvh * G + r;
   if (nparts == 1) {
     T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head + d0;

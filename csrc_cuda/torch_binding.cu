@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 
 #include "cache_writer.cuh"
@@ -32,6 +33,42 @@ void set_cache_fields(Params& p, const at::Tensor& key_cache, const at::Tensor& 
   p.value_scales = value_scales.data_ptr<uint8_t>();
 }
 
+// The transforms of both parameter structs (CONTRACT.md section 2): rotation signs, state
+// records and their slot ids (one per sequence for attention, per token for the writer).
+template <typename Params>
+void set_transform_fields(Params& p, int D, int hkv, int num_ids,
+                          const std::optional<at::Tensor>& rotation_signs,
+                          const std::optional<at::Tensor>& seq_state,
+                          const std::optional<at::Tensor>& state_ids) {
+  p.rot_signs = nullptr;
+  p.seq_state = nullptr;
+  p.state_ids = nullptr;
+  p.num_slots = 0;
+  p.rot_norm = (float)std::pow((double)D, -0.5);  // as turboquant.rotation.rotation_norm
+  if (rotation_signs.has_value()) {
+    const at::Tensor& r = *rotation_signs;
+    TORCH_CHECK(r.is_cuda() && r.scalar_type() == at::kFloat && r.dim() == 1 && r.size(0) == D && r.is_contiguous(),
+                "rotation_signs: expected a contiguous float32 [D] CUDA tensor");
+    p.rot_signs = r.data_ptr<float>();
+  }
+  TORCH_CHECK(seq_state.has_value() == state_ids.has_value(), "seq_state/state_ids: expected both or neither");
+  if (seq_state.has_value()) {
+    const at::Tensor& st = *seq_state;
+    const at::Tensor& ids = *state_ids;
+    TORCH_CHECK(st.is_cuda() && st.scalar_type() == at::kFloat && st.dim() == 4 && st.size(1) == hkv &&
+                    st.size(2) == 4 && st.size(3) == D && st.is_contiguous(),
+                "seq_state: expected a contiguous float32 [num_slots, num_kv_heads, 4, D] CUDA tensor");
+    TORCH_CHECK(ids.is_cuda() && ids.scalar_type() == at::kInt && ids.dim() == 1 && ids.size(0) == num_ids &&
+                    ids.is_contiguous(),
+                "state_ids: expected a contiguous int32 CUDA tensor with one slot per sequence (attention) "
+                "or token (writer)");
+    TORCH_CHECK(st.size(0) < (1LL << 31), "seq_state: fewer than 2^31 slots");
+    p.seq_state = st.data_ptr<float>();
+    p.state_ids = ids.data_ptr<int>();
+    p.num_slots = (int)st.size(0);
+  }
+}
+
 int num_sms(int device) {
   static int cache[64] = {0};
   if (device < 0 || device >= 64) return 132;
@@ -49,8 +86,10 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                               const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 4, D]
                               const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
                               bool sink) {
-  TORCH_CHECK(!rotation_signs.has_value() && !seq_state.has_value() && !state_ids.has_value() && !sink,
-              "rotation_signs/seq_state/state_ids/sink: not implemented by the cuda kernels yet");
+  TORCH_CHECK(!(seq_state.has_value() && logits_soft_cap > 0),
+              "logits_soft_cap: not implemented together with seq_state by the cuda kernels (the key "
+              "center's q.m term); the backend declines such calls");
+  TORCH_CHECK(!sink || seq_state.has_value(), "sink: needs seq_state");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-D CUDA tensor");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               "out: expected the query's shape and dtype");
@@ -138,6 +177,8 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.sliding_window = (int)sliding_window;
   p.soft_cap = (float)logits_soft_cap;
   p.scale = (float)scale;
+  set_transform_fields(p, D, hkv, num_seqs, rotation_signs, seq_state, state_ids);
+  p.sink = sink ? 1 : 0;
 
   cudaError_t err = cudaSuccess;
 #define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, (int)grid_x, stream)
@@ -160,8 +201,6 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
                                 const std::optional<at::Tensor>& rotation_signs,  // float32 [D]
                                 const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 4, D]
                                 const std::optional<at::Tensor>& state_ids) {  // int32 [num_tokens]
-  TORCH_CHECK(!rotation_signs.has_value() && !seq_state.has_value() && !state_ids.has_value(),
-              "rotation_signs/seq_state/state_ids: not implemented by the cuda writer yet");
   TORCH_CHECK(key.is_cuda() && key.dim() == 3 && value.sizes() == key.sizes(), "key/value: expected 3-D CUDA");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key/value dtype mismatch");
   const int num_tokens = (int)key.size(0), hkv = (int)key.size(1), D = (int)key.size(2);
@@ -196,6 +235,7 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
   p.log2_block_size = 0;
   while ((1 << p.log2_block_size) < p.block_size) ++p.log2_block_size;
   p.num_blocks = (int)key_cache.size(0);
+  set_transform_fields(p, D, hkv, num_tokens, rotation_signs, seq_state, state_ids);
   cudaError_t err = cudaSuccess;
 #define TQ_W(TT)                                                              \
   if (D == 64) err = tq::launch_reshape_and_cache<TT, 64>(p, stream);        \

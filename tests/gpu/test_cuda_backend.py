@@ -2,6 +2,7 @@
 registry's reason, where the backend cannot run)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -17,7 +18,10 @@ from turboquant import format as tqf
 from turboquant import registry
 from turboquant._backends import cuda as tq_cuda
 from turboquant.cache import allocate_cache, build_paged_problem
+from turboquant.config import PLAIN, QuantConfig
 from turboquant.ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
+from turboquant.rotation import rotation_signs
+from turboquant.smoothing import allocate_state
 
 _REASON = tq_cuda.BACKEND.unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cuda backend: {_REASON}")
@@ -25,10 +29,17 @@ pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cuda backend: {_RE
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _problem(lens, hq, hkv, d, bs, dtype=torch.bfloat16, qlens=None, seed=0, spare=3):
+CONFIGS = {"plain": PLAIN, "default": QuantConfig(), "rotation": QuantConfig.parse("rotation"),
+           "smooth": QuantConfig.parse("smooth")}
+
+
+def _problem(lens, hq, hkv, d, bs, dtype=torch.bfloat16, qlens=None, seed=0, spare=3,
+             config="default"):
+    """A paged problem written by the reference writer with ``config`` (a CONFIGS name)."""
     g = torch.Generator().manual_seed(seed)
     prob = build_paged_problem(lens, hkv, d, bs, dtype=dtype, device="cuda", generator=g,
-                               write_backend="reference", spare_blocks=spare)
+                               write_backend="reference", spare_blocks=spare,
+                               config=CONFIGS[config])
     ntok = len(lens) if qlens is None else sum(qlens)
     q = torch.randn(ntok, hq, d, generator=g).to(dtype).cuda()
     cu = None
@@ -41,7 +52,7 @@ def _problem(lens, hq, hkv, d, bs, dtype=torch.bfloat16, qlens=None, seed=0, spa
 def _run(backend, prob, q, cu=None, **kw):
     return turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
                                           q.shape[-1] ** -0.5, cu_query_lens=cu,
-                                          backend=backend, **kw)
+                                          backend=backend, **{**prob.kwargs, **kw})
 
 
 def _compare(out, ref, atol=2e-2):
@@ -66,18 +77,31 @@ def test_backend_listed_and_selected():
     rows = {r["name"]: r for r in turboquant.api.backends()}
     assert rows["cuda"]["available"], rows["cuda"]["reason"]
     prob, q, cu = _problem([5], 8, 8, 128, 16)
-    call = turboquant.api.make_attention_call(q, *prob.cache, prob.block_tables, prob.seq_lens,
-                                              0.1)
+    call = turboquant.api.prepare_attention(q, *prob.cache, prob.block_tables, prob.seq_lens,
+                                            0.1, **prob.kwargs)
     assert registry.select("auto", "attention", call).name == "cuda"
+    capped = turboquant.api.prepare_attention(q, *prob.cache, prob.block_tables, prob.seq_lens,
+                                              0.1, logits_soft_cap=5.0, **prob.kwargs)
+    assert "soft cap together with state records" in tq_cuda.BACKEND.check_attention(capped)
 
 
 # 8 / 2 heads (G = 4) runs the decode kernel, 32 / 2 (G = 16) the general kernel
+@pytest.mark.parametrize("config", ["plain", "default"])
 @pytest.mark.parametrize("hq", [8, 32])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
-def test_head_dims_block_sizes(d, bs, hq):
-    prob, q, _ = _problem([1, 54, 97, 0, 300, 17], hq, 2, d, bs, seed=d + bs + hq)
+def test_head_dims_block_sizes(d, bs, hq, config):
+    prob, q, _ = _problem([1, 54, 97, 0, 300, 17], hq, 2, d, bs, seed=d + bs + hq, config=config)
     _compare(_run("cuda", prob, q), _run("reference", prob, q))
+
+
+@pytest.mark.parametrize("config", ["rotation", "smooth"])
+@pytest.mark.parametrize("hq,qlens", [(8, None), (32, None), (8, [3, 1, 2, 1])])
+def test_each_transform_alone(config, hq, qlens):
+    """Rotation without records, records (key smoothing) without rotation, decode and the
+    general kernel."""
+    prob, q, cu = _problem([54, 1, 97, 300], hq, 2, 128, 16, qlens=qlens, seed=7, config=config)
+    _compare(_run("cuda", prob, q, cu), _run("reference", prob, q, cu))
 
 
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (32, 8), (64, 8), (28, 4), (32, 1), (40, 2)])
@@ -88,8 +112,9 @@ def test_gqa_and_dtypes(hq, hkv, dtype):
     _compare(_run("cuda", prob, q), _run("reference", prob, q))
 
 
-def test_long_context_split_kv():
-    prob, q, _ = _problem([9000, 20000, 4097], 32, 8, 128, 16, seed=5)
+@pytest.mark.parametrize("config", ["plain", "default"])
+def test_long_context_split_kv(config):
+    prob, q, _ = _problem([9000, 20000, 4097], 32, 8, 128, 16, seed=5, config=config)
     _compare(_run("cuda", prob, q), _run("reference", prob, q))
     # a user bound smaller than the table capacity
     out = _run("cuda", prob, q, max_seq_len=20000)
@@ -106,33 +131,69 @@ def test_long_partitions_cross_block_id_batches():
 
 @pytest.mark.parametrize("hq,hkv,qlens", [
     (32, 8, [3, 8, 1, 2]), (8, 8, [8, 8, 8, 1]), (28, 4, [5, 2, 8, 7]), (64, 8, [4, 1, 8, 3])])
-@pytest.mark.parametrize("window,cap", [(0, 0.0), (64, 0.0), (0, 30.0), (100, 10.0)])
-def test_multi_token(hq, hkv, qlens, window, cap):
-    prob, q, cu = _problem([700, 33, 9, 300], hq, hkv, 128, 16, qlens=qlens, seed=len(qlens))
+@pytest.mark.parametrize("window,cap,config", [(0, 0.0, "default"), (64, 0.0, "default"),
+                                               (0, 30.0, "plain"), (100, 10.0, "plain"),
+                                               (0, 30.0, "rotation")])
+def test_multi_token(hq, hkv, qlens, window, cap, config):
+    prob, q, cu = _problem([700, 33, 9, 300], hq, hkv, 128, 16, qlens=qlens, seed=len(qlens),
+                           config=config)
     kw = dict(sliding_window=window, logits_soft_cap=cap)
     _compare(_run("cuda", prob, q, cu, **kw), _run("reference", prob, q, cu, **kw))
 
 
 @pytest.mark.parametrize("window", [1, 16, 63, 1000])
-def test_sliding_window_decode(window):
-    prob, q, _ = _problem([700, 33, 2000, 1], 32, 8, 128, 32, seed=window)
+@pytest.mark.parametrize("hq", [32, 16])
+def test_sliding_window_decode(window, hq):
+    """Windows that hold position 0 (the sink) for some sequences and not for others."""
+    prob, q, _ = _problem([700, 33, 2000, 1], hq, 8, 128, 32, seed=window)
     _compare(_run("cuda", prob, q, sliding_window=window),
              _run("reference", prob, q, sliding_window=window))
 
 
 @pytest.mark.parametrize("cap", [5.0, 50.0])
-def test_soft_cap(cap):
-    prob, q, _ = _problem([700, 33], 32, 8, 64, 16, seed=3)
+@pytest.mark.parametrize("config", ["plain", "rotation"])
+def test_soft_cap(cap, config):
+    prob, q, _ = _problem([700, 33], 32, 8, 64, 16, seed=3, config=config)
     q = q * 4
     _compare(_run("cuda", prob, q, logits_soft_cap=cap),
              _run("reference", prob, q, logits_soft_cap=cap))
 
 
-def test_large_and_small_query_scale():
-    prob, q, _ = _problem([300, 40], 32, 8, 128, 16, seed=11)
-    for factor in (1e-6, 1e3):
+@pytest.mark.parametrize("config,factors", [("plain", (1e-6, 1e3)), ("default", (1e-6, 8.0))])
+def test_large_and_small_query_scale(config, factors):
+    """A bf16 query is exact in the kernels' prescaled fp16 (plain); a transformed one is fp32
+    and takes one fp16 rounding (2^-11 relative on each logit): at 1000x the usual logits that
+    is far beyond the tolerance, so the default config is checked up to 8x."""
+    prob, q, _ = _problem([300, 40], 32, 8, 128, 16, seed=11, config=config)
+    for factor in factors:
         qq = (q.float() * factor).to(q.dtype)
         _compare(_run("cuda", prob, qq), _run("reference", prob, qq))
+
+
+@pytest.mark.parametrize("hq,qlens", [(8, None), (32, None), (8, [1, 1])])
+def test_sink_alone_is_the_output(hq, qlens):
+    """Structured: a one-token sequence sees only its sink, so the output is position 0's value
+    exactly (up to the output's rounding), whatever the FP4 bytes of position 0 hold."""
+    prob, q, cu = _problem([1, 300], hq, 2, 128, 16, qlens=qlens, seed=4)
+    kc, vc, ks, vs = prob.cache
+    b0 = prob.block_tables[0, 0]
+    kc[b0, :, 0], vc[b0, :, 0] = 0x77, 0x77  # the cache's own bytes of position 0: ignored
+    out = _run("cuda", prob, q, cu)
+    v0 = prob.values[0][0].float()  # [Hkv, D]
+    want = v0.repeat_interleave(hq // 2, dim=0)
+    torch.testing.assert_close(out[0].float(), want, rtol=1e-2, atol=2e-2)
+    _compare(out, _run("reference", prob, q, cu))
+
+
+def test_state_slot_out_of_range_gives_nan():
+    prob, q, _ = _problem([100, 100, 40], 32, 8, 128, 16)
+    ids = prob.kwargs["state_ids"].clone()
+    ids[1] = 10 ** 6
+    with turboquant.value_checks(False):
+        out = _run("cuda", prob, q, state_ids=ids)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all()
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
 
 
 def test_seq_len_zero_gives_zeros():
@@ -150,7 +211,7 @@ def test_nan_scale_in_used_token():
     assert torch.isnan(out[0, 4:8]).all()  # heads of kv head 1
     assert torch.isfinite(out[0, :4]).all() and torch.isfinite(out[1]).all()
     vs = prob.cache.value_scales
-    vs[prob.block_tables[1, 0].item(), 0, 0] = 255
+    vs[prob.block_tables[1, 0].item(), 1, 0] = 255  # token 1 (position 0 is the sink's)
     out = _run("cuda", prob, q)
     assert torch.isnan(out[1, :4]).all() and torch.isfinite(out[1, 4:]).all()
 
@@ -171,7 +232,7 @@ def test_out_of_range_block_id_gives_nan():
     bt[2, 0] = -5
     with turboquant.value_checks(False):
         out = turboquant.paged_attention_fp4(q, *prob.cache, bt, prob.seq_lens, 0.1,
-                                             backend="cuda")
+                                             backend="cuda", **prob.kwargs)
     torch.cuda.synchronize()
     assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
     assert torch.isfinite(out[0]).all()
@@ -205,7 +266,8 @@ def test_cache_writer_bit_exact(d, dtype, group):
     for backend in ("reference", "cuda"):
         c = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda", fill=0xAB)
         for sm in (slots, slots.int()):
-            turboquant.reshape_and_cache_fp4(key, val, *c, sm, backend=backend)
+            turboquant.reshape_and_cache_fp4(key, val, *c, sm, backend=backend,
+                                             config=dataclasses.replace(PLAIN, scale_group=group))
         caches.append(c)
     for a, b in zip(*caches):
         assert torch.equal(a, b)
@@ -213,16 +275,54 @@ def test_cache_writer_bit_exact(d, dtype, group):
     assert (caches[1].key_scales == 0xAB).any()
 
 
+def _transform_args(prob, d):
+    """The op's transform arguments for a default-config problem."""
+    return (rotation_signs(d, 0, "cuda"), prob.kwargs["seq_state"], prob.kwargs["state_ids"], True)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("group", [None, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("config", ["default", "rotation", "smooth"])
+def test_cache_writer_transforms_bit_exact(d, group, dtype, config):
+    """rotate((k - m) / lam) and rotate(v) in registers give the reference's bytes."""
+    cfg = dataclasses.replace(CONFIGS[config], scale_group=group)
+    n, hkv = 61, 3
+    key, val, nb, slots = _writer_inputs(n, hkv, d, dtype, group, seed=d + 1)
+    ids = (torch.arange(n, device="cuda") % 3).to(torch.int32)  # 3 interleaved sequences
+    pos = torch.arange(n, device="cuda") // 3
+    kw = {}
+    if cfg.uses_state:  # records filled once (a first write), then both writers read them
+        state = allocate_state(4, hkv, d, device="cuda")
+        c0 = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda")
+        turboquant.reshape_and_cache_fp4(key, val, *c0, slots, config=cfg, seq_state=state,
+                                         state_ids=ids, positions=pos, backend="reference")
+        kw = dict(seq_state=state, state_ids=ids)
+    caches = []
+    for backend in ("reference", "cuda"):
+        c = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda", fill=0xAB)
+        turboquant.reshape_and_cache_fp4(key, val, *c, slots, config=cfg, backend=backend, **kw)
+        caches.append(c)
+    for a, b in zip(*caches):
+        assert torch.equal(a, b)
+
+
 def test_opcheck_both_ops():
     prob, q, cu = _problem([40, 7], 16, 4, 128, 16, qlens=[3, 2])
     out = torch.empty_like(q)
-    args = (out, q, *prob.cache, prob.block_tables, prob.seq_lens, cu, 0.1, 0, 0.0,
-            prob.block_tables.shape[1] * 16)
-    torch.library.opcheck(torch.ops.turboquant.paged_attention_fp4_cuda.default, args)
+    for transforms in ((None, None, None, False), _transform_args(prob, 128)):
+        args = (out, q, *prob.cache, prob.block_tables, prob.seq_lens, cu, 0.1, 0, 0.0,
+                prob.block_tables.shape[1] * 16, *transforms)
+        torch.library.opcheck(torch.ops.turboquant.paged_attention_fp4_cuda.default, args)
     key, val, nb, slots = _writer_inputs(9, 2, 128, torch.bfloat16, None)
     c = allocate_cache(nb, 2, 16, 128, device="cuda")
-    torch.library.opcheck(torch.ops.turboquant.reshape_and_cache_fp4_cuda.default,
-                          (key, val, *c, slots))
+    state = allocate_state(2, 2, 128, device="cuda")
+    state.normal_()
+    for transforms in ((None, None, None),
+                       (rotation_signs(128, 0, "cuda"), state,
+                        torch.zeros(9, dtype=torch.int32, device="cuda"))):
+        torch.library.opcheck(torch.ops.turboquant.reshape_and_cache_fp4_cuda.default,
+                              (key, val, *c, slots, *transforms))
 
 
 def test_cuda_graph_replay_equals_eager():
@@ -230,7 +330,8 @@ def test_cuda_graph_replay_equals_eager():
     op = torch.ops.turboquant.paged_attention_fp4_cuda
     cap = prob.block_tables.shape[1] * 16
     out = torch.empty_like(q)
-    args = (q, *prob.cache, prob.block_tables, prob.seq_lens, None, 0.088, 0, 0.0, cap)
+    args = (q, *prob.cache, prob.block_tables, prob.seq_lens, None, 0.088, 0, 0.0, cap,
+            *_transform_args(prob, 128))
     op(out, *args)
     eager = out.clone()
     s = torch.cuda.Stream()
@@ -250,7 +351,8 @@ def test_cuda_graph_replay_equals_eager():
     g.replay()
     torch.cuda.synchronize()
     _compare(out, turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables,
-                                                 prob.seq_lens, 0.088, backend="reference"))
+                                                 prob.seq_lens, 0.088, backend="reference",
+                                                 **prob.kwargs))
 
 
 def test_torch_compile_fullgraph():
@@ -260,12 +362,23 @@ def test_torch_compile_fullgraph():
     def f(q, kc, vc, ks, vs, bt, sl):
         out = torch.empty_like(q)
         torch.ops.turboquant.paged_attention_fp4_cuda(out, q, kc, vc, ks, vs, bt, sl, None,
-                                                      0.088, 0, 0.0, cap)
+                                                      0.088, 0, 0.0, cap, None, None, None, False)
         return out * 2
 
     cf = torch.compile(f, fullgraph=True)
-    args = (q, *prob.cache, prob.block_tables, prob.seq_lens)
+    plain = _problem([300, 54], 32, 8, 128, 16, config="plain")[0]
+    args = (q, *plain.cache, plain.block_tables, plain.seq_lens)
     torch.testing.assert_close(cf(*args), f(*args), rtol=0, atol=0)
+
+    # the transform arguments (rotation signs, state records, sink) trace too
+    def g(q, kc, vc, ks, vs, bt, sl, signs, state, ids):
+        out = torch.empty_like(q)
+        torch.ops.turboquant.paged_attention_fp4_cuda(out, q, kc, vc, ks, vs, bt, sl, None,
+                                                      0.088, 0, 0.0, cap, signs, state, ids, True)
+        return out * 2
+
+    args = (q, *prob.cache, prob.block_tables, prob.seq_lens, *_transform_args(prob, 128)[:3])
+    torch.testing.assert_close(torch.compile(g, fullgraph=True)(*args), g(*args), rtol=0, atol=0)
 
 
 SANITIZER_CASE = textwrap.dedent("""
@@ -273,20 +386,27 @@ SANITIZER_CASE = textwrap.dedent("""
     from turboquant._backends import cuda
     from turboquant.cache import build_paged_problem
     g = torch.Generator().manual_seed(0)
-    for d, bs, lens, qlens in ((128, 16, [1, 54, 97, 0, 300], None), (64, 32, [70, 9], [3, 2]),
-                               (256, 64, [129, 5], None)):
+    for d, bs, lens, qlens, cfg in ((128, 16, [1, 54, 97, 0, 300], None, "default"),
+                                    (64, 32, [70, 9], [3, 2], "default"),
+                                    (256, 64, [129, 5], None, "plain"),
+                                    (128, 16, [5000, 3], None, "default")):
         prob = build_paged_problem(lens, 2, d, bs, device="cuda", generator=g,
-                                   write_backend="cuda", spare_blocks=2)
+                                   write_backend="cuda", spare_blocks=2,
+                                   config=turboquant.QuantConfig.parse(cfg))
         nt = len(lens) if qlens is None else sum(qlens)
         q = torch.randn(nt, 8, d, device="cuda", dtype=torch.bfloat16)
         cu = None if qlens is None else torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")
         for win in (0, 20):
             turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
-                                           cu_query_lens=cu, sliding_window=win, backend="cuda")
+                                           cu_query_lens=cu, sliding_window=win, backend="cuda",
+                                           **prob.kwargs)
         bt = prob.block_tables.clone(); bt[0, 0] = 10 ** 6
+        kw = dict(prob.kwargs)
+        if "state_ids" in kw:
+            kw["state_ids"] = kw["state_ids"].clone(); kw["state_ids"][-1] = 10 ** 6
         with turboquant.value_checks(False):
             turboquant.paged_attention_fp4(q, *prob.cache, bt, prob.seq_lens, 0.1,
-                                           cu_query_lens=cu, backend="cuda")
+                                           cu_query_lens=cu, backend="cuda", **kw)
     torch.cuda.synchronize()
     print("SANITIZER_CASE_OK")
 """)

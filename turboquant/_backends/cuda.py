@@ -14,6 +14,11 @@ loads a prebuilt library instead.
 Supported: query fp16/bf16 on a CUDA device; head_dim 64/128/256; block_size a power of two
 >= 16; one scale per (token, head) for attention (per-32 scales are declined with a reason;
 the cache writer supports both); any GQA ratio; multi-token queries; sliding window; soft cap.
+The transforms of CONTRACT.md section 2 run inside the kernels: the writer rotates
+((k - m) / lam) and v in registers (a Walsh-Hadamard transform over the lanes of a row); the
+attention kernels multiply Q by lam and rotate it in the prologue, merge the sink record as one
+more key after the warp merge, and un-rotate O before its store (the split-KV reduce
+un-rotates the combined row). A soft cap together with state records is declined.
 """
 from __future__ import annotations
 
@@ -69,6 +74,8 @@ def _load() -> None:
 
 def ensure_loaded() -> Optional[str]:
     """Load the extension once; return None or the reason it cannot be used."""
+    if _state["loaded"]:  # no lock once loaded: torch.compile traces the dispatcher through here
+        return None
     with _lock:
         if _state["loaded"]:
             return None
@@ -108,9 +115,10 @@ class CudaBackend(Backend):
         return ensure_loaded()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = self.transforms_reason(call, "cuda")
-        if reason is not None:
-            return reason
+        if call.seq_state is not None and call.logits_soft_cap > 0:
+            return ("a logit soft cap together with state records (key smoothing, sink) is not "
+                    "implemented by the cuda kernels (the soft cap needs the key center's q.m "
+                    "term added back)")
         q = call.query
         if not q.is_cuda:
             return f"tensors are on {q.device}, not on a CUDA device"
@@ -151,9 +159,6 @@ class CudaBackend(Backend):
             return f"head_dim {write.head_dim} not in {HEAD_DIMS}"
         if write.scale_group not in (write.head_dim, 32):
             return f"scale group {write.scale_group} not supported"
-        if write.rotation_signs is not None or write.seq_state is not None:
-            return ("rotation and key smoothing are not fused into the cuda writer yet: pass "
-                    "config=turboquant.QuantConfig.parse('plain') for the plain format")
         rule = getattr(write, "scale_rule", "smallest")
         if rule != "smallest":
             return f"scale_rule {rule!r} is not implemented by the cuda writer (only 'smallest')"
