@@ -151,17 +151,27 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
       const bool bad = slot < 0 || slot >= p.num_slots;
       const float* rec = p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + head) * 4 * D + sub * E;
 #pragma unroll
-      for (int i = 0; i < E; ++i)
-        fk[i] = bad ? __int_as_float(0x7fc00000) : (fk[i] - __ldg(rec + i)) / __ldg(rec + D + i);
+      for (int c = 0; c < E; c += 4) {  // four elements at a time: few registers live
+        float m[4], lam[4];
+        load_floats(rec + c, m);
+        load_floats(rec + D + c, lam);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          fk[c + i] = bad ? __int_as_float(0x7fc00000) : (fk[c + i] - m[i]) / lam[i];
+      }
     }
   }
   if (p.rot_signs != nullptr) {  // uniform: every lane of the warp shuffles
     const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      const float sg = __ldg(p.rot_signs + sub * E + i);
-      fk[i] *= sg;
-      fv[i] *= sg;
+    for (int c = 0; c < E; c += 4) {
+      float sg[4];
+      load_floats(p.rot_signs + sub * E + c, sg);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        fk[c + i] *= sg[i];
+        fv[c + i] *= sg[i];
+      }
     }
     fwht_row<E, TPI>(fk, lane);
     fwht_row<E, TPI>(fv, lane);

@@ -127,6 +127,16 @@ __device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
   }
 }
 
+// N consecutive floats from a 16-byte aligned address (N a multiple of 4).
+template <int N>
+__device__ __forceinline__ void load_floats(const float* src, float (&v)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(src + i));
+    v[i] = a.x; v[i + 1] = a.y; v[i + 2] = a.z; v[i + 3] = a.w;
+  }
+}
+
 // ---- the rotation of turboquant/rotation.py (writer and attention kernels) ----
 // Unnormalized Walsh-Hadamard transform of one row of N * LANES elements, held as N consecutive
 // elements per lane by LANES consecutive, aligned lanes: stages h = 1, 2, .., N * LANES / 2 in

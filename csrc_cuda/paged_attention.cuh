@@ -103,42 +103,75 @@ struct AttnParams {
 // Record rows of seq_state (turboquant.smoothing KEY_SCALE, SINK_KEY, SINK_VALUE).
 constexpr int STATE_SCALE = 1, STATE_SINK_K = 2, STATE_SINK_V = 3;
 
-// The state record [4][D] of sequence s and kv head kvh; nullptr without records. A slot
-// outside [0, num_slots) sets bad (the caller makes the rows NaN) and reads slot 0 instead.
-template <int D>
-__device__ __forceinline__ const float* state_record(const AttnParams& p, int s, int kvh, bool& bad) {
-  if (p.seq_state == nullptr) return nullptr;
-  const int slot = __ldg(p.state_ids + s);
-  bad = slot < 0 || slot >= p.num_slots;
-  return p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + kvh) * 4 * D;
+// The slot of sequence s's state record (0 without records; read once, early in the prologue).
+__device__ __forceinline__ int state_slot(const AttnParams& p, int s) {
+  return p.seq_state != nullptr ? __ldg(p.state_ids + s) : 0;
 }
 
-// Query transform of the 8 elements f of row chunk [col, col + 8) (D/8 lanes per row):
-// q * lam (with a record), then rotate (x * s, fwht, * norm). rec_bad gives NaN.
+// What the transforms need for one thread's 8-element Q chunk [col, col + 8) of kv head kvh:
+// lam, the rotation signs and the sink key (each only where used). Loaded early in the
+// prologue, so the latency of the slot -> record chain hides under the first KV copies.
+struct QChunk {
+  float lam[8], sg[8], sk[8];
+  bool bad;  // the slot is outside [0, num_slots): the rows become NaN
+};
 template <int D>
-__device__ __forceinline__ void transform_q8(const AttnParams& p, const float* rec, bool rec_bad, int col,
-                                             float (&f)[8], int lane) {
-  if (rec != nullptr) {
-    const float* lam = rec + STATE_SCALE * D + col;
+__device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int kvh, int col, bool sink,
+                                             QChunk& c) {
+  c.bad = false;
+  if (p.seq_state != nullptr) {
+    c.bad = slot < 0 || slot >= p.num_slots;
+    const float* rec = p.seq_state + ((size_t)(c.bad ? 0 : slot) * p.num_kv_heads + kvh) * 4 * D + col;
+    load_floats(rec + STATE_SCALE * D, c.lam);
+    if (sink) load_floats(rec + STATE_SINK_K * D, c.sk);
+  }
+  if (p.rot_signs != nullptr) load_floats(p.rot_signs + col, c.sg);
+}
+
+// The sink value row's N elements at d0 (the epilogue of partition 0), NaN for a bad slot.
+template <int D, int N>
+__device__ __forceinline__ void load_sink_value(const AttnParams& p, int slot, int kvh, int d0, float (&v)[N]) {
+  const bool bad = slot < 0 || slot >= p.num_slots;
+  load_floats(p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + kvh) * 4 * D + STATE_SINK_V * D + d0, v);
+  if (bad) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = rec_bad ? __int_as_float(0x7fc00000) : f[i] * __ldg(lam + i);
+    for (int i = 0; i < N; ++i) v[i] = __int_as_float(0x7fc00000);
+  }
+}
+
+// Query transform of the 8 elements f of row chunk c (D/8 lanes per row): q * lam (with a
+// record), then rotate (x * s, fwht, * norm). Returns q'.k0' of the chunk (0 without sink).
+template <int D>
+__device__ __forceinline__ float transform_q8(const AttnParams& p, const QChunk& c, bool sink, float (&f)[8],
+                                              int lane) {
+  if (p.seq_state != nullptr) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = c.bad ? __int_as_float(0x7fc00000) : f[i] * c.lam[i];
   }
   if (p.rot_signs != nullptr) {  // uniform: every lane shuffles
 #pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] *= __ldg(p.rot_signs + col + i);
+    for (int i = 0; i < 8; ++i) f[i] *= c.sg[i];
     fwht_row<8, D / 8>(f, lane);
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] *= p.rot_norm;
   }
+  float dot = 0.f;
+  if (sink) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot += f[i] * c.sk[i];
+  }
+  return dot;
 }
 
 // Output un-rotation of the N consecutive elements [d0, d0 + N) of a row held by LANES lanes:
 // o = fwht(o') * norm * s (turboquant.rotation.unrotate).
 template <int N, int LANES>
 __device__ __forceinline__ void unrotate_row(const AttnParams& p, float (&o)[N], int d0, int lane) {
+  float sg[N];
+  load_floats(p.rot_signs + d0, sg);
   fwht_row<N, LANES>(o, lane);
 #pragma unroll
-  for (int i = 0; i < N; ++i) o[i] = o[i] * p.rot_norm * __ldg(p.rot_signs + d0 + i);
+  for (int i = 0; i < N; ++i) o[i] = o[i] * p.rot_norm * sg[i];
 }
 
 
@@ -222,13 +255,13 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 // Folds the sink (logit ls in the exp2 domain, value row v of N elements at d0) into a row's
 // merged state (M, Ls, a = O / Ls) as one more key: the two-way log-sum-exp merge.
 template <int N>
-__device__ __forceinline__ void merge_sink(float ls, const float* v, float& M, float& Ls, float (&a)[N]) {
+__device__ __forceinline__ void merge_sink(float ls, const float (&v)[N], float& M, float& Ls, float (&a)[N]) {
   const float M2 = fmaxf(M, ls);
   const float f_old = (M == -INFINITY) ? 0.f : fast_exp2(M - M2), f_s = fast_exp2(ls - M2);
   const float L2 = Ls * f_old + f_s;
   const float inv = 1.f / L2;
 #pragma unroll
-  for (int i = 0; i < N; ++i) a[i] = (a[i] * Ls * f_old + __ldg(v + i) * f_s) * inv;
+  for (int i = 0; i < N; ++i) a[i] = (a[i] * Ls * f_old + v[i] * f_s) * inv;
   M = M2;
   Ls = L2;
 }
@@ -346,6 +379,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   if (s >= p.num_seqs || qn <= 0 || lt < 0 || lt * 16 >= qn * G) return;
   const int nrows = qn * G;
   const int seq_len = __ldg(p.seq_lens + s);
+  const int slot = state_slot(p, s);
   const int W = p.sliding_window;
   const int P = p.partition_size;
   const int nparts = p.num_partitions;
@@ -504,12 +538,12 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
 
   // ---- Q: load 16 rows, the transforms in fp32 (q * lam, rotation; D/8 lanes per row), the
   //      sink's logits, tile amax, power-of-two prescale, fp16 fragments ----
-  bool rec_bad = false;
-  const float* rec = state_record<D>(p, s, kvh, rec_bad);
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
   for (int c = tid; c < 16 * D / 8; c += blockDim.x) {  // warp-uniform trip count
     int r = c / (D / 8), col = (c % (D / 8)) * 8, tok, head;
+    QChunk qc;
+    load_q_chunk<D>(p, slot, kvh, col, sink_here, qc);
     uint4 v = make_uint4(0, 0, 0, 0);
     if (row_out(r, tok, head)) {
       v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) +
@@ -518,13 +552,10 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     float qv[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&v)[i]);
-    transform_q8<D>(p, rec, rec_bad, col, qv, lane);
+    const float dot = transform_q8<D>(p, qc, sink_here, qv, lane);
     if (sink_here) {  // CTA-uniform
-      float dot = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) dot += qv[i] * __ldg(rec + STATE_SINK_K * D + col + i);
-      dot = row_sum<D / 8>(dot);
-      if (col == 0) sinkS[r] = dot;
+      const float q_k0 = row_sum<D / 8>(dot);
+      if (col == 0) sinkS[r] = q_k0;
     }
     *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
     *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
@@ -825,8 +856,11 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     for (int i = 0; i < DPT; ++i) a[i] = merge_sum(wt, mo + r * L::MROW + 8 * pv_slot(i) + c8, 16 * L::MROW) * inv;
     // the sink joins rows whose window holds position 0 as one more key (exp2 domain; the
     // binding rules out a soft cap together with state records)
-    if (sink_here && valid && row_lo((lt * 16 + r) / G) == 0)
-      merge_sink<DPT>(sinkS[r] * p.scale * 1.4426950408889634f, rec + STATE_SINK_V * D + d0, M, Ls, a);
+    if (sink_here && valid && row_lo((lt * 16 + r) / G) == 0) {
+      float sv[DPT];
+      load_sink_value<D>(p, slot, kvh, d0, sv);
+      merge_sink<DPT>(sinkS[r] * p.scale * 1.4426950408889634f, sv, M, Ls, a);
+    }
     // rotated partials are combined as they are; the reduce pass un-rotates the sum
     if (p.rot_signs != nullptr && nparts == 1) unrotate_row<DPT, TPR>(p, a, d0, lane);
     if (!valid) return;

@@ -161,6 +161,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   // thread's 16 bytes of Q, and the block ids of the warp's first 32 tiles, located from the
   // partition start (a sliding window that starts later relocates them below).
   const int seq_len = __ldg(p.seq_lens + s);
+  const int slot = state_slot(p, s);
   const int P = p.partition_size, nparts = p.num_partitions;
   static_assert(8 * D / 8 <= 32 * L::W, "one 16-byte Q chunk per thread");
   const int q_r = tid / (D / 8), q_col = (tid % (D / 8)) * 8;  // Q chunk: head q_r, 8 elements
@@ -217,6 +218,10 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   }
   int* misc = reinterpret_cast<int*>(smem + L::OFF_MISC);
   float* sinkS = reinterpret_cast<float*>(smem + L::OFF_SINK);
+  // the transforms' inputs of this thread's Q chunk (lam, signs, sink key), issued before the
+  // KV copies
+  QChunk qc;
+  load_q_chunk<D>(p, slot, kvh, q_col, sink_here, qc);
   float* mS = reinterpret_cast<float*>(smem + L::OFF_M);
   float* lS = reinterpret_cast<float*>(smem + L::OFF_L);
   if (tid == 0) {
@@ -274,18 +279,13 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
 
   // ---- Q: G rows (padded to 8), the transforms in fp32 (q * lam, rotation; D/8 lanes per
   //      row), the sink's logit, tile amax, power-of-two prescale, fp16 B fragments ----
-  bool rec_bad = false;
-  const float* rec = state_record<D>(p, s, kvh, rec_bad);
   float qv[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&q_v)[i]);
-  transform_q8<D>(p, rec, rec_bad, q_col, qv, lane);
+  const float dot = transform_q8<D>(p, qc, sink_here, qv, lane);
   if (sink_here) {  // CTA-uniform
-    float dot = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) dot += qv[i] * __ldg(rec + STATE_SINK_K * D + q_col + i);
-    dot = row_sum<D / 8>(dot);
-    if (q_r < 8 && q_col == 0) sinkS[q_r] = dot;
+    const float q_k0 = row_sum<D / 8>(dot);
+    if (q_r < 8 && q_col == 0) sinkS[q_r] = q_k0;
   }
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
@@ -498,6 +498,10 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], o);
   const bool any_bad = __any_sync(0xffffffffu, bad);
+  // partition 0: the sink value elements this lane writes (loaded under the merge below)
+  constexpr int EPL = D / 32;
+  float sv[EPL];
+  if (sink_here) load_sink_value<D>(p, slot, kvh, lane * EPL, sv);
   __syncthreads();  // every warp is done with its pipeline buffers
   if (any_bad && lane == 0) misc[1] = 1;
   if (g == 0) {
@@ -532,14 +536,13 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   float wt[L::W], M;
   float Ls = merge_weights(mS + r, lS + r, 8, wt, M);
   const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
-  constexpr int EPL = D / 32;
   const int d0 = lane * EPL;
   float a[EPL];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) a[e] = merge_sum(wt, mo + r * L::MROW + d0 + e, 8 * L::MROW) * inv;
   // the sink joins as one more key (its logit in the exp2 domain; the binding rules out a
   // soft cap together with state records)
-  if (sink_here) merge_sink<EPL>(sinkS[r] * p.scale * 1.4426950408889634f, rec + STATE_SINK_V * D + d0, M, Ls, a);
+  if (sink_here) merge_sink<EPL>(sinkS[r] * p.scale * 1.4426950408889634f, sv, M, Ls, a);
   // rotated partials are combined as they are; the reduce pass un-rotates the sum
   if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
   const int head = kvh * G + r;

@@ -49,6 +49,8 @@ void set_transform_fields(Params& p, int D, int hkv, int num_ids,
     const at::Tensor& r = *rotation_signs;
     TORCH_CHECK(r.is_cuda() && r.scalar_type() == at::kFloat && r.dim() == 1 && r.size(0) == D && r.is_contiguous(),
                 "rotation_signs: expected a contiguous float32 [D] CUDA tensor");
+    TORCH_CHECK(r.data_ptr<float>() == nullptr || reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0,
+                "rotation_signs: expected a 16-byte aligned tensor");
     p.rot_signs = r.data_ptr<float>();
   }
   TORCH_CHECK(seq_state.has_value() == state_ids.has_value(), "seq_state/state_ids: expected both or neither");
@@ -63,6 +65,7 @@ void set_transform_fields(Params& p, int D, int hkv, int num_ids,
                 "state_ids: expected a contiguous int32 CUDA tensor with one slot per sequence (attention) "
                 "or token (writer)");
     TORCH_CHECK(st.size(0) < (1LL << 31), "seq_state: fewer than 2^31 slots");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(st.data_ptr()) % 16 == 0, "seq_state: expected a 16-byte aligned tensor");
     p.seq_state = st.data_ptr<float>();
     p.state_ids = ids.data_ptr<int>();
     p.num_slots = (int)st.size(0);
