@@ -5,7 +5,7 @@ import torch
 
 
 def e2m1_value(code: int) -> float:
-    """E2M1 from the DESIGN.md formula, written independently of turboquant.format."""
+    """E2M1 from the CONTRACT.md formula, written independently of turboquant.format."""
     sign = -1.0 if code & 8 else 1.0
     e, m = (code >> 1) & 3, code & 1
     mag = m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)

@@ -1,4 +1,4 @@
-"""The FP4 format, bit-exact against DESIGN.md section 1."""
+"""The FP4 format, bit-exact against CONTRACT.md section 1."""
 import math
 
 import pytest
@@ -140,7 +140,7 @@ def test_sqnr_floor_gaussian(group, floor):
 
 
 def test_unit_range_rule_wastes_three_bits():
-    """The trap DESIGN.md warns about: scale 2^ceil(log2(amax)) maps a group into [-1, 1]."""
+    """The trap CONTRACT.md section 1 names: scale 2^ceil(log2(amax)) maps a group into [-1, 1]."""
     x = _gaussian()
     amax = x.abs().amax(dim=-1, keepdim=True)
     s = torch.exp2(torch.ceil(torch.log2(amax)))

@@ -1,6 +1,6 @@
 """``python -m turboquant bench``: decode attention against the memory roofline.
 
-What it measures, in one run (DESIGN.md section 5):
+What it measures, in one run (CONTRACT.md section 6):
 
 1. The GPU's HBM read bandwidth, measured here: the best of several read-only kernels
    (``torch.sum`` over float32, a bf16 ``torch.mv`` GEMV, a Triton streaming read where Triton

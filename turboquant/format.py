@@ -1,4 +1,4 @@
-"""The FP4 KV-cache format (DESIGN.md section 1), bit-exact, in vectorized PyTorch.
+"""The FP4 KV-cache format (CONTRACT.md section 1), bit-exact, in vectorized PyTorch.
 
 Every backend (CUDA, SM120, gfx950) reads and writes exactly these bytes; this module is the
 definition they are tested against. It runs on CPU and GPU tensors alike.
@@ -115,7 +115,7 @@ def quantize_fp4(x: torch.Tensor, group: int | None = None, rule: str = "smalles
 
     ``group=None`` means one scale over the whole last dimension; the caller drops the
     trailing size-1 dimension of the scales for the per-(token, head) layout.
-    ``rule="smallest"`` is DESIGN.md's rule. ``rule="mse"`` also tries the exponent one below
+    ``rule="smallest"`` is CONTRACT.md's rule. ``rule="mse"`` also tries the exponent one below
     it (which saturates the largest elements at 6 but halves the step) and keeps whichever
     gives the smaller sum of squared errors over the group, computed in float64; a tie keeps
     the "smallest" exponent.
