@@ -6,7 +6,8 @@
 
 #define TQ_PARTITION_ARGS                                                                   \
   const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, const int*, \
-      const int*, float*, float*, uint16_t*, float, float, int, int, int, int, int64_t, int, int
+      const int*, float*, float*, uint16_t*, float, float, int, int, int, int, int64_t, int, int, \
+      const float*, const float*, const int*, int, int
 
 template __attribute__((global)) void tq::tq_fp4_pa_partition_kernel<tq::Bf16, 128, 16, 8, true>(TQ_PARTITION_ARGS);
 template __attribute__((global)) void tq::tq_fp4_pa_partition_kernel<tq::Bf16, 128, 16, 8, false>(TQ_PARTITION_ARGS);

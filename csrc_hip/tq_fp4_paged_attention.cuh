@@ -24,8 +24,35 @@
 // domain (y = logit * log2(e) + vscale - 127, p' = 2^(y - ceil(max y)) <= 1), p' is split into
 // two E4M3 terms like Q, the remaining per-head power of two is P's scale_a byte and the rest
 // a float multiply at the end.
-// Tokens past seq_len are removed by selection: their K fragment and scale, V codes and
-// P bytes are replaced by constants; no garbage byte is ever multiplied.
+// Tokens past seq_len are removed by selection: their K fragment and scale and V codes are
+// replaced by constants, their logits by -inf (so their P bytes are 2^-inf = 0); no garbage
+// byte is ever multiplied.
+//
+// Accuracy transforms (CONTRACT.md section 2; turboquant/reference.py defines them), each on
+// only when its argument is given, all in fp32 and fused into this kernel (no extra pass):
+//   - state record (seq_state [num_slots, num_kv_heads, 4, HEAD], slot r = state_ids[seq]):
+//     q' = q * lam_r in the prologue. A slot outside [0, num_slots) is never read: the
+//     sequence's partials are NaN, so its output rows are. With a soft cap the logit is
+//     scale * (q'.k' + q.m_r): q.m_r is one more head_sum in the prologue.
+//   - rotation (rotation_signs [HEAD] of +-1): q' = fwht(q' * s) * HEAD^-0.5 in the prologue,
+//     in registers, in the Q operand's own layout: register qv[c][16b + j] of the lane in K
+//     group g = lane / 16 holds element 128c + 64b + 16g + j, so butterfly stages h = 1, 2,
+//     4, 8 pair registers of one lane, h = 16 and 32 pair lanes l and l ^ h (one shuffle per
+//     value), h = 64 and 128 pair registers again: the stages run in the reference's order
+//     h = 1 .. HEAD/2 with the same fp32 roundings. The output is un-rotated per partition
+//     (the reduce is linear): o = fwht(o') * HEAD^-0.5 * s in the epilogue, where each wave
+//     owns whole query heads and lane l holds elements 64j + l (stages h < 64 pair lanes,
+//     h >= 64 registers), again in the reference's order.
+//   - sink: position 0 is removed from the FP4 stream by selection (its scales are staged as
+//     constants and its logit replaced by -inf, so its P bytes are 0; its K and V codes are
+//     finite FP4 and meet only those constants), and in partition 0 its fp32 key and value
+//     from the record are merged into the partition's softmax state as one more key:
+//     m' = max(m, x0), l' = l e^(m - m') + e^(x0 - m'), o' = (o l e^(m - m') + e^(x0 - m') v0) / l'.
+//     x0 = q'.k0 uses the fp32 q' (not its E4M3 terms); v0 is added in fp32 in the epilogue.
+//     A sequence of one token is the sink alone: o' = v0 exactly.
+// The epilogue stages the partition's fp32 output o'[head][element] in LDS (over the V tile,
+// which is dead by then) so that one wave holds whole heads for the sink term, the NaN of a
+// bad slot and the un-rotation, and stores each head row as consecutive elements.
 #pragma once
 
 #include "tq_fp4_platform.cuh"
@@ -44,6 +71,20 @@ constexpr int kPvSteps = kPartition / kMfmaK;         // 2 PV K-steps per partit
 constexpr int kFp4BytesPerK = kMfmaK / 2;             // one MFMA K step of a packed FP4 row: 64 bytes
 constexpr int kE8m0One = 127;
 constexpr float kLog2e = 1.4426950408889634f;
+// Rows of a state record (turboquant/smoothing.py): key center m, key scale lam, sink K, V.
+constexpr int kKeyCenter = 0, kKeyScale = 1, kSinkKey = 2, kSinkValue = 3, kStateRows = 4;
+
+// HEAD^-0.5 as the fp32 constant the rotation multiplies by (turboquant.rotation.rotation_norm:
+// the double D^-0.5 rounded to fp32): 2^(-k/2) for HEAD = 2^k, sqrt(1/2) for odd k.
+template <int HEAD>
+constexpr float rotation_norm() {
+  static_assert(HEAD >= 2 && (HEAD & (HEAD - 1)) == 0, "power-of-two head size");
+  int k = 0;
+  while ((1 << k) < HEAD) ++k;
+  double r = (k & 1) ? 0.70710678118654752440 : 1.0;
+  for (int i = 0; i < k / 2; ++i) r *= 0.5;
+  return float(r);
+}
 
 // ---------------------------------------------------------------------------------------
 // v_mfma_scale_f32_16x16x128_f8f6f4 lane layout (wave64), as documented for gfx950 and
@@ -160,15 +201,40 @@ TQ_HD float head_sum(float v) {
 
 template <int HEAD>
 struct PartitionLds {
+  static_assert(kTile * (HEAD + 4) * 4 <= HEAD * kMfmaK, "obuf fits in vt");
   int64_t row_offset[kPartition];  // byte offset of the token's row, block and slot applied
   uint8_t kscale[kPartition];      // K E8M0 byte of the token (127 past seq_len)
   uint8_t vscale[kPartition];      // V E8M0 byte of the token (127 past seq_len)
   float red[3][kWaves][kTile];     // per wave and head: max logit, max y, V NaN flag
   float red_sum[kWaves][kTile];    // per wave and head: sum of exp(logit - max)
   float post[kTile];               // per head: float factor applied to the PV accumulator
+  float sinkw[kTile];              // per head: weight of the sink value (partition 0, sink on)
   uint8_t p8[2][kTile][kPartition];  // P as two E4M3 terms (hi, lo), [term][head][token]
-  uint8_t vt[HEAD][kMfmaK];        // V of one PV K-step as E4M3, transposed: [element][token]
+  union {
+    uint8_t vt[HEAD][kMfmaK];      // V of one PV K-step as E4M3, transposed: [element][token]
+    float obuf[kTile][HEAD + 4];   // epilogue: the partition's fp32 output o'[head][element]
+  };                               // (rows padded: the 4 head groups of a wave hit other banks)
 };
+
+// A state record value: row `row`, element e of the record (nullptr: a bad slot, NaN).
+template <int HEAD>
+TQ_HD float record_at(const float* record, int row, int e) {
+  return record != nullptr ? record[row * HEAD + e] : __builtin_nanf("");
+}
+
+// One butterfly of the Walsh-Hadamard transform on a pair held by one lane:
+// (a, b) -> (a + b, a - b).
+TQ_HD void butterfly(float& a, float& b) {
+  const float s = a + b, d = a - b;
+  a = s;
+  b = d;
+}
+// The same butterfly across lanes l and l ^ mask (one shuffle): the lane with the mask bit
+// clear holds a and gets a + b, its partner holds b and gets a - b.
+TQ_HD float butterfly_xor(float v, int lane, int mask) {
+  const float other = wave_shfl_xor(v, mask);
+  return (lane & mask) ? other - v : v + other;
+}
 
 // grid (num_seqs, max_num_partitions, num_kv_heads)  block (256)
 template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool USE_NATIVE_FP4_MFMA>
@@ -185,7 +251,11 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     uint16_t* __restrict__ tmp_out,           // [num_seqs, num_kv_heads * GQA, max_num_partitions, HEAD] Scalar
     float scale, float logits_soft_cap, int max_blocks_per_seq, int max_num_partitions,
     int num_kv_heads, int q_stride, int64_t kv_block_stride, int kv_head_stride,
-    int kv_seq_stride) {
+    int kv_seq_stride,
+    const float* __restrict__ rotation_signs, // [HEAD] of +-1, or nullptr: no rotation
+    const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 4, HEAD], or nullptr: no record
+    const int* __restrict__ state_ids,        // [num_seqs]: each sequence's slot (read with seq_state)
+    int num_slots, int sink) {                // sink != 0: position 0 from the record (needs seq_state)
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
   static_assert(GQA >= 1 && GQA <= kTile, "one MFMA column per query head of the group");
   static_assert(BLOCK_SIZE >= 16 && BLOCK_SIZE <= kPartition && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0,
@@ -207,6 +277,22 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   if (part_start >= seq_len) return;  // the whole workgroup leaves together
   const int num_heads = num_kv_heads * GQA;
   const int last_block = (seq_len - 1) / BLOCK_SIZE;
+  // The sequence's state record; a slot outside [0, num_slots) is never read (NaN output).
+  const bool has_state = seq_state != nullptr;
+  const int state_slot = has_state ? state_ids[seq] : 0;
+  const bool state_bad = has_state && (state_slot < 0 || state_slot >= num_slots);
+  const float* record = (has_state && !state_bad)
+      ? seq_state + (int64_t(state_slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
+  const bool smooth_cap = has_state && logits_soft_cap > 0.0f;  // logit gets q.m back
+  const bool sink_here = sink != 0 && part == 0;  // this partition holds position 0
+  // Positions the FP4 stream serves: [first_pos, seq_len). With the sink, position 0 comes
+  // from the record: its scales are staged as constants and its logit and P bytes replaced by
+  // selection (its K and V codes are finite and meet only the replaced values). One unsigned
+  // compare per token (a position below first_pos wraps around): a second compare per token
+  // kept masks live across the softmax and cost SGPR spills.
+  const int first_pos = sink != 0 ? 1 : 0;
+  const uint32_t served_len = uint32_t(seq_len - first_pos);
+  auto visible = [&](int pos) { return uint32_t(pos - first_pos) < served_len; };
 
   TQ_LDS(PartitionLds<HEAD>, lds);
 
@@ -219,8 +305,9 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     const int slot = tok % BLOCK_SIZE;
     lds->row_offset[tid] = blk * kv_block_stride + int64_t(slot) * kv_seq_stride + int64_t(kvh) * kv_head_stride;
     const int64_t sidx = (blk * BLOCK_SIZE + slot) * num_kv_heads + kvh;
-    lds->kscale[tid] = live ? key_scales[sidx] : uint8_t(kE8m0One);
-    lds->vscale[tid] = live ? value_scales[sidx] : uint8_t(kE8m0One);
+    const bool served = live && visible(tok);  // position 0 with the sink: constant scales
+    lds->kscale[tid] = served ? key_scales[sidx] : uint8_t(kE8m0One);
+    lds->vscale[tid] = served ? value_scales[sidx] : uint8_t(kE8m0One);
   }
 
   // Q as the B operand: lane (column n = query head of the group, K group g) holds head
@@ -230,13 +317,51 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   const bool q_live = qn < GQA;
   const uint16_t* qrow = query + int64_t(seq) * q_stride + int64_t(kvh * GQA + (q_live ? qn : 0)) * HEAD;
   float qv[kQkSteps][32];
-  float amax = 0.0f;
+  constexpr int kQRegs = HEAD < kMfmaK ? 16 : 32;  // registers j of qv that hold head elements
+  float qdm = 0.0f;  // q.m of the original q (soft cap with a record only), this lane's part
   for (int c = 0; c < kQkSteps; ++c)
     for (int j = 0; j < 32; ++j) {
       const int e = c * kMfmaK + mfma_fp8_k(qg, j);
-      qv[c][j] = (q_live && e < HEAD) ? Scalar::to_float(qrow[e]) : 0.0f;
-      amax = fmax_f32(amax, fabs_f32(qv[c][j]));
+      const bool in = e < HEAD;
+      float x = (q_live && in) ? Scalar::to_float(qrow[e]) : 0.0f;
+      if (has_state && in) {
+        if (smooth_cap) qdm += x * record_at<HEAD>(record, kKeyCenter, e);
+        x *= record_at<HEAD>(record, kKeyScale, e);  // q' = q * lam
+      }
+      if (rotation_signs != nullptr && in) x *= rotation_signs[e];
+      qv[c][j] = x;
     }
+  if (smooth_cap) qdm = head_sum(qdm);
+  if (rotation_signs != nullptr) {
+    // q' = fwht(q' * s) * HEAD^-0.5, stages h = 1 .. HEAD/2 in order (see the design note).
+    for (int h = 1; h < 16 && h < HEAD; h *= 2)
+      for (int c = 0; c < kQkSteps; ++c)
+        for (int j = 0; j < kQRegs; ++j)
+          if ((j & h) == 0) butterfly(qv[c][j], qv[c][j + h]);
+    for (int h = 16; h < 64 && h < HEAD; h *= 2)
+      for (int c = 0; c < kQkSteps; ++c)
+        for (int j = 0; j < kQRegs; ++j) qv[c][j] = butterfly_xor(qv[c][j], lane, h);
+    if constexpr (HEAD > 64)
+      for (int c = 0; c < kQkSteps; ++c)
+        for (int j = 0; j < 16; ++j) butterfly(qv[c][j], qv[c][j + 16]);
+    if constexpr (HEAD > 128)
+      for (int j = 0; j < 32; ++j) butterfly(qv[0][j], qv[kQkSteps - 1][j]);
+    for (int c = 0; c < kQkSteps; ++c)
+      for (int j = 0; j < kQRegs; ++j) qv[c][j] *= rotation_norm<HEAD>();
+  }
+  // The sink's logit from the fp32 q' (partition 0 only): scale * (q'.k0 + q.m), soft-capped.
+  float sink_logit = 0.0f;
+  if (sink_here) {
+    float dot = 0.0f;
+    for (int c = 0; c < kQkSteps; ++c)
+      for (int j = 0; j < kQRegs; ++j)
+        dot += qv[c][j] * record_at<HEAD>(record, kSinkKey, c * kMfmaK + mfma_fp8_k(qg, j));
+    sink_logit = (head_sum(dot) + qdm) * scale;
+    if (logits_soft_cap > 0.0f) sink_logit = soft_cap(sink_logit, logits_soft_cap);
+  }
+  float amax = 0.0f;
+  for (int c = 0; c < kQkSteps; ++c)
+    for (int j = 0; j < 32; ++j) amax = fmax_f32(amax, fabs_f32(qv[c][j]));
   amax = head_max(amax);
   const int qscale = q_scale_byte(amax);
   const int qscale_lo = lo_scale_byte(qscale);
@@ -299,8 +424,8 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   for (int t = 0; t < kTilesPerWave; ++t)
     for (int i = 0; i < 4; ++i) {
       const int tok = wave * kTokensPerWave + t * kTile + mfma_out_row(lane, i);
-      const bool live = head_live && part_start + tok < seq_len;
-      float x = logit[t][i] * scale;
+      const bool live = head_live && visible(part_start + tok);
+      float x = (logit[t][i] + qdm) * scale;
       if (logits_soft_cap > 0.0f) x = soft_cap(x, logits_soft_cap);
       const int vs = lds->vscale[tok];
       logit[t][i] = live ? x : -__builtin_inff();
@@ -336,16 +461,19 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   const int ip = (head_live && fl == fl) ? (fl < -127.0f ? 0 : (fl > 127.0f ? 254 : int(fl) + kE8m0One)) : kE8m0One;
   const int pscale = vnan > 0.0f ? 255 : ip;
   const int pscale_lo = lo_scale_byte(pscale);
+  const float mx_safe = mx == -__builtin_inff() ? 0.0f : mx;
+  const float ytop_safe = ytop == -__builtin_inff() ? 0.0f : ytop;
   float lsum = 0.0f;
   for (int t = 0; t < kTilesPerWave; ++t)
     for (int i = 0; i < 4; ++i) {
       const int tok = wave * kTokensPerWave + t * kTile + mfma_out_row(lane, i);
-      const bool live = head_live && part_start + tok < seq_len;
-      lsum += live ? exp2_f32((logit[t][i] - mx) * kLog2e) : 0.0f;
+      // Dead tokens and heads hold logit = y = -inf from the loop above: exp2 gives 0 and the
+      // P bytes 0 (mx_safe, ytop_safe: a head with no FP4 token, the sink alone, gets 0s too).
+      lsum += exp2_f32((logit[t][i] - mx_safe) * kLog2e);
       // p' = 2^(y - ytop) <= 1 as hi + lo / 16; dead tokens and heads are the constant 0.
-      const E4m3Split p = split_e4m3x4(exp2_f32(y[t][i] - ytop), 0.0f, 0.0f, 0.0f);
-      lds->p8[0][head][tok] = uint8_t(live ? p.hi : 0u);
-      lds->p8[1][head][tok] = uint8_t(live && pscale >= 4 ? p.lo : 0u);
+      const E4m3Split p = split_e4m3x4(exp2_f32(y[t][i] - ytop_safe), 0.0f, 0.0f, 0.0f);
+      lds->p8[0][head][tok] = uint8_t(p.hi);
+      lds->p8[1][head][tok] = uint8_t(pscale >= 4 ? p.lo : 0u);
     }
   lsum = head_sum(lsum);
   if (lane < kTile) lds->red_sum[wave][lane] = lsum;
@@ -355,14 +483,27 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   if (wave == 0 && lane < kTile) {
     float l = 0.0f;
     for (int w = 0; w < kWaves; ++w) l += lds->red_sum[w][lane];
-    float post = 0.0f;
+    float post = 0.0f, sinkw = 0.0f;
     if (head_live) {
       post = exp2_f32(tpow - float(ip - kE8m0One)) / l;
+      float l_out = l, m_out = mx;
+      if (sink_here) {
+        // The sink as one more key: a two-way log-sum-exp merge. l == 0: no FP4 token
+        // (seq_len 1), the sink alone; a NaN l (NaN logits) stays NaN.
+        const bool fp4_any = !(l == 0.0f);
+        m_out = fmax_f32(mx, sink_logit);
+        const float alpha = fp4_any ? exp2_f32((mx - m_out) * kLog2e) : 0.0f;
+        const float beta = exp2_f32((sink_logit - m_out) * kLog2e);
+        l_out = l * alpha + beta;
+        post = fp4_any ? post * (l * alpha / l_out) : 0.0f;
+        sinkw = beta / l_out;
+      }
       const int64_t idx = (int64_t(seq) * num_heads + kvh * GQA + lane) * max_num_partitions + part;
-      exp_sums[idx] = l;
-      max_logits[idx] = mx;
+      exp_sums[idx] = l_out;
+      max_logits[idx] = m_out;
     }
     lds->post[lane] = post;
+    lds->sinkw[lane] = sinkw;
   }
 
   // PV: A = P (row = query head, K = 128 tokens of step s), B = V (column = head element).
@@ -413,15 +554,39 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   }
 
   // Output: accumulator i of tile n is head mfma_out_row(lane, i), element 16 (w + 4n) + lane % 16.
+  // It goes to LDS as o'[head][element] (fp32), over vt once every wave is done with vt; rows
+  // of heads past GQA are written too (no branch: post is 0 there) and never read.
+  block_barrier();
   for (int n = 0; n < kNTilesPerWave; ++n)
     for (int i = 0; i < 4; ++i) {
       const int h = mfma_out_row(lane, i);
-      if (h < GQA) {
-        const int elem = (wave + kWaves * n) * kTile + mfma_out_col(lane);
-        const int64_t idx = ((int64_t(seq) * num_heads + kvh * GQA + h) * max_num_partitions + part) * HEAD + elem;
-        tmp_out[idx] = Scalar::from_float(out_acc[n][i] * lds->post[h]);
-      }
+      lds->obuf[h][(wave + kWaves * n) * kTile + mfma_out_col(lane)] = out_acc[n][i] * lds->post[h];
     }
+  block_barrier();
+  // Wave w finishes heads w, w + 4, ..: lane l holds elements 64j + l of the head.
+  constexpr int kOutPerLane = HEAD / kWaveSize;
+  for (int h = wave; h < GQA; h += kWaves) {
+    float o[kOutPerLane];
+    for (int j = 0; j < kOutPerLane; ++j) o[j] = lds->obuf[h][kWaveSize * j + lane];
+    if (sink_here) {
+      const float w = lds->sinkw[h];
+      for (int j = 0; j < kOutPerLane; ++j) o[j] += w * record_at<HEAD>(record, kSinkValue, kWaveSize * j + lane);
+    }
+    if (state_bad)
+      for (int j = 0; j < kOutPerLane; ++j) o[j] = __builtin_nanf("");
+    if (rotation_signs != nullptr) {
+      // o = fwht(o') * HEAD^-0.5 * s: stages h = 1 .. 32 across lanes, then 64, 128 in registers.
+      for (int m = 1; m < kWaveSize && m < HEAD; m *= 2)
+        for (int j = 0; j < kOutPerLane; ++j) o[j] = butterfly_xor(o[j], lane, m);
+      for (int m = 1; m < kOutPerLane; m *= 2)
+        for (int j = 0; j < kOutPerLane; ++j)
+          if ((j & m) == 0) butterfly(o[j], o[j + m]);
+      for (int j = 0; j < kOutPerLane; ++j)
+        o[j] = o[j] * rotation_norm<HEAD>() * rotation_signs[kWaveSize * j + lane];
+    }
+    const int64_t row = ((int64_t(seq) * num_heads + kvh * GQA + h) * max_num_partitions + part) * HEAD;
+    for (int j = 0; j < kOutPerLane; ++j) tmp_out[row + kWaveSize * j + lane] = Scalar::from_float(o[j]);
+  }
 }
 
 // One output element of the reduce: combine the partitions of (seq, head) for element d.

@@ -130,7 +130,7 @@ def test_shape_matrix_compiles_without_spills(tmp_path):
     """Every (head, block, GQA, dtype) class the backend can launch, both paths: no spills."""
     args = ("const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, "
             "const int*, const int*, float*, float*, uint16_t*, float, float, int, int, int, int, "
-            "int64_t, int, int")
+            "int64_t, int, int, const float*, const float*, const int*, int, int")
     lines = ['#include "tq_fp4_paged_attention.cuh"']
     for scalar, head, block, gqa in SHAPES:
         for native in ("true", "false"):

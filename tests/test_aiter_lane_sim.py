@@ -11,10 +11,15 @@ LUT) and is compared with
   scale in, per-partition output rounded to the query dtype. Wrong bytes, scales or orientation in any lane give
   errors of order one; rounding differences give about 1e-3.
 - ``turboquant.reference`` (the contract), within the accuracy FP8 Q and P allow.
+
+The accuracy transforms (rotation, key smoothing, sink; CONTRACT.md section 2) run in the same
+kernel source: the emulation applies them in fp32 with turboquant's own functions, the
+reference through ``paged_attention_fp4(backend="reference", **problem.kwargs)``.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import shutil
 import subprocess
@@ -23,11 +28,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from turboquant.api import make_attention_call
+import turboquant
+from turboquant.api import make_attention_call, prepare_attention
 from turboquant.cache import build_paged_problem
-from turboquant.config import PLAIN
+from turboquant.config import PLAIN, QuantConfig
 from turboquant.format import decode_e2m1, decode_e8m0, unpack_fp4
 from turboquant.reference import attention_reference
+from turboquant.rotation import rotate, rotation_norm, unrotate
+from turboquant.smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE
 
 ROOT = Path(__file__).resolve().parents[1]
 SIM_SRC = ROOT / "csrc_hip" / "sim" / "tq_fp4_lane_sim.cpp"
@@ -47,15 +55,18 @@ def sim_lib(tmp_path_factory):
     dll.tq_sim_paged_attention.restype = ctypes.c_int
     dll.tq_sim_f32_to_e4m3.restype = ctypes.c_uint32
     dll.tq_sim_f32_to_e4m3.argtypes = [ctypes.c_float]
+    dll.tq_sim_rotation_norm.restype = ctypes.c_float
     return dll
 
 
 def _ptr(t):
-    return ctypes.c_void_p(t.data_ptr())
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
 
 
-def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_cap=0.0):
-    """The simulated kernel pair (partition + reduce): -> out like query."""
+def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_cap=0.0,
+            rotation_signs=None, seq_state=None, state_ids=None, sink=False):
+    """The simulated kernel pair (partition + reduce): -> out like query. The transforms'
+    tensors as in an AttentionCall (None: off)."""
     key_cache, value_cache, key_scales, value_scales = cache
     num_seqs, num_heads, head = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
@@ -71,7 +82,8 @@ def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_ca
         _ptr(block_tables), _ptr(seq_lens), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out),
         _ptr(out), ctypes.c_float(scale), ctypes.c_float(soft_cap), num_seqs, num_kv_heads,
         block_tables.shape[1], max_parts, query.stride(0), ctypes.c_long(key_cache.stride(0)),
-        key_cache.stride(1), key_cache.stride(2))
+        key_cache.stride(1), key_cache.stride(2), _ptr(rotation_signs), _ptr(seq_state),
+        _ptr(state_ids), 0 if seq_state is None else seq_state.shape[0], int(sink))
     assert rc == 0, f"lane simulation failed (rc={rc}: -1 barrier deadlock, -2 no instantiation)"
     return out
 
@@ -107,17 +119,28 @@ def _q_scale_byte(amax):
     return min(254, max(1, e + 127))
 
 
-def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0):
-    """The kernel's arithmetic in float64 without any lane layout."""
+def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_signs=None,
+            seq_state=None, state_ids=None, sink=False):
+    """The kernel's arithmetic in float64 without any lane layout; the transforms in fp32 as
+    the kernel does them (q' = rotate(q * lam); the sink as one more fp32 key of partition 0,
+    merged by log-sum-exp; each partition's output un-rotated before its rounding)."""
     key_cache, value_cache, key_scales, value_scales = cache
     num_seqs, num_heads, head = query.shape
     hkv, bs = key_cache.shape[1], key_cache.shape[2]
     gqa = num_heads // hkv
     out = torch.zeros(query.shape, dtype=torch.float64)
+    first = 1 if sink else 0  # the FP4 stream serves positions first .. n-1
     for s in range(num_seqs):
         n = int(seq_lens[s])
         if n == 0:
             continue
+        record = None
+        if seq_state is not None:
+            r = int(state_ids[s])
+            if not 0 <= r < seq_state.shape[0]:
+                out[s] = float("nan")
+                continue
+            record = seq_state[r]  # [Hkv, 4, D]
         pos = torch.arange(n)
         blk = block_tables[s, pos // bs].long()
         slot = pos % bs
@@ -126,25 +149,51 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0):
             v4 = decode_e2m1(unpack_fp4(value_cache[blk, h, slot])).double()
             ks = key_scales[blk, slot, h].long()
             vs = value_scales[blk, slot, h].long()
+            ks[:first], vs[:first] = 127, 127  # removed by selection
+            k4[:first], v4[:first] = 0, 0
             kdeq = k4 * decode_e8m0(ks.to(torch.uint8)).double()[:, None]
-            q = query[s, h * gqa:(h + 1) * gqa].double()  # [g, D]
+            q = query[s, h * gqa:(h + 1) * gqa].float()  # [g, D]
+            qdm = torch.zeros(gqa, dtype=torch.float64)
+            if record is not None:
+                if soft_cap > 0:
+                    qdm = (q.double() * record[h, KEY_CENTER].double()).sum(-1)
+                q = q * record[h, KEY_SCALE]
+            if rotation_signs is not None:
+                q = rotate(q, rotation_signs)
+            q = q.double()
             qs = torch.tensor([_q_scale_byte(float(r.abs().max())) for r in q])
             q8 = _e4m3_pair(q * torch.exp2(127.0 - qs.double())[:, None]) * torch.exp2(qs.double() - 127)[:, None]
-            x = scale * (q8 @ kdeq.T)  # [g, n]
+            x = scale * (q8 @ kdeq.T + qdm[:, None])  # [g, n]
             if soft_cap > 0:
                 x = soft_cap * torch.tanh(x / soft_cap)
+            x[:, :first] = float("-inf")
             parts = []
             for p0 in range(0, n, PARTITION):
                 xs = x[:, p0:p0 + PARTITION]
                 m = xs.max(dim=1).values
-                l = torch.exp(xs - m[:, None]).sum(dim=1)
+                m_safe = torch.where(m == float("-inf"), 0.0, m)  # no FP4 token: l = 0
+                l = torch.exp(xs - m_safe[:, None]).sum(dim=1)
                 y = xs * LOG2E + (vs[p0:p0 + PARTITION].double() - 127)[None]
                 ytop = torch.ceil(y.max(dim=1).values)
                 p8 = _e4m3_pair(torch.exp2(y - ytop[:, None]))
                 tpow = ytop - m * LOG2E
                 ip = torch.floor(tpow).clamp(-127, 127)
                 acc = (p8 @ v4[p0:p0 + PARTITION]) * torch.exp2(ip)[:, None]
-                tmp = (acc * (torch.exp2(tpow - ip) / l)[:, None]).to(query.dtype).double()
+                live = ~(l == 0)  # a NaN l stays NaN, as in the kernel
+                o = torch.where(live[:, None], acc * (torch.exp2(tpow - ip) / l)[:, None], 0.0)
+                if sink and p0 == 0:
+                    x0 = scale * (q @ record[h, SINK_KEY].double() + qdm)
+                    if soft_cap > 0:
+                        x0 = soft_cap * torch.tanh(x0 / soft_cap)
+                    m2 = torch.maximum(m, x0)
+                    alpha = torch.where(live, torch.exp(m - m2), 0.0)
+                    beta = torch.exp(x0 - m2)
+                    l2 = l * alpha + beta
+                    o = (o * (l * alpha)[:, None] + beta[:, None] * record[h, SINK_VALUE].double()) / l2[:, None]
+                    m, l = m2, l2
+                if rotation_signs is not None:
+                    o = unrotate(o.float(), rotation_signs).double()
+                tmp = o.to(query.dtype).double()
                 if bool((vs[p0:p0 + PARTITION] == 255).any()):
                     tmp[:] = float("nan")
                 parts.append((m, l, tmp))
@@ -160,11 +209,12 @@ def _rel_err(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _problem(seq_lens, hkv, head, bs, dtype=torch.bfloat16, seed=0, kv_factory=None):
+def _problem(seq_lens, hkv, head, bs, dtype=torch.bfloat16, seed=0, kv_factory=None,
+             config=PLAIN):
     gen = torch.Generator().manual_seed(seed)
     return build_paged_problem(seq_lens, hkv, head, bs, dtype=dtype, generator=gen,
                                spare_blocks=2, poison=True, write_backend="reference",
-                               kv_factory=kv_factory, config=PLAIN), gen
+                               kv_factory=kv_factory, config=config), gen
 
 
 CONFIGS = [  # (dtype, head, block_size, gqa, num_kv_heads, seq_lens)
@@ -313,3 +363,190 @@ def test_e4m3_conversion_model(sim_lib):
     xs = torch.cat([torch.randn(2000) * 50, torch.randn(500) * 1e-2, torch.tensor([0.0, 448.0, -448.0])])
     got = torch.tensor([sim_lib.tq_sim_f32_to_e4m3(float(x)) for x in xs], dtype=torch.uint8)
     assert torch.equal(got, xs.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+# --------------------------------------------------------------------------- accuracy transforms
+
+def _transform_call(prob, query, scale, soft_cap=0.0):
+    """The AttentionCall the public API builds for ``prob`` (its config, state and slots)."""
+    return prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, scale,
+                             logits_soft_cap=soft_cap, **prob.kwargs)
+
+
+def _sim_call(lib, call, native):
+    return run_sim(lib, call.query, (call.key_cache, call.value_cache, call.key_scales,
+                                     call.value_scales), call.block_tables, call.seq_lens,
+                   call.scale, native=native, soft_cap=call.logits_soft_cap,
+                   rotation_signs=call.rotation_signs, seq_state=call.seq_state,
+                   state_ids=call.state_ids, sink=call.sink)
+
+
+def _emulate_call(call):
+    return emulate(call.query, (call.key_cache, call.value_cache, call.key_scales,
+                                call.value_scales), call.block_tables, call.seq_lens, call.scale,
+                   call.logits_soft_cap, call.rotation_signs, call.seq_state, call.state_ids,
+                   call.sink)
+
+
+def _reference_call(call):
+    out = torch.empty_like(call.query)
+    attention_reference(call, out)
+    return out
+
+
+TRANSFORM_CONFIGS = {"default": QuantConfig(), "rotation": QuantConfig.parse("rotation"),
+                     "plain": PLAIN, "smooth": QuantConfig.parse("smooth"),
+                     "sink": QuantConfig.parse("sink")}
+TRANSFORM_SHAPES = [  # (dtype, head, block_size, gqa, num_kv_heads, seq_lens)
+    (torch.bfloat16, 128, 16, 4, 2, [1, 54, 97, 300]),
+    (torch.bfloat16, 64, 16, 8, 1, [97, 1, 54]),
+    (torch.bfloat16, 256, 32, 2, 1, [54, 1, 257]),
+    (torch.float16, 128, 16, 16, 1, [97, 1]),
+    (torch.bfloat16, 128, 256, 1, 3, [0, 300, 1]),
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+@pytest.mark.parametrize("shape", TRANSFORM_SHAPES,
+                         ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-bs{c[2]}-g{c[3]}")
+@pytest.mark.parametrize("name", ["default", "rotation", "plain"])
+def test_lane_sim_transforms_match_emulation_and_reference(sim_lib, name, shape, native):
+    """The default config (rotation + sequence key smoothing + sink), rotation alone and no
+    transform, on lengths 1 / 54 / 97 / 257 / 300 (a sequence of one token is the sink alone),
+    shuffled block tables and 0xFF-poisoned unused slots, against the emulation and
+    paged_attention_fp4(backend="reference")."""
+    dtype, head, bs, gqa, hkv, seq_lens = shape
+    prob, gen = _problem(seq_lens, hkv, head, bs, dtype, seed=3, config=TRANSFORM_CONFIGS[name])
+    query = torch.randn((len(seq_lens), hkv * gqa, head), generator=gen).to(dtype)
+    call = _transform_call(prob, query, head ** -0.5)
+    out = _sim_call(sim_lib, call, native)
+    assert torch.isfinite(out).all()
+    assert (out[torch.tensor(seq_lens) == 0] == 0).all(), "seq_len 0 must give zeros"
+    ref = turboquant.paged_attention_fp4(query, *prob.cache, prob.block_tables, prob.seq_lens,
+                                         head ** -0.5, backend="reference", **prob.kwargs)
+    e_emu, e_ref = _rel_err(out, _emulate_call(call)), _rel_err(out, ref)
+    worst = float((out.double() - ref.double()).abs().max())
+    print(f"{name} {'native' if native else 'lut'} {shape[:4]} lens {seq_lens}: rel err vs "
+          f"emulation {e_emu:.2e}, vs reference {e_ref:.2e} (max abs {worst:.2e})")
+    assert e_emu < 1e-3
+    assert e_ref < 1e-2
+    if TRANSFORM_CONFIGS[name].sink:
+        one = seq_lens.index(1)
+        assert torch.equal(out[one], ref[one]), "one token: exactly the un-rotated sink value"
+
+
+@pytest.mark.parametrize("name", ["default", "smooth", "sink"])
+def test_lane_sim_transforms_with_soft_cap(sim_lib, name):
+    """With a soft cap and a state record the logit gets q.m back before the cap."""
+    prob, gen = _problem([1, 97, 300], 2, 128, 16, seed=5, config=TRANSFORM_CONFIGS[name])
+    query = 8 * torch.randn((3, 8, 128), generator=gen).to(torch.bfloat16)
+    call = _transform_call(prob, query, 128 ** -0.5, soft_cap=5.0)
+    for native in (True, False):
+        out = _sim_call(sim_lib, call, native)
+        e_emu, e_ref = _rel_err(out, _emulate_call(call)), _rel_err(out, _reference_call(call))
+        print(f"soft cap {name} {'native' if native else 'lut'}: rel err vs emulation "
+              f"{e_emu:.2e}, vs reference {e_ref:.2e}")
+        assert e_emu < 1e-3
+        assert e_ref < 1e-2
+    # q.m matters under the cap: the same call without it is measurably different.
+    if prob.kwargs["config"].key_smoothing is not None:
+        centered = prob.kwargs["seq_state"].clone()
+        centered[:, :, KEY_CENTER] = 0
+        other = _reference_call(dataclasses.replace(call, seq_state=centered))
+        assert _rel_err(other, _reference_call(call)) > 1e-2
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_sink_structured(sim_lib, native):
+    """A sink record whose value row is a unit vector (after rotation) and whose key is aligned
+    with the query: the sink dominates, so each output row is about the un-rotated unit
+    vector, i.e. a row of the rotation matrix; a single-token sequence gives it exactly."""
+    config = QuantConfig()
+    prob, gen = _problem([1, 54, 300], 2, 128, 16, seed=7, config=config)
+    query = torch.randn((3, 8, 128), generator=gen).to(torch.bfloat16)
+    state = prob.kwargs["seq_state"]
+    signs = turboquant.rotation.rotation_signs(128, config.rotation_seed)
+    for r in range(state.shape[0]):
+        for h in range(2):
+            state[r, h, SINK_VALUE] = 0.0
+            state[r, h, SINK_VALUE, (5 * r + 3 * h + 1) % 128] = 1.0
+    call = _transform_call(prob, query, 128 ** -0.5)
+    # the sink key: along the mean direction of the kv head's 4 transformed queries, long
+    # enough that every one of them gives it a logit >= 40 (FP4 keys: a few units)
+    for s in range(3):
+        r = int(call.state_ids[s])
+        for h in range(2):
+            q = rotate(call.query[s, 4 * h:4 * h + 4].float() * state[r, h, KEY_SCALE], signs)
+            direction = (q / q.norm(dim=-1, keepdim=True)).mean(0)
+            state[r, h, SINK_KEY] = direction * (40 / (call.scale * (q @ direction).min()))
+    out = _sim_call(sim_lib, call, native)
+    ref = _reference_call(call)
+    assert _rel_err(out, _emulate_call(call)) < 1e-3
+    assert _rel_err(out, ref) < 1e-2
+    for s in range(3):
+        r = int(call.state_ids[s])
+        for h in range(2):
+            unit = unrotate(state[r, h, SINK_VALUE], signs)  # a row of R^T: +-1/sqrt(128)
+            rows = out[s, 4 * h:4 * h + 4].float()
+            assert (rows - unit).abs().max() < 0.02, (s, h)
+            if int(call.seq_lens[s]) == 1:
+                assert torch.equal(out[s, 4 * h:4 * h + 4],
+                                   unit.to(torch.bfloat16).expand(4, -1)), "exactly v0 R^T"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_bad_slot_gives_nan(sim_lib, native):
+    """A state slot outside [0, num_slots) gives NaN rows for its sequence only (nothing is
+    read from it); the other sequences are unchanged."""
+    prob, gen = _problem([54, 1, 300], 2, 64, 16, seed=9, config=QuantConfig())
+    query = torch.randn((3, 8, 64), generator=gen).to(torch.bfloat16)
+    call = _transform_call(prob, query, 0.125)
+    good = _sim_call(sim_lib, call, native)
+    for bad_slot in (-1, prob.kwargs["seq_state"].shape[0], 1 << 30):
+        ids = call.state_ids.clone()
+        ids[0] = bad_slot
+        ids[1] = -7
+        bad = dataclasses.replace(call, state_ids=ids)
+        out = _sim_call(sim_lib, bad, native)
+        assert torch.isnan(out[:2]).all()
+        assert torch.equal(out[2], good[2])
+        assert torch.isnan(_reference_call(bad)[:2]).all()
+
+
+def test_lane_sim_transforms_do_not_depend_on_thread_order(sim_lib):
+    prob, gen = _problem([300, 1], 2, 64, 16, seed=11, config=QuantConfig())
+    query = torch.randn((2, 8, 64), generator=gen).to(torch.bfloat16)
+    call = _transform_call(prob, query, 0.125, soft_cap=4.0)
+    outs = []
+    for mode, seed in ((0, 1), (1, 1), (2, 7)):
+        sim_lib.tq_sim_set_schedule(mode, seed)
+        outs.append(_sim_call(sim_lib, call, True))
+    sim_lib.tq_sim_set_schedule(0, 1)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_rotation_norm_constant(sim_lib):
+    """The kernel's HEAD^-0.5 is turboquant.rotation.rotation_norm's fp32 constant."""
+    for head in (64, 128, 256):
+        assert sim_lib.tq_sim_rotation_norm(head) == rotation_norm(head)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_sink_ignores_position_zero_bytes(sim_lib, native):
+    """With the sink on, position 0's FP4 codes and scales never reach the output: poisoned
+    to 0xFF (NaN scales) they give the same bits."""
+    prob, gen = _problem([1, 54, 300], 2, 128, 16, seed=13, config=QuantConfig())
+    query = torch.randn((3, 8, 128), generator=gen).to(torch.bfloat16)
+    call = _transform_call(prob, query, 128 ** -0.5, soft_cap=6.0)
+    base = _sim_call(sim_lib, call, native)
+    poisoned = [t.clone() for t in prob.cache]
+    for s in range(3):
+        blk = int(prob.block_tables[s, 0])
+        poisoned[0][blk, :, 0] = 0xFF
+        poisoned[1][blk, :, 0] = 0xFF
+        poisoned[2][blk, 0] = 0xFF
+        poisoned[3][blk, 0] = 0xFF
+    bad = dataclasses.replace(call, key_cache=poisoned[0], value_cache=poisoned[1],
+                              key_scales=poisoned[2], value_scales=poisoned[3])
+    assert torch.equal(_sim_call(sim_lib, bad, native), base)
+    assert torch.equal(_reference_call(bad), _reference_call(call))

@@ -186,7 +186,10 @@ def test_patched_python_routes_fp4_and_renders_both_specializations(tree, tmp_pa
             captured.update(src=src, folder=folder, includes=includes)
         def run_lib(func_name, folder=None):
             captured["func_name"] = func_name
-            return lambda *args: captured.update(nargs=len(args), use_native=args[-2].value)
+            def launch(*args):
+                captured.update(nargs=len(args), use_native=args[-2].value,
+                                transforms=[args[i].value for i in range(-7, -2)])
+            return launch
         utils.compile_lib, utils.run_lib = compile_lib, run_lib
         utils.not_built = lambda folder: True
         props = types.SimpleNamespace(gcnArchName="gfx950:sramecc+:xnack-", warp_size=64)
@@ -209,6 +212,19 @@ def test_patched_python_routes_fp4_and_renders_both_specializations(tree, tmp_pa
         except ValueError as e:
             captured["nhd_error"] = str(e)
         from csrc.cpp_itfs.pa import pa_fp4
+        captured["plain_transforms"] = captured["transforms"]
+        signs = torch.ones(d)
+        state = torch.zeros(5, hkv, 4, d)
+        ids = torch.tensor([4, 0, 2], dtype=torch.int32)
+        pa_fp4.paged_attention_fp4_launch(out, ws, q, kc, kc.clone(), ks, ks.clone(), bt, sl, 32,
+                                          0.1, 0.0, True, rotation_signs=signs, seq_state=state,
+                                          state_ids=ids, sink=True)
+        captured["pointers"] = [signs.data_ptr(), state.data_ptr(), ids.data_ptr()]
+        try:
+            pa_fp4.paged_attention_fp4_launch(out, ws, q, kc, kc.clone(), ks, ks.clone(), bt, sl,
+                                              32, 0.1, 0.0, True, seq_state=state, sink=True)
+        except ValueError as e:
+            captured["ids_error"] = str(e)
         kw = (g, d, bs, "Bf16", "e2m1_e8m0")
         captured["expected_key"] = utils.get_default_func_name("pa_v1_fp4", kw + (pa_fp4.KERNEL_DIGEST,))
         captured["key_with_other_digest"] = utils.get_default_func_name("pa_v1_fp4", kw + ("0" * 16,))
@@ -219,7 +235,11 @@ def test_patched_python_routes_fp4_and_renders_both_specializations(tree, tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["func_name"].startswith("pa_v1_fp4_")  # its own module name: never pa_v1's lib.so
-    assert got["nargs"] == 21 and got["use_native"] == 1
+    assert got["nargs"] == 26 and got["use_native"] == 1
+    # pa_v1 passes no transform (null pointers, sink 0); turboquant's launcher passes them all
+    assert got["plain_transforms"] == [None, None, None, 0, 0]
+    assert got["transforms"] == got["pointers"] + [5, 1]
+    assert "state_ids: expected a contiguous int32 [3]" in got["ids_error"]
     assert "kv_cache_layout: expected 'HND'" in got["nhd_error"]
     src = got["src"]
     assert "tq::tq_fp4_pa_partition_kernel<Scalar, head_size, block_size, gqa_ratio, NATIVE>" in src

@@ -226,6 +226,9 @@ struct Args {
   int num_seqs, num_kv_heads, max_blocks_per_seq, max_num_partitions, q_stride;
   long kv_block_stride;
   int kv_head_stride, kv_seq_stride;
+  const float *rotation_signs, *seq_state;  // nullptr: transform off
+  const int* state_ids;
+  int num_slots, sink;
 };
 
 template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE>
@@ -235,7 +238,7 @@ void partition_body(void* p) {
       a.query, a.key_cache, a.value_cache, a.key_scales, a.value_scales, a.block_tables,
       a.seq_lens, a.exp_sums, a.max_logits, a.tmp_out, a.scale, a.soft_cap, a.max_blocks_per_seq,
       a.max_num_partitions, a.num_kv_heads, a.q_stride, a.kv_block_stride, a.kv_head_stride,
-      a.kv_seq_stride);
+      a.kv_seq_stride, a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink);
 }
 
 template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE>
@@ -265,7 +268,9 @@ int run_all(const Args& a) {
   X(tq::Bf16, 1, 256, 32, 2)   \
   X(tq::Fp16, 0, 128, 16, 4)    \
   X(tq::Bf16, 1, 128, 256, 1)  \
-  X(tq::Bf16, 1, 128, 16, 16)
+  X(tq::Bf16, 1, 128, 16, 16)  \
+  X(tq::Bf16, 1, 64, 16, 8)    \
+  X(tq::Fp16, 0, 128, 16, 16)
 
 extern "C" int tq_sim_paged_attention(
     int is_bf16, int head, int block_size, int gqa, int native,
@@ -274,14 +279,16 @@ extern "C" int tq_sim_paged_attention(
     const int* seq_lens, float* exp_sums, float* max_logits, uint16_t* tmp_out, uint16_t* out,
     float scale, float soft_cap, int num_seqs, int num_kv_heads, int max_blocks_per_seq,
     int max_num_partitions, int q_stride, long kv_block_stride, int kv_head_stride,
-    int kv_seq_stride) {
+    int kv_seq_stride, const float* rotation_signs, const float* seq_state, const int* state_ids,
+    int num_slots, int sink) {
   Sim sim;
   sim.lds.resize(160 * 1024);  // gfx950 LDS per workgroup
   g_sim = &sim;
   const Args a = {query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
                   exp_sums, max_logits, tmp_out, out, scale, soft_cap, num_seqs, num_kv_heads,
                   max_blocks_per_seq, max_num_partitions, q_stride, kv_block_stride,
-                  kv_head_stride, kv_seq_stride};
+                  kv_head_stride, kv_seq_stride, rotation_signs, seq_state, state_ids, num_slots,
+                  sink};
   int rc = -2;  // no such instantiation
 #define TQ_SIM_DISPATCH(S, BF, H, BS, G)                                              \
   if (is_bf16 == BF && head == H && block_size == BS && gqa == G)                     \
@@ -306,3 +313,8 @@ extern "C" void tq_sim_decode_fp4x8(uint32_t codes, uint32_t* lo, uint32_t* hi) 
 }
 extern "C" uint32_t tq_sim_f32_to_e4m3(float x) { return tq::f32_to_e4m3(x); }
 extern "C" int tq_sim_q_scale_byte(float amax) { return tq::q_scale_byte(amax); }
+// The kernel's rotation constant HEAD^-0.5, for the test against turboquant.rotation_norm.
+extern "C" float tq_sim_rotation_norm(int head) {
+  return head == 64 ? tq::rotation_norm<64>() : head == 128 ? tq::rotation_norm<128>()
+       : head == 256 ? tq::rotation_norm<256>() : 0.0f;
+}

@@ -7,8 +7,10 @@ the first ``unavailable()`` call, and imported only on a machine with a gfx950 G
 
 Supported: decode (one query token per sequence), query bf16/fp16, head_dim 64/128/256,
 block_size 16..256 (powers of two), GQA ratio up to 16, one scale per (token, kv head), soft
-cap. Declined with a reason (the dispatcher then falls back): multi-token queries
-(cu_query_lens), sliding window, per-32 scales. No cache writer.
+cap, and the accuracy transforms of the default QuantConfig fused into the kernel (rotation,
+key smoothing's q * lam and q.m under a soft cap, the sink token). Declined with a reason (the
+dispatcher then falls back): multi-token queries (cu_query_lens), sliding window, per-32
+scales. No cache writer.
 The native FP4 MFMA path runs by default; AITER_FP4_KV_LUT=1 selects the LUT path.
 """
 from __future__ import annotations
@@ -40,13 +42,12 @@ def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_ta
           rotation_signs, seq_state, state_ids, sink):
     import aiter
 
-    if rotation_signs is not None or seq_state is not None or sink:
-        raise ValueError("rotation_signs/seq_state/sink: not implemented by the aiter kernel "
-                         "(the backend declines such calls)")
-
     aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                               block_tables, seq_lens, scale, out=out,
-                              logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len)
+                              logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len,
+                              rotation_signs=rotation_signs, seq_state=seq_state,
+                              state_ids=state_ids, sink=sink)
+
 
 _lock = threading.Lock()
 _state: dict = {"checked": False, "reason": None}
@@ -98,6 +99,23 @@ def _device_reason() -> Optional[str]:
     return None
 
 
+def _transforms_reason(call: AttentionCall) -> Optional[str]:
+    """The kernel fuses rotation, the state record (q * lam, q.m under a soft cap) and the
+    sink; it reads their tensors as contiguous fp32 (int32 slots) of the expected shapes."""
+    if call.sink and call.seq_state is None:
+        return "the sink token needs seq_state (its key and value live in the state record)"
+    if call.rotation_signs is not None:
+        s = call.rotation_signs
+        if s.dtype != torch.float32 or tuple(s.shape) != (call.head_dim,) or not s.is_contiguous():
+            return f"rotation_signs must be a contiguous float32 [{call.head_dim}] tensor"
+    if call.seq_state is not None:
+        if not call.seq_state.is_contiguous():
+            return "seq_state must be contiguous"
+        if call.state_ids is None or not call.state_ids.is_contiguous():
+            return "state_ids must be a contiguous int32 tensor (one slot per sequence)"
+    return None
+
+
 class AiterBackend(Backend):
     name = "aiter"
     priority = 60
@@ -115,7 +133,7 @@ class AiterBackend(Backend):
             return _state["reason"]
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = self.transforms_reason(call, "aiter")
+        reason = _transforms_reason(call)
         if reason is not None:
             return reason
         if call.cu_query_lens is not None:

@@ -5,6 +5,9 @@
 # Cache, HND only: key/value uint8 [num_blocks, num_kv_heads, block_size, head_size // 2],
 # two E2M1 codes per byte (even element in the low nibble); key/value scales uint8
 # [num_blocks, block_size, num_kv_heads], one E8M0 byte per (token, kv head).
+# turboquant's accuracy transforms (optional, fused into the kernel): rotation_signs float32
+# [head_size] of +-1 (Hadamard rotation), seq_state float32 [num_slots, num_kv_heads, 4,
+# head_size] with state_ids int32 [num_seqs] (key smoothing), sink (position 0 from seq_state).
 import ctypes
 import hashlib
 import math
@@ -68,10 +71,39 @@ def workspace_size(num_seqs: int, num_heads: int, max_seq_len: int, head_size: i
     return num_seqs * num_heads * parts * (2 * 4 + head_size * 2)
 
 
+def _check_transforms(query, num_kv_heads, rotation_signs, seq_state, state_ids, sink):
+    import torch
+
+    num_seqs, _, head_size = query.shape
+    if rotation_signs is not None:
+        if rotation_signs.dtype != torch.float32 or tuple(rotation_signs.shape) != (head_size,) \
+                or not rotation_signs.is_contiguous() or rotation_signs.device != query.device:
+            _fail("rotation_signs", f"a contiguous float32 [{head_size}] tensor on {query.device}",
+                  f"{rotation_signs.dtype} {tuple(rotation_signs.shape)} on {rotation_signs.device}")
+    if seq_state is None:
+        if state_ids is not None or sink:
+            _fail("seq_state", "a state tensor when state_ids or sink is given", None)
+        return 0
+    want = (num_kv_heads, 4, head_size)
+    if seq_state.dtype != torch.float32 or seq_state.dim() != 4 or tuple(seq_state.shape[1:]) != want \
+            or not seq_state.is_contiguous() or seq_state.device != query.device:
+        _fail("seq_state", f"a contiguous float32 [num_slots, {num_kv_heads}, 4, {head_size}] tensor "
+              f"on {query.device}", f"{seq_state.dtype} {tuple(seq_state.shape)} on {seq_state.device}")
+    if state_ids is None or state_ids.dtype != torch.int32 or tuple(state_ids.shape) != (num_seqs,) \
+            or not state_ids.is_contiguous() or state_ids.device != query.device:
+        _fail("state_ids", f"a contiguous int32 [{num_seqs}] tensor on {query.device} (each "
+              "sequence's slot in seq_state)",
+              None if state_ids is None else f"{state_ids.dtype} {tuple(state_ids.shape)}")
+    return seq_state.size(0)
+
+
 def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_cache, key_scales,
                                value_scales, block_tables, seq_lens, max_seq_len: int,
-                               scale: float, logits_soft_cap: float = 0.0, use_native=None):
-    """Decode attention (one query token per sequence) over the FP4 paged cache into out."""
+                               scale: float, logits_soft_cap: float = 0.0, use_native=None,
+                               rotation_signs=None, seq_state=None, state_ids=None,
+                               sink: bool = False):
+    """Decode attention (one query token per sequence) over the FP4 paged cache into out.
+    rotation_signs / seq_state + state_ids / sink: turboquant's transforms (None / False: off)."""
     import torch
 
     if use_native is None:
@@ -108,6 +140,7 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
                 or not t.is_contiguous():
             _fail(name, f"contiguous uint8 [{num_blocks}, {block_size}, {num_kv_heads}] "
                   "(one E8M0 byte per token and kv head)", f"{t.dtype} {tuple(t.shape)}")
+    num_slots = _check_transforms(query, num_kv_heads, rotation_signs, seq_state, state_ids, sink)
     max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
     need = workspace_size(num_seqs, num_heads, max_seq_len, head_size)
     if workspace_buffer.numel() * workspace_buffer.element_size() < need:
@@ -115,7 +148,7 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
               workspace_buffer.numel() * workspace_buffer.element_size())
     scalar = "Bf16" if query.dtype == torch.bfloat16 else "Fp16"
     func = compile(num_heads // num_kv_heads, head_size, block_size, scalar)
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
+    ptr = lambda t: ctypes.c_void_p(None if t is None else t.data_ptr())  # noqa: E731
     func(ptr(out), ptr(workspace_buffer), ptr(query), ptr(key_cache), ptr(value_cache),
          ptr(key_scales), ptr(value_scales),
          ctypes.cast(block_tables.data_ptr(), ctypes.POINTER(ctypes.c_int)),
@@ -124,7 +157,8 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
          ctypes.c_int(max_parts), ctypes.c_int(num_seqs), ctypes.c_int(num_kv_heads),
          ctypes.c_int(query.stride(0)), ctypes.c_long(key_cache.stride(0)),
          ctypes.c_int(key_cache.stride(1)), ctypes.c_int(key_cache.stride(2)),
-         ctypes.c_int(1 if use_native else 0),
+         ptr(rotation_signs), ptr(seq_state), ptr(state_ids), ctypes.c_int(num_slots),
+         ctypes.c_int(1 if sink else 0), ctypes.c_int(1 if use_native else 0),
          ctypes.c_void_p(torch.cuda.current_stream(query.device).cuda_stream))
     return out
 

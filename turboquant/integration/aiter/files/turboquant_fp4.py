@@ -23,11 +23,16 @@ def paged_attention_fp4_out(
     scale: float,
     logits_soft_cap: float = 0.0,
     use_native: int = -1,
+    rotation_signs: Optional[torch.Tensor] = None,
+    seq_state: Optional[torch.Tensor] = None,
+    state_ids: Optional[torch.Tensor] = None,
+    sink: bool = False,
 ) -> None:
     """use_native: 1 native FP4 MFMA, 0 LUT, -1 the default (native unless AITER_FP4_KV_LUT=1)."""
     paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_cache, key_scales,
                                value_scales, block_tables, seq_lens, max_seq_len, scale,
-                               logits_soft_cap, None if use_native < 0 else bool(use_native))
+                               logits_soft_cap, None if use_native < 0 else bool(use_native),
+                               rotation_signs, seq_state, state_ids, sink)
 
 
 direct_register_custom_op(
@@ -52,6 +57,10 @@ def paged_attention_fp4(
     max_seq_len: Optional[int] = None,
     use_native: Optional[bool] = None,
     workspace_buffer: Optional[torch.Tensor] = None,
+    rotation_signs: Optional[torch.Tensor] = None,
+    seq_state: Optional[torch.Tensor] = None,
+    state_ids: Optional[torch.Tensor] = None,
+    sink: bool = False,
 ) -> torch.Tensor:
     """turboquant.paged_attention_fp4 on AITER (decode: one query token per sequence).
 
@@ -59,7 +68,10 @@ def paged_attention_fp4(
     [num_blocks, num_kv_heads, block_size, D/2]; key_scales, value_scales uint8
     [num_blocks, block_size, num_kv_heads]; block_tables int32 [num_seqs, max_blocks];
     seq_lens int32 [num_seqs]. max_seq_len: host-side bound on seq_lens (default: the block
-    table's capacity).
+    table's capacity). turboquant's accuracy transforms, each off when None / False:
+    rotation_signs float32 [D] of +-1 (Q rotated, output rotated back); seq_state float32
+    [num_slots, num_kv_heads, 4, D] with state_ids int32 [num_seqs] (q scaled by the key scale
+    of its slot; q.m added back under a soft cap); sink: position 0 from seq_state.
     """
     if max_seq_len is None:
         max_seq_len = block_tables.size(1) * key_cache.size(2)
@@ -72,5 +84,6 @@ def paged_attention_fp4(
     torch.ops.aiter.paged_attention_fp4_out(
         out, workspace_buffer, query, key_cache, value_cache, key_scales, value_scales,
         block_tables, seq_lens, max_seq_len, scale, logits_soft_cap,
-        -1 if use_native is None else int(use_native))
+        -1 if use_native is None else int(use_native), rotation_signs, seq_state, state_ids,
+        bool(sink))
     return out
