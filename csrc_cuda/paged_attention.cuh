@@ -112,7 +112,7 @@ __device__ __forceinline__ int state_slot(const AttnParams& p, int s) {
 // lam, the rotation signs and the sink key (each only where used). Loaded early in the
 // prologue, so the latency of the slot -> record chain hides under the first KV copies.
 struct QChunk {
-  float lam[8], sg[8], sk[8];
+  float lam[8], sg[8], sk[8], m[8];  // m: the key center, read only under a soft cap
   bool bad;  // the slot is outside [0, num_slots): the rows become NaN
 };
 template <int D>
@@ -124,6 +124,7 @@ __device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int 
     const float* rec = p.seq_state + ((size_t)(c.bad ? 0 : slot) * p.num_kv_heads + kvh) * 4 * D + col;
     load_floats(rec + STATE_SCALE * D, c.lam);
     if (sink) load_floats(rec + STATE_SINK_K * D, c.sk);
+    if (p.soft_cap > 0.f) load_floats(rec, c.m);
   }
   if (p.rot_signs != nullptr) load_floats(p.rot_signs + col, c.sg);
 }
@@ -137,6 +138,23 @@ __device__ __forceinline__ void load_sink_value(const AttnParams& p, int slot, i
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = __int_as_float(0x7fc00000);
   }
+}
+
+// With a soft cap and a record, the chunk's share of q.m (the original query and the key
+// center): softmax is unchanged by m only without a cap, so the capped logit adds q.m back.
+__device__ __forceinline__ float q_dot_center(const AttnParams& p, const QChunk& c, const float (&f)[8]) {
+  float dot = 0.f;
+  if (p.seq_state != nullptr && p.soft_cap > 0.f) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) dot += f[i] * c.m[i];
+  }
+  return dot;
+}
+
+// The sink's logit in the exp2 domain from q'.k0' and scale * q.m (0 without a cap).
+__device__ __forceinline__ float sink_logit(const AttnParams& p, float q_k0, float qm) {
+  const float x = p.scale * q_k0 + qm;
+  return (p.soft_cap > 0.f ? p.soft_cap * tanhf(x / p.soft_cap) : x) * 1.4426950408889634f;
 }
 
 // Query transform of the 8 elements f of row chunk c (D/8 lanes per row): q * lam (with a
@@ -216,7 +234,8 @@ struct AttnLayout {
   static constexpr bool LINEAR = D <= 128;
   static constexpr int NIO = LINEAR ? 1 : NI;
   static constexpr int OFF_SINK = OFF_MISC + 16;  // 16 floats: q'.k0' of each row (sink)
-  static constexpr int OFF_LANE = (OFF_SINK + 16 * 4 + 15) / 16 * 16;
+  static constexpr int OFF_QM = OFF_SINK + 16 * 4;  // 16 floats: scale * q.m of each row (soft cap)
+  static constexpr int OFF_LANE = (OFF_QM + 16 * 4 + 15) / 16 * 16;
   static constexpr int LANE_SZ = (sizeof(LaneCopy<NIO>) + 15) / 16 * 16;
   static constexpr int TOTAL = OFF_LANE + W * 32 * LANE_SZ;
   static constexpr bool QREG = D <= tuning::QREG_MAX_D;  // Q fragments live in registers
@@ -400,6 +419,8 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
 
   int* misc = reinterpret_cast<int*>(smem + L::OFF_MISC);
   float* sinkS = reinterpret_cast<float*>(smem + L::OFF_SINK);
+  float* qmS = reinterpret_cast<float*>(smem + L::OFF_QM);
+  const bool cap_state = p.soft_cap > 0.f && p.seq_state != nullptr;
   float* mS = reinterpret_cast<float*>(smem + L::OFF_M);
   float* lS = reinterpret_cast<float*>(smem + L::OFF_L);
 
@@ -552,10 +573,15 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     float qv[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&v)[i]);
+    const float qm = q_dot_center(p, qc, qv);
     const float dot = transform_q8<D>(p, qc, sink_here, qv, lane);
     if (sink_here) {  // CTA-uniform
       const float q_k0 = row_sum<D / 8>(dot);
       if (col == 0) sinkS[r] = q_k0;
+    }
+    if (cap_state) {  // CTA-uniform
+      const float q_m = row_sum<D / 8>(qm);
+      if (col == 0) qmS[r] = p.scale * q_m;
     }
     *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
     *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
@@ -596,7 +622,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   // and, without soft cap, log2(e) (the softmax runs in the exp2 domain).
   const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
-
+  const float qm_row[2] = {cap_state ? qmS[g] : 0.f, cap_state ? qmS[g + 8] : 0.f};
 
   uint32_t st_comp = 0;  // ring slot being computed
   for (int k = 0; k < my_n; ++k) {
@@ -674,9 +700,10 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
         for (int rh = 0; rh < 2; ++rh) x[v][rh * 2 + u] = sacc[v][rh * 2 + u] * kf;
       }
     }
-    if (cap) {  // one warp-uniform branch for the tile
+    if (cap) {  // one warp-uniform branch for the tile; q.m of rows g, g+8 back in (records)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i >> 2][i & 3] = cap_v * tanhf(x[i >> 2][i & 3] * inv_cap) * LOG2E;
+      for (int i = 0; i < 8; ++i)
+        x[i >> 2][i & 3] = cap_v * tanhf((x[i >> 2][i & 3] + qm_row[(i & 3) >> 1]) * inv_cap) * LOG2E;
     }
     if (need_mask) {
 #pragma unroll
@@ -854,12 +881,11 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     float a[DPT];
 #pragma unroll
     for (int i = 0; i < DPT; ++i) a[i] = merge_sum(wt, mo + r * L::MROW + 8 * pv_slot(i) + c8, 16 * L::MROW) * inv;
-    // the sink joins rows whose window holds position 0 as one more key (exp2 domain; the
-    // binding rules out a soft cap together with state records)
+    // the sink joins rows whose window holds position 0 as one more key (exp2 domain)
     if (sink_here && valid && row_lo((lt * 16 + r) / G) == 0) {
       float sv[DPT];
       load_sink_value<D>(p, slot, kvh, d0, sv);
-      merge_sink<DPT>(sinkS[r] * p.scale * 1.4426950408889634f, sv, M, Ls, a);
+      merge_sink<DPT>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
     }
     // rotated partials are combined as they are; the reduce pass un-rotates the sum
     if (p.rot_signs != nullptr && nparts == 1) unrotate_row<DPT, TPR>(p, a, d0, lane);

@@ -78,7 +78,8 @@ struct DecodeLayout {
   static constexpr int OFF_L = OFF_M + W * 8 * 4;
   static constexpr int OFF_MISC = OFF_L + W * 8 * 4;
   static constexpr int OFF_SINK = OFF_MISC + 16;  // 8 floats: q'.k0' of each head (sink)
-  static constexpr int TOTAL = OFF_SINK + 8 * 4;
+  static constexpr int OFF_QM = OFF_SINK + 8 * 4;  // 8 floats: scale * q.m of each head (soft cap)
+  static constexpr int TOTAL = OFF_QM + 8 * 4;
 };
 
 // V rows: token r is stored at row dv_row(r) with its 16-byte chunks XOR dv_swz(r). A V load
@@ -218,6 +219,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   }
   int* misc = reinterpret_cast<int*>(smem + L::OFF_MISC);
   float* sinkS = reinterpret_cast<float*>(smem + L::OFF_SINK);
+  float* qmS = reinterpret_cast<float*>(smem + L::OFF_QM);
+  const bool cap_state = p.soft_cap > 0.f && p.seq_state != nullptr;
   // the transforms' inputs of this thread's Q chunk (lam, signs, sink key), issued before the
   // KV copies
   QChunk qc;
@@ -282,10 +285,15 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   float qv[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&q_v)[i]);
+  const float qm = q_dot_center(p, qc, qv);
   const float dot = transform_q8<D>(p, qc, sink_here, qv, lane);
   if (sink_here) {  // CTA-uniform
     const float q_k0 = row_sum<D / 8>(dot);
     if (q_r < 8 && q_col == 0) sinkS[q_r] = q_k0;
+  }
+  if (cap_state) {  // CTA-uniform
+    const float q_m = row_sum<D / 8>(qm);
+    if (q_r < 8 && q_col == 0) qmS[q_r] = p.scale * q_m;
   }
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
@@ -324,6 +332,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   // logit = acc * 2^(b-127) * kmul (see the general kernel)
   const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
+  const float qm_head[2] = {cap_state ? qmS[2 * t4] : 0.f, cap_state ? qmS[2 * t4 + 1] : 0.f};
   const uint32_t k_sel = 0x4440u | (uint32_t)(((uintptr_t)p.key_scales + kvh + g * Hkv) & 3);
   const uint32_t v_sel = 0x4440u | (uint32_t)(((uintptr_t)p.value_scales + kvh + g * Hkv) & 3);
   constexpr float SLACK = (float)tuning::RESCALE_SLACK;
@@ -398,9 +407,9 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
       x[2] = (sa[2] + sb[2]) * kf1;
       x[3] = (sa[3] + sb[3]) * kf1;
     }
-    if (cap) {  // warp-uniform
+    if (cap) {  // warp-uniform; q.m of heads 2t, 2t+1 back in (records)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = cap_v * tanhf(x[i] * inv_cap) * LOG2E;
+      for (int i = 0; i < 4; ++i) x[i] = cap_v * tanhf((x[i] + qm_head[i & 1]) * inv_cap) * LOG2E;
     }
     const bool odd = (fmaxf(x[0], x[2]) > m_thr[0]) || (fmaxf(x[1], x[3]) > m_thr[1]) ||
                      (max(vb0, vb1) > (uint32_t)VM) || (max(kb0, kb1) == 255u);
@@ -540,9 +549,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   float a[EPL];
 #pragma unroll
   for (int e = 0; e < EPL; ++e) a[e] = merge_sum(wt, mo + r * L::MROW + d0 + e, 8 * L::MROW) * inv;
-  // the sink joins as one more key (its logit in the exp2 domain; the binding rules out a
-  // soft cap together with state records)
-  if (sink_here) merge_sink<EPL>(sinkS[r] * p.scale * 1.4426950408889634f, sv, M, Ls, a);
+  // the sink joins as one more key (its logit in the exp2 domain)
+  if (sink_here) merge_sink<EPL>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
   // rotated partials are combined as they are; the reduce pass un-rotates the sum
   if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
   const int head = kvh * G + r;

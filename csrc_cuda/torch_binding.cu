@@ -89,9 +89,6 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                               const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 4, D]
                               const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
                               bool sink) {
-  TORCH_CHECK(!(seq_state.has_value() && logits_soft_cap > 0),
-              "logits_soft_cap: not implemented together with seq_state by the cuda kernels (the key "
-              "center's q.m term); the backend declines such calls");
   TORCH_CHECK(!sink || seq_state.has_value(), "sink: needs seq_state");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-D CUDA tensor");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),

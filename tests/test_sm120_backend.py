@@ -1,10 +1,16 @@
 """The sm120 backend on a machine without an SM120 GPU: importing builds nothing, the backend
-says why it cannot run, its ops carry the shared schema, and auto dispatch never picks it."""
+says why it cannot run, its ops carry the shared schema, auto dispatch never picks it, the
+transforms are taken, not declined; and the attention kernel's source runs on the host
+(coroutine threads, the MMA software model) against the reference."""
 from __future__ import annotations
 
+import ctypes
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from turboquant.config import PLAIN
@@ -67,3 +73,135 @@ def test_declines_cpu_tensors_and_auto_never_picks_it_here():
                                          call.value_scales, call.block_tables, call.seq_lens, 0.1,
                                          config=PLAIN)
     assert out.shape == call.query.shape
+
+
+def test_transforms_are_fused_not_declined():
+    """The kernel takes rotation, state records and the sink: the backend no longer declines
+    them (on this CPU-only call the reason is the device), and it still names malformed
+    transform tensors a direct caller might pass."""
+    import dataclasses
+
+    from turboquant.rotation import rotation_signs
+    from turboquant.smoothing import allocate_state
+
+    base = _cpu_call()
+    call = dataclasses.replace(base, rotation_signs=rotation_signs(128), seq_state=allocate_state(3, 2, 128),
+                               state_ids=torch.tensor([1], dtype=torch.int32), sink=True)
+    assert sm120._transforms_reason(call) is None
+    assert "not on a CUDA device" in sm120.BACKEND.check_attention(call)
+    assert "not fused" not in sm120.BACKEND.check_attention(call)
+    bad = [
+        (dataclasses.replace(call, rotation_signs=torch.ones(64)), "rotation_signs"),
+        (dataclasses.replace(call, state_ids=None), "both or neither"),
+        (dataclasses.replace(call, seq_state=None, state_ids=None), "sink"),
+        (dataclasses.replace(call, seq_state=allocate_state(3, 2, 64)), "seq_state"),
+        (dataclasses.replace(call, state_ids=torch.tensor([1])), "state_ids"),
+    ]
+    for c, word in bad:
+        reason = sm120._transforms_reason(c)
+        assert reason is not None and word in reason, (word, reason)
+
+
+def test_binding_passes_the_transforms_to_the_kernel():
+    text = (ROOT / "csrc_cuda" / "sm120" / "torch_binding_sm120.cu").read_text()
+    assert "not implemented by the sm120 kernel" not in text
+    for field in ("p.rotation_signs =", "p.seq_state =", "p.state_ids =", "p.num_slots =", "p.rotation_norm =",
+                  "p.sink ="):
+        assert field in text, field
+
+
+# ------------------------------------------------------------------------------------------
+# The attention kernel's source run on the CPU (csrc_cuda/sm120/tests/attention_host_sim.cpp):
+# coroutine threads, the MMA software model of the emulation build. A smoke test of the
+# transforms' code paths where no GPU is at hand; tests/gpu/test_sm120_emulation.py holds the
+# derived tolerances.
+# ------------------------------------------------------------------------------------------
+SIM_PATCHES = [  # (text in paged_attention_sm120.cuh, its host replacement)
+    ("""  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(lo) : "f"(x0), "f"(x1));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %2, %1;" : "=h"(hi) : "f"(x2), "f"(x3));
+  return uint32_t(lo) | (uint32_t(hi) << 16);""",
+     "  return sim_e4m3(x0) | (sim_e4m3(x1) << 8) | (sim_e4m3(x2) << 16) | (sim_e4m3(x3) << 24);"),
+    ('  asm volatile("" : "+l"(ptr));\n', ""),
+]
+
+
+def _host_sim(tmp_path):
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    sm120_dir = ROOT / "csrc_cuda" / "sm120"
+    text = (sm120_dir / "paged_attention_sm120.cuh").read_text()
+    for old, new in SIM_PATCHES:
+        assert text.count(old) == 1, f"host simulation: kernel text changed: {old[:60]!r}"
+        text = text.replace(old, new)
+    start = text.index("template <typename T, int D, bool kPer32>\ninline cudaError_t launch_with")
+    text = text[:start] + text[text.index("}  // namespace sm120", start):]  # launches: <<<>>>
+    (tmp_path / "paged_attention_sm120.cuh").write_text(text)
+    for name in ("cuda_bf16.h", "cuda_fp16.h", "cuda_runtime.h"):
+        (tmp_path / name).write_text("#pragma once\n")
+    lib = tmp_path / "libsm120_host_sim.so"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-D__CUDACC__", "-DTQ_SM120_EMULATE",
+                    f"-I{tmp_path}", f"-I{sm120_dir}", str(sm120_dir / "tests" / "attention_host_sim.cpp"),
+                    "-o", str(lib)], check=True)
+    so = ctypes.CDLL(str(lib))
+    ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    so.sim_attention.argtypes = [ptr] * 9 + [i32] * 9 + [f32, f32, i32, i32, ptr, ptr, ptr, i32, i32, i32]
+    so.sim_attention.restype = i32
+
+    def op(out, query, kc, vc, ks, vs, bt, sl, cu, scale, window, cap, max_seq_len, signs, state, ids, sink):
+        def p(t):
+            return None if t is None else ctypes.c_void_p(t.data_ptr())
+        assert out.dtype == torch.bfloat16 and query.is_contiguous() and out.is_contiguous()
+        nt, nh, d = query.shape
+        n = so.sim_attention(p(out), p(query), p(kc), p(vc), p(ks), p(vs), p(bt), p(sl), p(cu), sl.shape[0], nt, nh,
+                             kc.shape[1], kc.shape[2], bt.shape[1], kc.shape[0], d, int(ks.dim() == 4), scale, cap,
+                             window, max_seq_len, p(signs), p(state), p(ids),
+                             0 if state is None else state.shape[0], int(sink), 4)
+        assert n > 0
+    return op
+
+
+def test_kernel_source_on_host_with_transforms(tmp_path):
+    """Default config (rotation, key smoothing, sink), decode and multi-token rows, a soft cap
+    with keys far from 0 (q.m): close to the reference (E4M3 Q and P: 0.06 against outputs
+    about 3); a one-token sequence gives exactly the un-rotated sink value; position 0's
+    poisoned FP4 bytes never count; a slot outside seq_state gives NaN rows for its sequence."""
+    import dataclasses
+
+    from turboquant import QuantConfig
+    from turboquant.api import attention_op_args, prepare_attention
+    from turboquant.cache import build_paged_problem
+    from turboquant.reference import attention_reference
+    from turboquant.rotation import unrotate
+    from turboquant.smoothing import SINK_VALUE
+
+    op = _host_sim(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    center = 2.0 * torch.randn(64, generator=gen)
+    prob = build_paged_problem([1, 40, 70], 2, 64, 16, generator=gen, write_backend="reference",
+                               config=QuantConfig(), spare_blocks=1,
+                               kv_factory=lambda s, shape: (torch.randn(shape, generator=gen) + center,
+                                                            torch.randn(shape, generator=gen)))
+    kc, vc, ks, vs = prob.cache
+    for s in range(3):  # position 0's codes and scales poisoned: NaN if they were read
+        blk = int(prob.block_tables[s, 0])
+        kc[blk, :, 0], vc[blk, :, 0], ks[blk, 0], vs[blk, 0] = 0xFF, 0xFF, 0xFF, 0xFF
+    query = torch.randn(7, 8, 64, generator=gen).to(torch.bfloat16)
+    cu = torch.tensor([0, 1, 3, 7], dtype=torch.int32)
+    for cap in (0.0, 3.0):
+        call = prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, 64 ** -0.5, cu_query_lens=cu,
+                                 logits_soft_cap=cap, **prob.kwargs)
+        out = torch.empty_like(query)
+        op(*attention_op_args(call, out))
+        ref = torch.empty(query.shape)
+        attention_reference(call, ref)
+        err = (out.float() - ref).abs().max().item()
+        print(f"host simulation, soft cap {cap}: max|out-ref| {err:.3e}, max|ref| {ref.abs().max().item():.3e}")
+        assert torch.isfinite(out).all() and err < 0.1
+    sink = unrotate(call.seq_state[int(call.state_ids[0]), :, SINK_VALUE], call.rotation_signs)
+    assert torch.equal(out[0], sink.repeat_interleave(4, 0).to(out.dtype))
+    ids = call.state_ids.clone()
+    ids[1] = 99
+    bad = torch.empty_like(query)
+    op(*attention_op_args(dataclasses.replace(call, state_ids=ids), bad))
+    assert torch.isnan(bad[1:3]).all() and torch.equal(bad[0], out[0]) and torch.equal(bad[3:], out[3:])

@@ -6,7 +6,9 @@ per-32-scale variant, the split combiner and the two layout-probe kernels) with
 ``nvcc -cubin -Xptxas -v``, reads ptxas's resource lines and the SASS from cuobjdump, and
 asserts: QMMA.SF.16832.F32.E4M3.E2M1.E8 inside a loop (a backward branch spans it) in every
 attention kernel, OMMA.SF.16864.F32.E2M1.E2M1.E8 in the mxf4 probe, 0 bytes of stack frame,
-spill stores / loads, and no LDL/STL in the attention kernels. Prints the register counts.
+spill stores / loads, and no LDL/STL in the attention kernels (nor stack or spills in the split
+combiner, which un-rotates), and at most 168 registers at head dims <= 128 (three CTAs per SM).
+Prints the register counts.
 
 Needs nvcc (CUDA 12.9+/13) and cuobjdump + nvdisasm; where no CUDA toolkit has them:
     python -m pip install "nvidia-cuda-cuobjdump>=13.2" "nvidia-cuda-nvdisasm>=13.2"
@@ -133,6 +135,15 @@ def test_attention_kernels_use_block_scaled_mma_without_spills(builds, arch):
         assert (stack, spill_st, spill_ld) == (0, 0, 0), f"{name}: stack/spills {stack}/{spill_st}/{spill_ld}"
         assert not local, f"{name}: local memory {local[:3]}"
         assert not any(t.startswith("HMMA") or " HMMA" in t for _, t in instrs), "unscaled fp16 MMA in kernel"
+        head_dim = int(re.search(r"Li(\d+)ELb", name).group(1))
+        if head_dim <= 128:  # __launch_bounds__(128, 3): three CTAs per SM fit the register file
+            assert regs <= 168, f"{name}: {regs} registers leave room for fewer than 3 CTAs per SM"
+    combine = [k for k in sass if "combine_splits_sm120_kernel" in k]
+    assert combine, sorted(sass)
+    for name in combine:
+        regs, stack, spill_st, spill_ld = resources[name]
+        print(f"{arch} {name}: {regs} registers, {stack} B stack, {spill_st}/{spill_ld} B spill stores/loads")
+        assert (stack, spill_st, spill_ld) == (0, 0, 0), f"{name}: stack/spills {stack}/{spill_st}/{spill_ld}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)

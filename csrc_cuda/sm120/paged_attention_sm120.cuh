@@ -44,6 +44,26 @@
 //   NaN. Keys past the split / sequence are never loaded (zeros) and are masked by selection.
 // Split-KV: each split writes an unnormalized partial (fp32 O, base-2 max, sum); a second
 //   kernel combines the splits and writes the output dtype.
+// Transforms (CONTRACT.md section 2; turboquant/reference.py is the definition), all in fp32:
+//   Q prologue. The CTA stages its 16-row Q tile once in shared memory (fp32, in the V buffer,
+//   free at that point) and each warp gathers its E4M3 fragments from there. Thread (row
+//   tid / 8, part tid % 8) holds elements D/8 * part .. + D/8 - 1 of one row: q' = q * lam_r
+//   (key smoothing), then with rotation q' = fwht(q' * signs) * D^-0.5, the butterfly stages
+//   h < D/8 inside the thread and h = D/8, D/4, D/2 across lanes xor 1, 2, 4, in ascending h
+//   with the same fp32 operations as turboquant.rotation, so q' matches the reference bit for
+//   bit before its E4M3 rounding. The same threads reduce, per row, q.m_r (original q; only
+//   with a soft cap: logit = scale * (q'.k' + q.m)) and the sink logit scale * q'.k0 (fp32 q',
+//   split 0 only). A row whose q' is not finite (an uninitialized NaN record), or that sees a
+//   non-finite sink key / value, is flagged NaN explicitly, not through the MMA; so is every
+//   row of a sequence whose state slot lies outside seq_state (lam is then NaN; the record is
+//   never read). The prologue's loads are tile-invariant: `opaque` keeps the compiler from
+//   hoisting them out of the tile loop, where they would stay live through the key loop.
+//   Sink. Position 0 is masked out of the FP4 stream (never loaded); in split 0, for each row
+//   that sees position 0 (sliding window permitting), the record's fp32 sink key and value
+//   join the CTA's merged softmax state as one more key: m' = max(m, x0), l' = l a + b,
+//   O' = O a + v0 b (a = 2^(m - m'), b = 2^(x0 - m')). A one-token sequence gives exactly v0.
+//   Output. The combine kernel (always launched) un-rotates each normalized output row in
+//   shared memory, fwht(o') * D^-0.5 * signs, before the store; partials stay rotated.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -80,7 +100,20 @@ struct AttentionParams {
   int num_splits, partition_size;  // partition_size: keys per split, a multiple of 32 * kWarps
   float scale, logits_soft_cap;
   int sliding_window;
+  // Transforms; all off with null pointers and sink false.
+  const float* rotation_signs;    // [D] of +-1, or nullptr (no rotation)
+  const float* seq_state;         // [num_slots, num_kv_heads, 4, D] (rows kStateCenter..), or nullptr
+  const int32_t* state_ids;       // [num_seqs]: each sequence's slot in seq_state
+  int num_slots;                  // seq_state's dim 0; a slot outside [0, num_slots) gives NaN rows
+  float rotation_norm;            // D^-0.5 as fp32 (turboquant.rotation.rotation_norm)
+  bool sink;                      // position 0 from the record's sink rows (needs seq_state)
 };
+
+// Rows of a state record (turboquant/smoothing.py).
+constexpr int kStateCenter = 0, kStateScale = 1, kStateSinkKey = 2, kStateSinkValue = 3, kStateRows = 4;
+// Per-row flags of a tile, set by the Q prologue.
+constexpr int kRowNan = 1;   // the row's output is NaN (q' not finite, slot outside, sink not finite)
+constexpr int kRowSink = 2;  // the row sees position 0 and this CTA merges the sink into it
 
 struct LaunchPlan {
   int num_splits, partition_size, tile_stride;
@@ -174,6 +207,57 @@ __device__ __forceinline__ long long shfl_i64(long long x, int src) {
   return (long long)(((unsigned long long)(unsigned)hi << 32) | (unsigned)lo);
 }
 
+// Unnormalized Walsh-Hadamard stages h = 1 .. N/2 of N register values (turboquant.rotation.fwht
+// restricted to one thread's contiguous elements).
+template <int N>
+__device__ __forceinline__ void fwht_registers(float (&x)[N]) {
+#pragma unroll
+  for (int h = 1; h < N; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if ((i & h) == 0) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+    }
+  }
+}
+
+// The Walsh-Hadamard stage pairing lane with lane ^ mask, element by element: the lane holding
+// the lower index keeps a + b, its partner a - b (the same fp32 operations as the reference).
+template <int N>
+__device__ __forceinline__ void fwht_stage_across_lanes(float (&x)[N], int lane, int mask) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float other = __shfl_xor_sync(0xffffffffu, x[i], mask);
+    x[i] = (lane & mask) ? other - x[i] : x[i] + other;
+  }
+}
+
+// The pointer, with its value hidden from the compiler (an empty asm that may change it): loads
+// through the result cannot be hoisted out of the loop this sits in. The Q prologue's loads
+// (lam, m, signs, sink rows) are tile-invariant; hoisted out of the tile loop they would stay
+// live in registers through the whole key loop (+70 registers at D 128).
+template <class P>
+__device__ __forceinline__ const P* opaque(const P* ptr) {
+  asm volatile("" : "+l"(ptr));
+  return ptr;
+}
+
+// Sum over the 8 lanes lane & ~7 .. lane | 7.
+__device__ __forceinline__ float octet_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x + __shfl_xor_sync(0xffffffffu, x, 4);
+}
+
+__device__ __forceinline__ int octet_or(int x) {
+  x |= __shfl_xor_sync(0xffffffffu, x, 1);
+  x |= __shfl_xor_sync(0xffffffffu, x, 2);
+  return x | __shfl_xor_sync(0xffffffffu, x, 4);
+}
+
 // PV's A slot of key k (0..31) of a chunk: slot 16h + 4t + 2a + b holds key 16h + 8a + 2t + b,
 // the order in which lane (g,t) holds the keys in its S accumulators.
 __device__ __forceinline__ int pv_slot_of_key(int k) {
@@ -186,9 +270,15 @@ __device__ __forceinline__ int v_smem_offset(int channel, int slot) {
   return channel * kChunk + ((((slot >> 2) ^ (((channel >> 2) & 1) << 2))) << 2) + (slot & 3);
 }
 
+// CTAs per SM the register budget must allow: 3 at D <= 128 (at most 170 registers; without the
+// bound ptxas's schedule for the per-32 kernel takes 196 since the transforms were added, which
+// leaves room for only 2), no bound at D = 256 (about 250 registers, 2 CTAs either way).
+template <int D>
+constexpr int min_ctas_per_sm() { return D <= 128 ? 3 : 1; }
+
 // grid (num_seqs * num_kv_heads, num_splits, tile_stride) block kThreads
 template <typename T, int D, bool kPer32>
-__global__ void __launch_bounds__(kThreads) paged_attention_sm120_kernel(const AttentionParams p) {
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D>()) paged_attention_sm120_kernel(const AttentionParams p) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
   constexpr int kSteps = D / 32;                   // k32 steps of QK^T
   constexpr int kScaleWords = (kSteps + 3) / 4;    // per-key scale words (byte s % 4 of word s / 4)
@@ -197,9 +287,17 @@ __global__ void __launch_bounds__(kThreads) paged_attention_sm120_kernel(const A
   constexpr int kTilesPerGroup = kTiles / kGroups;
   constexpr float kLog2e = 1.4426950408889634f;
 
+  constexpr int kQStride = D + 4;                 // floats per row of the staged Q tile
+  constexpr int kPerThread = D / 8;               // Q prologue: elements of one row per thread
+  static_assert(kThreads == 8 * kRows, "Q prologue: 8 threads per row");
+  static_assert(kRows * kQStride * 4 <= kWarps * D * kChunk, "the Q tile fits in the V buffer");
+
   __shared__ __align__(16) uint8_t smem_v[kWarps][D * kChunk];  // per warp: V chunk [channel][slot]
   __shared__ float smem_m[kWarps][kRows], smem_l[kWarps][kRows];
   __shared__ int smem_nan[kWarps][kRows];
+  __shared__ float smem_q_dot_m[kRows], smem_sink_logit[kRows];  // per row, from the Q prologue
+  __shared__ float smem_keep[kRows], smem_add[kRows];            // per row: O' = O keep + v0 add
+  __shared__ int smem_flags[kRows];                              // per row: kRowNan | kRowSink
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int seq = blockIdx.x / p.num_kv_heads, kv_head = blockIdx.x % p.num_kv_heads;
@@ -213,17 +311,87 @@ __global__ void __launch_bounds__(kThreads) paged_attention_sm120_kernel(const A
   const int split_hi = min(seq_len, split_lo + p.partition_size);
   const int32_t* block_table = p.block_tables + (long long)p.max_blocks_per_seq * seq;
   const T* query = static_cast<const T*>(p.query);
+  // This (sequence, kv head)'s state record [4][D]; nullptr without seq_state or when the slot
+  // lies outside it (then never read: lam, m and the sink count as NaN).
+  const float* record = nullptr;
+  if (p.seq_state != nullptr) {
+    const int slot = p.state_ids[seq];
+    if (slot >= 0 && slot < p.num_slots)
+      record = p.seq_state + ((long long)slot * p.num_kv_heads + kv_head) * (kStateRows * D);
+  }
+  const bool merge_sink = p.sink && split == 0;  // this CTA's partition holds position 0
 
   for (int tile = blockIdx.z; tile * kRows < rows; tile += gridDim.z) {
-    // This lane's rows g and g + 8: position in the sequence (-1: padding row) and query row.
+    // This lane's rows g and g + 8: position in the sequence (-1: padding row).
     int row_pos[2];
-    const T* q_row[2];
     for (int h = 0; h < 2; ++h) {
       const int r = tile * kRows + g + 8 * h;
-      const int j = r / group;
-      row_pos[h] = r < rows ? seq_len - q_len + j : -1;
-      q_row[h] = query + ((long long)(q_start + j) * p.num_heads + kv_head * group + r % group) * D;
+      row_pos[h] = r < rows ? seq_len - q_len + r / group : -1;
     }
+
+    // Q prologue: q' = rotate(q * lam) in fp32 into shared memory, plus q.m and the sink logit.
+    float* q_tile = reinterpret_cast<float*>(&smem_v[0][0]);  // [kRows][kQStride]
+    {
+      const int row = threadIdx.x >> 3, part = threadIdx.x & 7, c0 = kPerThread * part;
+      const float* const rec = record ? opaque(record) + c0 : nullptr;  // this thread's columns of the record
+      const float* const signs = p.rotation_signs ? opaque(p.rotation_signs) + c0 : nullptr;
+      const int r = tile * kRows + row;
+      const int pos = r < rows ? seq_len - q_len + r / group : -1;
+      float x[kPerThread];
+      for (int i = 0; i < kPerThread; ++i) x[i] = 0.f;
+      float q_dot_m = 0.f;
+      if (pos >= 0) {
+        const T* src = query + ((long long)(q_start + r / group) * p.num_heads + kv_head * group + r % group) * D + c0;
+        for (int v = 0; v < kPerThread / 8; ++v) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(src + 8 * v);
+          const T* e = reinterpret_cast<const T*>(&raw);
+          for (int i = 0; i < 8; ++i) x[8 * v + i] = to_float(e[i]);
+        }
+        if (p.seq_state != nullptr) {
+          for (int i = 0; i < kPerThread; ++i) {
+            if (p.logits_soft_cap > 0.f) q_dot_m += x[i] * (rec ? __ldg(rec + kStateCenter * D + i) : NAN);
+            x[i] = x[i] * (rec ? __ldg(rec + kStateScale * D + i) : NAN);
+          }
+        }
+      }
+      if (signs != nullptr) {  // uniform: every lane takes part in the shuffles
+        for (int i = 0; i < kPerThread; ++i) x[i] = x[i] * __ldg(signs + i);
+        fwht_registers(x);
+        fwht_stage_across_lanes(x, part, 1);
+        fwht_stage_across_lanes(x, part, 2);
+        fwht_stage_across_lanes(x, part, 4);
+        for (int i = 0; i < kPerThread; ++i) x[i] = x[i] * p.rotation_norm;
+      }
+      bool bad = false;
+      for (int i = 0; i < kPerThread; ++i) bad |= !isfinite(x[i]);
+      for (int i = 0; i < kPerThread; i += 4)
+        *reinterpret_cast<float4*>(q_tile + row * kQStride + c0 + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+      // The sink: position 0 is visible to this row (window permitting) and this CTA holds it.
+      // Without a record (slot outside seq_state) the row is NaN already: lam is NaN.
+      const bool sees_sink = merge_sink && rec != nullptr && pos >= 0 && (p.sliding_window <= 0 || pos < p.sliding_window);
+      float sink_dot = 0.f;
+      bool sink_bad = false;
+      if (sees_sink) {  // the 8 threads of a row agree
+        for (int i = 0; i < kPerThread; ++i) {
+          const float k0 = __ldg(rec + kStateSinkKey * D + i), v0 = __ldg(rec + kStateSinkValue * D + i);
+          sink_dot += x[i] * k0;
+          sink_bad |= !isfinite(v0);
+        }
+      }
+      q_dot_m = octet_sum(q_dot_m);
+      sink_dot = octet_sum(sink_dot);
+      const int any_bad = octet_or(int(bad) | (int(sink_bad) << 1));
+      if (part == 0) {
+        float x0 = (p.logits_soft_cap > 0.f ? sink_dot + q_dot_m : sink_dot) * p.scale;
+        if (p.logits_soft_cap > 0.f) x0 = p.logits_soft_cap * tanhf(x0 / p.logits_soft_cap);
+        x0 *= kLog2e;
+        const bool row_nan = pos >= 0 && ((any_bad & 1) || (sees_sink && ((any_bad & 2) || !isfinite(x0))));
+        smem_q_dot_m[row] = q_dot_m;
+        smem_sink_logit[row] = x0;
+        smem_flags[row] = (row_nan ? kRowNan : 0) | (sees_sink ? kRowSink : 0);
+      }
+    }
+    __syncthreads();
 
     // Q -> E4M3 A fragments, k permuted as K is loaded; Q's E8M0 scales in one register.
     uint32_t qa[kSteps][4];
@@ -231,12 +399,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_sm120_kernel(const A
     static_for<kSteps>([&](auto S) {
       constexpr int s = decltype(S)::value;
       for (int h = 0; h < 2; ++h) {
-        float x[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (row_pos[h] >= 0) {
-          const uint4 raw = *reinterpret_cast<const uint4*>(q_row[h] + 32 * s + 8 * t);
-          const T* e = reinterpret_cast<const T*>(&raw);
-          for (int i = 0; i < 8; ++i) x[i] = to_float(e[i]);
-        }
+        const float4* src = reinterpret_cast<const float4*>(q_tile + (g + 8 * h) * kQStride + 32 * s + 8 * t);
+        const float4 lo = src[0], hi = src[1];
+        const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
         float amax = 0.f;
         for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(x[i]));
         const int ex = e4m3_block_exponent(quad_max(amax));
@@ -246,6 +411,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_sm120_kernel(const A
         if ((t & 1) == h && (t >> 1) == s / 4) q_sf |= uint32_t(ex + 127) << (8 * (s % 4));
       }
     });
+    __syncthreads();  // the V chunks below overwrite the Q tile
 
     // Keys this tile can see within this split.
     const int r_first = tile * kRows, r_last = min(rows, r_first + kRows) - 1;
@@ -263,8 +429,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_sm120_kernel(const A
       // Lane k owns key chunk + k: its cache row, scales and NaN flag.
       // A key whose block id lies outside the block table or the cache is never read: it
       // counts as NaN, so the rows that see it come out NaN.
+      // With the sink, position 0 comes from the state record instead: never loaded, masked.
       const int key = chunk + lane;
-      const bool key_ok = key < key_hi;
+      const bool key_ok = key < key_hi && (key > 0 || !p.sink);
       long long cache_row = 0;  // row in the [num_blocks * num_kv_heads * block_size] key/value rows
       uint32_t k_sf[kScaleWords], v_sf[kScaleWords];
       bool key_nan = false, key_in_cache = false;
@@ -326,17 +493,24 @@ __global__ void __launch_bounds__(kThreads) paged_attention_sm120_kernel(const A
       // Logits (soft-cap, masks by selection), base 2; online softmax.
       uint32_t ok_bits = 0;  // bit 4j + i: element sc[j][i] is attended
       float chunk_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
       for (int j = 0; j < 4; ++j) {
+#pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int h = i >> 1, k = 8 * j + 2 * t + (i & 1), kpos = chunk + k;
-          bool ok = kpos < key_hi && kpos <= row_pos[h] &&
+          bool ok = kpos < key_hi && kpos <= row_pos[h] && (kpos > 0 || !p.sink) &&
                     (p.sliding_window <= 0 || kpos > row_pos[h] - p.sliding_window);
           if (ok && ((nan_keys >> k) & 1u)) {
             row_nan[h] = true;
             ok = false;
           }
-          float x = sc[j][i] * p.scale;
-          if (p.logits_soft_cap > 0.f) x = p.logits_soft_cap * tanhf(x / p.logits_soft_cap);
+          float x;
+          if (p.logits_soft_cap > 0.f) {  // with key smoothing, q.m is part of the capped logit
+            x = (sc[j][i] + smem_q_dot_m[g + 8 * h]) * p.scale;
+            x = p.logits_soft_cap * tanhf(x / p.logits_soft_cap);
+          } else {
+            x = sc[j][i] * p.scale;
+          }
           sc[j][i] = ok ? x * kLog2e : -INFINITY;
           ok_bits |= uint32_t(ok) << (4 * j + i);
           chunk_max[h] = fmaxf(chunk_max[h], sc[j][i]);
@@ -442,35 +616,54 @@ __global__ void __launch_bounds__(kThreads) paged_attention_sm120_kernel(const A
       }
       __syncthreads();
     }
-    for (int idx = threadIdx.x; idx < kRows * D; idx += kThreads) {
-      const int r = tile * kRows + idx / D;
-      if (r < rows) {
-        const long long out_row = (long long)split * p.num_tokens + q_start + r / group;
-        p.part_out[(out_row * p.num_heads + kv_head * group + r % group) * D + idx % D] = merged[idx];
-      }
-    }
+    // Per row: the merged max and sum, the sink merged in as one more key, the NaN flag.
     if (threadIdx.x < kRows) {
       const int row = threadIdx.x, r = tile * kRows + row;
+      float row_max = -INFINITY, row_sum = 0.f;
+      const int flags = smem_flags[row];
+      bool nan = (flags & kRowNan) != 0;
+      for (int w = 0; w < kWarps; ++w) row_max = fmaxf(row_max, smem_m[w][row]);
+      for (int w = 0; w < kWarps; ++w) {
+        if (smem_m[w][row] != -INFINITY) row_sum += smem_l[w][row] * exp2f(smem_m[w][row] - row_max);
+        nan |= smem_nan[w][row] != 0;
+      }
+      float keep = 1.f, add = 0.f;
+      if (flags & kRowSink) {  // x0 is finite here (kRowNan otherwise)
+        const float x0 = smem_sink_logit[row];
+        const float m_new = fmaxf(row_max, x0);
+        keep = row_max == -INFINITY ? 0.f : exp2f(row_max - m_new);
+        add = exp2f(x0 - m_new);
+        row_sum = row_sum * keep + add;
+        row_max = m_new;
+      }
+      smem_keep[row] = keep;
+      smem_add[row] = add;
       if (r < rows) {
-        float row_max = -INFINITY, row_sum = 0.f;
-        bool nan = false;
-        for (int w = 0; w < kWarps; ++w) row_max = fmaxf(row_max, smem_m[w][row]);
-        for (int w = 0; w < kWarps; ++w) {
-          if (smem_m[w][row] != -INFINITY) row_sum += smem_l[w][row] * exp2f(smem_m[w][row] - row_max);
-          nan |= smem_nan[w][row] != 0;
-        }
         const long long at = ((long long)split * p.num_tokens + q_start + r / group) * p.num_heads + kv_head * group + r % group;
         p.part_max[at] = nan ? 0.f : row_max;
         p.part_sum[at] = nan ? NAN : row_sum;
+      }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < kRows * D; idx += kThreads) {
+      const int row = idx / D, r = tile * kRows + row;
+      if (r < rows) {
+        float value = merged[idx];
+        if (smem_flags[row] & kRowSink)  // record is set: a row without it is never kRowSink
+          value = value * smem_keep[row] + __ldg(record + kStateSinkValue * D + idx % D) * smem_add[row];
+        const long long out_row = (long long)split * p.num_tokens + q_start + r / group;
+        p.part_out[(out_row * p.num_heads + kv_head * group + r % group) * D + idx % D] = value;
       }
     }
     __syncthreads();  // the next tile reuses the shared buffers
   }
 }
 
-// grid (num_tokens, num_heads) block kThreads
+// grid (num_tokens, num_heads) block kThreads. With rotation, each normalized row o' is
+// un-rotated before the store: o = fwht(o') * D^-0.5 * signs (turboquant.rotation.unrotate).
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) combine_splits_sm120_kernel(const AttentionParams p) {
+  __shared__ float row_buf[D];  // the normalized row, for the un-rotation
   const int token = blockIdx.x, head = blockIdx.y;
   const long long stride = (long long)p.num_tokens * p.num_heads;
   const long long row = (long long)token * p.num_heads + head;
@@ -482,6 +675,7 @@ __global__ void __launch_bounds__(kThreads) combine_splits_sm120_kernel(const At
     if (mx != -INFINITY) denom += p.part_sum[s * stride + row] * exp2f(mx - row_max);
   }
   T* out = static_cast<T*>(p.out) + row * D;
+  const bool rotated = p.rotation_signs != nullptr;
   for (int c = threadIdx.x; c < D; c += kThreads) {
     float num = 0.f;
     for (int s = 0; s < p.num_splits; ++s) {
@@ -490,7 +684,25 @@ __global__ void __launch_bounds__(kThreads) combine_splits_sm120_kernel(const At
     }
     // denom is 0 when the row attended no key (seq_len 0): zeros; NaN when a NaN scale was attended.
     const float value = denom > 0.f ? num / denom : (denom == denom ? 0.f : NAN);
-    out[c] = from_float<T>(value);
+    if (rotated) {
+      row_buf[c] = value;
+    } else {
+      out[c] = from_float<T>(value);
+    }
+  }
+  if (rotated) {  // uniform across the CTA
+    for (int h = 1; h < D; h <<= 1) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < D / 2; i += kThreads) {  // pair i: elements lo, lo + h
+        const int lo = ((i & ~(h - 1)) << 1) | (i & (h - 1));
+        const float a = row_buf[lo], b = row_buf[lo + h];
+        row_buf[lo] = a + b;
+        row_buf[lo + h] = a - b;
+      }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += kThreads)
+      out[c] = from_float<T>(row_buf[c] * p.rotation_norm * __ldg(p.rotation_signs + c));
   }
 }
 

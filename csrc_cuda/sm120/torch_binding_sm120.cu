@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 
 #include "mma_probe_sm120.cuh"
@@ -41,14 +42,10 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
                                const at::Tensor& seq_lens,      // int32 [num_seqs]
                                const std::optional<at::Tensor>& cu_query_lens,  // int32 [num_seqs + 1]
                                double scale, int64_t sliding_window, double logits_soft_cap, int64_t max_seq_len,
-                               const std::optional<at::Tensor>& rotation_signs,  // float32 [D]: not fused here
-                               const std::optional<at::Tensor>& seq_state,       // float32 [slots, Hkv, 4, D]: not fused
-                               const std::optional<at::Tensor>& state_ids,       // int32 [num_seqs]: not fused
+                               const std::optional<at::Tensor>& rotation_signs,  // float32 [D] of +-1, or None
+                               const std::optional<at::Tensor>& seq_state,  // float32 [num_slots, num_kv_heads, 4, D]
+                               const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
                                bool sink) {
-  // The transforms of CONTRACT.md section 2 are not in this kernel yet: the backend declines
-  // such calls in Python (turboquant/_backends/sm120.py) with that reason.
-  TORCH_CHECK(!rotation_signs.has_value() && !seq_state.has_value() && !state_ids.has_value() && !sink,
-              "rotation_signs/seq_state/state_ids/sink: not implemented by the sm120 kernel");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-d CUDA tensor");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kHalf,
               "query: expected bfloat16 or float16, got ", query.scalar_type());
@@ -79,6 +76,27 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
     cu = cu_query_lens->data_ptr<int32_t>();
   } else {
     TORCH_CHECK(num_tokens == num_seqs, "query: without cu_query_lens, expected one token per sequence");
+  }
+
+  // The transforms (CONTRACT.md section 2), fused into the kernel's Q prologue, sink merge and
+  // combine (design note in paged_attention_sm120.cuh).
+  if (rotation_signs.has_value()) {
+    TORCH_CHECK(rotation_signs->scalar_type() == at::kFloat && rotation_signs->is_contiguous() &&
+                    rotation_signs->dim() == 1 && rotation_signs->size(0) == head_dim &&
+                    rotation_signs->device() == query.device(),
+                "rotation_signs: expected a contiguous float32 [", head_dim, "] tensor on the query's device");
+  }
+  TORCH_CHECK(seq_state.has_value() == state_ids.has_value(), "seq_state/state_ids: expected both or neither");
+  TORCH_CHECK(!sink || seq_state.has_value(), "sink: needs seq_state and state_ids (the sink rows live there)");
+  if (seq_state.has_value()) {
+    TORCH_CHECK(seq_state->scalar_type() == at::kFloat && seq_state->is_contiguous() && seq_state->dim() == 4 &&
+                    seq_state->size(1) == num_kv_heads && seq_state->size(2) == tq::sm120::kStateRows &&
+                    seq_state->size(3) == head_dim && seq_state->device() == query.device(),
+                "seq_state: expected a contiguous float32 [num_slots, ", num_kv_heads, ", ", tq::sm120::kStateRows,
+                ", ", head_dim, "] tensor on the query's device");
+    TORCH_CHECK(state_ids->scalar_type() == at::kInt && state_ids->is_contiguous() && state_ids->numel() == num_seqs &&
+                    state_ids->device() == query.device(),
+                "state_ids: expected a contiguous int32 [num_seqs] tensor on the query's device");
   }
 
   const c10::cuda::CUDAGuard guard(query.device());
@@ -119,6 +137,12 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
   p.scale = float(scale);
   p.logits_soft_cap = float(logits_soft_cap);
   p.sliding_window = int(sliding_window);
+  p.rotation_signs = rotation_signs.has_value() ? rotation_signs->data_ptr<float>() : nullptr;
+  p.seq_state = seq_state.has_value() ? seq_state->data_ptr<float>() : nullptr;
+  p.state_ids = state_ids.has_value() ? state_ids->data_ptr<int32_t>() : nullptr;
+  p.num_slots = seq_state.has_value() ? int(seq_state->size(0)) : 0;
+  p.rotation_norm = static_cast<float>(std::pow(double(head_dim), -0.5));  // turboquant.rotation.rotation_norm
+  p.sink = sink;
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err =

@@ -82,7 +82,7 @@ def test_backend_listed_and_selected():
     assert registry.select("auto", "attention", call).name == "cuda"
     capped = turboquant.api.prepare_attention(q, *prob.cache, prob.block_tables, prob.seq_lens,
                                               0.1, logits_soft_cap=5.0, **prob.kwargs)
-    assert "soft cap together with state records" in tq_cuda.BACKEND.check_attention(capped)
+    assert registry.select("auto", "attention", capped).name == "cuda"
 
 
 # 8 / 2 heads (G = 4) runs the decode kernel, 32 / 2 (G = 16) the general kernel
@@ -133,7 +133,7 @@ def test_long_partitions_cross_block_id_batches():
     (32, 8, [3, 8, 1, 2]), (8, 8, [8, 8, 8, 1]), (28, 4, [5, 2, 8, 7]), (64, 8, [4, 1, 8, 3])])
 @pytest.mark.parametrize("window,cap,config", [(0, 0.0, "default"), (64, 0.0, "default"),
                                                (0, 30.0, "plain"), (100, 10.0, "plain"),
-                                               (0, 30.0, "rotation")])
+                                               (0, 30.0, "default"), (100, 10.0, "default")])
 def test_multi_token(hq, hkv, qlens, window, cap, config):
     prob, q, cu = _problem([700, 33, 9, 300], hq, hkv, 128, 16, qlens=qlens, seed=len(qlens),
                            config=config)
@@ -151,12 +151,36 @@ def test_sliding_window_decode(window, hq):
 
 
 @pytest.mark.parametrize("cap", [5.0, 50.0])
-@pytest.mark.parametrize("config", ["plain", "rotation"])
+@pytest.mark.parametrize("config", ["plain", "rotation", "smooth", "default"])
 def test_soft_cap(cap, config):
+    """With key smoothing the capped logit needs q.m added back (a key center far from 0 makes
+    that term large: the records here are centered on the Gaussian keys' mean, ~0, so the test
+    below also shifts m)."""
     prob, q, _ = _problem([700, 33], 32, 8, 64, 16, seed=3, config=config)
     q = q * 4
     _compare(_run("cuda", prob, q, logits_soft_cap=cap),
              _run("reference", prob, q, logits_soft_cap=cap))
+
+
+@pytest.mark.parametrize("hq,qlens", [(32, None), (8, None), (8, [3, 1, 1])])
+def test_soft_cap_with_a_key_center_far_from_zero(hq, qlens):
+    """Keys with a large common offset per channel: smoothing removes it (m ~ offset), so under
+    a soft cap q.m must be added back or the logits change."""
+    g = torch.Generator().manual_seed(9)
+
+    def kv(s, shape):
+        k = torch.randn(shape, generator=g) + 3.0 * torch.randn(shape[1:], generator=g)
+        return k.bfloat16(), torch.randn(shape, generator=g).bfloat16()
+
+    prob = build_paged_problem([300, 54, 1], 2, 128, 16, device="cuda", generator=g,
+                               write_backend="cuda", kv_factory=kv, config=QuantConfig())
+    ntok = 3 if qlens is None else sum(qlens)
+    q = torch.randn(ntok, hq, 128, generator=g).bfloat16().cuda()
+    cu = None if qlens is None else torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(),
+                                                 dtype=torch.int32, device="cuda")
+    for cap in (5.0, 30.0):
+        _compare(_run("cuda", prob, q, cu, logits_soft_cap=cap),
+                 _run("reference", prob, q, cu, logits_soft_cap=cap))
 
 
 @pytest.mark.parametrize("config,factors", [("plain", (1e-6, 1e3)), ("default", (1e-6, 8.0))])

@@ -24,6 +24,15 @@ to fp32 rounding. So
                  + 2^-8 * (|ref| + the above)            the kernel's bf16/fp16 output rounding
                  + 1e-5 * sum_k w_k |v_k| + 1e-6         fp32 exp2 / accumulation order
 ``sum_k w_k |v_k|`` is the reference run on the same cache with V's sign bits cleared.
+
+With the transforms (rotation, key smoothing, sink: ``check_transformed``) the kernel rounds q'
+= rotate(q * lam) to E4M3 and accumulates in the rotated space, so the same bound is taken
+there, per rotated channel: the kernel's output is rotated back (an exact orthogonal map up to
+fp32 rounding) and compared with a dense fp32 model of the kernel's arithmetic
+(``transformed_terms``: exact q', E4M3 q', and |V'| weights; the sink logit from the fp32 q', as
+the kernel does), which is itself checked against ``turboquant.reference``. The output's
+bf16/fp16 rounding happens after the un-rotation, so in the rotated space it is bounded by
+``2^-8 * D^-0.5 * sum_c |out_c|`` per row instead of ``2^-8 |out|`` per element.
 """
 from __future__ import annotations
 
@@ -32,10 +41,14 @@ import math
 import pytest
 import torch
 
-from turboquant.api import attention_op_args, make_attention_call
-from turboquant.config import PLAIN
+import dataclasses
+
+from turboquant.api import attention_op_args, make_attention_call, prepare_attention
+from turboquant.config import PLAIN, QuantConfig
 from turboquant._backends import sm120
-from turboquant.reference import attention_reference
+from turboquant.reference import _gather_tokens, attention_reference
+from turboquant.rotation import rotate, unrotate
+from turboquant.smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE
 
 
 def _capability():
@@ -372,6 +385,223 @@ def test_attention_cache_written_from_gaussian_kv(ops, scale_group):
               seq_lens=prob.seq_lens, cu_query_lens=None)
     check_against_reference(ops[0], pr, f"gaussian kv, scale group {scale_group or 128}")
 
+# ------------------------------------------------------------------------------------------
+# The transforms (rotation, key smoothing, sink), fused into the kernel.
+# ------------------------------------------------------------------------------------------
+def transformed_terms(call):
+    """A dense fp32 model of what the kernel computes for ``call``, in the rotated space (before
+    the un-rotation): float32 [3, num_tokens, num_heads, D] = (exact: fp32 q'; q8: q' rounded
+    to E4M3 as the kernel does, the sink logit from the fp32 q'; abs_v: the q8 weights on |V'|).
+    Rows of a sequence whose slot lies outside seq_state are NaN, rows with seq_len 0 zero."""
+    hkv, d, nh = call.num_kv_heads, call.head_dim, call.num_heads
+    g = nh // hkv
+    group = None if call.scale_group == d else call.scale_group
+    lens = call.seq_lens.tolist()
+    starts = list(range(call.num_seqs + 1)) if call.cu_query_lens is None else call.cu_query_lens.tolist()
+    dev = call.query.device
+    out = torch.zeros(3, call.query.shape[0], nh, d, device=dev)
+    for s in range(call.num_seqs):
+        q0, q1 = starts[s], starts[s + 1]
+        nq, n = q1 - q0, lens[s]
+        if nq == 0 or n == 0:
+            continue
+        q = call.query[q0:q1].float()  # [nq, H, D]
+        rec = None
+        if call.seq_state is not None:
+            slot = int(call.state_ids[s])
+            if not 0 <= slot < call.seq_state.shape[0]:
+                out[:, q0:q1] = float("nan")
+                continue
+            rec = call.seq_state[slot].repeat_interleave(g, 0)  # [H, 4, D]
+        qp = q * rec[:, KEY_SCALE] if rec is not None else q
+        if call.rotation_signs is not None:
+            qp = rotate(qp, call.rotation_signs)
+        q8 = fp8_round_query(qp)
+        blocks = call.block_tables[s]
+        k = _gather_tokens(call.key_cache, call.key_scales, blocks, group, 0, n, call.block_size)
+        v = _gather_tokens(call.value_cache, call.value_scales, blocks, group, 0, n, call.block_size)
+        if call.sink:
+            k[:, 0], v[:, 0] = call.seq_state[slot][:, SINK_KEY], call.seq_state[slot][:, SINK_VALUE]
+        v = torch.where(torch.isfinite(v), v, 0.0)  # masked keys only (rows that see one are NaN in ref)
+        k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [H, n, D]
+        logits = torch.einsum("qhd,hnd->qhn", qp, k)
+        logits8 = torch.einsum("qhd,hnd->qhn", q8, k)
+        if call.sink:
+            logits8[..., 0] = logits[..., 0]
+        if rec is not None and call.logits_soft_cap > 0:
+            q_dot_m = (q * rec[:, KEY_CENTER]).sum(-1, keepdim=True)  # original q
+            logits, logits8 = logits + q_dot_m, logits8 + q_dot_m
+        pos = torch.arange(n - nq, n, device=dev)
+        key_pos = torch.arange(n, device=dev)
+        visible = key_pos[None, :] <= pos[:, None]
+        if call.sliding_window > 0:
+            visible &= key_pos[None, :] > pos[:, None] - call.sliding_window
+        for i, (lg, vv) in enumerate(((logits, v), (logits8, v), (logits8, v.abs()))):
+            lg = lg * call.scale
+            if call.logits_soft_cap > 0:
+                lg = call.logits_soft_cap * torch.tanh(lg / call.logits_soft_cap)
+            lg = lg.masked_fill(~visible[:, None, :], float("-inf"))
+            out[i, q0:q1] = torch.einsum("qhn,hnd->qhd", torch.softmax(lg, dim=-1), vv)
+    return out
+
+
+def run_call(op, call):
+    out = torch.empty_like(call.query)
+    op(*attention_op_args(call, out))
+    torch.cuda.synchronize()
+    return out
+
+
+def check_transformed(op, call, label):
+    """The kernel on ``call`` (transforms included) against the reference, with the derived
+    tolerance taken in the rotated space (module docstring). Returns (out, reference fp32)."""
+    out = run_call(op, call)
+    ref = torch.empty(call.query.shape, dtype=torch.float32, device="cuda")
+    attention_reference(call, ref)
+    nan_ref = torch.isnan(ref)
+    assert torch.equal(torch.isnan(out), nan_ref), f"{label}: NaN pattern differs"
+    fin = ~nan_ref
+    exact, r8, abs_v = transformed_terms(call)
+    signs = call.rotation_signs
+    to_rotated = (lambda x: rotate(x, signs)) if signs is not None else (lambda x: x.float())
+    # the dense model is the reference's arithmetic
+    back = unrotate(exact, signs) if signs is not None else exact
+    torch.testing.assert_close(back[fin], ref[fin], rtol=1e-4, atol=1e-4, msg=f"{label}: dense model")
+    o = out.float()
+    vs = call.value_scales
+    vmax = 6.0 * 2.0 ** (vs[vs != 255].float().max().item() - 127) if bool((vs != 255).any()) else 0.0
+    bound = (r8 - exact).abs() + 2.0 ** -4 * abs_v + 1.5e-4 * vmax
+    if signs is not None:
+        rounding = 2.0 ** -8 * call.head_dim ** -0.5 * o.abs().sum(-1, keepdim=True)
+    else:
+        rounding = 2.0 ** -8 * o.abs()
+    tol = bound * (1 + 2.0 ** -8) + rounding + 1e-5 * abs_v + 1e-6
+    err = (to_rotated(o) - exact).abs()[fin]
+    ratio = (err / tol[fin]).max().item() if err.numel() else 0.0
+    print(f"{label}: max|out'-ref'| {err.max().item() if err.numel() else 0:.3e}  "
+          f"max|ref| {ref[fin].abs().max().item() if err.numel() else 0:.3e}  max err/tol {ratio:.3f}")
+    assert ratio <= 1.0, f"{label}: error exceeds the derived tolerance (max err/tol {ratio:.3f})"
+    return out, ref
+
+
+def transformed_problem(lens, config, *, qlens=None, hq=8, hkv=2, d=128, bs=16, scale_group=None, seed=0,
+                        key_offset=0.0, **kw):
+    """A cache written by the reference writer with ``config`` (Gaussian K/V; keys shifted by
+    ``key_offset`` times a fixed Gaussian vector, so the key center m is far from 0) and the
+    validated call that reads it (transforms included: ``prepare_attention``)."""
+    from turboquant.cache import build_paged_problem
+
+    gen = torch.Generator().manual_seed(seed)
+    center = key_offset * torch.randn(d, generator=torch.Generator().manual_seed(seed + 1))
+
+    def kv_factory(s, shape):
+        return torch.randn(shape, generator=gen) + center, torch.randn(shape, generator=gen)
+
+    prob = build_paged_problem(lens, hkv, d, bs, device="cuda", scale_group=scale_group, spare_blocks=2,
+                               generator=gen, write_backend="reference", config=config,
+                               kv_factory=kv_factory if key_offset else None)
+    ntok = len(lens) if qlens is None else sum(qlens)
+    query = torch.randn(ntok, hq, d, generator=gen).to(torch.bfloat16).cuda()
+    cu = None if qlens is None else torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(),
+                                                 dtype=torch.int32, device="cuda")
+    call = prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, d ** -0.5,
+                             cu_query_lens=cu, **kw, **prob.kwargs)
+    return prob, call
+
+
+TRANSFORM_CONFIGS = [
+    pytest.param(QuantConfig(), None, id="default"),
+    pytest.param(QuantConfig(), 32, id="default-per32"),
+    pytest.param(QuantConfig.parse("rotation"), None, id="rotation"),
+    pytest.param(QuantConfig.parse("plain"), None, id="plain"),
+]
+
+
+@pytest.mark.parametrize("multi_token", [False, True], ids=["decode", "multi-token"])
+@pytest.mark.parametrize("config, scale_group", TRANSFORM_CONFIGS)
+def test_attention_transforms(ops, config, scale_group, multi_token):
+    lens = [1, 54, 97, 300]
+    qlens = [1, 5, 7, 3] if multi_token else None  # 7 tokens x group 4: two row tiles
+    _, call = transformed_problem(lens, config, qlens=qlens, scale_group=scale_group, seed=61)
+    assert (call.rotation_signs is not None) == config.rotation and call.sink == config.sink
+    assert sm120.BACKEND.check_attention(call) is None
+    check_transformed(ops[0], call, f"{config.name} {'multi-token' if multi_token else 'decode'}")
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("scale_group", [None, 32], ids=["scale-per-head", "scale-per-32"])
+def test_attention_transforms_head_dims(ops, d, scale_group):
+    """The rotation's butterfly split between registers and lanes at D/8 = 8 and 32."""
+    _, call = transformed_problem([1, 54, 97], QuantConfig(), d=d, scale_group=scale_group, seed=d)
+    check_transformed(ops[0], call, f"default d{d} group {scale_group or d}")
+
+
+def test_attention_transforms_window_softcap_splits(ops):
+    """Sliding windows that hide the sink from some rows, q.m under a soft cap, several KV splits."""
+    lens, qlens = [1, 54, 97, 1000], [1, 4, 6, 5]
+    cfg = QuantConfig()
+    _, call = transformed_problem(lens, cfg, qlens=qlens, seed=71, sliding_window=50)
+    check_transformed(ops[0], call, "default window 50")
+    _, call = transformed_problem(lens, cfg, qlens=qlens, seed=71, logits_soft_cap=5.0)
+    assert call.seq_state is not None and call.logits_soft_cap > 0
+    check_transformed(ops[0], call, "default softcap 5")
+    # keys far from 0: q.m moves the capped logits a lot (leaving it out fails this case)
+    _, call = transformed_problem(lens, cfg, qlens=qlens, seed=73, key_offset=2.0, logits_soft_cap=3.0)
+    assert call.seq_state[:, :, KEY_CENTER].abs().mean() > 0.5
+    check_transformed(ops[0], call, "default softcap 3, keys off-center")
+    _, call = transformed_problem([3000, 77], cfg, hq=32, hkv=8, seed=72, sliding_window=700,
+                                  logits_soft_cap=30.0)
+    check_transformed(ops[0], call, "default 8B heads window 700 softcap 30")
+
+
+def test_attention_sink_structured(ops):
+    """Position 0 comes from the state record: a one-token sequence returns exactly the
+    un-rotated sink value; position 0's FP4 bytes never count (poisoned here); a window that
+    hides position 0 does not read the sink (NaN sink rows stay out); a slot outside seq_state
+    gives NaN rows for its sequence only, without reading out of bounds."""
+    op = ops[0]
+    cfg = QuantConfig()
+    lens = [1, 40, 1, 200]
+    prob, call = transformed_problem(lens, cfg, seed=81)
+    kc, vc, ks, vs = prob.cache
+    for s in range(len(lens)):  # poison position 0's codes and scales: NaN if they were read
+        blk = int(prob.block_tables[s, 0])
+        kc[blk, :, 0], vc[blk, :, 0], ks[blk, 0], vs[blk, 0] = 0xFF, 0xFF, 0xFF, 0xFF
+    out, ref = check_transformed(op, call, "sink, position 0 poisoned")
+    assert torch.isfinite(out).all()
+    g = call.num_heads // call.num_kv_heads
+    for s in (0, 2):  # one-token sequences: exactly the sink value, un-rotated
+        slot = int(call.state_ids[s])
+        want = unrotate(call.seq_state[slot, :, SINK_VALUE], call.rotation_signs)  # [Hkv, D]
+        want = want.repeat_interleave(g, 0).to(out.dtype)
+        assert torch.equal(out[s], want), f"sequence {s}: not the sink value"
+        assert torch.equal(out[s], ref[s].to(out.dtype))
+
+    # A window of 8 hides position 0 from the 200-token sequence's query: its sink rows may be
+    # anything, they are never read.
+    _, call_w = transformed_problem(lens, cfg, seed=81, sliding_window=8)
+    state = call_w.seq_state.clone()
+    state[int(call_w.state_ids[3]), :, SINK_KEY:SINK_VALUE + 1] = float("nan")
+    call_w = dataclasses.replace(call_w, seq_state=state)
+    out_w, _ = check_transformed(op, call_w, "sink hidden by the window")
+    assert torch.isfinite(out_w[3]).all()
+
+    # A slot outside seq_state (value checks bypassed, as under CUDA graphs): NaN rows for that
+    # sequence, every other sequence bit-identical.
+    for bad_slot in (call.seq_state.shape[0] + 3, -1):
+        ids = call.state_ids.clone()
+        ids[1] = bad_slot
+        out_bad = run_call(op, dataclasses.replace(call, state_ids=ids))
+        assert torch.isnan(out_bad[1]).all(), f"slot {bad_slot}"
+        keep = [0, 2, 3]
+        assert torch.equal(out_bad[keep], out[keep]), f"slot {bad_slot}: other sequences changed"
+    # an uninitialized record (NaN, as allocate_state leaves it) gives NaN too
+    state = call.seq_state.clone()
+    state[int(call.state_ids[3])] = float("nan")
+    out_nan = run_call(op, dataclasses.replace(call, seq_state=state))
+    assert torch.isnan(out_nan[3]).all() and torch.equal(out_nan[:3], out[:3])
+
+
 def test_attention_nan_scale_and_out_of_range_block(ops):
     op = ops[0]
     pr = make_problem([200, 200, 0], 8, 2, 128, 16, seed=21)
@@ -422,6 +652,8 @@ def test_dispatcher_picks_sm120_on_compute_capability_12():
     pr = make_problem([300, 5], 32, 8, 128, 16, seed=31)
     call = _call(pr)
     assert registry.select("auto", "attention", call).name == "sm120"
+    _, call = transformed_problem([300, 5], QuantConfig(), hq=32, hkv=8, seed=31)
+    assert registry.select("auto", "attention", call).name == "sm120"  # transforms fused
     out = turboquant.paged_attention_fp4(pr["query"], pr["key_cache"], pr["value_cache"], pr["key_scales"],
                                          pr["value_scales"], pr["block_tables"], pr["seq_lens"],
                                          128 ** -0.5, backend="sm120", config=PLAIN)

@@ -18,7 +18,8 @@ The transforms of CONTRACT.md section 2 run inside the kernels: the writer rotat
 ((k - m) / lam) and v in registers (a Walsh-Hadamard transform over the lanes of a row); the
 attention kernels multiply Q by lam and rotate it in the prologue, merge the sink record as one
 more key after the warp merge, and un-rotate O before its store (the split-KV reduce
-un-rotates the combined row). A soft cap together with state records is declined.
+un-rotates the combined row). With a soft cap and records, the
+prologue also computes q.m (the key center) and adds it back to every logit before the cap.
 """
 from __future__ import annotations
 
@@ -115,10 +116,6 @@ class CudaBackend(Backend):
         return ensure_loaded()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        if call.seq_state is not None and call.logits_soft_cap > 0:
-            return ("a logit soft cap together with state records (key smoothing, sink) is not "
-                    "implemented by the cuda kernels (the soft cap needs the key center's q.m "
-                    "term added back)")
         q = call.query
         if not q.is_cuda:
             return f"tensors are on {q.device}, not on a CUDA device"
