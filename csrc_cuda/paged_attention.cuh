@@ -181,6 +181,28 @@ __device__ __forceinline__ float transform_q8(const AttnParams& p, const QChunk&
   return dot;
 }
 
+// The Q-chunk stage both attention kernels share: the thread's 8 query elements (raw, of row
+// chunk [col, col + 8)) in fp32, q.m under a soft cap, the transforms, and the row's sink dot
+// and scale * q.m reduced over the row's D/8 lanes; the row's first lane (store_row) writes
+// them to sink_dst / qm_dst. sink and cap_state are CTA-uniform (the reductions shuffle).
+template <int D, typename T>
+__device__ __forceinline__ void prepare_q8(const AttnParams& p, const QChunk& qc, const uint4& raw, bool sink,
+                                           bool cap_state, bool store_row, float* sink_dst, float* qm_dst,
+                                           float (&qv)[8], int lane) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&raw)[i]);
+  const float qm = q_dot_center(p, qc, qv);
+  const float dot = transform_q8<D>(p, qc, sink, qv, lane);
+  if (sink) {
+    const float q_k0 = row_sum<D / 8>(dot);
+    if (store_row) *sink_dst = q_k0;
+  }
+  if (cap_state) {
+    const float q_m = row_sum<D / 8>(qm);
+    if (store_row) *qm_dst = p.scale * q_m;
+  }
+}
+
 // Output un-rotation of the N consecutive elements [d0, d0 + N) of a row held by LANES lanes:
 // o = fwht(o') * norm * s (turboquant.rotation.unrotate).
 template <int N, int LANES>
@@ -571,18 +593,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
                                           tok * p.q_stride_tok + head * p.q_stride_head + col);
     }
     float qv[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&v)[i]);
-    const float qm = q_dot_center(p, qc, qv);
-    const float dot = transform_q8<D>(p, qc, sink_here, qv, lane);
-    if (sink_here) {  // CTA-uniform
-      const float q_k0 = row_sum<D / 8>(dot);
-      if (col == 0) sinkS[r] = q_k0;
-    }
-    if (cap_state) {  // CTA-uniform
-      const float q_m = row_sum<D / 8>(qm);
-      if (col == 0) qmS[r] = p.scale * q_m;
-    }
+    prepare_q8<D, T>(p, qc, v, sink_here, cap_state, col == 0, sinkS + r, qmS + r, qv, lane);
     *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
     *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
 #pragma unroll

@@ -283,18 +283,9 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   // ---- Q: G rows (padded to 8), the transforms in fp32 (q * lam, rotation; D/8 lanes per
   //      row), the sink's logit, tile amax, power-of-two prescale, fp16 B fragments ----
   float qv[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&q_v)[i]);
-  const float qm = q_dot_center(p, qc, qv);
-  const float dot = transform_q8<D>(p, qc, sink_here, qv, lane);
-  if (sink_here) {  // CTA-uniform
-    const float q_k0 = row_sum<D / 8>(dot);
-    if (q_r < 8 && q_col == 0) sinkS[q_r] = q_k0;
-  }
-  if (cap_state) {  // CTA-uniform
-    const float q_m = row_sum<D / 8>(qm);
-    if (q_r < 8 && q_col == 0) qmS[q_r] = p.scale * q_m;
-  }
+  const int q_row = min(q_r, 7);  // threads past the 8 rows store nothing
+  prepare_q8<D, T>(p, qc, q_v, sink_here, cap_state, q_r < 8 && q_col == 0, sinkS + q_row, qmS + q_row, qv,
+                   lane);
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
   if (q_r < 8) {
