@@ -117,10 +117,10 @@ def test_transforms_are_not_declined():
                                  logits_soft_cap=5.0, **prob.kwargs)
         reason = b.check_attention(call)
         assert "not on a ROCm GPU" in reason and "fused" not in reason, reason
-        assert tq_aiter._transforms_reason(call) is None
-    assert "needs seq_state" in tq_aiter._transforms_reason(
+        assert registry.transform_tensors_reason(call) is None
+    assert "needs seq_state" in registry.transform_tensors_reason(
         dataclasses.replace(call, seq_state=None, state_ids=None))
-    assert "rotation_signs must be" in tq_aiter._transforms_reason(
+    assert "rotation_signs: expected" in registry.transform_tensors_reason(
         dataclasses.replace(call, rotation_signs=torch.ones(64)))
 
 

@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from turboquant.config import PLAIN
-
 import turboquant
 from turboquant import registry
 from turboquant.api import make_attention_call
+from turboquant.config import PLAIN
 from turboquant._backends import sm120
 from turboquant.ops import ATTENTION_SCHEMA
 
@@ -87,7 +86,7 @@ def test_transforms_are_fused_not_declined():
     base = _cpu_call()
     call = dataclasses.replace(base, rotation_signs=rotation_signs(128), seq_state=allocate_state(3, 2, 128),
                                state_ids=torch.tensor([1], dtype=torch.int32), sink=True)
-    assert sm120._transforms_reason(call) is None
+    assert registry.transform_tensors_reason(call) is None
     assert "not on a CUDA device" in sm120.BACKEND.check_attention(call)
     assert "not fused" not in sm120.BACKEND.check_attention(call)
     bad = [
@@ -98,7 +97,7 @@ def test_transforms_are_fused_not_declined():
         (dataclasses.replace(call, state_ids=torch.tensor([1])), "state_ids"),
     ]
     for c, word in bad:
-        reason = sm120._transforms_reason(c)
+        reason = registry.transform_tensors_reason(c)
         assert reason is not None and word in reason, (word, reason)
 
 

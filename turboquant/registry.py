@@ -71,6 +71,31 @@ class CacheWrite:
     state_ids: Optional[torch.Tensor] = None  # int32 [num_tokens]: each token's state slot
 
 
+def transform_tensors_reason(call: AttentionCall) -> Optional[str]:
+    """Why a kernel cannot take this call's transform tensors (rotation signs, state records and
+    their slots; the API builds them right, this guards direct callers of a backend), or None."""
+    signs, state, ids = call.rotation_signs, call.seq_state, call.state_ids
+    if signs is not None and (signs.dtype != torch.float32 or tuple(signs.shape) != (call.head_dim,)
+                              or not signs.is_contiguous() or signs.device != call.query.device):
+        return (f"rotation_signs: expected a contiguous float32 [{call.head_dim}] tensor on "
+                f"{call.query.device}")
+    if (state is None) != (ids is None):
+        return "seq_state and state_ids: expected both or neither"
+    if call.sink and state is None:
+        return "sink: needs seq_state and state_ids (the sink rows live in the state record)"
+    if state is not None:
+        want = (call.num_kv_heads, 4, call.head_dim)
+        if (state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != want
+                or not state.is_contiguous() or state.device != call.query.device):
+            return (f"seq_state: expected a contiguous float32 [num_slots, {want[0]}, {want[1]}, "
+                    f"{want[2]}] tensor on {call.query.device}")
+        if (ids.dtype != torch.int32 or tuple(ids.shape) != (call.num_seqs,)
+                or not ids.is_contiguous() or ids.device != call.query.device):
+            return (f"state_ids: expected a contiguous int32 [{call.num_seqs}] tensor on "
+                    f"{call.query.device}")
+    return None
+
+
 class Backend:
     """Base class. Subclasses set ``name``/``priority``/``description``, override the checks
     and the two entry points. A check returns ``None`` when the backend can run, else a
@@ -82,18 +107,6 @@ class Backend:
 
     def unavailable(self) -> Optional[str]:
         return None
-
-    @staticmethod
-    def transforms_reason(call: AttentionCall, kernel: str) -> Optional[str]:
-        """The reason a kernel without the transforms of CONTRACT.md section 2 declines
-        ``call``, or None when the call uses none of them."""
-        used = [name for name, on in (("rotation", call.rotation_signs is not None),
-                                      ("key smoothing / state records", call.seq_state is not None),
-                                      ("the sink token", call.sink)) if on]
-        if not used:
-            return None
-        return (f"{', '.join(used)} not fused into the {kernel} kernel yet: pass "
-                f"config=turboquant.QuantConfig.parse('plain') for a cache written without them")
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
         return "paged attention is not implemented by this backend"

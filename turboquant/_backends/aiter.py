@@ -24,7 +24,7 @@ import torch
 
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
-from ..registry import AttentionCall, Backend, CacheWrite, register
+from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
 HEAD_DIMS = (64, 128, 256)
@@ -99,23 +99,6 @@ def _device_reason() -> Optional[str]:
     return None
 
 
-def _transforms_reason(call: AttentionCall) -> Optional[str]:
-    """The kernel fuses rotation, the state record (q * lam, q.m under a soft cap) and the
-    sink; it reads their tensors as contiguous fp32 (int32 slots) of the expected shapes."""
-    if call.sink and call.seq_state is None:
-        return "the sink token needs seq_state (its key and value live in the state record)"
-    if call.rotation_signs is not None:
-        s = call.rotation_signs
-        if s.dtype != torch.float32 or tuple(s.shape) != (call.head_dim,) or not s.is_contiguous():
-            return f"rotation_signs must be a contiguous float32 [{call.head_dim}] tensor"
-    if call.seq_state is not None:
-        if not call.seq_state.is_contiguous():
-            return "seq_state must be contiguous"
-        if call.state_ids is None or not call.state_ids.is_contiguous():
-            return "state_ids must be a contiguous int32 tensor (one slot per sequence)"
-    return None
-
-
 class AiterBackend(Backend):
     name = "aiter"
     priority = 60
@@ -133,7 +116,7 @@ class AiterBackend(Backend):
             return _state["reason"]
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = _transforms_reason(call)
+        reason = transform_tensors_reason(call)
         if reason is not None:
             return reason
         if call.cu_query_lens is not None:

@@ -34,7 +34,7 @@ import torch
 from ..api import attention_op_args, cache_write_op_args
 from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from ._jit import load, sources_hash
-from ..registry import AttentionCall, Backend, CacheWrite, register
+from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
 CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_cuda"
@@ -116,6 +116,9 @@ class CudaBackend(Backend):
         return ensure_loaded()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
+        reason = transform_tensors_reason(call)
+        if reason is not None:
+            return reason
         q = call.query
         if not q.is_cuda:
             return f"tensors are on {q.device}, not on a CUDA device"

@@ -33,7 +33,7 @@ import torch
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
 from ._jit import load, sources_hash
-from ..registry import AttentionCall, Backend, register
+from ..registry import AttentionCall, Backend, register, transform_tensors_reason
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_sm120"
 PROBE_SCHEMA = "(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int kind, int selectors) -> Tensor"
@@ -92,31 +92,6 @@ def load_extension(emulate: bool = False) -> Optional[str]:
         return _state[emulate]
 
 
-def _transforms_reason(call: AttentionCall) -> Optional[str]:
-    """Why the kernel cannot take this call's transform tensors (the API builds them right; this
-    guards direct callers), or None."""
-    signs, state, ids = call.rotation_signs, call.seq_state, call.state_ids
-    if signs is not None and (signs.dtype != torch.float32 or tuple(signs.shape) != (call.head_dim,)
-                              or not signs.is_contiguous() or signs.device != call.query.device):
-        return (f"rotation_signs: expected a contiguous float32 [{call.head_dim}] tensor on "
-                f"{call.query.device}")
-    if (state is None) != (ids is None):
-        return "seq_state and state_ids: expected both or neither"
-    if call.sink and state is None:
-        return "sink: needs seq_state and state_ids (the sink rows live in the state record)"
-    if state is not None:
-        want = (call.num_kv_heads, 4, call.head_dim)
-        if (state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != want
-                or not state.is_contiguous() or state.device != call.query.device):
-            return (f"seq_state: expected a contiguous float32 [num_slots, {want[0]}, {want[1]}, "
-                    f"{want[2]}] tensor on {call.query.device}")
-        if (ids.dtype != torch.int32 or tuple(ids.shape) != (call.num_seqs,)
-                or not ids.is_contiguous() or ids.device != call.query.device):
-            return (f"state_ids: expected a contiguous int32 [{call.num_seqs}] tensor on "
-                    f"{call.query.device}")
-    return None
-
-
 class Sm120Backend(Backend):
     name = "sm120"
     priority = 70
@@ -153,7 +128,7 @@ class Sm120Backend(Backend):
         for nm in ("key_cache", "value_cache"):
             if getattr(call, nm).data_ptr() % 16:
                 return f"{nm} must be 16-byte aligned"
-        return _transforms_reason(call)
+        return transform_tensors_reason(call)
 
     def paged_attention(self, call: AttentionCall, out: torch.Tensor) -> None:
         torch.ops.turboquant.paged_attention_fp4_sm120(*attention_op_args(call, out))
