@@ -69,7 +69,7 @@ BAD = [
     (dict(state_ids=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError,
      r"state_ids.*\[0, 3\).*max 3"),
     (dict(config=tq.QuantConfig(key_smoothing=None, sink=False)), ValueError,
-     "seq_state: config 'rotation' keeps no per-sequence state"),
+     "config: this cache was written with config 'default'.*passes 'rotation'"),
 ]
 
 
@@ -118,7 +118,9 @@ def test_empty_batch_returns_empty(case):
     out = tq.paged_attention_fp4(torch.zeros(0, 4, 64).bfloat16(), kc, case["value_cache"],
                                  case["key_scales"], case["value_scales"],
                                  torch.zeros(0, 3, dtype=torch.int32),
-                                 torch.zeros(0, dtype=torch.int32), 0.125, config=PLAIN)
+                                 torch.zeros(0, dtype=torch.int32), 0.125,
+                                 seq_state=case["seq_state"],
+                                 state_ids=torch.zeros(0, dtype=torch.int32))
     assert out.shape == (0, 4, 64)
 
 
@@ -184,3 +186,41 @@ def test_bad_cache_write_arguments(changes, exc, match):
     args.update(changes)
     with pytest.raises(exc, match=match):
         tq.reshape_and_cache_fp4(**args)
+
+
+def test_state_given_to_a_config_without_state():
+    gen = torch.Generator().manual_seed(0)
+    prob = build_paged_problem([20], 2, 64, 16, generator=gen, config=PLAIN)
+    with pytest.raises(ValueError, match="seq_state: config 'plain' keeps no per-sequence state"):
+        tq.paged_attention_fp4(torch.zeros(1, 4, 64).bfloat16(), *prob.cache, prob.block_tables,
+                               prob.seq_lens, 0.1, config=PLAIN, seq_state=allocate_state(1, 2, 64),
+                               state_ids=torch.zeros(1, dtype=torch.int32))
+
+
+def test_a_cache_is_read_with_the_config_it_was_written_with():
+    """The first write binds its config to the cache: a read without config uses it, a read or
+    write with another config raises (issue 14: a rotated cache read without config gave
+    cosine -0.03, silently)."""
+    from turboquant.api import _CACHE_CONFIGS, cache_config
+
+    gen = torch.Generator().manual_seed(1)
+    rot = tq.QuantConfig.parse("rotation")
+    cache = tq.allocate_cache(4, 2, 16, 64)
+    k = torch.randn(40, 2, 64, generator=gen)
+    assert cache_config(cache.key_cache) is None
+    tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(40), config=rot)
+    assert cache_config(cache.key_cache) == rot
+    q = torch.randn(1, 4, 64, generator=gen).bfloat16()
+    args = (q, *cache, torch.arange(4, dtype=torch.int32)[None], torch.tensor([40], dtype=torch.int32), 0.125)
+    assert torch.equal(tq.paged_attention_fp4(*args), tq.paged_attention_fp4(*args, config=rot))
+    with pytest.raises(ValueError, match="config: this cache was written with config 'rotation'"):
+        tq.paged_attention_fp4(*args, config=PLAIN)
+    with pytest.raises(ValueError, match="config: this cache was written with config 'rotation'"):
+        tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(40), config=PLAIN)
+    # the binding lives as long as the cache
+    n = len(_CACHE_CONFIGS)
+    del cache, args
+    import gc
+
+    gc.collect()
+    assert len(_CACHE_CONFIGS) == n - 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 from typing import Optional
 
 import torch
@@ -217,6 +218,48 @@ def _check_config(config, group: int, head_dim: int) -> QuantConfig:
     return config
 
 
+# The config each written cache holds, keyed by its key_cache's (device, address): set by the
+# first write through the API, checked by every later write and read (CONTRACT.md section 2).
+# An entry lives as long as the tensor (a view's base) it was made for.
+_CACHE_CONFIGS: dict = {}
+
+
+def _cache_key(key_cache: torch.Tensor):
+    return (str(key_cache.device), key_cache.data_ptr())
+
+
+def cache_config(key_cache: torch.Tensor) -> Optional[QuantConfig]:
+    """The QuantConfig a cache was written with through this API (None: not written yet)."""
+    return _CACHE_CONFIGS.get(_cache_key(key_cache))
+
+
+def _bind_config(key_cache: torch.Tensor, config: QuantConfig) -> None:
+    key = _cache_key(key_cache)
+    _CACHE_CONFIGS[key] = config
+    anchor = key_cache._base if key_cache._base is not None else key_cache
+    weakref.finalize(anchor, _CACHE_CONFIGS.pop, key, None)
+
+
+def _resolve_config(config, key_cache, group: int, head_dim: int, bind: bool) -> QuantConfig:
+    """The call's config: the one the cache was written with when none is given; a different
+    one raises (reading a cache with other transforms than it holds gives wrong numbers).
+    A writer's first call binds its config to the cache. Not checked while torch.compile
+    traces (the binding is host state)."""
+    if torch.compiler.is_compiling():
+        return _check_config(config, group, head_dim)
+    bound = cache_config(key_cache)
+    if config is None and bound is not None:
+        config = bound
+    config = _check_config(config, group, head_dim)
+    if bound is not None and config != bound:
+        raise ValueError(f"config: this cache was written with config {bound.name!r} "
+                         f"({bound}); the call passes {config.name!r}. Read (and write) a cache "
+                         f"with the config it holds")
+    if bind and bound is None:
+        _bind_config(key_cache, config)
+    return config
+
+
 def _check_state(config: QuantConfig, seq_state, state_ids, num_ids: int, hkv: int, d: int,
                  device, ids_name: str = "state_ids") -> None:
     """seq_state/state_ids are required exactly when the config uses the state record."""
@@ -303,7 +346,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     write = make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
                              slot_mapping)
     num_tokens, hkv, d = key.shape
-    config = _check_config(config, write.scale_group, d)
+    config = _resolve_config(config, key_cache, write.scale_group, d, bind=num_tokens > 0)
     _check_state(config, seq_state, state_ids, num_tokens, hkv, d, key.device)
     if config.key_smoothing == "calibrated":
         if not isinstance(calibration, (tuple, list)) or len(calibration) != 2:
@@ -343,7 +386,7 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len)
-    config = _check_config(config, call.scale_group, call.head_dim)
+    config = _resolve_config(config, key_cache, call.scale_group, call.head_dim, bind=False)
     _check_state(config, seq_state, state_ids, call.num_seqs, call.num_kv_heads,
                  call.head_dim, query.device)
     signs = (rotation_signs(call.head_dim, config.rotation_seed, query.device)
