@@ -57,15 +57,17 @@ def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: 
                         poison: bool = True, generator=None, write_backend: str = "auto",
                         kv_factory=None, config: Optional[QuantConfig] = None) -> PagedProblem:
     """Random K/V for each sequence, written through ``reshape_and_cache_fp4`` with ``config``
-    (default ``QuantConfig()``, its scale group replaced by ``scale_group``) into blocks in
+    (default ``QuantConfig()``; ``scale_group``, when given, replaces its scale group) into blocks in
     shuffled order; sequence s keeps its state record (if the config uses one) in slot
     ``num_seqs - 1 - s``. With ``poison``, every byte not written (unused slots of the last
     blocks, spare blocks, block table padding is -1) is 0xFF, i.e. NaN scales."""
     from .api import reshape_and_cache_fp4
     from .smoothing import allocate_state
 
-    config = dataclasses.replace(config or QuantConfig(),
-                                 scale_group=None if scale_group in (None, head_dim) else
+    config = config or QuantConfig()
+    if scale_group is None:
+        scale_group = config.scale_group
+    config = dataclasses.replace(config, scale_group=None if scale_group in (None, head_dim) else
                                  scale_group)
 
     seq_lens = [int(n) for n in seq_lens]
