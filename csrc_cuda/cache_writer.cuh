@@ -61,18 +61,20 @@ __device__ __forceinline__ uint32_t e8m0_for_amax(float amax, bool finite) {
 }
 
 // E2M1 code of a value already divided by its scale (format.py encode_e2m1): round to nearest,
-// ties to the even code, sign from the sign bit. Branch-free (a per-element branch diverges
-// inside a warp, which then runs both paths): with k = clamp(floor(log2 |q|), 0, 2) the grid
-// spacing in |q|'s binade is 2^(k-1), so r = rint(|q| * 2^(1-k)) (one FFMA with 2^23: the
-// product is exact, the add rounds to nearest even and leaves r in the low mantissa bits) and
-// code = r + 2k. Examples: 1.75 -> k 0, r = rint(3.5) = 4 -> code 4 (2.0); 3.5 -> k 1,
-// r = 4 -> code 6 (4.0); 5 -> k 2, r = rint(2.5) = 2 -> code 6 (4.0); 6 -> code 7.
-// The scale rule keeps |q| <= 6; larger values would saturate at code 7.
+// ties to the even code, sign from the sign bit. Branch-free, mostly on the FP32 pipe (the
+// writer is bound by the integer pipe): in each binade of y = |q| the codes are evenly spaced,
+// so one magic-number add per binade rounds to nearest-even and leaves the code in the low
+// mantissa bits: codes 0..4 = rint(2y) for y < 2, 4..6 = rint(y) + 2 for 2 <= y < 4, 6..7 =
+// rint(y / 2) + 4 above (8 and up saturate to 7). Ties: 0.75 -> rint(1.5) = 2 (1.0), 2.5 ->
+// rint(2.5) + 2 = 4 (2.0), 5 -> rint(2.5) + 4 = 6 (4.0); the even code wins as rint's even
+// integer does, since each binade's first code is even.
 __device__ __forceinline__ uint32_t encode_e2m1(float q) {
-  const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
-  const int k = min(max((int)(u >> 23) - 127, 0), 2);
-  const float t = __fmaf_rn(__uint_as_float(u), __uint_as_float((uint32_t)(128 - k) << 23), 8388608.f);
-  const uint32_t c = min(__float_as_uint(t) - 0x4B000000u + 2u * (uint32_t)k, 7u);
+  const float y = fabsf(q);
+  const float t0 = __fmaf_rn(y, 2.f, 8388608.f);    // 2^23 + rint(2y)
+  const float t1 = __fadd_rn(y, 8388610.f);         // 2^23 + rint(y) + 2
+  const float t2 = __fmaf_rn(y, 0.5f, 8388612.f);   // 2^23 + rint(y / 2) + 4
+  const float t = y < 2.f ? t0 : (y < 4.f ? t1 : t2);
+  const uint32_t c = min(__float_as_uint(t) - 0x4B000000u, 7u);
   return c | ((__float_as_uint(q) >> 28) & 8u);
 }
 
