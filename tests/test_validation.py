@@ -217,9 +217,15 @@ def test_a_cache_is_read_with_the_config_it_was_written_with():
         tq.paged_attention_fp4(*args, config=PLAIN)
     with pytest.raises(ValueError, match="config: this cache was written with config 'rotation'"):
         tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(40), config=PLAIN)
+    # a rejected first write binds nothing
+    other = tq.allocate_cache(4, 2, 16, 64)
+    with pytest.raises(ValueError, match="positions"):
+        tq.reshape_and_cache_fp4(k, k, *other, torch.arange(40), config=PLAIN,
+                                 positions=torch.arange(40))
+    assert cache_config(other.key_cache) is None
     # the binding lives as long as the cache
     n = len(_CACHE_CONFIGS)
-    del cache, args
+    del cache, args, other
     import gc
 
     gc.collect()

@@ -240,11 +240,10 @@ def _bind_config(key_cache: torch.Tensor, config: QuantConfig) -> None:
     weakref.finalize(anchor, _CACHE_CONFIGS.pop, key, None)
 
 
-def _resolve_config(config, key_cache, group: int, head_dim: int, bind: bool) -> QuantConfig:
+def _resolve_config(config, key_cache, group: int, head_dim: int) -> QuantConfig:
     """The call's config: the one the cache was written with when none is given; a different
     one raises (reading a cache with other transforms than it holds gives wrong numbers).
-    A writer's first call binds its config to the cache. Not checked while torch.compile
-    traces (the binding is host state)."""
+    Not checked while torch.compile traces (the binding is host state)."""
     if torch.compiler.is_compiling():
         return _check_config(config, group, head_dim)
     bound = cache_config(key_cache)
@@ -255,8 +254,6 @@ def _resolve_config(config, key_cache, group: int, head_dim: int, bind: bool) ->
         raise ValueError(f"config: this cache was written with config {bound.name!r} "
                          f"({bound}); the call passes {config.name!r}. Read (and write) a cache "
                          f"with the config it holds")
-    if bind and bound is None:
-        _bind_config(key_cache, config)
     return config
 
 
@@ -346,7 +343,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     write = make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
                              slot_mapping)
     num_tokens, hkv, d = key.shape
-    config = _resolve_config(config, key_cache, write.scale_group, d, bind=num_tokens > 0)
+    config = _resolve_config(config, key_cache, write.scale_group, d)
     _check_state(config, seq_state, state_ids, num_tokens, hkv, d, key.device)
     if config.key_smoothing == "calibrated":
         if not isinstance(calibration, (tuple, list)) or len(calibration) != 2:
@@ -365,6 +362,8 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
                              f"expected None")
     if num_tokens == 0:
         return
+    if cache_config(key_cache) is None and not torch.compiler.is_compiling():
+        _bind_config(key_cache, config)  # the first accepted write binds the cache's config
     signs = rotation_signs(d, config.rotation_seed, key.device) if config.rotation else None
     if positions is not None:
         init_state(key, value, seq_state, state_ids, positions, config, calibration, signs)
@@ -386,7 +385,7 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len)
-    config = _resolve_config(config, key_cache, call.scale_group, call.head_dim, bind=False)
+    config = _resolve_config(config, key_cache, call.scale_group, call.head_dim)
     _check_state(config, seq_state, state_ids, call.num_seqs, call.num_kv_heads,
                  call.head_dim, query.device)
     signs = (rotation_signs(call.head_dim, config.rotation_seed, query.device)
