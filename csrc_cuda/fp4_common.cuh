@@ -157,11 +157,12 @@ __device__ __forceinline__ void fwht_row(float (&x)[N], int lane) {
   }
 #pragma unroll
   for (int m = 1; m < LANES; m <<= 1) {
-    const bool upper = lane & m;
+    // lower lane: x + y; upper lane: y - x, as one FFMA with x * (+-1) exact (no select)
+    const float sg = (lane & m) ? -1.f : 1.f;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       const float y = __shfl_xor_sync(0xffffffffu, x[i], m);
-      x[i] = upper ? y - x[i] : x[i] + y;
+      x[i] = __fmaf_rn(x[i], sg, y);
     }
   }
 }
