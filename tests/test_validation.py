@@ -230,3 +230,56 @@ def test_a_cache_is_read_with_the_config_it_was_written_with():
 
     gc.collect()
     assert len(_CACHE_CONFIGS) == n - 1
+
+
+def test_bad_block_ids_give_nan_with_checks_off(case):
+    """Issue 14: with value checks off the reference read block 15 for an id of -1 (Python
+    wrap-around) and raised IndexError for 999; every backend now gives NaN for exactly that
+    sequence (and never reads out of bounds)."""
+    kw = {k: case[k] for k in ("config", "seq_state", "state_ids")}
+    args = [case[k] for k in ("query", "key_cache", "value_cache", "key_scales", "value_scales")]
+    for bad in (-1, 999):
+        tables = case["block_tables"].clone()
+        tables[1, 0] = bad
+        with tq.value_checks(False):
+            out = tq.paged_attention_fp4(*args, tables, case["seq_lens"], 0.125, **kw)
+        assert torch.isnan(out[1]).all(), bad
+        assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+    # a seq_len past what the block table holds
+    lens = case["seq_lens"].clone()
+    lens[2] = 100
+    with tq.value_checks(False):
+        out = tq.paged_attention_fp4(*args, case["block_tables"], lens, 0.125, **kw)
+    assert torch.isnan(out[2]).all() and torch.isfinite(out[:2]).all()
+
+
+def test_writer_skips_slots_past_the_cache_with_checks_off():
+    """Issue 14: a slot past the cache raised IndexError after some bytes were written; now it
+    is skipped like -1 (the cuda writer does the same), and the valid tokens are written."""
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(4, 2, 64, generator=gen)
+    slots = torch.tensor([0, 5, 100000, 7])
+    a, b = tq.allocate_cache(6, 2, 16, 64, fill=0xAB), tq.allocate_cache(6, 2, 16, 64, fill=0xAB)
+    with tq.value_checks(False):
+        tq.reshape_and_cache_fp4(k, k, *a, slots, config=PLAIN)
+    tq.reshape_and_cache_fp4(k, k, *b, torch.tensor([0, 5, -1, 7]), config=PLAIN)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_a_rejected_write_leaves_the_cache_unchanged():
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(4, 2, 64, generator=gen)
+    cache = tq.allocate_cache(6, 2, 16, 64, fill=0xAB)
+    before = [t.clone() for t in cache]
+    with pytest.raises(ValueError, match="slot_mapping"):
+        tq.reshape_and_cache_fp4(k, k, *cache, torch.tensor([0, 5, 100000, 7]), config=PLAIN)
+    for x, y in zip(cache, before):
+        assert torch.equal(x, y)
+
+
+def test_allocate_cache_rejects_odd_head_dims_and_bad_groups():
+    with pytest.raises(ValueError, match="head_dim: expected an even head dim"):
+        tq.allocate_cache(4, 2, 16, 95)
+    with pytest.raises(ValueError, match="scale_group: per-32 scales need a head dim divisible"):
+        tq.allocate_cache(4, 2, 16, 48, scale_group=32)

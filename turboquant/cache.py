@@ -21,6 +21,12 @@ def allocate_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim
                    scale_group: Optional[int] = None, device="cpu", fill: int = 0) -> FP4Cache:
     """An FP4 paged cache. ``scale_group`` None (or head_dim): one scale per (token, head);
     32: one per 32 elements. ``fill`` sets every byte (0xFF poisons unwritten slots)."""
+    if head_dim < 2 or head_dim % 2:
+        raise ValueError(f"head_dim: expected an even head dim (two FP4 codes per byte), "
+                         f"got {head_dim}")
+    if scale_group == MX_GROUP and head_dim % MX_GROUP:
+        raise ValueError(f"scale_group: per-{MX_GROUP} scales need a head dim divisible by "
+                         f"{MX_GROUP}, got {head_dim}")
     shape = (num_blocks, num_kv_heads, block_size, head_dim // 2)
     sshape = (num_blocks, block_size, num_kv_heads)
     if scale_group not in (None, head_dim):

@@ -10,7 +10,9 @@ It defines what every other backend must compute:
   selection (their logits replaced by -inf, their values by 0), never by multiplying by zero.
 - NaN in gives NaN out: a visible key whose scale byte is 255 (NaN) makes the logits NaN and
   so the whole output row; a visible value that is not finite makes the output NaN.
-- A query row that sees no key (seq_len 0) gives zeros.
+- A query row that sees no key (seq_len 0) gives zeros. A sequence whose used block-table
+  entries hold an id outside the cache, or whose seq_len exceeds the table, gives NaN (with
+  value checks off; with them on, the API raises first).
 - Transforms (CONTRACT.md section 2), all in fp32: with a state record (slot r of the
   sequence), q becomes q * lam_r; with rotation q is rotated and the output un-rotated
   (``turboquant.rotation``); with ``sink``, position 0's key and value come from the record
@@ -86,6 +88,11 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
         acc = torch.zeros((hkv, g * nq, d), device=q.device)
         bad = torch.zeros((hkv, g * nq), dtype=torch.bool, device=q.device)
         blocks = call.block_tables[s]
+        used = -(-n // call.block_size)
+        if used > blocks.shape[0] or not bool(((blocks[:used] >= 0) &
+                                               (blocks[:used] < call.num_blocks)).all()):
+            out[q0:q1] = float("nan")  # a block id out of range (value checks off): never read
+            continue
         for c0 in range(0, n, chunk_tokens):
             c1 = min(n, c0 + chunk_tokens)
             k = _gather_tokens(call.key_cache, call.key_scales, blocks, group, c0, c1,
@@ -150,7 +157,8 @@ def cache_write_reference(write: CacheWrite) -> None:
     key smoothing), value -> rotate(v), each step only where configured, in fp32."""
     d, bs = write.head_dim, write.block_size
     group = None if write.scale_group == d else write.scale_group
-    keep = write.slot_mapping >= 0
+    # -1 skips a token; a slot past the cache (value checks off) is skipped too, never written
+    keep = (write.slot_mapping >= 0) & (write.slot_mapping < write.num_blocks * bs)
     slots = write.slot_mapping[keep].long()
     blocks, offsets = slots // bs, slots % bs
     center = scale = None
