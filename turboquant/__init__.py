@@ -13,13 +13,13 @@
 """
 from . import _backends  # registers the vendor backends  # noqa: F401
 from . import reference as _reference  # registers the reference backend  # noqa: F401
-from .api import backends, paged_attention_fp4, reshape_and_cache_fp4, value_checks
+from .api import backends, explain, paged_attention_fp4, reshape_and_cache_fp4, value_checks
 from .cache import FP4Cache, allocate_cache
 from .config import QuantConfig
 from .format import dequantize_fp4, quantize_fp4
 from .smoothing import allocate_state, load_calibration, save_calibration
 
-__all__ = ["FP4Cache", "QuantConfig", "allocate_cache", "allocate_state", "backends",
+__all__ = ["FP4Cache", "QuantConfig", "allocate_cache", "allocate_state", "backends", "explain",
            "dequantize_fp4", "load_calibration", "paged_attention_fp4", "quantize_fp4",
            "reshape_and_cache_fp4", "save_calibration", "value_checks"]
 __version__ = "0.1.0"

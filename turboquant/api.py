@@ -430,6 +430,15 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     return out
 
 
+def explain(query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
+            scale, **kwargs) -> list[dict]:
+    """Which backend ``paged_attention_fp4`` with these arguments would run, and why each other
+    one declines: every backend in priority order as ``{"name", "reason", "chosen"}``."""
+    call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
+                             block_tables, seq_lens, scale, **kwargs)
+    return registry.explain("attention", call)
+
+
 def backends() -> list[dict]:
     """Every backend with its priority, whether it can run here and, if not, why."""
     return registry.status()

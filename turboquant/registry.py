@@ -13,6 +13,7 @@ and accepts everything, so ``auto`` always finds one.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -144,10 +145,44 @@ def ordered() -> list[Backend]:
     return sorted(_BACKENDS.values(), key=lambda b: -b.priority)
 
 
+def explain(kind: str, arg) -> list[dict]:
+    """For ``arg`` (an AttentionCall for kind 'attention', a CacheWrite for 'cache_write'):
+    every backend in priority order with ``name``, ``reason`` (why it cannot run this call, or
+    "") and ``chosen`` (the one ``backend='auto'`` takes)."""
+    method = "check_attention" if kind == "attention" else "check_cache_write"
+    rows, chosen = [], False
+    for backend in ordered():
+        reason = backend.unavailable() or getattr(backend, method)(arg)
+        rows.append({"name": backend.name, "reason": reason or "",
+                     "chosen": reason is None and not chosen})
+        chosen = chosen or reason is None
+    return rows
+
+
+_warned: set = set()
+
+
+def _warn_reference_on_device(kind: str, arg, rows: list) -> None:
+    """One warning per distinct set of reasons when 'auto' runs the reference on tensors off
+    the CPU: the reference is orders of magnitude slower than a kernel, and a serving engine
+    should hear why none of them took the call."""
+    device = (arg.query if kind == "attention" else arg.key).device
+    if device.type == "cpu" or torch.compiler.is_compiling():
+        return
+    why = "; ".join(f"{r['name']}: {r['reason']}" for r in rows if r["reason"])
+    if (kind, why) in _warned:
+        return
+    _warned.add((kind, why))
+    warnings.warn(f"turboquant: backend='auto' runs the {kind} on the reference backend "
+                  f"(PyTorch, slow) for tensors on {device}, because {why}", RuntimeWarning,
+                  stacklevel=4)
+
+
 def select(name: str, kind: str, arg) -> Backend:
     """Pick the backend for ``arg`` (an AttentionCall for kind 'attention', a CacheWrite for
-    kind 'cache_write'). ``name='auto'`` takes the highest-priority backend that can run;
-    a named backend that cannot run raises a ValueError that says why."""
+    kind 'cache_write'). ``name='auto'`` takes the highest-priority backend that can run (and
+    warns once per reason when that is the reference on tensors off the CPU); a named backend
+    that cannot run raises a ValueError that says why."""
     method = "check_attention" if kind == "attention" else "check_cache_write"
     if name != "auto":
         backend = get(name)
@@ -155,13 +190,14 @@ def select(name: str, kind: str, arg) -> Backend:
         if reason is not None:
             raise ValueError(f"backend={name!r} cannot run this call: {reason}")
         return backend
-    reasons = []
-    for backend in ordered():
-        reason = backend.unavailable() or getattr(backend, method)(arg)
-        if reason is None:
-            return backend
-        reasons.append(f"{backend.name}: {reason}")
-    raise ValueError("no backend can run this call: " + "; ".join(reasons))
+    rows = explain(kind, arg)
+    for row in rows:
+        if row["chosen"]:
+            if row["name"] == "reference":
+                _warn_reference_on_device(kind, arg, rows)
+            return get(row["name"])
+    raise ValueError("no backend can run this call: " +
+                     "; ".join(f"{r['name']}: {r['reason']}" for r in rows))
 
 
 def status() -> list[dict]:
