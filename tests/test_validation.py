@@ -124,7 +124,9 @@ def test_empty_batch_returns_empty(case):
     assert out.shape == (0, 4, 64)
 
 
-def test_named_backend_that_cannot_run_says_why(case, monkeypatch):
+@pytest.fixture
+def never_backend(monkeypatch):
+    """A backend of the highest priority that declines every attention call."""
     from turboquant import registry
 
     class Never(registry.Backend):
@@ -134,6 +136,9 @@ def test_named_backend_that_cannot_run_says_why(case, monkeypatch):
             return "head dim 64 is not supported"
 
     monkeypatch.setitem(registry._BACKENDS, "never", Never())
+
+
+def test_named_backend_that_cannot_run_says_why(case, never_backend):
     with pytest.raises(ValueError, match="backend='never' cannot run.*head dim 64"):
         call(case, backend="never")
     call(case)  # auto skips it and falls back to the reference
@@ -285,16 +290,7 @@ def test_allocate_cache_rejects_odd_head_dims_and_bad_groups():
         tq.allocate_cache(4, 2, 16, 48, scale_group=32)
 
 
-def test_explain_says_which_backend_runs_and_why_the_others_decline(case, monkeypatch):
-    from turboquant import registry
-
-    class Never(registry.Backend):
-        name, priority = "never", 1000
-
-        def check_attention(self, call):
-            return "head dim 64 is not supported"
-
-    monkeypatch.setitem(registry._BACKENDS, "never", Never())
+def test_explain_says_which_backend_runs_and_why_the_others_decline(case, never_backend):
     args = [case[k] for k in ("query", "key_cache", "value_cache", "key_scales", "value_scales",
                               "block_tables", "seq_lens", "scale")]
     kw = {k: case[k] for k in ("config", "seq_state", "state_ids")}
