@@ -66,3 +66,27 @@ def test_readme_example_runs():
     readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
     example = re.search(r"## The API\n\n```python\n(.*?)```", readme, re.S).group(1)
     exec(compile(example, "README example", "exec"), {})
+
+
+@pytest.mark.parametrize("argv,word", [
+    (["--backend", "cuda"], "backend='cuda' cannot run"), (["--kv-heads", "7"], "num_kv_heads (7)"),
+    (["--block-size", "7"], "power-of-two block size"), (["--context", "-5"], "--context"),
+    (["--heads", "0"], "--heads"), (["--context", "0"], "--context"), (["--batch", "0"], "--batch"),
+    (["--iters", "0"], "--iters"), (["--device", "nope"], "--device"),
+])
+def test_main_job_bad_arguments_give_one_line_errors(argv, word):
+    """Issue 14: raw tracebacks, and 0 silently turned into the default, before."""
+    if argv[:2] == ["--backend", "cuda"] and torch_cuda_available():
+        pytest.skip("a CUDA machine runs the cuda backend")
+    # a small shape first; argparse takes the last value of a repeated option
+    res = subprocess.run([sys.executable, "-m", "turboquant", "--batch", "1", "--context", "40",
+                          *argv], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert word in res.stderr.strip().splitlines()[-1]
+
+
+def torch_cuda_available():
+    import torch
+
+    return torch.cuda.is_available()

@@ -62,7 +62,11 @@ def _time(fn, device, iters):
 
 
 def run_main(args) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ValueError(f"--device: expected a torch device such as cpu or cuda, got "
+                         f"{args.device!r}") from None
     defaults = GPU_DEFAULTS if device.type == "cuda" else CPU_DEFAULTS
     batch = args.batch or defaults["batch"]
     context = args.context or defaults["context"]
@@ -147,14 +151,25 @@ def run_backends(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1 (0 or less is an error, not 'the default')."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def _add_run_arguments(p):
-    p.add_argument("--batch", type=int, help="sequences (default: 4 on CPU, 64 on a GPU)")
-    p.add_argument("--context", type=int,
+    p.add_argument("--batch", type=_positive, help="sequences (default: 4 on CPU, 64 on a GPU)")
+    p.add_argument("--context", type=_positive,
                    help="tokens per sequence (default: 2048 on CPU, 4096 on a GPU)")
-    p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="kv heads (default 8)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim D (default 128)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--heads", type=_positive, default=32, help="query heads (default 32)")
+    p.add_argument("--kv-heads", type=_positive, default=8, help="kv heads (default 8)")
+    p.add_argument("--head-dim", type=_positive, default=128, help="head dim D (default 128)")
+    p.add_argument("--block-size", type=_positive, default=16, help="tokens per block (default 16)")
     p.add_argument("--scale-group", choices=["token", "32"], default="token",
                    help="one E8M0 scale per (token, head) or per 32 elements (default token)")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
@@ -162,7 +177,7 @@ def _add_run_arguments(p):
     p.add_argument("--backend", default="auto",
                    help="backend name or 'auto' (default); see 'python -m turboquant backends'")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--iters", type=int, help="timed calls (default: 3 on CPU, 20 on a GPU)")
+    p.add_argument("--iters", type=_positive, help="timed calls (default: 3 on CPU, 20 on a GPU)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -196,4 +211,8 @@ def main(argv=None) -> int:
     if args.command == "accuracy":
         from . import accuracy
         return accuracy.main(args)
-    return run_main(args)
+    try:
+        return run_main(args)
+    except (ValueError, TypeError) as e:  # the API's argument errors name the argument
+        print(f"error: {e}", file=sys.stderr)
+        return 2
