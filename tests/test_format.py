@@ -166,3 +166,15 @@ def test_bad_arguments():
         fmt.quantize_fp4(torch.ones(4, 96), 64)
     with pytest.raises(ValueError, match="scales"):
         fmt.dequantize_fp4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
+
+
+def test_dequantize_takes_the_caches_own_scale_shape():
+    """Issue 14: a per-(token, head) cache stores scales [..., num_kv_heads]; dequantize_fp4
+    wanted a trailing size-1 dimension."""
+    x = torch.randn(5, 3, 64, generator=torch.Generator().manual_seed(0))
+    codes, scales = fmt.quantize_fp4(x)  # scales [5, 3, 1]
+    a = fmt.dequantize_fp4(codes, scales)
+    b = fmt.dequantize_fp4(codes, scales.squeeze(-1))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="scales: expected shape"):
+        fmt.dequantize_fp4(codes, scales[:4].squeeze(-1))

@@ -147,8 +147,12 @@ def quantize_fp4(x: torch.Tensor, group: int | None = None, rule: str = "smalles
 
 def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, group: int | None = None
                    ) -> torch.Tensor:
-    """(codes uint8 [..., D/2], scales uint8 [..., D/group]) -> float32 [..., D]."""
+    """(codes uint8 [..., D/2], scales uint8 [..., D/group]) -> float32 [..., D]. With one
+    scale over the whole row (``group=None``) the scales may also come without the trailing
+    size-1 dimension, as the cache stores them ([..., ] per (token, head))."""
     values = decode_e2m1(unpack_fp4(packed))
+    if group is None and scales.shape == values.shape[:-1]:
+        scales = scales.unsqueeze(-1)
     group = values.shape[-1] if group is None else group
     g = _grouped(values, group)
     if scales.shape != g.shape[:-1]:
