@@ -25,7 +25,8 @@ def test_main_job_json_on_a_small_shape():
 
 def test_main_job_text_and_progress():
     res = run("--batch", "2", "--context", "100", "--scale-group", "32")
-    for key in ("backend", "KV cache bytes", "accuracy vs BF16", "time per call"):
+    for key in ("backend", "KV cache bytes", "accuracy vs BF16", "time per call",
+                "not a performance figure", "KL divergence"):
         assert key in res.stdout
     assert "[1/4]" in res.stderr and "[4/4]" in res.stderr
 
