@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turboquant as tq  # noqa: E402
+from turboquant.bench import writer_state  # noqa: E402
 
 
 def main() -> int:
@@ -28,14 +29,7 @@ def main() -> int:
     value = torch.randn(T, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
     cache = tq.allocate_cache(T // bs, hkv, bs, d, device="cuda")
     slots = torch.randperm(T, device="cuda", generator=g)
-    extra = {}
-    if config.uses_state:
-        state = tq.allocate_state(64, hkv, d, "cuda")
-        pos = torch.arange(T, device="cuda")
-        ids = (pos * 64 // T).to(torch.int32)
-        tq.reshape_and_cache_fp4(key, value, *cache, slots, config=config, seq_state=state,
-                                 state_ids=ids, positions=pos - (ids.long() * T + 63) // 64)
-        extra = dict(seq_state=state, state_ids=ids)
+    extra = writer_state(tq, key, value, cache, slots, config)
     with tq.value_checks(False):
         for _ in range(args.calls):
             tq.reshape_and_cache_fp4(key, value, *cache, slots, config=config, backend="cuda",

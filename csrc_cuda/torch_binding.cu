@@ -49,7 +49,7 @@ void set_transform_fields(Params& p, int D, int hkv, int num_ids,
     const at::Tensor& r = *rotation_signs;
     TORCH_CHECK(r.is_cuda() && r.scalar_type() == at::kFloat && r.dim() == 1 && r.size(0) == D && r.is_contiguous(),
                 "rotation_signs: expected a contiguous float32 [D] CUDA tensor");
-    TORCH_CHECK(r.data_ptr<float>() == nullptr || reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0,
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0,
                 "rotation_signs: expected a 16-byte aligned tensor");
     p.rot_signs = r.data_ptr<float>();
   }

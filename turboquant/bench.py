@@ -803,6 +803,24 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     return rec
 
 
+def writer_state(tq, key, value, cache, slots, config, sequences: int = 64) -> dict:
+    """For a writer timed in its steady state: the tokens of ``key``/``value`` [T, Hkv, D]
+    belong to ``sequences`` equal runs whose state records (if ``config`` keeps them) are filled
+    by one first write, untimed; -> the ``seq_state``/``state_ids`` arguments of the timed
+    writes (no positions: no record is filled again), or {}."""
+    if not config.uses_state:
+        return {}
+    T, hkv, d = key.shape
+    state = tq.allocate_state(sequences, hkv, d, key.device)
+    pos = torch.arange(T, device=key.device)
+    ids = (pos * sequences // T).to(torch.int32)
+    first = (ids.long() * T + sequences - 1) // sequences  # each run's first token
+    with checks_off(tq):
+        tq.reshape_and_cache_fp4(key, value, *cache, slots, config=config, seq_state=state,
+                                 state_ids=ids, positions=pos - first)
+    return dict(seq_state=state, state_ids=ids)
+
+
 def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
                config_name: str = "default") -> dict:
     _hq, hkv, d = shape
@@ -829,20 +847,9 @@ def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
     perm = torch.randperm(nblk, device=device, generator=gen)
     pos = torch.arange(T, device=device)
     slots = (perm[pos // bs] * bs + pos % bs).long()
-    # the tokens belong to 64 sequences (state slots) whose records are filled first, untimed:
-    # the timed writes are the steady state (no position 0), where the writer reads the slot
-    extra, op_state = {}, {}
+    extra = writer_state(tq, key, value, (kc, vc, ks, vs), slots, config)
+    op_state = extra if config.key_smoothing is not None else {}
     signs = rotation_signs(d, config.rotation_seed, device) if config.rotation else None
-    if config.uses_state:
-        state = tq.allocate_state(64, hkv, d, device)
-        ids = (pos * 64 // T).to(torch.int32)
-        with checks_off(tq):
-            tq.reshape_and_cache_fp4(key, value, kc, vc, ks, vs, slots, config=config,
-                                     seq_state=state, state_ids=ids,
-                                     positions=pos - (ids.long() * T + 63) // 64)
-        extra = dict(seq_state=state, state_ids=ids)
-        if config.key_smoothing is not None:
-            op_state = extra
     backend = args.backend
     note = ""
     op_args = (key, value, kc, vc, ks, vs, slots)
