@@ -8,12 +8,15 @@
 //   the even code, saturate at 6, sign from the sign bit (so -0.0 and small negatives give 8).
 // - packing: even element in the low nibble.
 // - transforms (turboquant/reference.py cache_write_reference), in fp32 before the scale rule:
-//   key -> rotate((k - m) / lam) with m, lam from the token's state record (key smoothing),
+//   key -> rotate((k - m) * r) with m, r = 1 / lam from the token's state record (key smoothing),
 //   value -> rotate(v); rotate(x) = fwht(x * s) * D^-0.5 in the stage order of
 //   turboquant.rotation.fwht, so the codes are the reference's bit for bit.
 #pragma once
 
+#include <climits>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <cuda_runtime.h>
 
 #include "fp4_common.cuh"
@@ -39,10 +42,32 @@ struct CacheWriteParams {
   int log2_block_size;  // block_size is a power of two
   const float* rot_signs;  // [D] +-1, or nullptr: no rotation
   float rot_norm;          // D^-0.5 (fp32)
-  const float* seq_state;  // [num_slots, Hkv, 4, D] fp32 (rows 0, 1: m, lam), or nullptr
+  const float* seq_state;  // [num_slots, Hkv, STATE_ROWS, D] fp32 (rows m, 1 / lam read), or nullptr
   const int* state_ids;    // [num_tokens] slot of each token (outside [0, num_slots): NaN codes)
   int num_slots;
 };
+
+// fp32 arithmetic with round to nearest, for the device and for the host check of the encode.
+__host__ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+__host__ __device__ __forceinline__ float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+__host__ __device__ __forceinline__ uint32_t float_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return u;
+}
+__host__ __device__ __forceinline__ uint32_t umin(uint32_t a, uint32_t b) { return a < b ? a : b; }
 
 // E8M0 byte for a group max magnitude (format.py e8m0_for_amax), given as float bits.
 __device__ __forceinline__ uint32_t e8m0_for_amax(float amax, bool finite) {
@@ -60,49 +85,87 @@ __device__ __forceinline__ uint32_t e8m0_for_amax(float amax, bool finite) {
   return 0u;
 }
 
-// E2M1 code of a value already divided by its scale (format.py encode_e2m1): round to nearest,
-// ties to the even code, sign from the sign bit. Branch-free, mostly on the FP32 pipe (the
-// writer is bound by the integer pipe): in each binade of y = |q| the codes are evenly spaced,
-// so one magic-number add per binade rounds to nearest-even and leaves the code in the low
-// mantissa bits: codes 0..4 = rint(2y) for y < 2, 4..6 = rint(y) + 2 for 2 <= y < 4, 6..7 =
-// rint(y / 2) + 4 above (8 and up saturate to 7). Ties: 0.75 -> rint(1.5) = 2 (1.0), 2.5 ->
-// rint(2.5) + 2 = 4 (2.0), 5 -> rint(2.5) + 4 = 6 (4.0); the even code wins as rint's even
-// integer does, since each binade's first code is even.
-__device__ __forceinline__ uint32_t encode_e2m1(float q) {
+// E2M1 magnitude code of y = |q|, q already divided by its scale (format.py encode_e2m1):
+// round to nearest, ties to the even code; |q| <= 6 (the scale rule guarantees it, so nothing
+// saturates). Returned as the bits of the float 2^23 + code. Compare-free and mostly on the
+// FP32 pipe (the writer is bound by the integer/ALU pipe): in each binade of y the codes are
+// evenly spaced, so one magic-number add per binade rounds to nearest-even and leaves that
+// binade's code in the low mantissa bits,
+//   c0 = rint(2y) (right for y < 2), c1 = rint(y) + 2 (2 <= y < 4), c2 = rint(y / 2) + 4 (above),
+// and the right one is always the smallest: 2y <= y + 2 <= y/2 + 4 below 2, the first two in
+// the reverse order at and above 2, the last two at and above 4 (rint is monotone, and
+// rint(x + 2k) = rint(x) + 2k keeps ties on the even code). All three are floats 2^23 + c of
+// one exponent, so their bits order as the codes do: one 3-way integer min. Ties: 0.75 -> 2
+// (1.0), 2.5 -> 4 (2.0), 5 -> 6 (4.0), as rint's even integer. Checked against a
+// nearest-even search of the grid for every float32 magnitude up to 6
+// (tests/test_cuda_compile.py runs this function's host build).
+constexpr uint32_t E2M1_MAGIC = 0x4B000000u;  // the bits of 2^23
+__host__ __device__ __forceinline__ uint32_t e2m1_magnitude_magic(float q) {
   const float y = fabsf(q);
-  const float t0 = __fmaf_rn(y, 2.f, 8388608.f);    // 2^23 + rint(2y)
-  const float t1 = __fadd_rn(y, 8388610.f);         // 2^23 + rint(y) + 2
-  const float t2 = __fmaf_rn(y, 0.5f, 8388612.f);   // 2^23 + rint(y / 2) + 4
-  const float t = y < 2.f ? t0 : (y < 4.f ? t1 : t2);
-  const uint32_t c = min(__float_as_uint(t) - 0x4B000000u, 7u);
-  return c | ((__float_as_uint(q) >> 28) & 8u);
+  const uint32_t t0 = float_bits(fma_rn(y, 2.f, 8388608.f));   // 2^23 + rint(2y)
+  const uint32_t t1 = float_bits(add_rn(y, 8388610.f));        // 2^23 + rint(y) + 2
+  const uint32_t t2 = float_bits(fma_rn(y, 0.5f, 8388612.f));  // 2^23 + rint(y / 2) + 4
+  return umin(umin(t0, t1), t2);
 }
 
-// Quantize the E (8 or 16) elements f of one thread (a group spans tpg consecutive lanes) and
-// store E/2 bytes of codes (one 4- or 8-byte store) and, from the group's first lane, the scale.
-template <int E>
-__device__ __forceinline__ void quantize_store(const float (&f)[E], int tpg, bool active, uint8_t* code_dst,
-                                               uint8_t* scale_dst) {
-  // group max of |f| as integer bits: for non-negative floats the integer order is the float
-  // order, and any NaN or Inf (bits >= 0x7f800000) wins the max, so one reduction gives both
-  // the max and the "group is finite" test
+// N (2, 4 or 8) E2M1 codes, element i in nibble i: the magnitudes (above) summed as t * 16^i
+// (one multiply-add each, on the FMA pipe, with the 2^23 offsets removed once per word: the
+// sum is exact modulo 2^32), the signs moved from bit 31 to bit 4i + 3 (sign from the sign bit,
+// so -0.0 and small negatives give code 8) by a high multiply and merged under a mask.
+template <int N>
+__device__ __forceinline__ uint32_t encode_e2m1xN(const float* f, float inv) {
+  uint32_t mag = 0, sgn = 0, offset = 0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float q = f[i] * inv;
+    mag += e2m1_magnitude_magic(q) << (4 * i);
+    offset += E2M1_MAGIC << (4 * i);
+    const uint32_t u = __float_as_uint(q);
+    sgn |= (i == 7 ? u : __umulhi(u, 1u << (4 * i + 4))) & (8u << (4 * i));
+  }
+  return (mag - offset) | sgn;
+}
+
+// 2^(127 - b) for a finite group's scale byte b: b = 254 -> 2^-127 (subnormal), else normal.
+__device__ __forceinline__ float inv_scale(uint32_t b) {
+  return (b == 254u) ? __int_as_float(0x00400000) : __int_as_float((254u - b) << 23);
+}
+
+// Max |f| over N elements as integer bits, with no abs per element: as signed ints the bits
+// order the non-negative floats by magnitude (negatives below them), as unsigned ints the
+// negative floats by magnitude (above every non-negative one); so the larger of the two maxima
+// with the sign masked off is max |f|. Any NaN or Inf (magnitude bits >= 0x7f800000) wins, so
+// one reduction gives both the max and the "group is finite" test.
+template <int N, int STRIDE = 1>
+__device__ __forceinline__ uint32_t abs_max_bits(const float* f) {
+  int smax = INT_MIN;
   uint32_t umax = 0;
 #pragma unroll
-  for (int i = 0; i < E; ++i) umax = max(umax, __float_as_uint(f[i]) & 0x7fffffffu);
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    if (o < tpg) umax = max(umax, __shfl_xor_sync(0xffffffffu, umax, o));
+  for (int i = 0; i < N; ++i) {
+    smax = max(smax, __float_as_int(f[i * STRIDE]));
+    umax = max(umax, __float_as_uint(f[i * STRIDE]));
   }
+  return max((uint32_t)smax & 0x7fffffffu, umax & 0x7fffffffu);
+}
+
+// Quantize the E (8 or 16) elements f of one thread (a scale group spans GROUP / E consecutive
+// lanes) and store E/2 bytes of codes (one 4- or 8-byte store) and, from the group's first
+// lane, the scale.
+template <int E, int GROUP>
+__device__ __forceinline__ void quantize_store(const float (&f)[E], bool active, uint8_t* code_dst,
+                                               uint8_t* scale_dst) {
+  uint32_t amax = abs_max_bits<E>(f);
+#pragma unroll
+  for (int o = 1; o < GROUP / E; o <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (!active) return;
-  const uint32_t b = e8m0_for_amax(__uint_as_float(umax), umax < 0x7f800000u);
+  const uint32_t b = e8m0_for_amax(__uint_as_float(amax), amax < 0x7f800000u);
   uint32_t word[E / 8];
 #pragma unroll
   for (int w = 0; w < E / 8; ++w) word[w] = 0;
   if (b != 255u) {
-    // 2^(127 - b): b = 254 -> 2^-127 (subnormal), else normal
-    const float inv = (b == 254u) ? __int_as_float(0x00400000) : __int_as_float((254u - b) << 23);
+    const float inv = inv_scale(b);
 #pragma unroll
-    for (int i = 0; i < E; ++i) word[i / 8] |= encode_e2m1(f[i] * inv) << (4 * (i % 8));
+    for (int w = 0; w < E / 8; ++w) word[w] = encode_e2m1xN<8>(f + 8 * w, inv);
   }
   if constexpr (E == 8) {
     *reinterpret_cast<uint32_t*>(code_dst) = word[0];
@@ -116,8 +179,10 @@ __device__ __forceinline__ void quantize_store(const float (&f)[E], int tpg, boo
 // Item = (token, kv head); D/E consecutive lanes per item, each quantizing E elements of K and
 // E of V (2E/8 16-byte loads issued together with the slot load: one memory latency per item)
 // and writing E/2 bytes of codes to each cache. The group max is a shuffle reduction over the
-// group's group/E lanes (an item never spans more than one warp).
-template <typename T, int D>
+// group's GROUP/E lanes (an item never spans more than one warp). One instantiation per scale
+// group (D or 32) and set of transforms (kSmooth: (k - m) * (1 / lam) from the token's state
+// record; kRotate: both tensors rotated), so a config pays for exactly its own instructions.
+template <typename T, int D, int GROUP, bool kSmooth, bool kRotate>
 __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_kernel(const CacheWriteParams p) {
   constexpr int E = tuning::WRITER_EPT;
   constexpr int TPI = D / E;  // threads per item (4 .. 32: divides 32)
@@ -148,22 +213,29 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
 #pragma unroll
       for (int i = 0; i < 8; ++i) { fk[8 * h + i] = a[i]; fv[8 * h + i] = c[i]; }
     }
-    if (p.seq_state != nullptr) {  // key smoothing: (k - m) / lam of the token's slot
+    if constexpr (kSmooth) {  // key smoothing: (k - m) * (1 / lam) of the token's slot
       const int slot = __ldg(p.state_ids + tok);
       const bool bad = slot < 0 || slot >= p.num_slots;
-      const float* rec = p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + head) * 4 * D + sub * E;
+      const float* rec = p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + head) * STATE_ROWS * D + sub * E;
 #pragma unroll
       for (int c = 0; c < E; c += 4) {  // four elements at a time: few registers live
-        float m[4], lam[4];
-        load_floats(rec + c, m);
-        load_floats(rec + D + c, lam);
+        float m[4], r[4];
+        load_floats(rec + STATE_CENTER * D + c, m);
+        load_floats(rec + STATE_INV_SCALE * D + c, r);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          fk[c + i] = bad ? __int_as_float(0x7fc00000) : (fk[c + i] - m[i]) / lam[i];
+        for (int i = 0; i < 4; ++i) fk[c + i] = bad ? __int_as_float(0x7fc00000) : (fk[c + i] - m[i]) * r[i];
       }
     }
   }
-  if (p.rot_signs != nullptr) {  // uniform: every lane of the warp shuffles
+  const long long blk = slot >= 0 ? (slot >> p.log2_block_size) : -1;
+  const bool active = live && slot >= 0 && blk < p.num_blocks;
+  const int off = active ? (int)(slot & (p.block_size - 1)) : 0;
+  const long long b0 = active ? blk : 0;
+  const long long srow = ((b0 * p.block_size + off) * p.num_kv_heads + head) * (D / GROUP);  // the row's scales
+  const long long crow = (long long)off * (D / 2);  // the row's code bytes inside the block
+  uint8_t* const kcodes = p.key_cache + b0 * p.kc_stride_blk + head * p.kc_stride_head + crow;
+  uint8_t* const vcodes = p.value_cache + b0 * p.vc_stride_blk + head * p.vc_stride_head + crow;
+  if constexpr (kRotate) {  // every lane of the warp shuffles
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < E; c += 4) {
@@ -183,18 +255,19 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
       fv[i] *= p.rot_norm;
     }
   }
-  const long long blk = slot >= 0 ? (slot >> p.log2_block_size) : -1;
-  const bool active = live && slot >= 0 && blk < p.num_blocks;
-  const int off = active ? (int)(slot & (p.block_size - 1)) : 0;
-  const long long b0 = active ? blk : 0;
-  const int tpg = p.group / E;
-  const bool first = (sub * E) % p.group == 0;
-  const long long sidx = ((b0 * p.block_size + off) * p.num_kv_heads + head) * (D / p.group) + (sub * E) / p.group;
-  const long long row = (long long)off * (D / 2) + sub * (E / 2);  // code bytes inside the block
-  quantize_store<E>(fk, tpg, active, p.key_cache + b0 * p.kc_stride_blk + head * p.kc_stride_head + row,
-                    first ? p.key_scales + sidx : nullptr);
-  quantize_store<E>(fv, tpg, active, p.value_cache + b0 * p.vc_stride_blk + head * p.vc_stride_head + row,
-                    first ? p.value_scales + sidx : nullptr);
+  const bool first = (sub * E) % GROUP == 0;
+  const int sg = (sub * E) / GROUP;
+  quantize_store<E, GROUP>(fk, active, kcodes + sub * (E / 2), first ? p.key_scales + srow + sg : nullptr);
+  quantize_store<E, GROUP>(fv, active, vcodes + sub * (E / 2), first ? p.value_scales + srow + sg : nullptr);
+}
+
+template <typename T, int D, int GROUP>
+void launch_writer_variant(const CacheWriteParams& p, int blocks, bool smooth, bool rotate, cudaStream_t stream) {
+  constexpr int threads = tuning::WRITER_THREADS;
+  if (smooth && rotate) reshape_and_cache_fp4_kernel<T, D, GROUP, true, true><<<blocks, threads, 0, stream>>>(p);
+  else if (smooth) reshape_and_cache_fp4_kernel<T, D, GROUP, true, false><<<blocks, threads, 0, stream>>>(p);
+  else if (rotate) reshape_and_cache_fp4_kernel<T, D, GROUP, false, true><<<blocks, threads, 0, stream>>>(p);
+  else reshape_and_cache_fp4_kernel<T, D, GROUP, false, false><<<blocks, threads, 0, stream>>>(p);
 }
 
 template <typename T, int D>
@@ -203,7 +276,9 @@ cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t str
   if (threads == 0) return cudaSuccess;
   if (threads >= (1LL << 31)) return cudaErrorInvalidValue;  // split the call
   const int blocks = (int)((threads + tuning::WRITER_THREADS - 1) / tuning::WRITER_THREADS);
-  reshape_and_cache_fp4_kernel<T, D><<<blocks, tuning::WRITER_THREADS, 0, stream>>>(p);
+  const bool smooth = p.seq_state != nullptr, rotate = p.rot_signs != nullptr;
+  if (p.group == D) launch_writer_variant<T, D, D>(p, blocks, smooth, rotate, stream);
+  else launch_writer_variant<T, D, 32>(p, blocks, smooth, rotate, stream);
   return cudaGetLastError();
 }
 

@@ -137,6 +137,13 @@ __device__ __forceinline__ void load_floats(const float* src, float (&v)[N]) {
   }
 }
 
+// Rows of a per-sequence state record, seq_state [num_slots, Hkv, STATE_ROWS, D] fp32
+// (turboquant/smoothing.py): key center m, key scale lam (attention: q * lam), the sink's key
+// and value, and 1 / lam (the writer: (k - m) * (1 / lam), a multiply where a division is a
+// dozen instructions).
+constexpr int STATE_CENTER = 0, STATE_SCALE = 1, STATE_SINK_K = 2, STATE_SINK_V = 3, STATE_INV_SCALE = 4;
+constexpr int STATE_ROWS = 5;
+
 // ---- the rotation of turboquant/rotation.py (writer and attention kernels) ----
 // Unnormalized Walsh-Hadamard transform of one row of N * LANES elements, held as N consecutive
 // elements per lane by LANES consecutive, aligned lanes: stages h = 1, 2, .., N * LANES / 2 in

@@ -93,15 +93,13 @@ struct AttnParams {
   // accuracy transforms (CONTRACT.md section 2); nullptr / 0: off
   const float* rot_signs;  // [D] +-1: Q rotated in the prologue, O un-rotated before its store
   float rot_norm;          // D^-0.5 as the fp32 constant of turboquant.rotation.rotation_norm
-  const float* seq_state;  // [num_slots, Hkv, 4, D] fp32 records: Q * lam (row 1); sink K/V rows 2, 3
+  const float* seq_state;  // [num_slots, Hkv, STATE_ROWS, D] fp32 records: Q * lam (row 1); sink K/V rows 2, 3
   const int* state_ids;    // [num_seqs] slot of each sequence (outside [0, num_slots): NaN rows)
   int num_slots;
   int sink;                // position 0 comes from the record (rows 2, 3), not from the FP4 cache
 };
 
 // ---- accuracy transforms (turboquant/rotation.py, turboquant/smoothing.py) ---------------
-// Record rows of seq_state (turboquant.smoothing KEY_SCALE, SINK_KEY, SINK_VALUE).
-constexpr int STATE_SCALE = 1, STATE_SINK_K = 2, STATE_SINK_V = 3;
 
 // The slot of sequence s's state record (0 without records; read once, early in the prologue).
 __device__ __forceinline__ int state_slot(const AttnParams& p, int s) {
@@ -121,7 +119,7 @@ __device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int 
   c.bad = false;
   if (p.seq_state != nullptr) {
     c.bad = slot < 0 || slot >= p.num_slots;
-    const float* rec = p.seq_state + ((size_t)(c.bad ? 0 : slot) * p.num_kv_heads + kvh) * 4 * D + col;
+    const float* rec = p.seq_state + ((size_t)(c.bad ? 0 : slot) * p.num_kv_heads + kvh) * STATE_ROWS * D + col;
     load_floats(rec + STATE_SCALE * D, c.lam);
     if (sink) load_floats(rec + STATE_SINK_K * D, c.sk);
     if (p.soft_cap > 0.f) load_floats(rec, c.m);
@@ -133,7 +131,7 @@ __device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int 
 template <int D, int N>
 __device__ __forceinline__ void load_sink_value(const AttnParams& p, int slot, int kvh, int d0, float (&v)[N]) {
   const bool bad = slot < 0 || slot >= p.num_slots;
-  load_floats(p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + kvh) * 4 * D + STATE_SINK_V * D + d0, v);
+  load_floats(p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + kvh) * STATE_ROWS * D + STATE_SINK_V * D + d0, v);
   if (bad) {
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = __int_as_float(0x7fc00000);

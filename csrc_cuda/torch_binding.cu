@@ -58,8 +58,8 @@ void set_transform_fields(Params& p, int D, int hkv, int num_ids,
     const at::Tensor& st = *seq_state;
     const at::Tensor& ids = *state_ids;
     TORCH_CHECK(st.is_cuda() && st.scalar_type() == at::kFloat && st.dim() == 4 && st.size(1) == hkv &&
-                    st.size(2) == 4 && st.size(3) == D && st.is_contiguous(),
-                "seq_state: expected a contiguous float32 [num_slots, num_kv_heads, 4, D] CUDA tensor");
+                    st.size(2) == tq::STATE_ROWS && st.size(3) == D && st.is_contiguous(),
+                "seq_state: expected a contiguous float32 [num_slots, num_kv_heads, 5, D] CUDA tensor");
     TORCH_CHECK(ids.is_cuda() && ids.scalar_type() == at::kInt && ids.dim() == 1 && ids.size(0) == num_ids &&
                     ids.is_contiguous(),
                 "state_ids: expected a contiguous int32 CUDA tensor with one slot per sequence (attention) "
@@ -86,7 +86,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                               const std::optional<at::Tensor>& cu_query_lens, double scale,
                               int64_t sliding_window, double logits_soft_cap, int64_t max_seq_len,
                               const std::optional<at::Tensor>& rotation_signs,  // float32 [D]
-                              const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 4, D]
+                              const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 5, D]
                               const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
                               bool sink) {
   TORCH_CHECK(!sink || seq_state.has_value(), "sink: needs seq_state");
@@ -199,7 +199,7 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
                                 at::Tensor& value_cache, at::Tensor& key_scales, at::Tensor& value_scales,
                                 const at::Tensor& slot_mapping,
                                 const std::optional<at::Tensor>& rotation_signs,  // float32 [D]
-                                const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 4, D]
+                                const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 5, D]
                                 const std::optional<at::Tensor>& state_ids) {  // int32 [num_tokens]
   TORCH_CHECK(key.is_cuda() && key.dim() == 3 && value.sizes() == key.sizes(), "key/value: expected 3-D CUDA");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key/value dtype mismatch");

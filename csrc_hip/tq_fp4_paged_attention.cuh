@@ -30,7 +30,7 @@
 //
 // Accuracy transforms (CONTRACT.md section 2; turboquant/reference.py defines them), each on
 // only when its argument is given, all in fp32 and fused into this kernel (no extra pass):
-//   - state record (seq_state [num_slots, num_kv_heads, 4, HEAD], slot r = state_ids[seq]):
+//   - state record (seq_state [num_slots, num_kv_heads, 5, HEAD], slot r = state_ids[seq]):
 //     q' = q * lam_r in the prologue. A slot outside [0, num_slots) is never read: the
 //     sequence's partials are NaN, so its output rows are. With a soft cap the logit is
 //     scale * (q'.k' + q.m_r): q.m_r is one more head_sum in the prologue.
@@ -71,8 +71,9 @@ constexpr int kPvSteps = kPartition / kMfmaK;         // 2 PV K-steps per partit
 constexpr int kFp4BytesPerK = kMfmaK / 2;             // one MFMA K step of a packed FP4 row: 64 bytes
 constexpr int kE8m0One = 127;
 constexpr float kLog2e = 1.4426950408889634f;
-// Rows of a state record (turboquant/smoothing.py): key center m, key scale lam, sink K, V.
-constexpr int kKeyCenter = 0, kKeyScale = 1, kSinkKey = 2, kSinkValue = 3, kStateRows = 4;
+// Rows of a state record (turboquant/smoothing.py): key center m, key scale lam, sink K, V,
+// 1 / lam (the writer's row; attention never reads it).
+constexpr int kKeyCenter = 0, kKeyScale = 1, kSinkKey = 2, kSinkValue = 3, kStateRows = 5;
 
 // HEAD^-0.5 as the fp32 constant the rotation multiplies by (turboquant.rotation.rotation_norm:
 // the double D^-0.5 rounded to fp32): 2^(-k/2) for HEAD = 2^k, sqrt(1/2) for odd k.
@@ -253,7 +254,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     int num_kv_heads, int q_stride, int64_t kv_block_stride, int kv_head_stride,
     int kv_seq_stride,
     const float* __restrict__ rotation_signs, // [HEAD] of +-1, or nullptr: no rotation
-    const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 4, HEAD], or nullptr: no record
+    const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr: no record
     const int* __restrict__ state_ids,        // [num_seqs]: each sequence's slot (read with seq_state)
     int num_slots, int sink) {                // sink != 0: position 0 from the record (needs seq_state)
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");

@@ -140,7 +140,7 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             if not 0 <= r < seq_state.shape[0]:
                 out[s] = float("nan")
                 continue
-            record = seq_state[r]  # [Hkv, 4, D]
+            record = seq_state[r]  # [Hkv, 5, D]
         pos = torch.arange(n)
         blk = block_tables[s, pos // bs].long()
         slot = pos % bs

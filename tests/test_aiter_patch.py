@@ -214,7 +214,7 @@ def test_patched_python_routes_fp4_and_renders_both_specializations(tree, tmp_pa
         from csrc.cpp_itfs.pa import pa_fp4
         captured["plain_transforms"] = captured["transforms"]
         signs = torch.ones(d)
-        state = torch.zeros(5, hkv, 4, d)
+        state = torch.zeros(5, hkv, 5, d)
         ids = torch.tensor([4, 0, 2], dtype=torch.int32)
         pa_fp4.paged_attention_fp4_launch(out, ws, q, kc, kc.clone(), ks, ks.clone(), bt, sl, 32,
                                           0.1, 0.0, True, rotation_signs=signs, seq_state=state,

@@ -10,7 +10,7 @@ from turboquant import format as fmt
 from turboquant.cache import build_paged_problem
 from turboquant.config import PLAIN
 from turboquant.rotation import fwht, rotate, rotation_matrix, rotation_signs, unrotate
-from turboquant.smoothing import KEY_CENTER, KEY_SCALE, allocate_state
+from turboquant.smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, allocate_state
 
 from conftest import dequant_f64
 
@@ -134,7 +134,7 @@ def test_api_with_config_matches_float64(name):
     k_all = torch.cat(keys).float()
     if cfg.key_smoothing:
         rec = state["seq_state"][tok_ids.long()]
-        k_all = (k_all - rec[:, :, KEY_CENTER]) / rec[:, :, KEY_SCALE]
+        k_all = (k_all - rec[:, :, KEY_CENTER]) * rec[:, :, KEY_INV_SCALE]
     signs = rotation_signs(d, cfg.rotation_seed)
     k_src = rotate(k_all, signs) if cfg.rotation else k_all
     codes, sc = fmt.quantize_fp4(k_src, cfg.scale_group, cfg.scale_rule)
@@ -155,7 +155,7 @@ def test_api_with_config_matches_float64(name):
         v = dequant_f64(cache.value_cache[blk, :, off], vs[blk, off], group)
         q = query[s].double()
         if cfg.uses_state:
-            rec = state["seq_state"][ids[s]].double()  # [Hkv, 4, D]
+            rec = state["seq_state"][ids[s]].double()  # [Hkv, 5, D]
             q = q * rec[:, KEY_SCALE].repeat_interleave(4, 0)
             if cfg.sink:
                 k[0], v[0] = rec[:, 2], rec[:, 3]

@@ -39,3 +39,45 @@ def test_kernel_headers_are_torch_free():
     for f in CSRC.glob("*.cuh"):
         text = f.read_text()
         assert "torch" not in re.sub(r"//.*", "", text).lower().replace("torch-free", ""), f
+
+
+ENCODE_CHECK = r"""
+#include <cstdio>
+#include "cache_writer.cuh"
+using namespace turboquant::cuda_fp4;
+// Nearest E2M1 magnitude code by search, ties to the even code (format.py encode_e2m1).
+static unsigned nearest_even(double y) {
+  static const double grid[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  unsigned best = 0;
+  for (unsigned c = 1; c < 8; ++c) {
+    const double d = y - grid[c], db = y - grid[best];
+    if (d * d < db * db || (d * d == db * db && c % 2 == 0)) best = c;
+  }
+  return best;
+}
+int main() {
+  unsigned long long bad = 0;
+  const unsigned last = 0x40C00000u;  // 6.0f: the scale rule keeps every |q| <= 6
+  for (unsigned u = 0; u <= last; ++u) {
+    float y;
+    memcpy(&y, &u, 4);
+    if (e2m1_magnitude_magic(y) - E2M1_MAGIC != nearest_even(y) && bad++ < 5)
+      printf("mismatch at %a: %u vs %u\n", y, e2m1_magnitude_magic(y) - E2M1_MAGIC, nearest_even(y));
+  }
+  printf("checked %u magnitudes, %llu mismatches\n", last + 1, bad);
+  return bad != 0;
+}
+"""
+
+
+def test_e2m1_encode_matches_nearest_even_for_every_float(tmp_path):
+    """The writer's compare-free E2M1 magnitude (cache_writer.cuh, host build of the same
+    function) against a nearest-even search of the grid, for every float32 in [0, 6]."""
+    src = tmp_path / "encode_check.cu"
+    src.write_text(ENCODE_CHECK)
+    exe = tmp_path / "encode_check"
+    r = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", str(CSRC), str(src), "-o", str(exe)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "0 mismatches" in r.stdout, r.stdout[-2000:]

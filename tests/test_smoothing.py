@@ -5,7 +5,7 @@ import torch
 import turboquant as tq
 from turboquant.cache import build_paged_problem
 from turboquant.config import PLAIN, QuantConfig
-from turboquant.smoothing import (KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE, allocate_state,
+from turboquant.smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, allocate_state,
                                   calibrate, load_calibration, save_calibration,
                                   smoothing_from_keys)
 
@@ -94,7 +94,8 @@ def test_sink_is_exact_and_ignores_the_cache_bytes():
     assert torch.isfinite(out[1]).all()
     rec = prob.kwargs["seq_state"][prob.kwargs["state_ids"][1]]
     k0 = prob.keys[1][0].float()
-    sink = tq.rotation.rotate((k0 - rec[:, KEY_CENTER]) / rec[:, KEY_SCALE],
+    assert torch.equal(rec[:, KEY_INV_SCALE], 1.0 / rec[:, KEY_SCALE])
+    sink = tq.rotation.rotate((k0 - rec[:, KEY_CENTER]) * rec[:, KEY_INV_SCALE],
                               tq.rotation.rotation_signs(64))
     torch.testing.assert_close(rec[:, SINK_KEY], sink, rtol=0, atol=0)
     assert torch.isfinite(rec[:, SINK_VALUE]).all()
@@ -151,7 +152,7 @@ def test_calibration_file_round_trip_and_use(tmp_path):
     assert len(back) == 3
     for (m, lam), (m2, lam2) in zip(cal, back):
         assert torch.equal(m, m2) and torch.equal(lam, lam2)
-    # the calibrated config writes (k - m) / lam of the file's layer
+    # the calibrated config writes (k - m) * (1 / lam) of the file's layer
     cfg = QuantConfig(key_smoothing="calibrated")
     cache = tq.allocate_cache(4, 2, 16, 64)
     state = tq.allocate_state(1, 2, 64)

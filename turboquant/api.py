@@ -331,7 +331,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     ``config`` (default ``QuantConfig()``, scale group taken from the scales' shape) picks the
     scale rule and the transforms (CONTRACT.md section 2); read the cache with the same config.
     With key smoothing or the sink (the default) the writer keeps one record per sequence:
-    ``seq_state`` float32 [num_slots, num_kv_heads, 4, D] (``turboquant.allocate_state``),
+    ``seq_state`` float32 [num_slots, num_kv_heads, 5, D] (``turboquant.allocate_state``),
     ``state_ids`` int32 [num_tokens] (each token's slot), and ``positions`` [num_tokens] (each
     token's position in its sequence; int32/int64) in every call that may write a sequence's
     position 0: those sequences' records are filled first, from this call's tokens of the

@@ -6,7 +6,7 @@ same way, and ``torch.compile`` / CUDA graphs see an opaque op that writes into
 caller-allocated outputs and never synchronizes with the host.
 
 The transforms of CONTRACT.md section 2 travel with every call: ``rotation_signs`` (float32
-[D] of +-1, or None: no rotation), ``seq_state`` (float32 [num_slots, num_kv_heads, 4, D],
+[D] of +-1, or None: no rotation), ``seq_state`` (float32 [num_slots, num_kv_heads, 5, D],
 ``turboquant.smoothing``) and ``state_ids`` (int32: the slot of each sequence for attention,
 of each token for the writer), ``sink`` (attention reads position 0 from the state record).
 The writer gets ``seq_state`` only with key smoothing; the reader whenever the config uses it.

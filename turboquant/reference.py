@@ -32,7 +32,7 @@ import torch
 from .api import attention_op_args, cache_write_op_args, make_attention_call, make_cache_write
 from .format import dequantize_fp4, quantize_fp4
 from .rotation import rotate, unrotate
-from .smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE, transform_keys
+from .smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, transform_keys
 from .ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from .registry import AttentionCall, Backend, CacheWrite, register
 
@@ -74,7 +74,7 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
             continue
         q = call.query[q0:q1].float().view(nq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, nq, D]
         q = q.reshape(hkv, g * nq, d)
-        record = _state_record(call, s)  # [Hkv, 4, D] or None
+        record = _state_record(call, s)  # [Hkv, 5, D] or None
         q_dot_m = None
         if record is not None:
             if call.logits_soft_cap > 0:
@@ -132,7 +132,7 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
 
 
 def _state_record(call: AttentionCall, s: int):
-    """Sequence s's state record [Hkv, 4, D] (NaN if its slot is outside the tensor), or None."""
+    """Sequence s's state record [Hkv, 5, D] (NaN if its slot is outside the tensor), or None."""
     if call.seq_state is None:
         return None
     slot = int(call.state_ids[s])
@@ -142,18 +142,18 @@ def _state_record(call: AttentionCall, s: int):
 
 
 def _smoothing_of_tokens(write: CacheWrite, keep: torch.Tensor):
-    """(m, lam) [n, Hkv, D] of the kept tokens' slots (NaN for a slot outside the tensor)."""
+    """(m, 1 / lam) [n, Hkv, D] of the kept tokens' slots (NaN for a slot outside the tensor)."""
     state = write.seq_state
     ids = write.state_ids[keep].long()
     valid = (ids >= 0) & (ids < state.shape[0])
-    rec = state[ids.clamp(0, state.shape[0] - 1)]  # [n, Hkv, 4, D]
+    rec = state[ids.clamp(0, state.shape[0] - 1)]  # [n, Hkv, 5, D]
     rec = torch.where(valid[:, None, None, None], rec, float("nan"))
-    return rec[:, :, KEY_CENTER], rec[:, :, KEY_SCALE]
+    return rec[:, :, KEY_CENTER], rec[:, :, KEY_INV_SCALE]
 
 
 def cache_write_reference(write: CacheWrite) -> None:
     """Transform and quantize key/value and scatter them into the paged cache at
-    ``slot_mapping``: key -> rotate((k - m) / lam) (m, lam from each token's state slot, with
+    ``slot_mapping``: key -> rotate((k - m) * r) (m, r = 1 / lam from each token's state slot, with
     key smoothing), value -> rotate(v), each step only where configured, in fp32."""
     d, bs = write.head_dim, write.block_size
     group = None if write.scale_group == d else write.scale_group
@@ -161,10 +161,10 @@ def cache_write_reference(write: CacheWrite) -> None:
     keep = (write.slot_mapping >= 0) & (write.slot_mapping < write.num_blocks * bs)
     slots = write.slot_mapping[keep].long()
     blocks, offsets = slots // bs, slots % bs
-    center = scale = None
+    center = inv_scale = None
     if write.seq_state is not None:
-        center, scale = _smoothing_of_tokens(write, keep)
-    key = transform_keys(write.key[keep], center, scale, write.rotation_signs)
+        center, inv_scale = _smoothing_of_tokens(write, keep)
+    key = transform_keys(write.key[keep], center, inv_scale, write.rotation_signs)
     value = transform_keys(write.value[keep], None, None, write.rotation_signs)
     for src, cache, scales in ((key, write.key_cache, write.key_scales),
                                (value, write.value_cache, write.value_scales)):

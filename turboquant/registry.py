@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from .smoothing import STATE_ROWS
+
 
 @dataclass(frozen=True)
 class AttentionCall:
@@ -44,7 +46,7 @@ class AttentionCall:
     num_blocks: int
     scale_group: int  # elements per E8M0 scale: head_dim (default) or 32
     rotation_signs: Optional[torch.Tensor] = None  # float32 [D] of +-1; None: no rotation
-    seq_state: Optional[torch.Tensor] = None  # float32 [num_slots, num_kv_heads, 4, D]
+    seq_state: Optional[torch.Tensor] = None  # float32 [num_slots, num_kv_heads, 5, D]
     state_ids: Optional[torch.Tensor] = None  # int32 [num_seqs]: each sequence's state slot
     sink: bool = False  # position 0 read from the state record, not from the FP4 cache
 
@@ -67,8 +69,8 @@ class CacheWrite:
     scale_group: int
     scale_rule: str = "smallest"  # "smallest" (CONTRACT.md) or "mse" (QuantConfig.scale_rule)
     rotation_signs: Optional[torch.Tensor] = None  # float32 [D] of +-1; None: no rotation
-    seq_state: Optional[torch.Tensor] = None  # float32 [num_slots, num_kv_heads, 4, D]; with
-    # key smoothing only: each token's key becomes (k - m) / lam of its slot
+    seq_state: Optional[torch.Tensor] = None  # float32 [num_slots, num_kv_heads, 5, D]; with
+    # key smoothing only: each token's key becomes (k - m) * (1 / lam) of its slot
     state_ids: Optional[torch.Tensor] = None  # int32 [num_tokens]: each token's state slot
 
 
@@ -85,7 +87,7 @@ def transform_tensors_reason(call: AttentionCall) -> Optional[str]:
     if call.sink and state is None:
         return "sink: needs seq_state and state_ids (the sink rows live in the state record)"
     if state is not None:
-        want = (call.num_kv_heads, 4, call.head_dim)
+        want = (call.num_kv_heads, STATE_ROWS, call.head_dim)
         if (state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != want
                 or not state.is_contiguous() or state.device != call.query.device):
             return (f"seq_state: expected a contiguous float32 [num_slots, {want[0]}, {want[1]}, "

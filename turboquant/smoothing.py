@@ -1,16 +1,18 @@
 """Key smoothing and the sink token: the per-sequence state record, its initialization, and
 calibration files (CONTRACT.md section 2).
 
-The state of one layer is ``seq_state``: float32 ``[num_slots, num_kv_heads, 4, D]``, one slot
+The state of one layer is ``seq_state``: float32 ``[num_slots, num_kv_heads, 5, D]``, one slot
 per live sequence (the engine's request slot: SGLang's ``req_pool_indices``, a vLLM persistent
 batch row), rows:
 
 - ``KEY_CENTER`` m: subtracted from every key before quantization. Softmax is unchanged by it
   (q.m is the same for every key of a query); with a logit soft cap the reader adds q.m back.
-- ``KEY_SCALE`` lam (> 0): keys are divided by it, queries multiplied by it.
+- ``KEY_SCALE`` lam (> 0): queries are multiplied by it, keys by its reciprocal (below).
 - ``SINK_KEY``, ``SINK_VALUE``: the sequence's position 0 after the writer's transform
-  (``rotate((k0 - m) / lam)`` and ``rotate(v0)``), in fp32: with ``sink`` on, attention reads
+  (``rotate((k0 - m) * r)`` and ``rotate(v0)``), in fp32: with ``sink`` on, attention reads
   position 0 from here instead of from its FP4 bytes.
+- ``KEY_INV_SCALE`` r = 1 / lam (fp32 division, once per record): the writer multiplies keys by
+  it, one instruction per element where a division is a dozen.
 
 The writer fills a slot when it writes a sequence's position 0 (``init_state``), from the tokens
 of that sequence in the same call (its first chunk), or from a calibration file's per-layer m
@@ -41,15 +43,15 @@ import torch
 
 from .rotation import rotate
 
-KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE = range(4)
-STATE_ROWS = 4
+KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE, KEY_INV_SCALE = range(5)
+STATE_ROWS = 5
 SMOOTHING_EXPONENT = 0.5
 _FLOOR = 2.0 ** -20
 
 
 def allocate_state(num_slots: int, num_kv_heads: int, head_dim: int, device="cpu"
                    ) -> torch.Tensor:
-    """One layer's per-sequence state, float32 [num_slots, num_kv_heads, 4, D], NaN until a
+    """One layer's per-sequence state, float32 [num_slots, num_kv_heads, 5, D], NaN until a
     sequence's position 0 is written into its slot."""
     return torch.full((num_slots, num_kv_heads, STATE_ROWS, head_dim), float("nan"),
                       dtype=torch.float32, device=device)
@@ -74,12 +76,12 @@ def smoothing_from_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def transform_keys(key: torch.Tensor, center: Optional[torch.Tensor],
-                   scale: Optional[torch.Tensor], signs: Optional[torch.Tensor]) -> torch.Tensor:
-    """The writer's key transform in fp32: rotate((k - m) / lam) (each step only if given);
-    key [..., D], center/scale broadcastable to it."""
+                   inv_scale: Optional[torch.Tensor], signs: Optional[torch.Tensor]) -> torch.Tensor:
+    """The writer's key transform in fp32: rotate((k - m) * r) with r = 1 / lam (each step only
+    if given); key [..., D], center/inv_scale broadcastable to it."""
     k = key.float()
     if center is not None:
-        k = (k - center) / scale
+        k = (k - center) * inv_scale
     return rotate(k, signs) if signs is not None else k
 
 
@@ -109,9 +111,11 @@ def init_state(key: torch.Tensor, value: torch.Tensor, seq_state: torch.Tensor,
         else:
             m = torch.zeros(hkv, d, device=key.device)
             lam = torch.ones(hkv, d, device=key.device)
+        inv = 1.0 / lam
         seq_state[slot, :, KEY_CENTER] = m
         seq_state[slot, :, KEY_SCALE] = lam
-        seq_state[slot, :, SINK_KEY] = transform_keys(key[t0], m, lam, signs)
+        seq_state[slot, :, KEY_INV_SCALE] = inv
+        seq_state[slot, :, SINK_KEY] = transform_keys(key[t0], m, inv, signs)
         seq_state[slot, :, SINK_VALUE] = transform_keys(value[t0], None, None, signs)
 
 

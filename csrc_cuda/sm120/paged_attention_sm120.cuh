@@ -102,15 +102,15 @@ struct AttentionParams {
   int sliding_window;
   // Transforms; all off with null pointers and sink false.
   const float* rotation_signs;    // [D] of +-1, or nullptr (no rotation)
-  const float* seq_state;         // [num_slots, num_kv_heads, 4, D] (rows kStateCenter..), or nullptr
+  const float* seq_state;         // [num_slots, num_kv_heads, 5, D] (rows kStateCenter..), or nullptr
   const int32_t* state_ids;       // [num_seqs]: each sequence's slot in seq_state
   int num_slots;                  // seq_state's dim 0; a slot outside [0, num_slots) gives NaN rows
   float rotation_norm;            // D^-0.5 as fp32 (turboquant.rotation.rotation_norm)
   bool sink;                      // position 0 from the record's sink rows (needs seq_state)
 };
 
-// Rows of a state record (turboquant/smoothing.py).
-constexpr int kStateCenter = 0, kStateScale = 1, kStateSinkKey = 2, kStateSinkValue = 3, kStateRows = 4;
+// Rows of a state record (turboquant/smoothing.py; row 4, 1 / lam, is the writer's).
+constexpr int kStateCenter = 0, kStateScale = 1, kStateSinkKey = 2, kStateSinkValue = 3, kStateRows = 5;
 // Per-row flags of a tile, set by the Q prologue.
 constexpr int kRowNan = 1;   // the row's output is NaN (q' not finite, slot outside, sink not finite)
 constexpr int kRowSink = 2;  // the row sees position 0 and this CTA merges the sink into it
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D>()) paged_attentio
   const int split_hi = min(seq_len, split_lo + p.partition_size);
   const int32_t* block_table = p.block_tables + (long long)p.max_blocks_per_seq * seq;
   const T* query = static_cast<const T*>(p.query);
-  // This (sequence, kv head)'s state record [4][D]; nullptr without seq_state or when the slot
+  // This (sequence, kv head)'s state record [5][D]; nullptr without seq_state or when the slot
   // lies outside it (then never read: lam, m and the sink count as NaN).
   const float* record = nullptr;
   if (p.seq_state != nullptr) {

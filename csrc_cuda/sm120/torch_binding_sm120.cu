@@ -43,7 +43,7 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
                                const std::optional<at::Tensor>& cu_query_lens,  // int32 [num_seqs + 1]
                                double scale, int64_t sliding_window, double logits_soft_cap, int64_t max_seq_len,
                                const std::optional<at::Tensor>& rotation_signs,  // float32 [D] of +-1, or None
-                               const std::optional<at::Tensor>& seq_state,  // float32 [num_slots, num_kv_heads, 4, D]
+                               const std::optional<at::Tensor>& seq_state,  // float32 [num_slots, num_kv_heads, 5, D]
                                const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
                                bool sink) {
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-d CUDA tensor");

@@ -309,7 +309,7 @@ def _transform_args(prob, d):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("config", ["default", "rotation", "smooth"])
 def test_cache_writer_transforms_bit_exact(d, group, dtype, config):
-    """rotate((k - m) / lam) and rotate(v) in registers give the reference's bytes."""
+    """rotate((k - m) * (1 / lam)) and rotate(v) in registers give the reference's bytes."""
     cfg = dataclasses.replace(CONFIGS[config], scale_group=group)
     n, hkv = 61, 3
     key, val, nb, slots = _writer_inputs(n, hkv, d, dtype, group, seed=d + 1)

@@ -412,7 +412,7 @@ def transformed_terms(call):
             if not 0 <= slot < call.seq_state.shape[0]:
                 out[:, q0:q1] = float("nan")
                 continue
-            rec = call.seq_state[slot].repeat_interleave(g, 0)  # [H, 4, D]
+            rec = call.seq_state[slot].repeat_interleave(g, 0)  # [H, 5, D]
         qp = q * rec[:, KEY_SCALE] if rec is not None else q
         if call.rotation_signs is not None:
             qp = rotate(qp, call.rotation_signs)

@@ -15,7 +15,7 @@ Supported: query fp16/bf16 on a CUDA device; head_dim 64/128/256; block_size a p
 >= 16; one scale per (token, head) for attention (per-32 scales are declined with a reason;
 the cache writer supports both); any GQA ratio; multi-token queries; sliding window; soft cap.
 The transforms of CONTRACT.md section 2 run inside the kernels: the writer rotates
-((k - m) / lam) and v in registers (a Walsh-Hadamard transform over the lanes of a row); the
+((k - m) * (1 / lam)) and v in registers (a Walsh-Hadamard transform over the lanes of a row); the
 attention kernels multiply Q by lam and rotate it in the prologue, merge the sink record as one
 more key after the warp merge, and un-rotate O before its store (the split-KV reduce
 un-rotates the combined row). With a soft cap and records, the

@@ -84,10 +84,10 @@ def _check_transforms(query, num_kv_heads, rotation_signs, seq_state, state_ids,
         if state_ids is not None or sink:
             _fail("seq_state", "a state tensor when state_ids or sink is given", None)
         return 0
-    want = (num_kv_heads, 4, head_size)
+    want = (num_kv_heads, 5, head_size)
     if seq_state.dtype != torch.float32 or seq_state.dim() != 4 or tuple(seq_state.shape[1:]) != want \
             or not seq_state.is_contiguous() or seq_state.device != query.device:
-        _fail("seq_state", f"a contiguous float32 [num_slots, {num_kv_heads}, 4, {head_size}] tensor "
+        _fail("seq_state", f"a contiguous float32 [num_slots, {num_kv_heads}, 5, {head_size}] tensor "
               f"on {query.device}", f"{seq_state.dtype} {tuple(seq_state.shape)} on {seq_state.device}")
     if state_ids is None or state_ids.dtype != torch.int32 or tuple(state_ids.shape) != (num_seqs,) \
             or not state_ids.is_contiguous() or state_ids.device != query.device:

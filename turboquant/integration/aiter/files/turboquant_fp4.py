@@ -70,7 +70,7 @@ def paged_attention_fp4(
     seq_lens int32 [num_seqs]. max_seq_len: host-side bound on seq_lens (default: the block
     table's capacity). turboquant's accuracy transforms, each off when None / False:
     rotation_signs float32 [D] of +-1 (Q rotated, output rotated back); seq_state float32
-    [num_slots, num_kv_heads, 4, D] with state_ids int32 [num_seqs] (q scaled by the key scale
+    [num_slots, num_kv_heads, 5, D] with state_ids int32 [num_seqs] (q scaled by the key scale
     of its slot; q.m added back under a soft cap); sink: position 0 from seq_state.
     """
     if max_seq_len is None:
