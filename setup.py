@@ -14,6 +14,7 @@ setup(
     package_data={"turboquant": ["data/*.txt", "integration/aiter/files/**/*"]},
     include_package_data=True,
     python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
+    # numpy: torch's NumPy interop; without it, importing torch warns "Failed to initialize NumPy".
+    install_requires=["torch>=2.4", "numpy"],
     extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
 )

@@ -6,13 +6,13 @@ assembly and check the instruction forms, spills, registers and occupancy of eac
 """
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from _tools import CLANG_MISSING, find_clang
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc_hip"
@@ -23,10 +23,9 @@ FLAGS = ["-x", "hip", "--offload-arch=gfx950", "--offload-device-only", "-nogpul
 
 
 def _clang():
-    clang = os.environ.get("TURBOQUANT_CLANG") or shutil.which("clang-22")
+    clang = find_clang()
     if clang is None:
-        pytest.skip("clang-22 not found: apt-get install -y --no-install-recommends clang-22 "
-                    "(Debian bookworm-security), or set TURBOQUANT_CLANG")
+        pytest.skip(CLANG_MISSING)
     return clang
 
 

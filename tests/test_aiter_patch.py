@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from _tools import CLANG_MISSING, find_clang
 from turboquant.integration.aiter import patch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,9 +250,9 @@ def test_patched_python_routes_fp4_and_renders_both_specializations(tree, tmp_pa
 
     # The rendered translation unit, with the injected headers, compiles for gfx950 (host
     # launch code and device code; csrc_hip/shims stands in for <hip/hip_runtime.h>).
-    clang = os.environ.get("TURBOQUANT_CLANG") or shutil.which("clang-22")
+    clang = find_clang()
     if clang is None:
-        pytest.skip("clang-22 not found: apt-get install -y --no-install-recommends clang-22")
+        pytest.skip(CLANG_MISSING)
     tu = tmp_path / "pa_fp4_rendered.cpp"
     tu.write_text(src)
     flags = [clang, "-x", "hip", "--offload-arch=gfx950", "-nogpulib", "-nogpuinc", "-O3",

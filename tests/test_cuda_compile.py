@@ -1,18 +1,21 @@
 """The cuda backend's kernels compile standalone (no torch) for SM80 and SM90a with nvcc, with
-no register spills. Runs on CPU-only CI machines that have nvcc; skipped where nvcc is absent."""
+no register spills. Runs on CPU-only CI machines that have nvcc (a CUDA toolkit's, or the
+nvidia-cuda-nvcc wheel's that .ci/install gets from PyPI); skipped where nvcc is absent."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc_cuda"
-NVCC = shutil.which("nvcc")
+from _tools import find_nvcc, nvcc_link_flags
 
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+CSRC = Path(__file__).resolve().parents[1] / "csrc_cuda"
+NVCC = find_nvcc()
+
+pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (looked on PATH, in $CUDA_HOME "
+                                "and the nvidia wheels; bash .ci/install gets it from PyPI) and g++")
 
 TARGETS = {
     "sm_80": ["-gencode=arch=compute_80,code=sm_80"],
@@ -76,7 +79,8 @@ def test_e2m1_encode_matches_nearest_even_for_every_float(tmp_path):
     src = tmp_path / "encode_check.cu"
     src.write_text(ENCODE_CHECK)
     exe = tmp_path / "encode_check"
-    r = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", str(CSRC), str(src), "-o", str(exe)],
+    r = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", str(CSRC), str(src), "-o", str(exe),
+                        *nvcc_link_flags(NVCC)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)

@@ -10,20 +10,21 @@ spill stores / loads, and no LDL/STL in the attention kernels (nor stack or spil
 combiner, which un-rotates), and at most 168 registers at head dims <= 128 (three CTAs per SM).
 Prints the register counts.
 
-Needs nvcc (CUDA 12.9+/13) and cuobjdump + nvdisasm; where no CUDA toolkit has them:
-    python -m pip install "nvidia-cuda-cuobjdump>=13.2" "nvidia-cuda-nvdisasm>=13.2"
-(the wheels put them in site-packages/nvidia/cu13/bin, which this test searches).
+Needs nvcc (CUDA 12.9+/13) and cuobjdump + nvdisasm; where no CUDA toolkit has them,
+bash .ci/install gets them from PyPI (the nvidia-* wheels put them in
+site-packages/nvidia/cu13/bin, where tests/_tools.py finds them).
 """
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from _tools import find_nvcc, find_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 SM120 = ROOT / "csrc_cuda" / "sm120"
@@ -32,28 +33,12 @@ QMMA = "QMMA.SF.16832.F32.E4M3.E2M1.E8"
 OMMA = "OMMA.SF.16864.F32.E2M1.E2M1.E8"
 
 
-def _find_tool(name):
-    found = shutil.which(name)
-    if found:
-        return found
-    for base in [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]:
-        if base and (Path(base) / "bin" / name).exists():
-            return str(Path(base) / "bin" / name)
-    try:
-        import nvidia  # the nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm wheels
-        for root in nvidia.__path__:
-            for cand in sorted(Path(root).glob(f"cu*/bin/{name}")):
-                return str(cand)
-    except ImportError:
-        pass
-    return None
-
-
-NVCC, CUOBJDUMP, NVDISASM = (_find_tool(n) for n in ("nvcc", "cuobjdump", "nvdisasm"))
+NVCC, CUOBJDUMP, NVDISASM = find_nvcc(), find_tool("cuobjdump"), find_tool("nvdisasm")
 pytestmark = [
     pytest.mark.slow,  # two nvcc compiles: about 40 s on 2 cores
     pytest.mark.skipif(not (NVCC and CUOBJDUMP and NVDISASM),
-                       reason=f"needs nvcc, cuobjdump and nvdisasm (found {NVCC}, {CUOBJDUMP}, {NVDISASM})"),
+                       reason=f"needs nvcc (and g++), cuobjdump and nvdisasm (found {NVCC}, "
+                              f"{CUOBJDUMP}, {NVDISASM}): bash .ci/install gets them from PyPI"),
 ]
 
 
