@@ -97,9 +97,20 @@ struct AttnParams {
   const int* state_ids;    // [num_seqs] slot of each sequence (outside [0, num_slots): NaN rows)
   int num_slots;
   int sink;                // position 0 comes from the record (rows 2, 3), not from the FP4 cache
+  // attention states (turboquant.states); nullptr: off
+  float* lse;              // [num_tokens, num_heads] fp32: each row's log-sum-exp (natural log)
+  const float* sinks;      // [num_heads] fp32: learned sink logits (one more logit, no value)
 };
 
 // ---- accuracy transforms (turboquant/rotation.py, turboquant/smoothing.py) ---------------
+
+// Whether the prologue computes scale * q.m (q.m: the original query and the key center). With
+// key smoothing the kernels' logits lack it (softmax does not depend on it), so the logits under
+// a soft cap need it, and without a cap the log-sum-exp output and learned sinks do: both are
+// defined on the true logits.
+__device__ __forceinline__ bool needs_q_dot_center(const AttnParams& p) {
+  return p.seq_state != nullptr && (p.soft_cap > 0.f || p.lse != nullptr || p.sinks != nullptr);
+}
 
 // The slot of sequence s's state record (0 without records; read once, early in the prologue).
 __device__ __forceinline__ int state_slot(const AttnParams& p, int s) {
@@ -110,7 +121,7 @@ __device__ __forceinline__ int state_slot(const AttnParams& p, int s) {
 // lam, the rotation signs and the sink key (each only where used). Loaded early in the
 // prologue, so the latency of the slot -> record chain hides under the first KV copies.
 struct QChunk {
-  float lam[8], sg[8], sk[8], m[8];  // m: the key center, read only under a soft cap
+  float lam[8], sg[8], sk[8], m[8];  // m: the key center, read only where needs_q_dot_center
   bool bad;  // the slot is outside [0, num_slots): the rows become NaN
 };
 template <int D>
@@ -122,7 +133,7 @@ __device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int 
     const float* rec = p.seq_state + ((size_t)(c.bad ? 0 : slot) * p.num_kv_heads + kvh) * STATE_ROWS * D + col;
     load_floats(rec + STATE_SCALE * D, c.lam);
     if (sink) load_floats(rec + STATE_SINK_K * D, c.sk);
-    if (p.soft_cap > 0.f) load_floats(rec, c.m);
+    if (needs_q_dot_center(p)) load_floats(rec, c.m);
   }
   if (p.rot_signs != nullptr) load_floats(p.rot_signs + col, c.sg);
 }
@@ -138,11 +149,11 @@ __device__ __forceinline__ void load_sink_value(const AttnParams& p, int slot, i
   }
 }
 
-// With a soft cap and a record, the chunk's share of q.m (the original query and the key
-// center): softmax is unchanged by m only without a cap, so the capped logit adds q.m back.
+// The chunk's share of q.m where needs_q_dot_center (else 0): softmax is unchanged by m only
+// without a cap, so the capped logit adds q.m back, and so do the lse and learned sinks.
 __device__ __forceinline__ float q_dot_center(const AttnParams& p, const QChunk& c, const float (&f)[8]) {
   float dot = 0.f;
-  if (p.seq_state != nullptr && p.soft_cap > 0.f) {
+  if (needs_q_dot_center(p)) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) dot += f[i] * c.m[i];
   }
@@ -180,12 +191,12 @@ __device__ __forceinline__ float transform_q8(const AttnParams& p, const QChunk&
 }
 
 // The Q-chunk stage both attention kernels share: the thread's 8 query elements (raw, of row
-// chunk [col, col + 8)) in fp32, q.m under a soft cap, the transforms, and the row's sink dot
-// and scale * q.m reduced over the row's D/8 lanes; the row's first lane (store_row) writes
-// them to sink_dst / qm_dst. sink and cap_state are CTA-uniform (the reductions shuffle).
+// chunk [col, col + 8)) in fp32, q.m where needs_q_dot_center, the transforms, and the row's
+// sink dot and scale * q.m reduced over the row's D/8 lanes; the row's first lane (store_row)
+// writes them to sink_dst / qm_dst. sink is CTA-uniform (the reductions shuffle).
 template <int D, typename T>
 __device__ __forceinline__ void prepare_q8(const AttnParams& p, const QChunk& qc, const uint4& raw, bool sink,
-                                           bool cap_state, bool store_row, float* sink_dst, float* qm_dst,
+                                           bool store_row, float* sink_dst, float* qm_dst,
                                            float (&qv)[8], int lane) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&raw)[i]);
@@ -195,7 +206,7 @@ __device__ __forceinline__ void prepare_q8(const AttnParams& p, const QChunk& qc
     const float q_k0 = row_sum<D / 8>(dot);
     if (store_row) *sink_dst = q_k0;
   }
-  if (cap_state) {
+  if (needs_q_dot_center(p)) {
     const float q_m = row_sum<D / 8>(qm);
     if (store_row) *qm_dst = p.scale * q_m;
   }
@@ -303,6 +314,43 @@ __device__ __forceinline__ void merge_sink(float ls, const float (&v)[N], float&
   for (int i = 0; i < N; ++i) a[i] = (a[i] * Ls * f_old + v[i] * f_s) * inv;
   M = M2;
   Ls = L2;
+}
+
+// A row's merged state (M, Ls, M in the exp2 domain of the kernel's logits) moved to the true
+// logits: without a soft cap, key smoothing's logits lack scale * q.m (qm: 0 unless
+// needs_q_dot_center). Partials and whole rows alike, so that partials merge and the learned
+// sink and the lse see the true logits. -inf and NaN stay.
+__device__ __forceinline__ float true_logit_max(const AttnParams& p, float qm, float M) {
+  return p.soft_cap <= 0.f ? M + qm * 1.4426950408889634f : M;
+}
+
+// A whole row's state (M, Ls) joined by the learned sink of `head` (gpt-oss: one more logit,
+// no value; none when sinks is nullptr). Returns the factor that turns O / Ls into O / Ls'.
+// A row that sees nothing next to a sink of -inf stays (-inf, 0).
+__device__ __forceinline__ float add_learned_sink(const AttnParams& p, int head, float& M, float& Ls) {
+  if (p.sinks == nullptr) return 1.f;
+  const float ls = __ldg(p.sinks + head) * 1.4426950408889634f;
+  const float M2 = fmaxf(M, ls);
+  if (M2 == -INFINITY) return 1.f;
+  const float f_old = (M == -INFINITY) ? 0.f : fast_exp2(M - M2);
+  const float f_s = (ls == -INFINITY) ? 0.f : fast_exp2(ls - M2);
+  const float L2 = Ls * f_old + f_s;
+  const float k = (Ls == 0.f) ? 0.f : Ls * f_old / L2;  // NaN stays NaN
+  M = M2;
+  Ls = L2;
+  return k;
+}
+
+// Natural-log log-sum-exp of a final state (M in the exp2 domain): -inf for Ls = 0, NaN stays.
+__device__ __forceinline__ float state_lse(float M, float Ls) {
+  return (M + log2f(Ls)) * 0.6931471805599453f;
+}
+
+// The lse of a constant row of a whole-row launch: a row with nothing visible (mval = -inf) has
+// only its learned sink, if any; a NaN row (bad block id) is NaN.
+__device__ __forceinline__ float const_row_lse(const AttnParams& p, int head, float mval) {
+  if (mval != -INFINITY) return __int_as_float(0x7fc00000);
+  return p.sinks != nullptr ? __ldg(p.sinks + head) : -INFINITY;
 }
 
 // Power of two 2^n as float for n in [-149, 127] (exact; below -149 gives 0).
@@ -460,6 +508,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
       if (nparts == 1) {
         T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
         o[d] = from_float<T>(oval);
+        if (d == 0 && p.lse != nullptr) p.lse[(size_t)tok * p.num_heads + head] = const_row_lse(p, head, mval);
       } else {
         size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
         if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
@@ -591,7 +640,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
                                           tok * p.q_stride_tok + head * p.q_stride_head + col);
     }
     float qv[8];
-    prepare_q8<D, T>(p, qc, v, sink_here, cap_state, col == 0, sinkS + r, qmS + r, qv, lane);
+    prepare_q8<D, T>(p, qc, v, sink_here, col == 0, sinkS + r, qmS + r, qv, lane);
     *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
     *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
 #pragma unroll
@@ -896,6 +945,13 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
       load_sink_value<D>(p, slot, kvh, d0, sv);
       merge_sink<DPT>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
     }
+    M = true_logit_max(p, needs_q_dot_center(p) ? qmS[r] : 0.f, M);
+    if (nparts == 1 && valid) {  // a whole row: the learned sink and the lse here, else in the reduce
+      const float k = add_learned_sink(p, head, M, Ls);
+#pragma unroll
+      for (int i = 0; i < DPT; ++i) a[i] *= k;
+      if (p.lse != nullptr && c8 == 0) p.lse[(size_t)tok * p.num_heads + head] = state_lse(M, Ls);
+    }
     // rotated partials are combined as they are; the reduce pass un-rotates the sum
     if (p.rot_signs != nullptr && nparts == 1) unrotate_row<DPT, TPR>(p, a, d0, lane);
     if (!valid) return;
@@ -981,9 +1037,13 @@ __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_red
 #pragma unroll
   for (int e = 0; e < EPL; ++e) part_sum[warp][lane * EPL + e] = a[e];
   __syncthreads();
-  const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;
-  T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
   if (warp != 0) return;
+  // the partials' maxima are in true-logit units already: the learned sink joins here
+  const float L0 = Ls;
+  const float k = add_learned_sink(p, head, M, Ls);
+  const float inv = (L0 == 0.f) ? 0.f : k / L0;  // NaN stays NaN
+  T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+  if (p.lse != nullptr && lane == 0) p.lse[item] = state_lse(M, Ls);
   // warp 0 writes the row, D/32 elements per lane, un-rotated when the cache is rotated
   float v[EPL];
 #pragma unroll

@@ -206,6 +206,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
       if (nparts == 1) {
         T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head;
         o[d] = from_float<T>(oval);
+        if (d == 0 && p.lse != nullptr) p.lse[(size_t)s * p.num_heads + head] = const_row_lse(p, head, mval);
       } else {
         const size_t idx = ((size_t)s * p.num_heads + head) * nparts + part;
         if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
@@ -284,8 +285,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   //      row), the sink's logit, tile amax, power-of-two prescale, fp16 B fragments ----
   float qv[8];
   const int q_row = min(q_r, 7);  // threads past the 8 rows store nothing
-  prepare_q8<D, T>(p, qc, q_v, sink_here, cap_state, q_r < 8 && q_col == 0, sinkS + q_row, qmS + q_row, qv,
-                   lane);
+  prepare_q8<D, T>(p, qc, q_v, sink_here, q_r < 8 && q_col == 0, sinkS + q_row, qmS + q_row, qv, lane);
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
   if (q_r < 8) {
@@ -542,9 +542,16 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   for (int e = 0; e < EPL; ++e) a[e] = merge_sum(wt, mo + r * L::MROW + d0 + e, 8 * L::MROW) * inv;
   // the sink joins as one more key (its logit in the exp2 domain)
   if (sink_here) merge_sink<EPL>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
+  const int head = kvh * G + r;
+  M = true_logit_max(p, needs_q_dot_center(p) ? qmS[r] : 0.f, M);
+  if (nparts == 1) {  // a whole row: the learned sink and the lse here, else in the reduce pass
+    const float k = add_learned_sink(p, head, M, Ls);
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) a[e] *= k;
+    if (p.lse != nullptr && lane == 0) p.lse[(size_t)s * p.num_heads + head] = state_lse(M, Ls);
+  }
   // rotated partials are combined as they are; the reduce pass un-rotates the sum
   if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
-  const int head = kvh * G + r;
   if (nparts == 1) {
     T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head + d0;
 #pragma unroll

@@ -88,7 +88,9 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                               const std::optional<at::Tensor>& rotation_signs,  // float32 [D]
                               const std::optional<at::Tensor>& seq_state,  // float32 [slots, Hkv, 5, D]
                               const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
-                              bool sink) {
+                              bool sink,
+                              const std::optional<at::Tensor>& sinks,  // float32 [num_heads]
+                              const std::optional<at::Tensor>& lse) {  // float32 [num_tokens, num_heads]
   TORCH_CHECK(!sink || seq_state.has_value(), "sink: needs seq_state");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-D CUDA tensor");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -114,6 +116,14 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables/seq_lens: expected int32");
   TORCH_CHECK(block_tables.stride(1) == 1, "block_tables: rows must be contiguous");
+  if (sinks.has_value())
+    TORCH_CHECK(sinks->is_cuda() && sinks->scalar_type() == at::kFloat && sinks->dim() == 1 &&
+                    sinks->size(0) == num_heads && sinks->is_contiguous(),
+                "sinks: expected a contiguous float32 [num_heads] CUDA tensor");
+  if (lse.has_value())
+    TORCH_CHECK(lse->is_cuda() && lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == num_tokens &&
+                    lse->size(1) == num_heads && lse->is_contiguous(),
+                "lse: expected a contiguous float32 [num_tokens, num_heads] CUDA tensor");
   if (num_tokens == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -179,6 +189,8 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.scale = (float)scale;
   set_transform_fields(p, D, hkv, num_seqs, rotation_signs, seq_state, state_ids);
   p.sink = sink ? 1 : 0;
+  p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
 
   cudaError_t err = cudaSuccess;
 #define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, (int)grid_x, stream)

@@ -379,7 +379,9 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
                       logits_soft_cap=0.0, max_seq_len: Optional[int] = None,
                       config: Optional[QuantConfig] = None,
                       seq_state: Optional[torch.Tensor] = None,
-                      state_ids: Optional[torch.Tensor] = None) -> AttentionCall:
+                      state_ids: Optional[torch.Tensor] = None,
+                      sinks: Optional[torch.Tensor] = None,
+                      return_lse: bool = False) -> AttentionCall:
     """Validate the arguments of ``paged_attention_fp4`` (all but ``out`` and ``backend``) and
     return the call a backend runs, transforms included (``registry.select`` takes it)."""
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
@@ -390,8 +392,15 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
                  call.head_dim, query.device)
     signs = (rotation_signs(call.head_dim, config.rotation_seed, query.device)
              if config.rotation else None)
+    if sinks is not None:
+        _tensor("sinks", sinks, (torch.float32,), (1,))
+        _shape("sinks", sinks, (call.num_heads,))
+        _same_device(query.device, sinks=sinks)
+        if not sinks.is_contiguous():
+            raise ValueError("sinks: expected a contiguous tensor")
     return dataclasses.replace(call, rotation_signs=signs, seq_state=seq_state,
-                               state_ids=state_ids, sink=config.sink)
+                               state_ids=state_ids, sink=config.sink, sinks=sinks,
+                               return_lse=bool(return_lse))
 
 
 def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales, block_tables,
@@ -400,7 +409,9 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                         max_seq_len: Optional[int] = None,
                         config: Optional[QuantConfig] = None,
                         seq_state: Optional[torch.Tensor] = None,
-                        state_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        state_ids: Optional[torch.Tensor] = None,
+                        sinks: Optional[torch.Tensor] = None,
+                        return_lse: bool = False):
     """Attention of ``query`` [num_tokens, num_heads, D] over the FP4 paged cache.
 
     ``max_seq_len`` (an extension to the contract's signature) is an optional host-side upper
@@ -409,13 +420,24 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     ``config``: the QuantConfig the cache was written with (default ``QuantConfig()``).
     ``seq_state``/``state_ids`` (int32 [num_seqs], each sequence's slot): the state records
     the writer filled, needed when the config uses them (the default does).
-    Returns ``out`` (allocated like ``query`` when not given).
+    ``sinks`` (float32 [num_heads], gpt-oss's learned attention sinks): one more logit per
+    head in the softmax's denominator, with no value; compared with the scaled logits
+    (``scale * q.k``, after the soft cap if any; the sink itself is not capped) and present
+    whatever the sliding window (gpt-oss applies it in its windowed and its full layers).
+    Returns ``out`` (allocated like ``query`` when not given), or with ``return_lse`` the pair
+    ``(out, lse)``: ``lse`` float32 [num_tokens, num_heads], the natural-log log-sum-exp of
+    each row's logits (the scaled, capped logits the softmax normalizes, learned sink
+    included): the convention of FlashAttention and vLLM's ``merge_attn_states``; an API
+    that wants base 2 takes ``lse * log2(e)``. A row that sees no key has lse -inf (or its
+    sink), a row that saw NaN has NaN. Key smoothing does not show in it: the lse is that of
+    the true logits ``scale * q.k``, so states from other kernels merge with ours
+    (``turboquant.merge_attention_states``).
     """
     call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
                              block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                              max_seq_len=max_seq_len, config=config, seq_state=seq_state,
-                             state_ids=state_ids)
+                             state_ids=state_ids, sinks=sinks, return_lse=return_lse)
     if out is None:
         out = torch.empty_like(query)
     else:
@@ -424,10 +446,11 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
         _same_device(query.device, out=out)
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous tensor")
-    if query.shape[0] == 0:
-        return out
-    registry.select(backend, "attention", call).paged_attention(call, out)
-    return out
+    lse = (torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+           if return_lse else None)
+    if query.shape[0]:
+        registry.select(backend, "attention", call).paged_attention(call, out, lse)
+    return (out, lse) if return_lse else out
 
 
 def explain(query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
@@ -444,12 +467,13 @@ def backends() -> list[dict]:
     return registry.status()
 
 
-def attention_op_args(call: AttentionCall, out: torch.Tensor) -> tuple:
+def attention_op_args(call: AttentionCall, out: torch.Tensor,
+                      lse: Optional[torch.Tensor] = None) -> tuple:
     """The positional arguments of every ``paged_attention_fp4_<backend>`` op (ATTENTION_SCHEMA)."""
     return (out, call.query, call.key_cache, call.value_cache, call.key_scales,
             call.value_scales, call.block_tables, call.seq_lens, call.cu_query_lens,
             call.scale, call.sliding_window, call.logits_soft_cap, call.max_seq_len,
-            call.rotation_signs, call.seq_state, call.state_ids, call.sink)
+            call.rotation_signs, call.seq_state, call.state_ids, call.sink, call.sinks, lse)
 
 
 def cache_write_op_args(write: CacheWrite) -> tuple:

@@ -9,6 +9,9 @@ The transforms of CONTRACT.md section 2 travel with every call: ``rotation_signs
 [D] of +-1, or None: no rotation), ``seq_state`` (float32 [num_slots, num_kv_heads, 5, D],
 ``turboquant.smoothing``) and ``state_ids`` (int32: the slot of each sequence for attention,
 of each token for the writer), ``sink`` (attention reads position 0 from the state record).
+Attention also takes ``sinks`` (float32 [num_heads]: learned sink logits, or None) and ``lse``
+(float32 [num_tokens, num_heads], written when given: the natural-log log-sum-exp of each
+row's logits, ``turboquant.api.paged_attention_fp4``).
 The writer gets ``seq_state`` only with key smoothing; the reader whenever the config uses it.
 """
 
@@ -17,7 +20,7 @@ ATTENTION_SCHEMA = (
     "Tensor key_scales, Tensor value_scales, Tensor block_tables, Tensor seq_lens, "
     "Tensor? cu_query_lens, float scale, int sliding_window, float logits_soft_cap, "
     "int max_seq_len, Tensor? rotation_signs, Tensor? seq_state, Tensor? state_ids, "
-    "bool sink) -> ()"
+    "bool sink, Tensor? sinks=None, Tensor(b!)? lse=None) -> ()"
 )
 
 CACHE_WRITE_SCHEMA = (

@@ -26,6 +26,7 @@ so memory stays bounded on long contexts.
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 
@@ -53,9 +54,11 @@ def _gather_tokens(cache, scales, blocks, group, start, stop, block_size):
     return values[:, offset:offset + (stop - start)]
 
 
-def attention_reference(call: AttentionCall, out: torch.Tensor,
+def attention_reference(call: AttentionCall, out: torch.Tensor, lse: Optional[torch.Tensor] = None,
                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
-    """Write the attention output of ``call`` into ``out`` [num_tokens, num_heads, D]."""
+    """Write the attention output of ``call`` into ``out`` [num_tokens, num_heads, D] and,
+    when given, each row's natural-log log-sum-exp into ``lse`` [num_tokens, num_heads]
+    (learned sinks included; key smoothing's shift q.m added back: the true logits')."""
     hkv, d = call.num_kv_heads, call.head_dim
     g = call.num_heads // hkv
     group = None if call.scale_group == d else call.scale_group
@@ -64,21 +67,33 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
         starts = list(range(call.num_seqs + 1))
     else:
         starts = call.cu_query_lens.tolist()
+    sinks = call.sinks.float().view(hkv, g) if call.sinks is not None else None
+
+    def write_rows(q0, q1, o, row_lse):
+        """o [Hkv, g*nq, D], row_lse [Hkv, g*nq] (row gi * nq + qi: head kvh * g + gi)."""
+        nq = q1 - q0
+        out[q0:q1] = o.view(hkv, g, nq, d).permute(2, 0, 1, 3).reshape(nq, hkv * g, d).to(out.dtype)
+        if lse is not None:
+            lse[q0:q1] = row_lse.view(hkv, g, nq).permute(2, 0, 1).reshape(nq, hkv * g)
+
     for s in range(call.num_seqs):
         q0, q1 = starts[s], starts[s + 1]
         nq, n = q1 - q0, seq_lens[s]
         if nq == 0:
             continue
-        if n == 0:
-            out[q0:q1] = 0
+        # learned sink logit of each row [Hkv, g*nq]
+        sink_rows = sinks.repeat_interleave(nq, dim=1) if sinks is not None else None
+        if n == 0:  # no key: O = 0; the lse is the sink's, if any
+            empty = torch.full((hkv, g * nq), float("-inf"), device=out.device)
+            write_rows(q0, q1, torch.zeros(hkv, g * nq, d, device=out.device),
+                       sink_rows if sink_rows is not None else empty)
             continue
         q = call.query[q0:q1].float().view(nq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, g, nq, D]
         q = q.reshape(hkv, g * nq, d)
         record = _state_record(call, s)  # [Hkv, 5, D] or None
-        q_dot_m = None
+        q_dot_m = None  # scale * q.m [Hkv, g*nq, 1]: the logits' shift under key smoothing
         if record is not None:
-            if call.logits_soft_cap > 0:
-                q_dot_m = (q * record[:, KEY_CENTER, None]).sum(-1)[..., None]  # [Hkv, g*nq, 1]
+            q_dot_m = (q * record[:, KEY_CENTER, None]).sum(-1)[..., None] * call.scale
             q = q * record[:, KEY_SCALE, None]
         if call.rotation_signs is not None:
             q = rotate(q, call.rotation_signs)
@@ -91,7 +106,9 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
         used = -(-n // call.block_size)
         if used > blocks.shape[0] or not bool(((blocks[:used] >= 0) &
                                                (blocks[:used] < call.num_blocks)).all()):
-            out[q0:q1] = float("nan")  # a block id out of range (value checks off): never read
+            # a block id out of range (value checks off): never read, the rows are NaN
+            write_rows(q0, q1, torch.full((hkv, g * nq, d), float("nan"), device=out.device),
+                       torch.full((hkv, g * nq), float("nan"), device=out.device))
             continue
         for c0 in range(0, n, chunk_tokens):
             c1 = min(n, c0 + chunk_tokens)
@@ -101,10 +118,9 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
                                call.block_size)
             if call.sink and c0 == 0:
                 k[:, 0], v[:, 0] = record[:, SINK_KEY], record[:, SINK_VALUE]
-            logits = torch.matmul(q, k.transpose(1, 2))  # [Hkv, g*nq, T]
-            if q_dot_m is not None:
-                logits = logits + q_dot_m
-            logits = logits * call.scale
+            logits = torch.matmul(q, k.transpose(1, 2)) * call.scale  # [Hkv, g*nq, T]
+            if q_dot_m is not None and call.logits_soft_cap > 0:
+                logits = logits + q_dot_m  # the cap needs the true logit
             if call.logits_soft_cap > 0:
                 logits = call.logits_soft_cap * torch.tanh(logits / call.logits_soft_cap)
             key_pos = torch.arange(c0, c1, device=q.device)
@@ -122,13 +138,22 @@ def attention_reference(call: AttentionCall, out: torch.Tensor,
             l = l * alpha + p.sum(dim=-1)
             acc = acc * alpha[..., None] + torch.matmul(p, v)
             m = m_new
+        if q_dot_m is not None and call.logits_soft_cap <= 0:
+            m = m + q_dot_m[..., 0]  # from the smoothed logits back to the true ones
+        if sink_rows is not None:  # one more logit, no value
+            m_new = torch.maximum(m, sink_rows)
+            alpha = torch.where(torch.isinf(m) & (m < 0), 0.0, torch.exp(m - m_new))
+            l = l * alpha + torch.exp(sink_rows - m_new)
+            acc = acc * alpha[..., None]
+            m = m_new
         o = torch.where(l[..., None] > 0, acc / l[..., None].clamp_min(1e-30), 0.0)
-        o = torch.where(bad[..., None], float("nan"), o)
-        # a NaN logit leaves m NaN: the whole row must be NaN
-        o = torch.where(torch.isnan(m)[..., None], float("nan"), o)
+        row_lse = m + torch.log(l)  # -inf for a row that sees nothing
+        nan_rows = bad | torch.isnan(m)  # a NaN logit leaves m NaN: the whole row is NaN
+        o = torch.where(nan_rows[..., None], float("nan"), o)
+        row_lse = torch.where(nan_rows, float("nan"), row_lse)
         if call.rotation_signs is not None:
             o = unrotate(o, call.rotation_signs)
-        out[q0:q1] = o.view(hkv, g, nq, d).permute(2, 0, 1, 3).reshape(nq, hkv * g, d).to(out.dtype)
+        write_rows(q0, q1, o, row_lse)
 
 
 def _state_record(call: AttentionCall, s: int):
@@ -186,13 +211,14 @@ CACHE_WRITE_OPS = {"smallest": "reshape_and_cache_fp4_reference",
 @torch.library.impl("turboquant::paged_attention_fp4_reference", "CompositeExplicitAutograd")
 def _attention_op(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
                   seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
-                  rotation_signs, seq_state, state_ids, sink):
+                  rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None):
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len, check_values=False)
     call = dataclasses.replace(call, rotation_signs=rotation_signs, seq_state=seq_state,
-                               state_ids=state_ids, sink=sink)
-    attention_reference(call, out)
+                               state_ids=state_ids, sink=sink, sinks=sinks,
+                               return_lse=lse is not None)
+    attention_reference(call, out, lse)
 
 
 def _register_cache_write_op(rule: str, op_name: str) -> None:
@@ -224,8 +250,8 @@ class ReferenceBackend(Backend):
     def check_cache_write(self, write):
         return None
 
-    def paged_attention(self, call, out):
-        torch.ops.turboquant.paged_attention_fp4_reference(*attention_op_args(call, out))
+    def paged_attention(self, call, out, lse=None):
+        torch.ops.turboquant.paged_attention_fp4_reference(*attention_op_args(call, out, lse))
 
     def reshape_and_cache(self, write):
         op = getattr(torch.ops.turboquant, CACHE_WRITE_OPS[write.scale_rule])

@@ -49,6 +49,8 @@ class AttentionCall:
     seq_state: Optional[torch.Tensor] = None  # float32 [num_slots, num_kv_heads, 5, D]
     state_ids: Optional[torch.Tensor] = None  # int32 [num_seqs]: each sequence's state slot
     sink: bool = False  # position 0 read from the state record, not from the FP4 cache
+    sinks: Optional[torch.Tensor] = None  # float32 [num_heads]: learned sink logits (gpt-oss)
+    return_lse: bool = False  # the caller wants each row's log-sum-exp (float32 [T, num_heads])
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,16 @@ def transform_tensors_reason(call: AttentionCall) -> Optional[str]:
     return None
 
 
+def state_outputs_reason(call: AttentionCall, backend: str) -> Optional[str]:
+    """Why a backend whose kernel has neither the log-sum-exp output nor learned sinks declines
+    a call that asks for them, or None."""
+    wants = [w for w, on in (("the log-sum-exp output (return_lse)", call.return_lse),
+                             ("learned sinks (sinks)", call.sinks is not None)) if on]
+    if wants:
+        return f"{' and '.join(wants)}: not in the {backend} kernel yet (the reference has them)"
+    return None
+
+
 class Backend:
     """Base class. Subclasses set ``name``/``priority``/``description``, override the checks
     and the two entry points. A check returns ``None`` when the backend can run, else a
@@ -117,7 +129,8 @@ class Backend:
     def check_cache_write(self, write: CacheWrite) -> Optional[str]:
         return "the cache writer is not implemented by this backend"
 
-    def paged_attention(self, call: AttentionCall, out: torch.Tensor) -> None:
+    def paged_attention(self, call: AttentionCall, out: torch.Tensor,
+                        lse: Optional[torch.Tensor] = None) -> None:
         raise NotImplementedError
 
     def reshape_and_cache(self, write: CacheWrite) -> None:

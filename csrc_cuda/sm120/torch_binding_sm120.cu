@@ -45,7 +45,11 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
                                const std::optional<at::Tensor>& rotation_signs,  // float32 [D] of +-1, or None
                                const std::optional<at::Tensor>& seq_state,  // float32 [num_slots, num_kv_heads, 5, D]
                                const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
-                               bool sink) {
+                               bool sink,
+                               const std::optional<at::Tensor>& sinks,  // float32 [num_heads]: not here yet
+                               const std::optional<at::Tensor>& lse) {  // float32 [num_tokens, num_heads]: not here yet
+  TORCH_CHECK(!sinks.has_value() && !lse.has_value(),
+              "sinks/lse: the sm120 kernel has no learned sinks or log-sum-exp output yet (the backend declines them)");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-d CUDA tensor");
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 || query.scalar_type() == at::kHalf,
               "query: expected bfloat16 or float16, got ", query.scalar_type());

@@ -331,6 +331,82 @@ def test_cache_writer_transforms_bit_exact(d, group, dtype, config):
         assert torch.equal(a, b)
 
 
+LSE_CASES = {  # name: (lens, hq, hkv, qlens, window, cap)
+    "decode": ([1, 54, 97, 0, 33, 1000, 5, 16, 17, 64, 65, 128, 129, 255, 256, 257, 2], 32, 8,
+               None, 0, 0.0),
+    "decode-split-kv": ([9000, 20000, 4097], 32, 8, None, 0, 0.0),
+    "decode-window-cap": ([300, 54, 97, 1], 16, 4, None, 40, 5.0),
+    "general-g16-cap": ([54, 97, 0, 700], 64, 4, None, 0, 5.0),
+    "multi-window": ([40, 70, 9], 8, 2, [3, 5, 1], 24, 0.0),
+    "multi-split-kv-cap": ([12000, 70], 8, 2, [2, 3], 0, 4.0),
+}
+
+
+@pytest.mark.parametrize("config", ["plain", "default"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("case", sorted(LSE_CASES))
+def test_lse_and_sinks_match_reference(case, with_sinks, config):
+    """The log-sum-exp output and learned sinks in the decode kernel, the general kernel and
+    the split-KV reduce, against the reference (awkward lengths, a zero-length sequence, a NaN
+    scale in a used token)."""
+    lens, hq, hkv, qlens, window, cap = LSE_CASES[case]
+    prob, q, cu = _problem(lens, hq, hkv, 128, 16, qlens=qlens, seed=len(case), config=config)
+    ks = prob.cache.key_scales
+    ks[prob.block_tables[-1, 0], 0 if config == "plain" else 1] = 255  # NaN rows for the last sequence
+    sinks = (torch.randn(hq, generator=torch.Generator().manual_seed(3)) * 3).cuda() if with_sinks else None
+    kw = dict(sliding_window=window, logits_soft_cap=cap, sinks=sinks, return_lse=True)
+    out, lse = _run("cuda", prob, q, cu, **kw)
+    ref, ref_lse = _run("reference", prob, q, cu, **kw)
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), "NaN rows differ"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "empty rows differ"
+    fin = torch.isfinite(ref_lse)
+    assert fin.any()
+    torch.testing.assert_close(lse[fin], ref_lse[fin], rtol=1e-4, atol=1e-4)
+    rows = torch.isfinite(ref.float()).all(-1)
+    assert torch.equal(rows, torch.isfinite(out.float()).all(-1))
+    _compare(out[rows], ref[rows])
+
+
+def test_block_sizes_outside_16_to_256_are_declined():
+    for bs in (8, 512):
+        prob, q, _ = _problem([40], 8, 8, 128, bs, config="plain")
+        call = turboquant.api.prepare_attention(q, *prob.cache, prob.block_tables, prob.seq_lens,
+                                                0.1, **prob.kwargs)
+        assert f"block_size {bs} outside [16, 256]" in tq_cuda.BACKEND.check_attention(call)
+
+
+def test_lse_off_leaves_the_output_unchanged():
+    prob, q, _ = _problem([300, 54, 97], 32, 8, 128, 16, seed=2)
+    out = _run("cuda", prob, q)
+    out2, _ = _run("cuda", prob, q, return_lse=True)
+    assert torch.equal(out, out2)
+
+
+def test_cuda_graph_replay_with_lse_and_sinks():
+    prob, q, _ = _problem([3000, 54, 97], 32, 8, 128, 16, seed=4)
+    sinks = torch.randn(32, device="cuda")
+    eager, eager_lse = _run("cuda", prob, q, sinks=sinks, return_lse=True)
+    out, lse = torch.empty_like(eager), torch.empty_like(eager_lse)
+    op = torch.ops.turboquant.paged_attention_fp4_cuda
+    args = (q, *prob.cache, prob.block_tables, prob.seq_lens, None, q.shape[-1] ** -0.5, 0, 0.0,
+            prob.block_tables.shape[1] * 16, *_transform_args(prob, 128), sinks, lse)
+    op(out, *args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        op(out, *args)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        op(out, *args)
+    out.zero_()
+    lse.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+
+
 def test_opcheck_both_ops():
     prob, q, cu = _problem([40, 7], 16, 4, 128, 16, qlens=[3, 2])
     out = torch.empty_like(q)
@@ -338,6 +414,9 @@ def test_opcheck_both_ops():
         args = (out, q, *prob.cache, prob.block_tables, prob.seq_lens, cu, 0.1, 0, 0.0,
                 prob.block_tables.shape[1] * 16, *transforms)
         torch.library.opcheck(torch.ops.turboquant.paged_attention_fp4_cuda.default, args)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device="cuda")
+    torch.library.opcheck(torch.ops.turboquant.paged_attention_fp4_cuda.default,
+                          args + (torch.randn(16, device="cuda"), lse))
     key, val, nb, slots = _writer_inputs(9, 2, 128, torch.bfloat16, None)
     c = allocate_cache(nb, 2, 16, 128, device="cuda")
     state = allocate_state(2, 2, 128, device="cuda")
@@ -424,6 +503,9 @@ SANITIZER_CASE = textwrap.dedent("""
             turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
                                            cu_query_lens=cu, sliding_window=win, backend="cuda",
                                            **prob.kwargs)
+        turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
+                                       cu_query_lens=cu, backend="cuda", return_lse=True,
+                                       sinks=torch.zeros(8, device="cuda"), **prob.kwargs)
         bt = prob.block_tables.clone(); bt[0, 0] = 10 ** 6
         kw = dict(prob.kwargs)
         if "state_ids" in kw:

@@ -24,7 +24,8 @@ import torch
 
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
-from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
+from ..registry import (AttentionCall, Backend, CacheWrite, register, state_outputs_reason,
+                        transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
 HEAD_DIMS = (64, 128, 256)
@@ -39,9 +40,11 @@ define(ATTENTION_OP, ATTENTION_SCHEMA)
 @torch.library.impl(ATTENTION_OP, "CUDA")  # ROCm builds of PyTorch dispatch HIP as CUDA
 def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
           seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
-          rotation_signs, seq_state, state_ids, sink):
+          rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None):
     import aiter
 
+    if sinks is not None or lse is not None:  # check_attention declines these calls
+        raise ValueError("sinks/lse: not in the aiter kernel yet")
     aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                               block_tables, seq_lens, scale, out=out,
                               logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len,
@@ -116,7 +119,7 @@ class AiterBackend(Backend):
             return _state["reason"]
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = transform_tensors_reason(call)
+        reason = state_outputs_reason(call, "aiter") or transform_tensors_reason(call)
         if reason is not None:
             return reason
         if call.cu_query_lens is not None:
@@ -157,8 +160,9 @@ class AiterBackend(Backend):
     def check_cache_write(self, write: CacheWrite) -> Optional[str]:
         return "the aiter backend has no cache writer (another backend writes the cache)"
 
-    def paged_attention(self, call: AttentionCall, out: torch.Tensor) -> None:
-        torch.ops.turboquant.paged_attention_fp4_aiter(*attention_op_args(call, out))
+    def paged_attention(self, call: AttentionCall, out: torch.Tensor,
+                        lse: Optional[torch.Tensor] = None) -> None:
+        torch.ops.turboquant.paged_attention_fp4_aiter(*attention_op_args(call, out, lse))
 
 
 BACKEND = register(AiterBackend())

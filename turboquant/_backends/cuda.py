@@ -12,8 +12,9 @@ file in ``csrc_cuda/``, so editing a header rebuilds. ``TURBOQUANT_CUDA_LIB=/pat
 loads a prebuilt library instead.
 
 Supported: query fp16/bf16 on a CUDA device; head_dim 64/128/256; block_size a power of two
->= 16; one scale per (token, head) for attention (per-32 scales are declined with a reason;
-the cache writer supports both); any GQA ratio; multi-token queries; sliding window; soft cap.
+16 .. 256; one scale per (token, head) for attention (per-32 scales are declined with a reason;
+the cache writer supports both); any GQA ratio; multi-token queries; sliding window; soft cap;
+the log-sum-exp output and learned sinks (turboquant.states).
 The transforms of CONTRACT.md section 2 run inside the kernels: the writer rotates
 ((k - m) * (1 / lam)) and v in registers (a Walsh-Hadamard transform over the lanes of a row); the
 attention kernels multiply Q by lam and rotate it in the prologue, merge the sink record as one
@@ -40,6 +41,7 @@ ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
 CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_cuda"
 HEAD_DIMS = (64, 128, 256)
 MIN_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 256  # the largest the GPU tests cover
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc_cuda"
 
@@ -127,8 +129,8 @@ class CudaBackend(Backend):
                     f"kernel (one scale per (token, head) only)")
         if call.head_dim not in HEAD_DIMS:
             return f"head_dim {call.head_dim} not in {HEAD_DIMS}"
-        if call.block_size < MIN_BLOCK_SIZE:
-            return f"block_size {call.block_size} < {MIN_BLOCK_SIZE}"
+        if not MIN_BLOCK_SIZE <= call.block_size <= MAX_BLOCK_SIZE:
+            return f"block_size {call.block_size} outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]"
         if q.dtype not in (torch.float16, torch.bfloat16):
             return f"query dtype {q.dtype} (expected float16 or bfloat16)"
         d = call.head_dim
@@ -180,8 +182,9 @@ class CudaBackend(Backend):
             return "slot_mapping must be contiguous"
         return None
 
-    def paged_attention(self, call: AttentionCall, out: torch.Tensor) -> None:
-        torch.ops.turboquant.paged_attention_fp4_cuda(*attention_op_args(call, out))
+    def paged_attention(self, call: AttentionCall, out: torch.Tensor,
+                        lse: Optional[torch.Tensor] = None) -> None:
+        torch.ops.turboquant.paged_attention_fp4_cuda(*attention_op_args(call, out, lse))
 
     def reshape_and_cache(self, write: CacheWrite) -> None:
         torch.ops.turboquant.reshape_and_cache_fp4_cuda(*cache_write_op_args(write))

@@ -33,7 +33,8 @@ import torch
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
 from ._jit import load, sources_hash
-from ..registry import AttentionCall, Backend, register, transform_tensors_reason
+from ..registry import (AttentionCall, Backend, register, state_outputs_reason,
+                        transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_sm120"
 PROBE_SCHEMA = "(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int kind, int selectors) -> Tensor"
@@ -110,6 +111,9 @@ class Sm120Backend(Backend):
         return load_extension()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
+        reason = state_outputs_reason(call, "sm120")
+        if reason is not None:
+            return reason
         q = call.query
         if not q.is_cuda:
             return f"tensors are on {q.device}, not on a CUDA device"
@@ -130,8 +134,9 @@ class Sm120Backend(Backend):
                 return f"{nm} must be 16-byte aligned"
         return transform_tensors_reason(call)
 
-    def paged_attention(self, call: AttentionCall, out: torch.Tensor) -> None:
-        torch.ops.turboquant.paged_attention_fp4_sm120(*attention_op_args(call, out))
+    def paged_attention(self, call: AttentionCall, out: torch.Tensor,
+                        lse: Optional[torch.Tensor] = None) -> None:
+        torch.ops.turboquant.paged_attention_fp4_sm120(*attention_op_args(call, out, lse))
 
 
 BACKEND = register(Sm120Backend())
