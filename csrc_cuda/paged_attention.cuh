@@ -107,9 +107,10 @@ struct AttnParams {
 // Whether the prologue computes scale * q.m (q.m: the original query and the key center). With
 // key smoothing the kernels' logits lack it (softmax does not depend on it), so the logits under
 // a soft cap need it, and without a cap the log-sum-exp output and learned sinks do: both are
-// defined on the true logits.
+// defined on the true logits (only in the kStates instantiations, see the general kernel).
+template <bool kStates>
 __device__ __forceinline__ bool needs_q_dot_center(const AttnParams& p) {
-  return p.seq_state != nullptr && (p.soft_cap > 0.f || p.lse != nullptr || p.sinks != nullptr);
+  return p.seq_state != nullptr && (p.soft_cap > 0.f || (kStates && (p.lse != nullptr || p.sinks != nullptr)));
 }
 
 // The slot of sequence s's state record (0 without records; read once, early in the prologue).
@@ -124,7 +125,7 @@ struct QChunk {
   float lam[8], sg[8], sk[8], m[8];  // m: the key center, read only where needs_q_dot_center
   bool bad;  // the slot is outside [0, num_slots): the rows become NaN
 };
-template <int D>
+template <int D, bool kStates>
 __device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int kvh, int col, bool sink,
                                              QChunk& c) {
   c.bad = false;
@@ -133,7 +134,7 @@ __device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int 
     const float* rec = p.seq_state + ((size_t)(c.bad ? 0 : slot) * p.num_kv_heads + kvh) * STATE_ROWS * D + col;
     load_floats(rec + STATE_SCALE * D, c.lam);
     if (sink) load_floats(rec + STATE_SINK_K * D, c.sk);
-    if (needs_q_dot_center(p)) load_floats(rec, c.m);
+    if (needs_q_dot_center<kStates>(p)) load_floats(rec, c.m);
   }
   if (p.rot_signs != nullptr) load_floats(p.rot_signs + col, c.sg);
 }
@@ -151,9 +152,10 @@ __device__ __forceinline__ void load_sink_value(const AttnParams& p, int slot, i
 
 // The chunk's share of q.m where needs_q_dot_center (else 0): softmax is unchanged by m only
 // without a cap, so the capped logit adds q.m back, and so do the lse and learned sinks.
+template <bool kStates>
 __device__ __forceinline__ float q_dot_center(const AttnParams& p, const QChunk& c, const float (&f)[8]) {
   float dot = 0.f;
-  if (needs_q_dot_center(p)) {
+  if (needs_q_dot_center<kStates>(p)) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) dot += f[i] * c.m[i];
   }
@@ -194,19 +196,19 @@ __device__ __forceinline__ float transform_q8(const AttnParams& p, const QChunk&
 // chunk [col, col + 8)) in fp32, q.m where needs_q_dot_center, the transforms, and the row's
 // sink dot and scale * q.m reduced over the row's D/8 lanes; the row's first lane (store_row)
 // writes them to sink_dst / qm_dst. sink is CTA-uniform (the reductions shuffle).
-template <int D, typename T>
+template <int D, typename T, bool kStates>
 __device__ __forceinline__ void prepare_q8(const AttnParams& p, const QChunk& qc, const uint4& raw, bool sink,
                                            bool store_row, float* sink_dst, float* qm_dst,
                                            float (&qv)[8], int lane) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) qv[i] = to_float(reinterpret_cast<const T*>(&raw)[i]);
-  const float qm = q_dot_center(p, qc, qv);
+  const float qm = q_dot_center<kStates>(p, qc, qv);
   const float dot = transform_q8<D>(p, qc, sink, qv, lane);
   if (sink) {
     const float q_k0 = row_sum<D / 8>(dot);
     if (store_row) *sink_dst = q_k0;
   }
-  if (needs_q_dot_center(p)) {
+  if (needs_q_dot_center<kStates>(p)) {
     const float q_m = row_sum<D / 8>(qm);
     if (store_row) *qm_dst = p.scale * q_m;
   }
@@ -424,8 +426,9 @@ __device__ __forceinline__ float p_vscale(uint32_t b, int VM) {
 }
 
 // grid (row_tiles, num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem
-// AttnLayout<D>::TOTAL bytes.
-template <int D, typename T>
+// AttnLayout<D>::TOTAL bytes. kStates: the lse output or learned sinks are asked for (their
+// code is compiled out of the other instantiation, which every plain call runs).
+template <int D, typename T, bool kStates>
 __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks<D>::value)
     paged_attention_fp4_kernel(const AttnParams p) {
   using L = AttnLayout<D>;
@@ -508,7 +511,9 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
       if (nparts == 1) {
         T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
         o[d] = from_float<T>(oval);
-        if (d == 0 && p.lse != nullptr) p.lse[(size_t)tok * p.num_heads + head] = const_row_lse(p, head, mval);
+        if constexpr (kStates) {
+          if (d == 0 && p.lse != nullptr) p.lse[(size_t)tok * p.num_heads + head] = const_row_lse(p, head, mval);
+        }
       } else {
         size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
         if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
@@ -633,14 +638,14 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   for (int c = tid; c < 16 * D / 8; c += blockDim.x) {  // warp-uniform trip count
     int r = c / (D / 8), col = (c % (D / 8)) * 8, tok, head;
     QChunk qc;
-    load_q_chunk<D>(p, slot, kvh, col, sink_here, qc);
+    load_q_chunk<D, kStates>(p, slot, kvh, col, sink_here, qc);
     uint4 v = make_uint4(0, 0, 0, 0);
     if (row_out(r, tok, head)) {
       v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) +
                                           tok * p.q_stride_tok + head * p.q_stride_head + col);
     }
     float qv[8];
-    prepare_q8<D, T>(p, qc, v, sink_here, col == 0, sinkS + r, qmS + r, qv, lane);
+    prepare_q8<D, T, kStates>(p, qc, v, sink_here, col == 0, sinkS + r, qmS + r, qv, lane);
     *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
     *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
 #pragma unroll
@@ -945,12 +950,14 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
       load_sink_value<D>(p, slot, kvh, d0, sv);
       merge_sink<DPT>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
     }
-    M = true_logit_max(p, needs_q_dot_center(p) ? qmS[r] : 0.f, M);
-    if (nparts == 1 && valid) {  // a whole row: the learned sink and the lse here, else in the reduce
-      const float k = add_learned_sink(p, head, M, Ls);
+    if constexpr (kStates) {
+      M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f, M);
+      if (nparts == 1 && valid) {  // a whole row: the learned sink and the lse here, else in the reduce
+        const float k = add_learned_sink(p, head, M, Ls);
 #pragma unroll
-      for (int i = 0; i < DPT; ++i) a[i] *= k;
-      if (p.lse != nullptr && c8 == 0) p.lse[(size_t)tok * p.num_heads + head] = state_lse(M, Ls);
+        for (int i = 0; i < DPT; ++i) a[i] *= k;
+        if (p.lse != nullptr && c8 == 0) p.lse[(size_t)tok * p.num_heads + head] = state_lse(M, Ls);
+      }
     }
     // rotated partials are combined as they are; the reduce pass un-rotates the sum
     if (p.rot_signs != nullptr && nparts == 1) unrotate_row<DPT, TPR>(p, a, d0, lane);
@@ -979,7 +986,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
 // w, w + REDUCE_WARPS, ...; it loads its first REDUCE_BATCH partial rows together with the
 // (m, l) words (no dependency between them), so one round of loads covers up to
 // REDUCE_WARPS * REDUCE_BATCH partitions; the warps' sums meet in shared memory.
-template <int D, typename T>
+template <int D, typename T, bool kStates>
 __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_reduce_kernel(const AttnParams p) {
   constexpr int NWR = tuning::REDUCE_WARPS, NB = tuning::REDUCE_BATCH;
   constexpr int EPL = D / 32;  // elements per lane
@@ -1038,12 +1045,15 @@ __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_red
   for (int e = 0; e < EPL; ++e) part_sum[warp][lane * EPL + e] = a[e];
   __syncthreads();
   if (warp != 0) return;
-  // the partials' maxima are in true-logit units already: the learned sink joins here
-  const float L0 = Ls;
-  const float k = add_learned_sink(p, head, M, Ls);
-  const float inv = (L0 == 0.f) ? 0.f : k / L0;  // NaN stays NaN
+  float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
+  if constexpr (kStates) {
+    // the partials' maxima are in true-logit units already: the learned sink joins here
+    const float L0 = Ls;
+    const float k = add_learned_sink(p, head, M, Ls);
+    inv = (L0 == 0.f) ? 0.f : k / L0;
+    if (p.lse != nullptr && lane == 0) p.lse[item] = state_lse(M, Ls);
+  }
   T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-  if (p.lse != nullptr && lane == 0) p.lse[item] = state_lse(M, Ls);
   // warp 0 writes the row, D/32 elements per lane, un-rotated when the cache is rotated
   float v[EPL];
 #pragma unroll
@@ -1097,10 +1107,10 @@ cudaError_t launch_programmatic(Kernel kern, dim3 grid, dim3 block, int smem, cu
 }
 
 // The general kernel alone (torch-free). grid_x = row tiles (see the design note).
-template <int D, typename T>
+template <int D, typename T, bool kStates>
 cudaError_t launch_general_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   using L = AttnLayout<D>;
-  auto kern = paged_attention_fp4_kernel<D, T>;
+  auto kern = paged_attention_fp4_kernel<D, T, kStates>;
   static bool attr_set = false;  // per instantiation; the limit is per function
   if (!attr_set) {
     cudaError_t e = set_smem_attributes(kern, L::TOTAL);
@@ -1113,10 +1123,10 @@ cudaError_t launch_general_attention(const AttnParams& p, int grid_x, cudaStream
 
 // The reduce pass over num_partitions > 1 partials, a programmatic dependent of the attention
 // grid: its launch and CTA start overlap the attention grid's last CTAs.
-template <int D, typename T>
+template <int D, typename T, bool kStates>
 cudaError_t launch_reduce(const AttnParams& p, cudaStream_t stream) {
   const long long items = (long long)p.num_tokens * p.num_heads;
-  return launch_programmatic(paged_attention_reduce_kernel<D, T>, dim3((unsigned)items), dim3(32 * tuning::REDUCE_WARPS), 0,
+  return launch_programmatic(paged_attention_reduce_kernel<D, T, kStates>, dim3((unsigned)items), dim3(32 * tuning::REDUCE_WARPS), 0,
                              stream, p);
 }
 

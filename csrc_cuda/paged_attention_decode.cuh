@@ -142,8 +142,9 @@ __device__ __forceinline__ void decode_v_pair(uint32_t a, uint32_t b, uint32_t (
 }
 
 // grid (num_seqs, num_kv_heads, num_partitions), block 32 * DECODE_WARPS, dynamic smem
-// DecodeLayout<D>::TOTAL bytes. Requires cu_query_lens == nullptr and group_size <= 8.
-template <int D, typename T>
+// DecodeLayout<D>::TOTAL bytes. Requires cu_query_lens == nullptr and group_size <= 8. kStates as
+// for the general kernel.
+template <int D, typename T, bool kStates>
 __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_BLOCKS)
     paged_attention_fp4_decode_kernel(const AttnParams p) {
   using L = DecodeLayout<D>;
@@ -206,7 +207,9 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
       if (nparts == 1) {
         T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head;
         o[d] = from_float<T>(oval);
-        if (d == 0 && p.lse != nullptr) p.lse[(size_t)s * p.num_heads + head] = const_row_lse(p, head, mval);
+        if constexpr (kStates) {
+          if (d == 0 && p.lse != nullptr) p.lse[(size_t)s * p.num_heads + head] = const_row_lse(p, head, mval);
+        }
       } else {
         const size_t idx = ((size_t)s * p.num_heads + head) * nparts + part;
         if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
@@ -225,7 +228,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   // the transforms' inputs of this thread's Q chunk (lam, signs, sink key), issued before the
   // KV copies
   QChunk qc;
-  load_q_chunk<D>(p, slot, kvh, q_col, sink_here, qc);
+  load_q_chunk<D, kStates>(p, slot, kvh, q_col, sink_here, qc);
   float* mS = reinterpret_cast<float*>(smem + L::OFF_M);
   float* lS = reinterpret_cast<float*>(smem + L::OFF_L);
   if (tid == 0) {
@@ -285,7 +288,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   //      row), the sink's logit, tile amax, power-of-two prescale, fp16 B fragments ----
   float qv[8];
   const int q_row = min(q_r, 7);  // threads past the 8 rows store nothing
-  prepare_q8<D, T>(p, qc, q_v, sink_here, q_r < 8 && q_col == 0, sinkS + q_row, qmS + q_row, qv, lane);
+  prepare_q8<D, T, kStates>(p, qc, q_v, sink_here, q_r < 8 && q_col == 0, sinkS + q_row, qmS + q_row, qv, lane);
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
   if (q_r < 8) {
@@ -543,12 +546,14 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   // the sink joins as one more key (its logit in the exp2 domain)
   if (sink_here) merge_sink<EPL>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
   const int head = kvh * G + r;
-  M = true_logit_max(p, needs_q_dot_center(p) ? qmS[r] : 0.f, M);
-  if (nparts == 1) {  // a whole row: the learned sink and the lse here, else in the reduce pass
-    const float k = add_learned_sink(p, head, M, Ls);
+  if constexpr (kStates) {
+    M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f, M);
+    if (nparts == 1) {  // a whole row: the learned sink and the lse here, else in the reduce pass
+      const float k = add_learned_sink(p, head, M, Ls);
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) a[e] *= k;
-    if (p.lse != nullptr && lane == 0) p.lse[(size_t)s * p.num_heads + head] = state_lse(M, Ls);
+      for (int e = 0; e < EPL; ++e) a[e] *= k;
+      if (p.lse != nullptr && lane == 0) p.lse[(size_t)s * p.num_heads + head] = state_lse(M, Ls);
+    }
   }
   // rotated partials are combined as they are; the reduce pass un-rotates the sum
   if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
@@ -568,14 +573,14 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
 // The decode kernel applies to single-token queries of groups of at most 8 heads.
 inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_token && group_size <= 8; }
 
-// Host launcher (torch-free): the decode or the general kernel, then the reduce pass when the
-// KV range is split. grid_x = row tiles (general kernel) = num_seqs (decode kernel).
-template <int D, typename T>
-cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
+// The decode or the general kernel, then the reduce pass when the KV range is split, for one
+// kStates (see the general kernel).
+template <int D, typename T, bool kStates>
+cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
   cudaError_t e;
   if (use_decode_kernel(p.cu_query_lens != nullptr, p.group_size)) {
     using L = DecodeLayout<D>;
-    auto kern = paged_attention_fp4_decode_kernel<D, T>;
+    auto kern = paged_attention_fp4_decode_kernel<D, T, kStates>;
     static bool attr_set = false;  // per instantiation
     if (!attr_set) {
       e = set_smem_attributes(kern, L::TOTAL);
@@ -585,10 +590,17 @@ cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t
     e = launch_programmatic(kern, dim3(p.num_seqs, p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
                             stream, p);
   } else {
-    e = launch_general_attention<D, T>(p, grid_x, stream);
+    e = launch_general_attention<D, T, kStates>(p, grid_x, stream);
   }
   if (e != cudaSuccess || p.num_partitions == 1) return e;
-  return launch_reduce<D, T>(p, stream);
+  return launch_reduce<D, T, kStates>(p, stream);
+}
+
+// Host launcher (torch-free). grid_x = row tiles (general kernel) = num_seqs (decode kernel).
+template <int D, typename T>
+cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
+  if (p.lse != nullptr || p.sinks != nullptr) return launch_attention_variant<D, T, true>(p, grid_x, stream);
+  return launch_attention_variant<D, T, false>(p, grid_x, stream);
 }
 
 }  // namespace cuda_fp4

@@ -148,12 +148,13 @@ def test_sinks_lower_the_weights_only():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("config", [PLAIN, QuantConfig(sink=False)], ids=["plain", "rot+smooth"])
+@pytest.mark.parametrize("config", [PLAIN, QuantConfig(sink=False), QuantConfig()],
+                         ids=["plain", "rot+smooth", "default"])
 def test_split_over_two_calls_merges_to_one(config, backend):
     """Each sequence's blocks split between two calls (context parallelism): the merged state
     equals one call over all of them. Split points include 0 (a part with no key) and the
-    whole sequence; unused slots are NaN-poisoned. (With the sink token on, the part without
-    position 0 would take its own first key for the sink: not splittable this way yet.)"""
+    whole sequence; unused slots are NaN-poisoned. The later part says holds_first_token=False
+    (its first key is not the sequence's sink token)."""
     gen = torch.Generator().manual_seed(11)
     dev = _device(backend)
     lens, bs = [1, 54, 97, 16, 33], 16
@@ -163,7 +164,9 @@ def test_split_over_two_calls_merges_to_one(config, backend):
     whole, lse = tq.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.125,
                                         sinks=sinks, return_lse=True, backend=backend,
                                         **prob.kwargs)
-    cut = [0, 2, 1, 1, 3]  # blocks of part A per sequence: 0 (A empty) .. all (B empty)
+    # blocks of part A per sequence: 0 (A empty) .. all (B empty); with the sink token, part A
+    # holds every sequence's position 0 (holds_first_token is per call)
+    cut = [1 if config.sink else 0, 2, 1, 1, 3]
     width = prob.block_tables.shape[1]
     table_a = torch.full_like(prob.block_tables, -1)
     table_b = torch.full_like(prob.block_tables, -1)
@@ -179,7 +182,7 @@ def test_split_over_two_calls_merges_to_one(config, backend):
         part[name] = tq.paged_attention_fp4(q, *prob.cache, table,
                                             torch.tensor(ls, dtype=torch.int32, device=dev), 0.125,
                                             sinks=sk, return_lse=True, backend=backend,
-                                            **prob.kwargs)
+                                            holds_first_token=name == "a", **prob.kwargs)
     merged, merged_lse = tq.merge_attention_states(*part["a"], *part["b"])
     torch.testing.assert_close(merged_lse, lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged.float(), whole.float(), rtol=1.6e-2, atol=1e-2)

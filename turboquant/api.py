@@ -381,7 +381,8 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
                       seq_state: Optional[torch.Tensor] = None,
                       state_ids: Optional[torch.Tensor] = None,
                       sinks: Optional[torch.Tensor] = None,
-                      return_lse: bool = False) -> AttentionCall:
+                      return_lse: bool = False,
+                      holds_first_token: bool = True) -> AttentionCall:
     """Validate the arguments of ``paged_attention_fp4`` (all but ``out`` and ``backend``) and
     return the call a backend runs, transforms included (``registry.select`` takes it)."""
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
@@ -399,8 +400,8 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
         if not sinks.is_contiguous():
             raise ValueError("sinks: expected a contiguous tensor")
     return dataclasses.replace(call, rotation_signs=signs, seq_state=seq_state,
-                               state_ids=state_ids, sink=config.sink, sinks=sinks,
-                               return_lse=bool(return_lse))
+                               state_ids=state_ids, sink=config.sink and bool(holds_first_token),
+                               sinks=sinks, return_lse=bool(return_lse))
 
 
 def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales, block_tables,
@@ -411,7 +412,7 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                         seq_state: Optional[torch.Tensor] = None,
                         state_ids: Optional[torch.Tensor] = None,
                         sinks: Optional[torch.Tensor] = None,
-                        return_lse: bool = False):
+                        return_lse: bool = False, holds_first_token: bool = True):
     """Attention of ``query`` [num_tokens, num_heads, D] over the FP4 paged cache.
 
     ``max_seq_len`` (an extension to the contract's signature) is an optional host-side upper
@@ -431,13 +432,17 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     that wants base 2 takes ``lse * log2(e)``. A row that sees no key has lse -inf (or its
     sink), a row that saw NaN has NaN. Key smoothing does not show in it: the lse is that of
     the true logits ``scale * q.k``, so states from other kernels merge with ours
-    (``turboquant.merge_attention_states``).
+    (``turboquant.merge_attention_states``). ``holds_first_token=False``: the call's blocks are
+    a later part of every sequence (sequences split over calls), so their first key is an
+    ordinary one and the sink token (the config's ``sink``) is not read from the record; the
+    call that holds the sequences' position 0 keeps the default.
     """
     call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
                              block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                              max_seq_len=max_seq_len, config=config, seq_state=seq_state,
-                             state_ids=state_ids, sinks=sinks, return_lse=return_lse)
+                             state_ids=state_ids, sinks=sinks, return_lse=return_lse,
+                             holds_first_token=holds_first_token)
     if out is None:
         out = torch.empty_like(query)
     else:
