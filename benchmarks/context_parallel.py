@@ -138,7 +138,8 @@ def worker(rank, world, shapes, out_dir, port):
     rows = []
     for batch, ctx in shapes:
         if ctx % (BS * world):
-            raise SystemExit(f"context {ctx} is not a multiple of block_size x world = {BS * world}")
+            raise SystemExit(f"context {ctx} is not a multiple of block_size x world "
+                             f"= {BS * world}")
         q = torch.randn(batch, HQ, D, generator=torch.Generator(device).manual_seed(7),
                         device=device).bfloat16()
         # one GPU over the whole context (rank 0), timed while the other ranks wait
@@ -203,12 +204,14 @@ def worker(rank, world, shapes, out_dir, port):
                                                         ref_out.float().flatten(), dim=0).item()
             lse_err = ((merged_lse - ref_lse).abs() / ref_lse.abs().clamp_min(1.0)).max().item()
             ok = err <= 2e-2 and cos >= 0.9999 and lse_err <= 1e-4
-            row = dict(batch=batch, context=ctx, world=world, one_gpu_us=t_one, cp_attention_us=t_attn,
-                       cp_allgather_us=t_gather, cp_merge_us=t_merge, cp_step_us=t_step, step_timing=how,
+            row = dict(batch=batch, context=ctx, world=world, one_gpu_us=t_one,
+                       cp_attention_us=t_attn, cp_allgather_us=t_gather, cp_merge_us=t_merge,
+                       cp_step_us=t_step, step_timing=how,
                        speedup=t_one / t_step, max_abs_err=err, cosine=cos, lse_rel_err=lse_err,
                        check="ok" if ok else "FAILED")
             rows.append(row)
-            print(f"{batch} x {ctx}: one GPU {t_one:.1f} us | {world} GPUs: attention {t_attn:.1f}, "
+            print(f"{batch} x {ctx}: one GPU {t_one:.1f} us | {world} GPUs: "
+                  f"attention {t_attn:.1f}, "
                   f"all-gather {t_gather:.1f}, merge {t_merge:.1f}, step {t_step:.1f} us ({how}) | "
                   f"speedup {t_one / t_step:.2f}x | vs one GPU: max abs err {err:.2e}, cosine "
                   f"{cos:.6f}, lse rel err {lse_err:.1e} -> {row['check']}", flush=True)

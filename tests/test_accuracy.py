@@ -17,9 +17,10 @@ import torch
 from turboquant import accuracy as A
 from turboquant.accuracy import models as M
 
-SYN_OPTIONS = ("fp8", "fp8/token", "plain", "per32", "rotation", "mse", "default",
+SYN_OPTIONS = ("fp8", "fp8/token", "k8v4", "plain", "per32", "rotation", "mse", "default",
                "default+per32")
-GAUSSIAN_SQNR_FLOOR_DB = {"fp8": 31.0, "fp8/token": 31.0, "plain": 17.8, "per32": 18.45,
+GAUSSIAN_SQNR_FLOOR_DB = {"fp8": 31.0, "fp8/token": 31.0, "k8v4": 17.8, "plain": 17.8,
+                          "per32": 18.45,
                           "rotation": 17.8, "mse": 18.65, "default": 17.8,
                           "default+per32": 18.45}
 
@@ -43,6 +44,14 @@ def test_gaussian_sqnr_floor_of_each_option(gaussian_rows, option):
     assert row["k_sqnr_db"] >= floor and row["v_sqnr_db"] >= floor, row
     # ~18-19 dB of SQNR on K and V: attention output within a few percent of BF16
     assert row["worst_layer_cosine"] >= 0.98 and row["worst_layer_rel_err"] <= 0.2, row
+
+
+def test_k8v4_keys_are_fp8_and_values_fp4(gaussian_rows, outlier_rows):
+    row = gaussian_rows["k8v4"]
+    assert row["k_sqnr_db"] >= 31.0  # E4M3 with a power-of-two scale per (token, head)
+    assert abs(row["v_sqnr_db"] - gaussian_rows["rotation"]["v_sqnr_db"]) <= 0.05
+    # FP8 keys keep outlier channels that FP4 keys lose even with every transform
+    assert outlier_rows["k8v4"]["k_sqnr_db"] >= outlier_rows["default"]["k_sqnr_db"] + 5
 
 
 def test_finer_scales_and_mse_rule_beat_plain_on_gaussian(gaussian_rows):

@@ -178,3 +178,60 @@ def test_dequantize_takes_the_caches_own_scale_shape():
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="scales: expected shape"):
         fmt.dequantize_fp4(codes, scales[:4].squeeze(-1))
+
+
+# ---- the K8V4 key format: E4M3 bytes with one E8M0 scale per row ----
+
+def _e4m3_nearest_even(y: torch.Tensor) -> torch.Tensor:
+    """The E4M3 byte nearest to each y (|y| <= 448) by search over every finite value, ties to
+    the even byte (the even mantissa), sign from the sign bit."""
+    codes = torch.arange(0, 127, dtype=torch.uint8)  # +0 .. 448 (127 = NaN is left out)
+    vals = codes.view(torch.float8_e4m3fn).double()
+    d = (y.double().abs()[..., None] - vals).abs()
+    best = d.min(dim=-1, keepdim=True).values
+    cand = (d == best) & ((codes % 2 == 0) | (d.eq(best).sum(-1, keepdim=True) == 1))
+    mag = torch.where(cand, codes.long(), 1000).min(dim=-1).values.to(torch.uint8)
+    return mag | ((y.view(torch.int32) < 0).to(torch.uint8) << 7)
+
+
+def test_e4m3_codes_are_the_nearest_even_values():
+    gen = torch.Generator().manual_seed(4)
+    # random magnitudes over every binade of E4M3, exact midpoints and their neighbours
+    y = torch.exp2(torch.rand(20000, generator=gen) * 18 - 9.5) * 448 / 2 ** 8.5
+    y = y * torch.where(torch.rand(20000, generator=gen) < 0.5, -1.0, 1.0)
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[1:] + vals[:-1]) / 2
+    ties = torch.cat([mids, torch.nextafter(mids, torch.zeros_like(mids)),
+                      torch.nextafter(mids, torch.full_like(mids, 1e9))])
+    y = torch.cat([y, ties, -ties, torch.tensor([0.0, -0.0, 448.0, -448.0])]).clamp(-448, 448)
+    # one row per value with scale byte 127 (2^0): a row's max 448 pins the scale
+    rows = torch.stack([y, torch.full_like(y, 448.0)], dim=-1)
+    codes, scales = fmt.quantize_e4m3(rows)
+    assert torch.equal(scales, torch.full_like(scales, 127))
+    assert torch.equal(codes[:, 0], _e4m3_nearest_even(y))
+
+
+def test_e4m3_scale_rule_and_special_groups():
+    x = torch.tensor([[448.0, 1.0], [448.0 * 2 ** 3, 0.0], [448.01, 0.0], [0.0, 0.0],
+                      [float("nan"), 1.0], [float("inf"), 1.0], [1e-40, 0.0]])
+    codes, b = fmt.quantize_e4m3(x)
+    assert b.tolist() == [127, 130, 128, 0, 255, 255, 0]  # smallest s with amax / s <= 448
+    assert codes[4].tolist() == [0, 0] and codes[5].tolist() == [0, 0]
+    back = fmt.dequantize_e4m3(codes, b)
+    assert torch.isnan(back[4]).all() and torch.isnan(back[5]).all()
+    assert back[0].tolist() == [448.0, 1.0] and back[3].tolist() == [0.0, 0.0]
+    # byte 0 is 2^-127, not 1.0: a tiny group keeps its magnitude
+    assert back[6, 0].item() == pytest.approx(1e-40, rel=0.07)
+    # no element ever saturates: the largest byte magnitude is 448's (0x7E)
+    g = torch.Generator().manual_seed(2)
+    c, _ = fmt.quantize_e4m3(torch.randn(4096, 128, generator=g) * 100)
+    assert int((c & 0x7F).max()) == 0x7E
+
+
+def test_e4m3_round_trip_sqnr():
+    x = torch.randn(65536, 128, generator=torch.Generator().manual_seed(0))
+    y = fmt.dequantize_e4m3(*fmt.quantize_e4m3(x))
+    assert 30.0 < fmt.sqnr_db(x, y) < 33.0  # 3 mantissa bits: about 31.5 dB on Gaussian rows
+    with pytest.raises(ValueError, match="scales"):
+        fmt.dequantize_e4m3(torch.zeros(4, 8, dtype=torch.uint8),
+                            torch.zeros(4, 1, dtype=torch.uint8))

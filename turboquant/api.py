@@ -90,19 +90,33 @@ def _same_device(device: torch.device, **tensors) -> None:
 
 
 def _cache_geometry(key_cache, value_cache, key_scales, value_scales, num_kv_heads=None):
-    """Check the paged cache and its scales; return (num_blocks, Hkv, block_size, D, group)."""
-    _tensor("key_cache", key_cache, (torch.uint8,), (4,))
-    nb, hkv, bs, half = key_cache.shape
+    """Check the paged cache and its scales; return (num_blocks, Hkv, block_size, D, group,
+    key_format): key_format "fp4", or "fp8_e4m3" for a K8V4 cache (E4M3 key bytes
+    [num_blocks, Hkv, block_size, D] as torch.float8_e4m3fn, one scale per (token, head))."""
+    _tensor("key_cache", key_cache, (torch.uint8, torch.float8_e4m3fn), (4,))
+    k8 = key_cache.dtype == torch.float8_e4m3fn
+    nb, hkv, bs, last = key_cache.shape
     if num_kv_heads is not None and hkv != num_kv_heads:
         raise ValueError(f"key_cache: expected {num_kv_heads} kv heads in dim 1 "
                          f"[num_blocks, num_kv_heads, block_size, D/2], got shape "
                          f"{tuple(key_cache.shape)}")
-    d = 2 * half
+    d = last if k8 else 2 * last
     if bs < 1 or bs & (bs - 1):
         raise ValueError(f"key_cache: expected a power-of-two block size in dim 2, got {bs}")
     _tensor("value_cache", value_cache, (torch.uint8,), (4,))
-    _shape("value_cache", value_cache, key_cache.shape)
+    if not k8 and tuple(value_cache.shape) == (nb, hkv, bs, last // 2) and last % 2 == 0:
+        raise ValueError("key_cache: D bytes per token and head where value_cache holds D/2: E4M3 "
+                         "key bytes of a K8V4 cache are passed as torch.float8_e4m3fn "
+                         "(key_cache.view(torch.float8_e4m3fn)); an FP4 cache holds D/2")
+    if k8 and value_cache.shape == key_cache.shape:
+        raise ValueError("key_cache: float8_e4m3fn keys hold D bytes per token and head, twice "
+                         "value_cache's D/2; these hold D/2, like FP4 codes (pass them as uint8)")
+    _shape("value_cache", value_cache, (nb, hkv, bs, d // 2))
     _tensor("key_scales", key_scales, (torch.uint8,), (3, 4))
+    if k8 and key_scales.dim() != 3:
+        raise ValueError(f"key_scales: a K8V4 cache has one scale per (token, head), "
+                         f"[num_blocks, block_size, num_kv_heads], got shape "
+                         f"{tuple(key_scales.shape)}")
     if key_scales.dim() == 3:
         group = d
         _shape("key_scales", key_scales, (nb, bs, hkv))
@@ -113,7 +127,7 @@ def _cache_geometry(key_cache, value_cache, key_scales, value_scales, num_kv_hea
         _shape("key_scales", key_scales, (nb, bs, hkv, d // 32))
     _tensor("value_scales", value_scales, (torch.uint8,), (3, 4))
     _shape("value_scales", value_scales, key_scales.shape)
-    return nb, hkv, bs, d, group
+    return nb, hkv, bs, d, group, "fp8_e4m3" if k8 else "fp4"
 
 
 def make_attention_call(query, key_cache, value_cache, key_scales, value_scales, block_tables,
@@ -123,10 +137,11 @@ def make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
     """Validate the arguments of paged_attention_fp4 and bundle them."""
     _tensor("query", query, QUERY_DTYPES, (3,))
     num_tokens, num_heads, d = query.shape
-    nb, hkv, bs, dc, group = _cache_geometry(key_cache, value_cache, key_scales, value_scales)
+    nb, hkv, bs, dc, group, key_format = _cache_geometry(key_cache, value_cache, key_scales,
+                                                         value_scales)
     if dc != d:
-        raise ValueError(f"key_cache: expected D/2 = {d // 2} bytes per token (query head dim "
-                         f"{d}) in dim 3, got {dc // 2}")
+        raise ValueError(f"key_cache/value_cache: expected D/2 = {d // 2} FP4 bytes per token "
+                         f"(query head dim {d}) in dim 3, got {dc // 2}")
     if num_heads % hkv:
         raise ValueError(f"query: expected num_heads divisible by num_kv_heads ({hkv}), "
                          f"got {num_heads}")
@@ -168,7 +183,7 @@ def make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
         cu_query_lens=cu_query_lens, scale=float(scale), sliding_window=sliding_window,
         logits_soft_cap=float(logits_soft_cap), max_seq_len=max_seq_len, num_seqs=num_seqs,
         num_heads=num_heads, num_kv_heads=hkv, head_dim=d, block_size=bs, num_blocks=nb,
-        scale_group=group)
+        scale_group=group, key_format=key_format)
 
 
 def _check_attention_values(block_tables, seq_lens, cu_query_lens, num_tokens, num_blocks,
@@ -296,11 +311,11 @@ def make_cache_write(key, value, key_cache, value_cache, key_scales, value_scale
     _tensor("value", value, (key.dtype,), (3,))
     _shape("value", value, key.shape)
     num_tokens, hkv, d = key.shape
-    nb, _, bs, dc, group = _cache_geometry(key_cache, value_cache, key_scales, value_scales,
-                                           num_kv_heads=hkv)
+    nb, _, bs, dc, group, key_format = _cache_geometry(key_cache, value_cache, key_scales,
+                                                       value_scales, num_kv_heads=hkv)
     if dc != d:
-        raise ValueError(f"key_cache: expected D/2 = {d // 2} bytes per token (key head dim "
-                         f"{d}) in dim 3, got {dc // 2}")
+        raise ValueError(f"key_cache/value_cache: expected D/2 = {d // 2} FP4 bytes per token "
+                         f"(key head dim {d}) in dim 3, got {dc // 2}")
     _tensor("slot_mapping", slot_mapping, (torch.int64, torch.int32), (1,))
     _shape("slot_mapping", slot_mapping, (num_tokens,))
     _same_device(key.device, value=value, key_cache=key_cache, value_cache=value_cache,
@@ -314,7 +329,8 @@ def make_cache_write(key, value, key_cache, value_cache, key_scales, value_scale
                       key_scales=key_scales, value_scales=value_scales,
                       slot_mapping=slot_mapping, num_kv_heads=hkv, head_dim=d, block_size=bs,
                       num_blocks=nb, scale_group=group, scale_rule=scale_rule,
-                      rotation_signs=rotation_signs, seq_state=seq_state, state_ids=state_ids)
+                      rotation_signs=rotation_signs, seq_state=seq_state, state_ids=state_ids,
+                      key_format=key_format)
 
 
 def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_scales,

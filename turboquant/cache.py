@@ -11,16 +11,25 @@ from .format import MX_GROUP
 
 
 class FP4Cache(NamedTuple):
-    key_cache: torch.Tensor  # uint8 [num_blocks, num_kv_heads, block_size, D/2]
+    # uint8 [num_blocks, num_kv_heads, block_size, D/2]; K8V4: float8_e4m3fn [..., D]
+    key_cache: torch.Tensor
     value_cache: torch.Tensor  # uint8 [num_blocks, num_kv_heads, block_size, D/2]
     key_scales: torch.Tensor  # uint8 [num_blocks, block_size, num_kv_heads(, D/32)]
     value_scales: torch.Tensor  # same shape as key_scales
 
 
 def allocate_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, *,
-                   scale_group: Optional[int] = None, device="cpu", fill: int = 0) -> FP4Cache:
+                   scale_group: Optional[int] = None, device="cpu", fill: int = 0,
+                   key_format: str = "fp4") -> FP4Cache:
     """An FP4 paged cache. ``scale_group`` None (or head_dim): one scale per (token, head);
-    32: one per 32 elements. ``fill`` sets every byte (0xFF poisons unwritten slots)."""
+    32: one per 32 elements. ``fill`` sets every byte (0xFF poisons unwritten slots).
+    ``key_format="fp8_e4m3"``: a K8V4 cache, E4M3 key bytes (torch.float8_e4m3fn
+    [num_blocks, num_kv_heads, block_size, D]) with one scale per (token, head), FP4 values."""
+    if key_format not in ("fp4", "fp8_e4m3"):
+        raise ValueError(f"key_format: expected 'fp4' or 'fp8_e4m3', got {key_format!r}")
+    if key_format == "fp8_e4m3" and scale_group not in (None, head_dim):
+        raise ValueError(f"scale_group: a K8V4 cache (key_format='fp8_e4m3') has one scale per "
+                         f"(token, head), got {scale_group}")
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim: expected an even head dim (two FP4 codes per byte), "
                          f"got {head_dim}")
@@ -38,6 +47,9 @@ def allocate_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim
     def full(s):
         return torch.full(s, fill, dtype=torch.uint8, device=device)
 
+    if key_format == "fp8_e4m3":
+        keys = full(shape[:3] + (head_dim,)).view(torch.float8_e4m3fn)
+        return FP4Cache(keys, full(shape), full(sshape), full(sshape))
     return FP4Cache(full(shape), full(shape), full(sshape), full(sshape))
 
 

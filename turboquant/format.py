@@ -16,6 +16,12 @@ definition they are tested against. It runs on CPU and GPU tensors alike.
   per 32 elements (``group=32``, the OCP MX block).
 - An optional second scale rule, "mse" (see ``quantize_fp4``), is a named option of the cache
   writer (``QuantConfig(scale_rule="mse")``), never a silent change; readers are unaffected.
+- The second key format (K8V4: FP8 keys, FP4 values; ``quantize_e4m3``): one OCP E4M3 byte per
+  element (sign, 4 exponent bits of bias 7, 3 mantissa bits; largest finite 448, no infinity,
+  S.1111.111 is NaN) with one E8M0 scale per (token, head) by the same rule with 448 in place of
+  6: the smallest power of two s with amax / s <= 448, so no element saturates; the value
+  x / s (exact) rounds to the nearest E4M3 value, ties to even; a group holding NaN or Inf gets
+  b = 255 and all-zero bytes.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import torch
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
+E4M3_MAX = 448.0
 E8M0_BIAS = 127
 E8M0_NAN = 255
 MX_GROUP = 32
@@ -73,19 +80,20 @@ def decode_e8m0(b: torch.Tensor) -> torch.Tensor:
     return torch.where(b == E8M0_NAN, torch.full_like(value, float("nan")), value)
 
 
-def e8m0_for_amax(amax: torch.Tensor) -> torch.Tensor:
+def e8m0_for_amax(amax: torch.Tensor, code_max: float = E2M1_MAX) -> torch.Tensor:
     """Group max magnitudes (float, may hold NaN/Inf) -> uint8 scale bytes by the rule above.
 
-    The exponent is the smallest integer e with amax <= 6 * 2^e. An estimate from log2 is
-    corrected both ways against exact float64 products, so no rounding of log2 can move it.
+    The exponent is the smallest integer e with amax <= code_max * 2^e (6 for E2M1 codes, 448
+    for E4M3). An estimate from log2 is corrected both ways against exact float64 products, so
+    no rounding of log2 can move it.
     """
     a = amax.double()
     finite = torch.isfinite(a)
     pos = finite & (a > 0)
     safe = torch.where(pos, a, torch.ones_like(a))
-    e = torch.ceil(torch.log2(safe / E2M1_MAX))
-    e = torch.where(safe > E2M1_MAX * torch.exp2(e), e + 1, e)
-    e = torch.where(safe <= E2M1_MAX * torch.exp2(e - 1), e - 1, e)
+    e = torch.ceil(torch.log2(safe / code_max))
+    e = torch.where(safe > code_max * torch.exp2(e), e + 1, e)
+    e = torch.where(safe <= code_max * torch.exp2(e - 1), e - 1, e)
     b = torch.clamp(e + E8M0_BIAS, 0, 254)
     b = torch.where(pos, b, torch.zeros_like(b))
     b = torch.where(finite, b, torch.full_like(b, E8M0_NAN))
@@ -158,6 +166,31 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, group: int | None
     if scales.shape != g.shape[:-1]:
         raise ValueError(f"scales: expected shape {tuple(g.shape[:-1])}, got {tuple(scales.shape)}")
     return (g * decode_e8m0(scales).unsqueeze(-1)).flatten(-2)
+
+
+def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (any float dtype) -> (E4M3 bytes uint8 [..., D], scales uint8 [...]): one
+    E8M0 scale per row by the rule in the module docstring (448 in place of 6)."""
+    if not x.is_floating_point():
+        raise TypeError(f"x: expected a floating-point tensor, got {x.dtype}")
+    g = x.float()
+    finite = torch.isfinite(g).all(dim=-1)
+    amax = torch.where(finite, g.abs().amax(dim=-1), torch.full_like(g[..., 0], float("nan")))
+    b = e8m0_for_amax(amax, E4M3_MAX)
+    # dividing by a power of two is exact where the result is a normal float; |x / s| <= 448,
+    # so the conversion never meets its out-of-range case
+    scaled = g / decode_e8m0(torch.where(finite, b, torch.zeros_like(b))).unsqueeze(-1)
+    codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(finite.unsqueeze(-1), codes, torch.zeros_like(codes)), b
+
+
+def dequantize_e4m3(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """(E4M3 bytes uint8 [..., D], scales uint8 [...]) -> float32 [..., D]; scale 255 gives NaN."""
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise TypeError(f"codes/scales: expected uint8, got {codes.dtype} / {scales.dtype}")
+    if scales.shape != codes.shape[:-1]:
+        raise ValueError(f"scales: expected shape {tuple(codes.shape[:-1])}, got {tuple(scales.shape)}")
+    return codes.view(torch.float8_e4m3fn).float() * decode_e8m0(scales).unsqueeze(-1)
 
 
 def sqnr_db(x: torch.Tensor, y: torch.Tensor) -> float:

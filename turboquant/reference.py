@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from .api import attention_op_args, cache_write_op_args, make_attention_call, make_cache_write
-from .format import dequantize_fp4, quantize_fp4
+from .format import dequantize_e4m3, dequantize_fp4, quantize_e4m3, quantize_fp4
 from .rotation import rotate, unrotate
 from .smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, transform_keys
 from .ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
@@ -41,14 +41,18 @@ DEFAULT_CHUNK_TOKENS = 4096
 
 
 def _gather_tokens(cache, scales, blocks, group, start, stop, block_size):
-    """Dequantize tokens [start, stop) of one sequence: -> float32 [num_kv_heads, n, D]."""
+    """Dequantize tokens [start, stop) of one sequence: -> float32 [num_kv_heads, n, D]
+    (FP4 codes, or the E4M3 key bytes of a K8V4 cache)."""
     first, last = start // block_size, (stop - 1) // block_size + 1
     ids = blocks[first:last].long()
-    codes = cache[ids]  # [nb, Hkv, bs, D/2]
+    codes = cache[ids]  # [nb, Hkv, bs, D/2] FP4, [nb, Hkv, bs, D] E4M3
     sc = scales[ids].transpose(1, 2)  # [nb, Hkv, bs(, G)]
-    if group is None:
-        sc = sc.unsqueeze(-1)
-    values = dequantize_fp4(codes, sc, group)  # [nb, Hkv, bs, D]
+    if cache.dtype == torch.float8_e4m3fn:
+        values = dequantize_e4m3(codes.view(torch.uint8), sc)
+    else:
+        if group is None:
+            sc = sc.unsqueeze(-1)
+        values = dequantize_fp4(codes, sc, group)  # [nb, Hkv, bs, D]
     values = values.transpose(0, 1).flatten(1, 2)  # [Hkv, nb*bs, D]
     offset = start - first * block_size
     return values[:, offset:offset + (stop - start)]
@@ -193,9 +197,13 @@ def cache_write_reference(write: CacheWrite) -> None:
     value = transform_keys(write.value[keep], None, None, write.rotation_signs)
     for src, cache, scales in ((key, write.key_cache, write.key_scales),
                                (value, write.value_cache, write.value_scales)):
-        codes, sc = quantize_fp4(src, group, write.scale_rule)  # [n, Hkv, D/2], [n, Hkv, G]
-        if group is None:
-            sc = sc.squeeze(-1)
+        if cache.dtype == torch.float8_e4m3fn:  # K8V4 keys: E4M3 bytes [n, Hkv, D], [n, Hkv]
+            codes, sc = quantize_e4m3(src)
+            codes = codes.view(torch.float8_e4m3fn)
+        else:
+            codes, sc = quantize_fp4(src, group, write.scale_rule)  # [n, Hkv, D/2], [n, Hkv, G]
+            if group is None:
+                sc = sc.squeeze(-1)
         cache[blocks, :, offsets] = codes
         scales[blocks, offsets] = sc
 

@@ -51,6 +51,7 @@ class AttentionCall:
     sink: bool = False  # position 0 read from the state record, not from the FP4 cache
     sinks: Optional[torch.Tensor] = None  # float32 [num_heads]: learned sink logits (gpt-oss)
     return_lse: bool = False  # the caller wants each row's log-sum-exp (float32 [T, num_heads])
+    key_format: str = "fp4"  # or "fp8_e4m3": a K8V4 cache (E4M3 keys, FP4 values)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class CacheWrite:
     seq_state: Optional[torch.Tensor] = None  # float32 [num_slots, num_kv_heads, 5, D]; with
     # key smoothing only: each token's key becomes (k - m) * (1 / lam) of its slot
     state_ids: Optional[torch.Tensor] = None  # int32 [num_tokens]: each token's state slot
+    key_format: str = "fp4"  # or "fp8_e4m3": a K8V4 cache (E4M3 keys, FP4 values)
 
 
 def transform_tensors_reason(call: AttentionCall) -> Optional[str]:
@@ -98,6 +100,14 @@ def transform_tensors_reason(call: AttentionCall) -> Optional[str]:
                 or not ids.is_contiguous() or ids.device != call.query.device):
             return (f"state_ids: expected a contiguous int32 [{call.num_seqs}] tensor on "
                     f"{call.query.device}")
+    return None
+
+
+def key_format_reason(call, backend: str) -> Optional[str]:
+    """Why a backend with FP4 keys only declines a K8V4 cache (attention or write), or None."""
+    if call.key_format != "fp4":
+        return (f"{call.key_format} keys (a K8V4 cache): not in the {backend} kernels yet (the "
+                f"reference has them)")
     return None
 
 

@@ -35,13 +35,15 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
         if s.dtype != torch.float32:
             raise TypeError(f"{lse_name}: expected float32, got {s.dtype}")
         if tuple(s.shape) != tuple(o.shape[:2]):
-            raise ValueError(f"{lse_name}: expected shape {tuple(o.shape[:2])}, got {tuple(s.shape)}")
+            raise ValueError(f"{lse_name}: expected shape {tuple(o.shape[:2])}, "
+                             f"got {tuple(s.shape)}")
     if out_b.shape != out_a.shape or out_b.dtype != out_a.dtype:
         raise ValueError(f"out_b: expected {tuple(out_a.shape)} {out_a.dtype} like out_a, got "
                          f"{tuple(out_b.shape)} {out_b.dtype}")
     devices = {t.device for t in (out_a, lse_a, out_b, lse_b)}
     if len(devices) != 1:
-        raise ValueError(f"out_a, lse_a, out_b, lse_b: expected one device, got {sorted(map(str, devices))}")
+        raise ValueError(f"out_a, lse_a, out_b, lse_b: expected one device, "
+                         f"got {sorted(map(str, devices))}")
     if out is not None and (out.shape != out_a.shape or out.dtype != out_a.dtype
                             or out.device != out_a.device):
         raise ValueError(f"out: expected {tuple(out_a.shape)} {out_a.dtype} on {out_a.device}")

@@ -24,8 +24,8 @@ import torch
 
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
-from ..registry import (AttentionCall, Backend, CacheWrite, register, state_outputs_reason,
-                        transform_tensors_reason)
+from ..registry import (AttentionCall, Backend, CacheWrite, key_format_reason, register,
+                        state_outputs_reason, transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
 HEAD_DIMS = (64, 128, 256)
@@ -119,7 +119,8 @@ class AiterBackend(Backend):
             return _state["reason"]
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = state_outputs_reason(call, "aiter") or transform_tensors_reason(call)
+        reason = (key_format_reason(call, "aiter") or state_outputs_reason(call, "aiter")
+                  or transform_tensors_reason(call))
         if reason is not None:
             return reason
         if call.cu_query_lens is not None:

@@ -35,7 +35,8 @@ import torch
 from ..api import attention_op_args, cache_write_op_args
 from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from ._jit import load, sources_hash
-from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
+from ..registry import (AttentionCall, Backend, CacheWrite, key_format_reason, register,
+                        transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
 CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_cuda"
@@ -118,7 +119,7 @@ class CudaBackend(Backend):
         return ensure_loaded()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = transform_tensors_reason(call)
+        reason = key_format_reason(call, "cuda") or transform_tensors_reason(call)
         if reason is not None:
             return reason
         q = call.query
@@ -154,6 +155,9 @@ class CudaBackend(Backend):
         return None
 
     def check_cache_write(self, write: CacheWrite) -> Optional[str]:
+        reason = key_format_reason(write, "cuda")
+        if reason is not None:
+            return reason
         k = write.key
         if not k.is_cuda:
             return f"tensors are on {k.device}, not on a CUDA device"

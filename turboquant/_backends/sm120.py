@@ -33,8 +33,8 @@ import torch
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
 from ._jit import load, sources_hash
-from ..registry import (AttentionCall, Backend, register, state_outputs_reason,
-                        transform_tensors_reason)
+from ..registry import (AttentionCall, Backend, key_format_reason, register,
+                        state_outputs_reason, transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_sm120"
 PROBE_SCHEMA = "(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int kind, int selectors) -> Tensor"
@@ -111,7 +111,7 @@ class Sm120Backend(Backend):
         return load_extension()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = state_outputs_reason(call, "sm120")
+        reason = key_format_reason(call, "sm120") or state_outputs_reason(call, "sm120")
         if reason is not None:
             return reason
         q = call.query

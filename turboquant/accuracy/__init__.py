@@ -1,8 +1,9 @@
 """``python -m turboquant accuracy``: what each KV format costs, next to FP8, in one run.
 
 Rows (``--options``, names of ``formats.parse_format``): the FP8 E4M3 anchors ``fp8`` (scale
-1.0 per tensor, vLLM's ``fp8``) and ``fp8/token`` (one scale per (token, kv head)), then FP4
-configs: ``plain`` (the format alone), ``rotation``, key smoothing per sequence (``smooth``) or
+1.0 per tensor, vLLM's ``fp8``) and ``fp8/token`` (one scale per (token, kv head)), ``k8v4``
+(E4M3 keys with an E8M0 scale per (token, kv head), FP4 values; emulated), then FP4 configs:
+``plain`` (the format alone), ``rotation``, key smoothing per sequence (``smooth``) or
 from a calibration file (``calibrated``), the ``sink``, ``per32`` scales, the ``mse`` rule,
 their combinations; ``default`` is ``QuantConfig()``; ``@N`` takes the sequence's record
 from its first N tokens only.
@@ -34,7 +35,8 @@ from ..smoothing import load_calibration, save_calibration
 from .models import (CALIBRATION_TEXT_PATH, MODEL_PIP, MODELS, ModelUnavailable,
                      calibrate_model, find_model_path, load_model, load_text, run_model)
 
-OPTIONS = ("fp8", "fp8/token", "plain", "rotation", "rotation+per32+mse", "rotation+sink",
+OPTIONS = ("fp8", "fp8/token", "k8v4", "plain", "rotation", "rotation+per32+mse",
+           "rotation+sink",
            "rotation+smooth", "default", "default@32", "default+mse", "default+per32",
            "default+per32+mse", "rotation+calibrated", "rotation+calibrated+sink",
            "rotation+calibrated+sink+per32+mse")

@@ -5,6 +5,9 @@ A format is a name (``parse_format``):
 - ``fp8``: FP8 E4M3 keys and values with scale 1.0 per tensor (what vLLM's ``kv_cache_dtype=fp8``
   does without calibrated scales); ``fp8/token``: one fp32 scale per (token, kv head), amax/448.
   Both are emulated (values rounded to E4M3 and back, attention in fp32): the anchors.
+- ``k8v4``: the second key format (K8V4): E4M3 keys with one E8M0 scale per (token, kv head)
+  (``turboquant.format.quantize_e4m3``, the bytes its cache will hold) and FP4 values rotated as
+  the default config stores them; emulated the same way until its writer and kernels exist.
 - Any ``QuantConfig.parse`` name (``default``, ``plain``, ``rotation+per32``, ...), optionally
   with ``@N``: the sequence's first chunk (the one its state record is taken from) is its
   first N tokens, the rest is written in a second call. These go through the real API
@@ -25,12 +28,12 @@ import torch
 from ..api import paged_attention_fp4, reshape_and_cache_fp4
 from ..cache import allocate_cache
 from ..config import QuantConfig
-from ..format import dequantize_fp4, sqnr_db
-from ..rotation import rotation_signs, unrotate
+from ..format import dequantize_e4m3, dequantize_fp4, quantize_e4m3, quantize_fp4, sqnr_db
+from ..rotation import rotate, rotation_signs, unrotate
 from ..smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE, allocate_state
 
 BLOCK_SIZE = 16
-FP8_FORMATS = ("fp8", "fp8/token")
+FP8_FORMATS = ("fp8", "fp8/token", "k8v4")  # emulated formats with FP8 keys
 E4M3_MAX = 448.0
 
 
@@ -52,6 +55,7 @@ class KVFormat:
 
     @property
     def is_fp8(self) -> bool:
+        """Keys in FP8: an emulated format (the anchors and K8V4), not an FP4 cache."""
         return self.config is None
 
 
@@ -76,6 +80,17 @@ def fp8_round(x: torch.Tensor, per_token: bool) -> torch.Tensor:
     s = x.abs().amax(-1, keepdim=True) / E4M3_MAX
     s = torch.where(s > 0, s, torch.ones_like(s))
     return (x / s).to(torch.float8_e4m3fn).float() * s
+
+
+def emulate_kv(k: torch.Tensor, v: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [T, Hkv, D] as an emulated format (FP8_FORMATS) holds them: float32 each."""
+    if name == "k8v4":
+        signs = rotation_signs(k.shape[-1], QuantConfig().rotation_seed, k.device)
+        codes, scales = quantize_fp4(rotate(v.float(), signs))
+        return (dequantize_e4m3(*quantize_e4m3(k.float())),
+                unrotate(dequantize_fp4(codes, scales), signs))
+    per_token = name == "fp8/token"
+    return fp8_round(k, per_token), fp8_round(v, per_token)
 
 
 # --------------------------------------------------------------------------- one layer
@@ -167,9 +182,7 @@ def format_attention(layer: Layer, fmt: KVFormat, calibration: Optional[tuple] =
     """Attention of all the layer's query tokens (one causal sequence) over its K/V stored in
     ``fmt``: -> [T, Hq, D] float32."""
     if fmt.is_fp8:
-        per_token = fmt.name == "fp8/token"
-        return reference_attention(layer.q, fp8_round(layer.k, per_token),
-                                   fp8_round(layer.v, per_token), layer.scale)
+        return reference_attention(layer.q, *emulate_kv(layer.k, layer.v, fmt.name), layer.scale)
     if written is None:
         written = write_cache(layer.k, layer.v, fmt, calibration)
     t = layer.k.shape[0]
@@ -184,8 +197,7 @@ def evaluate_layer(layer: Layer, fmt: KVFormat, reference: torch.Tensor,
     """K/V SQNR (dB), attention-output cosine and relative error of one layer."""
     t = layer.k.shape[0]
     if fmt.is_fp8:
-        per_token = fmt.name == "fp8/token"
-        k_hat, v_hat = fp8_round(layer.k, per_token), fp8_round(layer.v, per_token)
+        k_hat, v_hat = emulate_kv(layer.k, layer.v, fmt.name)
         out = format_attention(layer, fmt)
     else:
         written = write_cache(layer.k, layer.v, fmt, calibration)
