@@ -108,22 +108,20 @@ __host__ __device__ __forceinline__ uint32_t e2m1_magnitude_magic(float q) {
   return umin(umin(t0, t1), t2);
 }
 
-// N (2, 4 or 8) E2M1 codes, element i in nibble i: the magnitudes (above) summed as t * 16^i
-// (one multiply-add each, on the FMA pipe, with the 2^23 offsets removed once per word: the
-// sum is exact modulo 2^32), the signs moved from bit 31 to bit 4i + 3 (sign from the sign bit,
-// so -0.0 and small negatives give code 8) by a high multiply and merged under a mask.
-template <int N>
-__device__ __forceinline__ uint32_t encode_e2m1xN(const float* f, float inv) {
-  uint32_t mag = 0, sgn = 0, offset = 0;
+// Eight E2M1 codes, element i in nibble i: the magnitudes (above) summed as t * 16^i (one
+// multiply-add each, on the FMA pipe, with the eight 2^23 offsets removed once: the sum is
+// exact modulo 2^32), the signs moved from bit 31 to bit 4i + 3 (sign from the sign bit, so
+// -0.0 and small negatives give code 8) by a high multiply and merged under a mask.
+__device__ __forceinline__ uint32_t encode_e2m1x8(const float* f, float inv) {
+  uint32_t mag = 0, sgn = 0;
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
+  for (int i = 0; i < 8; ++i) {
     const float q = f[i] * inv;
     mag += e2m1_magnitude_magic(q) << (4 * i);
-    offset += E2M1_MAGIC << (4 * i);
     const uint32_t u = __float_as_uint(q);
     sgn |= (i == 7 ? u : __umulhi(u, 1u << (4 * i + 4))) & (8u << (4 * i));
   }
-  return (mag - offset) | sgn;
+  return (mag - E2M1_MAGIC * 0x11111111u) | sgn;
 }
 
 // 2^(127 - b) for a finite group's scale byte b: b = 254 -> 2^-127 (subnormal), else normal.
@@ -136,14 +134,14 @@ __device__ __forceinline__ float inv_scale(uint32_t b) {
 // negative floats by magnitude (above every non-negative one); so the larger of the two maxima
 // with the sign masked off is max |f|. Any NaN or Inf (magnitude bits >= 0x7f800000) wins, so
 // one reduction gives both the max and the "group is finite" test.
-template <int N, int STRIDE = 1>
+template <int N>
 __device__ __forceinline__ uint32_t abs_max_bits(const float* f) {
   int smax = INT_MIN;
   uint32_t umax = 0;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    smax = max(smax, __float_as_int(f[i * STRIDE]));
-    umax = max(umax, __float_as_uint(f[i * STRIDE]));
+    smax = max(smax, __float_as_int(f[i]));
+    umax = max(umax, __float_as_uint(f[i]));
   }
   return max((uint32_t)smax & 0x7fffffffu, umax & 0x7fffffffu);
 }
@@ -165,7 +163,7 @@ __device__ __forceinline__ void quantize_store(const float (&f)[E], bool active,
   if (b != 255u) {
     const float inv = inv_scale(b);
 #pragma unroll
-    for (int w = 0; w < E / 8; ++w) word[w] = encode_e2m1xN<8>(f + 8 * w, inv);
+    for (int w = 0; w < E / 8; ++w) word[w] = encode_e2m1x8(f + 8 * w, inv);
   }
   if constexpr (E == 8) {
     *reinterpret_cast<uint32_t*>(code_dst) = word[0];
