@@ -162,10 +162,13 @@ __device__ __forceinline__ float q_dot_center(const AttnParams& p, const QChunk&
   return dot;
 }
 
+// Logits run in the exp2 domain: natural-log units times LOG2E.
+constexpr float LOG2E = 1.4426950408889634f;
+
 // The sink's logit in the exp2 domain from q'.k0' and scale * q.m (0 without a cap).
 __device__ __forceinline__ float sink_logit(const AttnParams& p, float q_k0, float qm) {
   const float x = p.scale * q_k0 + qm;
-  return (p.soft_cap > 0.f ? p.soft_cap * tanhf(x / p.soft_cap) : x) * 1.4426950408889634f;
+  return (p.soft_cap > 0.f ? p.soft_cap * tanhf(x / p.soft_cap) : x) * LOG2E;
 }
 
 // Query transform of the 8 elements f of row chunk c (D/8 lanes per row): q * lam (with a
@@ -323,7 +326,7 @@ __device__ __forceinline__ void merge_sink(float ls, const float (&v)[N], float&
 // needs_q_dot_center). Partials and whole rows alike, so that partials merge and the learned
 // sink and the lse see the true logits. -inf and NaN stay.
 __device__ __forceinline__ float true_logit_max(const AttnParams& p, float qm, float M) {
-  return p.soft_cap <= 0.f ? M + qm * 1.4426950408889634f : M;
+  return p.soft_cap <= 0.f ? M + qm * LOG2E : M;
 }
 
 // A whole row's state (M, Ls) joined by the learned sink of `head` (gpt-oss: one more logit,
@@ -331,7 +334,7 @@ __device__ __forceinline__ float true_logit_max(const AttnParams& p, float qm, f
 // A row that sees nothing next to a sink of -inf stays (-inf, 0).
 __device__ __forceinline__ float add_learned_sink(const AttnParams& p, int head, float& M, float& Ls) {
   if (p.sinks == nullptr) return 1.f;
-  const float ls = __ldg(p.sinks + head) * 1.4426950408889634f;
+  const float ls = __ldg(p.sinks + head) * LOG2E;
   const float M2 = fmaxf(M, ls);
   if (M2 == -INFINITY) return 1.f;
   const float f_old = (M == -INFINITY) ? 0.f : fast_exp2(M - M2);
@@ -346,6 +349,18 @@ __device__ __forceinline__ float add_learned_sink(const AttnParams& p, int head,
 // Natural-log log-sum-exp of a final state (M in the exp2 domain): -inf for Ls = 0, NaN stays.
 __device__ __forceinline__ float state_lse(float M, float Ls) {
   return (M + log2f(Ls)) * 0.6931471805599453f;
+}
+
+// A row complete in one partition (both kernels' epilogues): the learned sink joins its state
+// (M, Ls, a = O / Ls, N elements of the row in this thread) and the row's `writer` thread
+// stores its lse at lse[row].
+template <int N>
+__device__ __forceinline__ void finish_whole_row(const AttnParams& p, int head, size_t row, bool writer, float M,
+                                                 float Ls, float (&a)[N]) {
+  const float k = add_learned_sink(p, head, M, Ls);
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] *= k;
+  if (p.lse != nullptr && writer) p.lse[row] = state_lse(M, Ls);
 }
 
 // The lse of a constant row of a whole-row launch: a row with nothing visible (mval = -inf) has
@@ -680,7 +695,6 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   }
 
   const bool cap = p.soft_cap > 0.f;
-  const float LOG2E = 1.4426950408889634f;
   // logit = acc * 2^(b-127) * kmul ; kmul folds 2^14 (decode), 2^-qexp (Q prescale), scale
   // and, without soft cap, log2(e) (the softmax runs in the exp2 domain).
   const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
@@ -952,12 +966,8 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     }
     if constexpr (kStates) {
       M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f, M);
-      if (nparts == 1 && valid) {  // a whole row: the learned sink and the lse here, else in the reduce
-        const float k = add_learned_sink(p, head, M, Ls);
-#pragma unroll
-        for (int i = 0; i < DPT; ++i) a[i] *= k;
-        if (p.lse != nullptr && c8 == 0) p.lse[(size_t)tok * p.num_heads + head] = state_lse(M, Ls);
-      }
+      // a whole row: the learned sink and the lse here, else in the reduce
+      if (nparts == 1 && valid) finish_whole_row<DPT>(p, head, (size_t)tok * p.num_heads + head, c8 == 0, M, Ls, a);
     }
     // rotated partials are combined as they are; the reduce pass un-rotates the sum
     if (p.rot_signs != nullptr && nparts == 1) unrotate_row<DPT, TPR>(p, a, d0, lane);

@@ -322,7 +322,6 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   }
 
   const bool cap = p.soft_cap > 0.f;
-  const float LOG2E = 1.4426950408889634f;
   // logit = acc * 2^(b-127) * kmul (see the general kernel)
   const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
@@ -548,12 +547,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int head = kvh * G + r;
   if constexpr (kStates) {
     M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f, M);
-    if (nparts == 1) {  // a whole row: the learned sink and the lse here, else in the reduce pass
-      const float k = add_learned_sink(p, head, M, Ls);
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) a[e] *= k;
-      if (p.lse != nullptr && lane == 0) p.lse[(size_t)s * p.num_heads + head] = state_lse(M, Ls);
-    }
+    // a whole row: the learned sink and the lse here, else in the reduce pass
+    if (nparts == 1) finish_whole_row<EPL>(p, head, (size_t)s * p.num_heads + head, lane == 0, M, Ls, a);
   }
   // rotated partials are combined as they are; the reduce pass un-rotates the sum
   if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
