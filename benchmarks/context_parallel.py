@@ -79,7 +79,8 @@ def build_cache(batch, ctx, run, world, device, seed):
 
 
 def attention_graph(q, cache, state, tables, lens, holds_first_token):
-    """A CUDA graph of one paged_attention_fp4 call into preallocated (out, lse)."""
+    """One paged_attention_fp4 call into preallocated (out, lse), validated once, as a function
+    that only launches the op (to be captured in a CUDA graph): -> (step, out, lse)."""
     call = prepare_attention(q, *cache, tables, lens, D ** -0.5, seq_state=state,
                              state_ids=torch.arange(q.shape[0], dtype=torch.int32,
                                                     device=q.device),
@@ -160,6 +161,7 @@ def worker(rank, world, shapes, out_dir, port):
         packed = torch.empty(batch, HQ, D + 1, dtype=torch.float32, device=device)
         gathered = torch.empty(world, batch, HQ, D + 1, dtype=torch.float32, device=device)
         merged = torch.empty(batch, HQ, D, dtype=torch.bfloat16, device=device)
+        merged_lse = torch.empty(batch, HQ, dtype=torch.float32, device=device)
 
         def pack():
             packed[..., :D].copy_(out)
@@ -174,8 +176,6 @@ def worker(rank, world, shapes, out_dir, port):
                 o, s = tq.merge_attention_states(o, s, gathered[i, ..., :D], gathered[i, ..., D])
             merged.copy_(o)
             merged_lse.copy_(s)
-
-        merged_lse = torch.empty(batch, HQ, dtype=torch.float32, device=device)
 
         def full():
             step_a()
