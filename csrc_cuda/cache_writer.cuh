@@ -7,6 +7,8 @@
 // - codes: x * 2^(127 - b) (exact: multiplying by a power of two), round to nearest with ties to
 //   the even code, saturate at 6, sign from the sign bit (so -0.0 and small negatives give 8).
 // - packing: even element in the low nibble.
+// - K8V4 keys (format.py quantize_e4m3): the same rule with 448 in place of 6, the key divided by
+//   its scale (exact) rounded to the nearest E4M3 value, ties to even, one byte per element.
 // - transforms (turboquant/reference.py cache_write_reference), in fp32 before the scale rule:
 //   key -> rotate((k - m) * r) with m, r = 1 / lam from the token's state record (key smoothing),
 //   value -> rotate(v); rotate(x) = fwht(x * s) * D^-0.5 in the stage order of
@@ -30,7 +32,7 @@ struct CacheWriteParams {
   const void* value;    // [num_tokens, Hkv, D] T
   long long k_stride_tok, k_stride_head;  // elements
   long long v_stride_tok, v_stride_head;  // elements
-  uint8_t* key_cache;    // [num_blocks, Hkv, block_size, D/2] ([bs, D/2] contiguous)
+  uint8_t* key_cache;    // [num_blocks, Hkv, block_size, D/2] ([bs, D/2] contiguous); K8V4: [.., D] E4M3
   uint8_t* value_cache;  // [num_blocks, Hkv, block_size, D/2]
   long long kc_stride_blk, kc_stride_head;  // bytes
   long long vc_stride_blk, vc_stride_head;  // bytes
@@ -45,6 +47,7 @@ struct CacheWriteParams {
   const float* seq_state;  // [num_slots, Hkv, STATE_ROWS, D] fp32 (rows m, 1 / lam read), or nullptr
   const int* state_ids;    // [num_tokens] slot of each token (outside [0, num_slots): NaN codes)
   int num_slots;
+  int key_e4m3;  // K8V4: key_cache holds E4M3 bytes, D per row (one scale per row)
 };
 
 // fp32 arithmetic with round to nearest, for the device and for the host check of the encode.
@@ -69,7 +72,15 @@ __host__ __device__ __forceinline__ uint32_t float_bits(float x) {
 }
 __host__ __device__ __forceinline__ uint32_t umin(uint32_t a, uint32_t b) { return a < b ? a : b; }
 
-// E8M0 byte for a group max magnitude (format.py e8m0_for_amax), given as float bits.
+// The largest magnitude of a code format as c * 2^kMaxExp with c in [0.5, 1), and c's
+// mantissa bits: E2M1's 6 = 0.75 * 2^3, E4M3's 448 = 0.875 * 2^9.
+struct E2m1Max { static constexpr int kMaxExp = 3; static constexpr uint32_t kMantissa = 0x400000u; };
+struct E4m3Max { static constexpr int kMaxExp = 9; static constexpr uint32_t kMantissa = 0x600000u; };
+
+// E8M0 byte for a group max magnitude (format.py e8m0_for_amax), given as float bits: the
+// smallest e with amax <= c 2^(kMaxExp + e). With amax = m * 2^E (m in [0.5, 1), frexp):
+// e = E - kMaxExp if m <= c, else E - kMaxExp + 1 (exact, no log).
+template <typename Fmt>
 __device__ __forceinline__ uint32_t e8m0_for_amax(float amax, bool finite) {
   if (!finite) return 255u;
   if (amax == 0.f) return 0u;
@@ -77,8 +88,8 @@ __device__ __forceinline__ uint32_t e8m0_for_amax(float amax, bool finite) {
   int E;
   if (u >= 0x00800000u) {  // normal: amax = (1 + f) * 2^(x-127) = m * 2^E, m = (1+f)/2
     E = (int)(u >> 23) - 126;
-    // m <= 0.75  <=>  1 + f <= 1.5  <=>  mantissa bits <= 0x400000
-    const int e = ((u & 0x7fffffu) <= 0x400000u) ? E - 3 : E - 2;
+    // m <= c  <=>  the mantissa bits of amax <= those of c
+    const int e = ((u & 0x7fffffu) <= Fmt::kMantissa) ? E - Fmt::kMaxExp : E - Fmt::kMaxExp + 1;
     return (uint32_t)min(max(127 + e, 0), 254);
   }
   // subnormal amax (< 2^-126): 127 + e < 0 always -> b = 0
@@ -156,7 +167,7 @@ __device__ __forceinline__ void quantize_store(const float (&f)[E], bool active,
 #pragma unroll
   for (int o = 1; o < GROUP / E; o <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (!active) return;
-  const uint32_t b = e8m0_for_amax(__uint_as_float(amax), amax < 0x7f800000u);
+  const uint32_t b = e8m0_for_amax<E2m1Max>(__uint_as_float(amax), amax < 0x7f800000u);
   uint32_t word[E / 8];
 #pragma unroll
   for (int w = 0; w < E / 8; ++w) word[w] = 0;
@@ -173,14 +184,72 @@ __device__ __forceinline__ void quantize_store(const float (&f)[E], bool active,
   if (scale_dst) *scale_dst = (uint8_t)b;
 }
 
+// E4M3 byte of q, |q| <= 448 (the scale rule guarantees it; NaN never comes here): the sign bit
+// and the magnitude rounded to nearest, ties to even, as torch's float8_e4m3fn conversion.
+// Normal range (|q| >= 2^-6): the fp32 mantissa rounded to 3 bits by adding 2^19 - 1 plus the
+// kept lsb, the exponent rebiased from 127 to 7 by one subtraction (a carry out of the mantissa
+// moves the exponent, as it should; 448 stays 448). Below (subnormal steps of 2^-9): |q| + 2^14
+// rounds |q| to a multiple of ulp(2^14) = 2^-9, leaving the code in the low bits (2^-6 gives
+// code 8, the smallest normal: the two ranges meet). The software path for SM80; SM89+ has the
+// conversion instruction (cvt_e4m3x2). tests/test_cuda_compile.py checks this host build
+// against a nearest-even search for every float32 magnitude up to 448.
+__host__ __device__ __forceinline__ uint32_t e4m3_byte(float q) {
+  const uint32_t u = float_bits(q);
+  const uint32_t a = u & 0x7fffffffu;
+  const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
+  const uint32_t subnormal = float_bits(add_rn(fabsf(q), 16384.f)) - 0x46800000u;
+  return ((u >> 24) & 0x80u) | (a < 0x3c800000u ? subnormal : normal);
+}
+
+// Two E4M3 bytes, lo in bits 0..7 and hi in 8..15.
+// cvt.rn.satfinite.e4m3x2.f32 (SM89+): the first source goes to the upper byte.
+__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return e4m3_byte(lo) | (e4m3_byte(hi) << 8);
+#endif
+}
+
+// K8V4 keys: the E (8 or 16) elements of one thread (a row of D spans D / E lanes, one scale
+// per row) as E4M3 bytes, one E-byte store, and from the row's first lane the scale.
+template <int E, int D>
+__device__ __forceinline__ void quantize_store_e4m3(const float (&f)[E], bool active, uint8_t* code_dst,
+                                                    uint8_t* scale_dst) {
+  uint32_t amax = abs_max_bits<E>(f);
+#pragma unroll
+  for (int o = 1; o < D / E; o <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!active) return;
+  const uint32_t b = e8m0_for_amax<E4m3Max>(__uint_as_float(amax), amax < 0x7f800000u);
+  uint32_t word[E / 4];
+#pragma unroll
+  for (int w = 0; w < E / 4; ++w) word[w] = 0;
+  if (b != 255u) {
+    const float inv = inv_scale(b);
+#pragma unroll
+    for (int w = 0; w < E / 4; ++w)
+      word[w] = cvt_e4m3x2(f[4 * w] * inv, f[4 * w + 1] * inv) |
+                (cvt_e4m3x2(f[4 * w + 2] * inv, f[4 * w + 3] * inv) << 16);
+  }
+  if constexpr (E == 8) {
+    *reinterpret_cast<uint2*>(code_dst) = make_uint2(word[0], word[1]);
+  } else {
+    *reinterpret_cast<uint4*>(code_dst) = make_uint4(word[0], word[1], word[2], word[3]);
+  }
+  if (scale_dst) *scale_dst = (uint8_t)b;
+}
+
 // grid (ceil(num_tokens * Hkv * D/E / WRITER_THREADS)), block WRITER_THREADS, E = WRITER_EPT.
 // Item = (token, kv head); D/E consecutive lanes per item, each quantizing E elements of K and
 // E of V (2E/8 16-byte loads issued together with the slot load: one memory latency per item)
 // and writing E/2 bytes of codes to each cache. The group max is a shuffle reduction over the
 // group's GROUP/E lanes (an item never spans more than one warp). One instantiation per scale
 // group (D or 32) and set of transforms (kSmooth: (k - m) * (1 / lam) from the token's state
-// record; kRotate: both tensors rotated), so a config pays for exactly its own instructions.
-template <typename T, int D, int GROUP, bool kSmooth, bool kRotate>
+// record; kRotate: both tensors rotated; kKeyE4m3: K8V4 keys, E bytes of E4M3 per lane), so a
+// config pays for exactly its own instructions.
+template <typename T, int D, int GROUP, bool kSmooth, bool kRotate, bool kKeyE4m3>
 __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_kernel(const CacheWriteParams p) {
   constexpr int E = tuning::WRITER_EPT;
   constexpr int TPI = D / E;  // threads per item (4 .. 32: divides 32)
@@ -230,9 +299,9 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
   const int off = active ? (int)(slot & (p.block_size - 1)) : 0;
   const long long b0 = active ? blk : 0;
   const long long srow = ((b0 * p.block_size + off) * p.num_kv_heads + head) * (D / GROUP);  // the row's scales
-  const long long crow = (long long)off * (D / 2);  // the row's code bytes inside the block
-  uint8_t* const kcodes = p.key_cache + b0 * p.kc_stride_blk + head * p.kc_stride_head + crow;
-  uint8_t* const vcodes = p.value_cache + b0 * p.vc_stride_blk + head * p.vc_stride_head + crow;
+  constexpr int KROW = kKeyE4m3 ? D : D / 2;  // bytes of a key row
+  uint8_t* const kcodes = p.key_cache + b0 * p.kc_stride_blk + head * p.kc_stride_head + (long long)off * KROW;
+  uint8_t* const vcodes = p.value_cache + b0 * p.vc_stride_blk + head * p.vc_stride_head + (long long)off * (D / 2);
   if constexpr (kRotate) {  // every lane of the warp shuffles
     const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -255,17 +324,21 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
   }
   const bool first = (sub * E) % GROUP == 0;
   const int sg = (sub * E) / GROUP;
-  quantize_store<E, GROUP>(fk, active, kcodes + sub * (E / 2), first ? p.key_scales + srow + sg : nullptr);
+  if constexpr (kKeyE4m3) {
+    quantize_store_e4m3<E, D>(fk, active, kcodes + sub * E, first ? p.key_scales + srow : nullptr);
+  } else {
+    quantize_store<E, GROUP>(fk, active, kcodes + sub * (E / 2), first ? p.key_scales + srow + sg : nullptr);
+  }
   quantize_store<E, GROUP>(fv, active, vcodes + sub * (E / 2), first ? p.value_scales + srow + sg : nullptr);
 }
 
-template <typename T, int D, int GROUP>
+template <typename T, int D, int GROUP, bool kKeyE4m3>
 void launch_writer_variant(const CacheWriteParams& p, int blocks, bool smooth, bool rotate, cudaStream_t stream) {
   constexpr int threads = tuning::WRITER_THREADS;
-  if (smooth && rotate) reshape_and_cache_fp4_kernel<T, D, GROUP, true, true><<<blocks, threads, 0, stream>>>(p);
-  else if (smooth) reshape_and_cache_fp4_kernel<T, D, GROUP, true, false><<<blocks, threads, 0, stream>>>(p);
-  else if (rotate) reshape_and_cache_fp4_kernel<T, D, GROUP, false, true><<<blocks, threads, 0, stream>>>(p);
-  else reshape_and_cache_fp4_kernel<T, D, GROUP, false, false><<<blocks, threads, 0, stream>>>(p);
+  if (smooth && rotate) reshape_and_cache_fp4_kernel<T, D, GROUP, true, true, kKeyE4m3><<<blocks, threads, 0, stream>>>(p);
+  else if (smooth) reshape_and_cache_fp4_kernel<T, D, GROUP, true, false, kKeyE4m3><<<blocks, threads, 0, stream>>>(p);
+  else if (rotate) reshape_and_cache_fp4_kernel<T, D, GROUP, false, true, kKeyE4m3><<<blocks, threads, 0, stream>>>(p);
+  else reshape_and_cache_fp4_kernel<T, D, GROUP, false, false, kKeyE4m3><<<blocks, threads, 0, stream>>>(p);
 }
 
 template <typename T, int D>
@@ -275,8 +348,14 @@ cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t str
   if (threads >= (1LL << 31)) return cudaErrorInvalidValue;  // split the call
   const int blocks = (int)((threads + tuning::WRITER_THREADS - 1) / tuning::WRITER_THREADS);
   const bool smooth = p.seq_state != nullptr, rotate = p.rot_signs != nullptr;
-  if (p.group == D) launch_writer_variant<T, D, D>(p, blocks, smooth, rotate, stream);
-  else launch_writer_variant<T, D, 32>(p, blocks, smooth, rotate, stream);
+  if (p.key_e4m3) {
+    if (p.group != D) return cudaErrorInvalidValue;  // K8V4: one scale per row
+    launch_writer_variant<T, D, D, true>(p, blocks, smooth, rotate, stream);
+  } else if (p.group == D) {
+    launch_writer_variant<T, D, D, false>(p, blocks, smooth, rotate, stream);
+  } else {
+    launch_writer_variant<T, D, 32, false>(p, blocks, smooth, rotate, stream);
+  }
   return cudaGetLastError();
 }
 

@@ -25,7 +25,9 @@
 //   softmax in fp32 (exp2 domain), P[16x16] (fp16) x V[16xD] via mma.m16n8k16.
 // FP4 decode in registers (fp4_common.cuh, the same on every SM80+): 7 integer ops per 8
 //   codes give the high bytes of fp16 values worth E2M1 * 2^-14, one prmt per pair places them
-//   in fp16x2 words (11 ops per 8 elements). The power of two and the per-token E8M0 scales are applied in
+//   in fp16x2 words (11 ops per 8 elements). K8V4 keys (E4M3 bytes, D per row) decode with 12
+//   integer ops per 8 elements into fp16 worth E4M3 * 2^-8 (decode_key8); the rest of the
+//   kernel does not change. The power of two and the per-token E8M0 scales are applied in
 //   fp32: the K scale is a per-column factor of S (multiplied after the MMA), the V
 //   scale a per-row factor of P (multiplied into P before it is rounded to fp16). To keep P in
 //   fp16 range whatever the scales, P is scaled by 2^(b - VM + 15 - SLACK) where VM is the
@@ -62,6 +64,62 @@ namespace cuda_fp4 {
 #define TQ_SLACK (tuning::RESCALE_SLACK)
 // power of two folded out of the decoded values (fp4x8_to_f16hi8: value * 2^-14)
 #define TQ_DEC_EXP 14
+
+// ---- key formats: FP4 (E2M1 codes, D/2 bytes per row) or E4M3 (K8V4, D bytes per row) ----
+// Values are FP4 in both; kE4m3 is a template parameter of every attention kernel.
+template <int D, bool kE4m3> struct KeyRow {
+  static constexpr int BYTES = kE4m3 ? D : D / 2;      // bytes of one key row
+  static constexpr int WORDS8 = kE4m3 ? 2 : 1;         // 32-bit words holding 8 elements
+  static constexpr int DEC_EXP = kE4m3 ? 8 : TQ_DEC_EXP;  // decoded value = code value * 2^-DEC_EXP
+};
+// E4M3 bytes placed in the high byte of each fp16 half -> the fp16 of the E4M3 value times 2^-8:
+// the sign stays at bit 15, the 7 magnitude bits move to bits 13..7 (exponent bias 7 -> 15, the
+// E4M3 subnormals onto fp16 subnormals, exactly). A NaN byte never reaches a kernel (a group
+// with NaN or Inf is stored as zero bytes with scale 255).
+__device__ __forceinline__ uint32_t e4m3hi_to_f16x2(uint32_t t) {
+  return (t & 0x80008000u) | ((t >> 1) & 0x3f803f80u);
+}
+// 8 key elements e0..e7 (one FP4 word, or two E4M3 words) -> 4 fp16x2 MMA fragment words
+// (e0,e2) (e4,e6) (e1,e3) (e5,e7): 11 integer ops for FP4, 12 for E4M3.
+template <bool kE4m3>
+__device__ __forceinline__ void decode_key8(const uint32_t* w, uint32_t (&h)[4]) {
+  if constexpr (kE4m3) {
+    h[0] = e4m3hi_to_f16x2(prmt(w[0], 0, 0x2404u));  // bytes e0, e2 -> high bytes
+    h[1] = e4m3hi_to_f16x2(prmt(w[1], 0, 0x2404u));
+    h[2] = e4m3hi_to_f16x2(prmt(w[0], 0, 0x3414u));  // bytes e1, e3
+    h[3] = e4m3hi_to_f16x2(prmt(w[1], 0, 0x3414u));
+  } else {
+    uint32_t lo, hi;
+    fp4x8_to_f16hi8(w[0], lo, hi);
+    f16hi4_to_f16x2x2(lo, h[0], h[1]);
+    f16hi4_to_f16x2x2(hi, h[2], h[3]);
+  }
+}
+// Key rows in shared memory: 16-byte chunk c of row r is stored at chunk k_chunk(r, c). Lane
+// 4g + t reads the t-th quarter of rows g and g+8 (KROW/4 bytes, in 16-byte loads for
+// KROW >= 64; an 8-lane phase covers rows g, g+1 x t = 0..3):
+//   KROW <= 64: rows of 32 / 64 bytes: the phase's 128 bytes are distinct banks as stored.
+//   KROW 128 (8 chunks, all banks): odd rows swap chunk pairs, so rows g, g+1 split the banks.
+//   KROW 256 (16 chunks): also XOR 2 into the upper 8 chunks: load i of lane t reads chunk
+//     4t + i, whose bank groups i, 4 + i, i ^ 2, (4 + i) ^ 2 (and ^ 1 on odd rows) are distinct.
+template <int KROW> __host__ __device__ __forceinline__ constexpr int k_chunk(int r, int c) {
+  return KROW == 128 ? (c ^ (r & 1)) : KROW == 256 ? (c ^ (r & 1) ^ (((c >> 3) & 1) << 1)) : c;
+}
+// The t-th quarter of a key row (row index r, for the swizzle) as KROW/16 words.
+template <int KROW>
+__device__ __forceinline__ void load_key_quarter(const uint8_t* row, int r, int t, uint32_t (&w)[KROW / 16]) {
+  if constexpr (KROW == 32) {
+    const uint2 a = *reinterpret_cast<const uint2*>(row + t * 8);
+    w[0] = a.x; w[1] = a.y;
+  } else {
+    constexpr int N = KROW / 64;  // 16-byte chunks per quarter
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const uint4 a = *reinterpret_cast<const uint4*>(row + k_chunk<KROW>(r, N * t + i) * 16);
+      w[4 * i] = a.x; w[4 * i + 1] = a.y; w[4 * i + 2] = a.z; w[4 * i + 3] = a.w;
+    }
+  }
+}
 // head-dim element (within a thread's 8) -> n-tile slot of the P.V product: the decode
 // produces elements in the order 0,2,4,6,1,3,5,7
 __host__ __device__ constexpr int pv_slot(int jj) {
@@ -73,10 +131,10 @@ struct AttnParams {
   const void* query;         // [num_tokens, num_heads, D] T, last dim contiguous
   long long q_stride_tok, q_stride_head;  // elements
   long long o_stride_tok, o_stride_head;  // elements
-  const uint8_t* key_cache;    // [num_blocks, Hkv, block_size, D/2] ([bs, D/2] contiguous)
+  const uint8_t* key_cache;    // [num_blocks, Hkv, block_size, D/2] ([bs, D/2] contiguous); K8V4: E4M3 [.., D]
   const uint8_t* value_cache;  // [num_blocks, Hkv, block_size, D/2]
-  long long kc_stride_blk, kc_stride_head;  // bytes; the binding requires the K and V strides
-  long long vc_stride_blk, vc_stride_head;  // to be equal and < 2^31 (one offset per tile)
+  long long kc_stride_blk, kc_stride_head;  // bytes; the binding requires kc_stride_blk = (key row
+  long long vc_stride_blk, vc_stride_head;  // bytes / (D/2)) * vc_stride_blk < 2^31 (one offset per tile)
   const uint8_t* key_scales;    // [num_blocks, block_size, Hkv] contiguous
   const uint8_t* value_scales;  // [num_blocks, block_size, Hkv] contiguous
   const int* block_tables;      // [num_seqs, max_blocks_per_seq]
@@ -100,6 +158,7 @@ struct AttnParams {
   // attention states (turboquant.states); nullptr: off
   float* lse;              // [num_tokens, num_heads] fp32: each row's log-sum-exp (natural log)
   const float* sinks;      // [num_heads] fp32: learned sink logits (one more logit, no value)
+  int key_e4m3;            // K8V4: key_cache holds E4M3 bytes, D per row
 };
 
 // ---- accuracy transforms (turboquant/rotation.py, turboquant/smoothing.py) ---------------
@@ -234,22 +293,25 @@ __device__ __forceinline__ void unrotate_row(const AttnParams& p, float (&o)[N],
 // shared memory (each thread reads only the entry it wrote) and re-read at each tile issue:
 // 4-6 shared loads instead of recomputing ~50 instructions of lane offsets and 64-bit bases,
 // which the register allocator (128 registers for 16 warps per SM) would not keep in registers.
-template <int NIO>
+template <int NK, int NV>
 struct LaneCopy {
-  const uint8_t* k_src[NIO];  // key_cache + kv-head offset + chunk offset (block 0)
-  const uint8_t* v_src[NIO];
+  const uint8_t* k_src[NK];  // key_cache + kv-head offset + chunk offset (block 0)
+  const uint8_t* v_src[NV];
   const uint8_t* s_src;       // scale byte of token row lane%16 (K: lanes 0-15, V: 16-31)
-  uint32_t k_dst[NIO], v_dst[NIO], s_dst;  // byte offsets inside a ring slot
+  uint32_t k_dst[NK], v_dst[NV], s_dst;  // byte offsets inside a ring slot
 };
 
-template <int D>
+template <int D, bool kE4m3>
 struct AttnLayout {
   static constexpr int W = tuning::ATTN_WARPS;
   static constexpr int ST = tuning::AttnStages<D>::value;
-  static constexpr int ROW = D / 2;             // bytes of one token row (K or V)
-  static constexpr int CPR = ROW / 16;          // 16-byte chunks per row
-  static constexpr int KV_TILE = 16 * ROW;      // bytes of one 16-token K (or V) tile
-  static constexpr int STAGE = 2 * KV_TILE + 128;  // K tile, V tile, 32 scale words
+  static constexpr int ROW = D / 2;             // bytes of one V row
+  static constexpr int CPR = ROW / 16;          // 16-byte chunks per V row
+  static constexpr int KROW = KeyRow<D, kE4m3>::BYTES;  // bytes of one K row (D/2, or D: E4M3)
+  static constexpr int KCPR = KROW / 16;
+  static constexpr int K_TILE = 16 * KROW;      // bytes of one 16-token K tile
+  static constexpr int V_TILE = 16 * ROW;
+  static constexpr int STAGE = K_TILE + V_TILE + 128;  // K tile, V tile, 32 scale words
   static constexpr int PIPE = W * ST * STAGE;
   static constexpr int MROW = D + 8;            // merge row pitch (floats): conflict-free
   static constexpr int MERGE = W * 16 * MROW * 4;  // per-warp O in fp32
@@ -263,28 +325,29 @@ struct AttnLayout {
   static constexpr int OFF_M = OFF_QFRAG + QFRAG;
   static constexpr int OFF_L = OFF_M + W * 16 * 4;
   static constexpr int OFF_MISC = OFF_L + W * 16 * 4;
-  static constexpr int NI = 16 * CPR / 32;     // 16-byte chunks per lane per K (or V) tile
-  // D <= 128: chunk i of a lane is chunk 0 moved by 8*i token rows in global memory, in the K
-  // ring (logical rows) and in the V ring, so one address each plus immediates; D = 256 keeps
-  // per-chunk addresses (its logical K rows are not a shift of each other).
-  static constexpr bool LINEAR = D <= 128;
-  static constexpr int NIO = LINEAR ? 1 : NI;
+  static constexpr int NI_K = 16 * KCPR / 32;  // 16-byte chunks per lane per K tile
+  static constexpr int NI_V = 16 * CPR / 32;   // per V tile
+  // Rows of <= 64 bytes: chunk i of a lane is chunk 0 moved by 8*i token rows in global memory
+  // and in the ring (logical K rows; V rows), so one address each plus immediates; longer rows
+  // keep per-chunk addresses (their logical K rows are not a shift of each other).
+  static constexpr bool LINEAR_K = KROW <= 64, LINEAR_V = ROW <= 64;
+  static constexpr int NIO_K = LINEAR_K ? 1 : NI_K, NIO_V = LINEAR_V ? 1 : NI_V;
   static constexpr int OFF_SINK = OFF_MISC + 16;  // 16 floats: q'.k0' of each row (sink)
   static constexpr int OFF_QM = OFF_SINK + 16 * 4;  // 16 floats: scale * q.m of each row (soft cap)
   static constexpr int OFF_LANE = (OFF_QM + 16 * 4 + 15) / 16 * 16;
-  static constexpr int LANE_SZ = (sizeof(LaneCopy<NIO>) + 15) / 16 * 16;
+  static constexpr int LANE_SZ = (sizeof(LaneCopy<NIO_K, NIO_V>) + 15) / 16 * 16;
   static constexpr int TOTAL = OFF_LANE + W * 32 * LANE_SZ;
   static constexpr bool QREG = D <= tuning::QREG_MAX_D;  // Q fragments live in registers
 };
 
 // Shared-memory chunk swizzles (16-byte chunk index XOR), chosen so the per-lane shared loads
 // of a warp are bank-conflict free (see the read patterns in the kernel).
-template <int D> __device__ __forceinline__ int k_swz(int row) { return D == 256 ? (row & 1) : 0; }
-// D=128: the 16 rows of a tile are copied in the order 0,4,1,5,2,6,3,7,8,12,... (8 lanes of
-// a 16-byte store phase write tokens r and r+4) and V row r is stored at row r ^ ((r>>2)&1),
-// so that both the cp.async writes and the per-lane reads hit 32 distinct banks.
-template <int D> __device__ __forceinline__ int copy_token(int q) {
-  return D == 128 ? 8 * (q >> 3) + ((q & 7) >> 1) + 4 * (q & 1) : q;
+// Rows of 64 bytes (FP4 D=128, E4M3 keys D=64): the 16 rows of a tile are copied in the order
+// 0,4,1,5,2,6,3,7,8,12,... (8 lanes of a 16-byte store phase write tokens r and r+4, logical K
+// rows 2(r&3) and 2(r&3)+1) and V row r (D=128) is stored at row r ^ ((r>>2)&1), so that both
+// the cp.async writes and the per-lane reads hit 32 distinct banks.
+template <int ROWB> __device__ __forceinline__ int copy_token(int q) {
+  return ROWB == 64 ? 8 * (q >> 3) + ((q & 7) >> 1) + 4 * (q & 1) : q;
 }
 template <int D> __device__ __forceinline__ int v_row(int r) { return D == 128 ? r ^ ((r >> 2) & 1) : r; }
 template <int D> __device__ __forceinline__ int v_swz(int row) {
@@ -441,13 +504,14 @@ __device__ __forceinline__ float p_vscale(uint32_t b, int VM) {
 }
 
 // grid (row_tiles, num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem
-// AttnLayout<D>::TOTAL bytes. kStates: the lse output or learned sinks are asked for (their
-// code is compiled out of the other instantiation, which every plain call runs).
-template <int D, typename T, bool kStates>
+// AttnLayout<D, kE4m3>::TOTAL bytes. kStates: the lse output or learned sinks are asked for
+// (their code is compiled out of the other instantiation, which every plain call runs).
+// kE4m3: K8V4 keys (E4M3 bytes, decoded like FP4 in registers by decode_key8).
+template <int D, typename T, bool kStates, bool kE4m3>
 __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks<D>::value)
     paged_attention_fp4_kernel(const AttnParams p) {
-  using L = AttnLayout<D>;
-  constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR;
+  using L = AttnLayout<D, kE4m3>;
+  constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR, KROW = L::KROW, KCPR = L::KCPR;
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -585,28 +649,32 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
 
   uint8_t* pipe = smem + warp * ST * L::STAGE;
   // per-thread copy addresses, identical for every tile (see LaneCopy): token row
-  // r = copy_token(c / CPR), chunk j = c % CPR of chunk c = lane + 32i
-  constexpr int NI = L::NI, NIO = L::NIO;
-  constexpr bool LINEAR = L::LINEAR;
-  volatile LaneCopy<NIO>* lcp = reinterpret_cast<LaneCopy<NIO>*>(smem + L::OFF_LANE + tid * L::LANE_SZ);
+  // r = copy_token(c / CPR), chunk j = c % CPR of chunk c = lane + 32i (K: KCPR, KROW)
+  constexpr int NIO_K = L::NIO_K, NIO_V = L::NIO_V;
+  volatile LaneCopy<NIO_K, NIO_V>* lcp =
+      reinterpret_cast<LaneCopy<NIO_K, NIO_V>*>(smem + L::OFF_LANE + tid * L::LANE_SZ);
   {
     const uint8_t* kc_base = p.key_cache + kvh * p.kc_stride_head;
     const uint8_t* vc_base = p.value_cache + kvh * p.vc_stride_head;
 #pragma unroll
-    for (int i = 0; i < NIO; ++i) {
-      const int c = lane + 32 * i, r = copy_token<D>(c / CPR), j = c % CPR;
+    for (int i = 0; i < NIO_K; ++i) {
+      const int c = lane + 32 * i, r = copy_token<KROW>(c / KCPR), j = c % KCPR;
       const int lc = 2 * (r & 3) + ((r >> 2) & 1) + 8 * (r >> 3);  // logical K row of token r
+      lcp->k_dst[i] = lc * KROW + k_chunk<KROW>(lc, j) * 16;
+      lcp->k_src[i] = kc_base + r * KROW + j * 16;
+    }
+#pragma unroll
+    for (int i = 0; i < NIO_V; ++i) {
+      const int c = lane + 32 * i, r = copy_token<ROW>(c / CPR), j = c % CPR;
       const int vr = v_row<D>(r);
-      lcp->k_dst[i] = lc * ROW + ((j ^ k_swz<D>(lc)) * 16);
-      lcp->v_dst[i] = L::KV_TILE + vr * ROW + ((j ^ v_swz<D>(vr)) * 16);
-      lcp->k_src[i] = kc_base + r * ROW + j * 16;
+      lcp->v_dst[i] = L::K_TILE + vr * ROW + ((j ^ v_swz<D>(vr)) * 16);
       lcp->v_src[i] = vc_base + r * ROW + j * 16;
     }
     const int s_r = lane & 15;
-    lcp->s_dst = 2 * L::KV_TILE + (lane & 16) * 4 + ((s_r & 3) * 4 + (s_r >> 2)) * 4;
+    lcp->s_dst = L::K_TILE + L::V_TILE + (lane & 16) * 4 + ((s_r & 3) * 4 + (s_r >> 2)) * 4;
     lcp->s_src = (lane < 16 ? p.key_scales : p.value_scales) + (long long)s_r * Hkv + kvh;
   }
-  const uint32_t blk_stride = (uint32_t)p.kc_stride_blk;  // == vc_stride_blk (binding checks)
+  const uint32_t blk_stride = (uint32_t)p.vc_stride_blk;  // K: KROW / ROW times it (binding checks)
   const uint32_t pipe_s = (uint32_t)__cvta_generic_to_shared(pipe);
   uint32_t st_issue = 0;  // ring slot of the next issue
   auto issue = [&](int k) {
@@ -617,17 +685,23 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     if (phys < 0) { bad = true; return; }
     const int t0 = (tile_first + warp + L::W * k) * 16;
     const int off = t0 & bs_mask;
+    // the V tile's offset in the kv head's cache; the K tile's is KROW / ROW times it
     const unsigned long long tile_off = (unsigned long long)(uint32_t)phys * blk_stride + (uint32_t)(off * ROW);
 #pragma unroll
-    for (int i = 0; i < NIO; ++i) {
-      const uint32_t kd = st + lcp->k_dst[i], vd = st + lcp->v_dst[i];
-      const uint8_t* ks = lcp->k_src[i] + tile_off;
+    for (int i = 0; i < NIO_K; ++i) {
+      const uint32_t kd = st + lcp->k_dst[i];
+      const uint8_t* ks = lcp->k_src[i] + tile_off * (KROW / ROW);
+#pragma unroll
+      for (int h = 0; h < (L::LINEAR_K ? L::NI_K : 1); ++h)  // LINEAR: chunk h is 8*h rows further on
+        cp_async_16(kd + h * 8 * KROW, ks + h * 8 * KROW);
+    }
+#pragma unroll
+    for (int i = 0; i < NIO_V; ++i) {
+      const uint32_t vd = st + lcp->v_dst[i];
       const uint8_t* vs = lcp->v_src[i] + tile_off;
 #pragma unroll
-      for (int h = 0; h < (LINEAR ? NI : 1); ++h) {  // LINEAR: chunk h is 8*h rows further on
-        cp_async_16(kd + h * 8 * ROW, ks + h * 8 * ROW);
+      for (int h = 0; h < (L::LINEAR_V ? L::NI_V : 1); ++h)
         cp_async_16(vd + h * 8 * ROW, vs + h * 8 * ROW);
-      }
     }
     const unsigned long long srow = ((unsigned long long)(uint32_t)phys << lbs) + (uint32_t)off;
     cp_async_4(st + lcp->s_dst,
@@ -697,7 +771,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   const bool cap = p.soft_cap > 0.f;
   // logit = acc * 2^(b-127) * kmul ; kmul folds 2^14 (decode), 2^-qexp (Q prescale), scale
   // and, without soft cap, log2(e) (the softmax runs in the exp2 domain).
-  const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
+  const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
   const float qm_row[2] = {cap_state ? qmS[g] : 0.f, cap_state ? qmS[g + 8] : 0.f};
 
@@ -713,8 +787,8 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     const bool need_mask = (t0 < lo_max) || (t0 + 15 > hi_min) || (t0 < r_lo) || (t0 + 15 >= r_hi);
 
     // scales of this thread's 4 tokens t0 + t4 + 4u + 8v, index u + 2v
-    const uint4 kw = *reinterpret_cast<const uint4*>(st + 2 * L::KV_TILE + t4 * 16);
-    const uint4 vw = *reinterpret_cast<const uint4*>(st + 2 * L::KV_TILE + 64 + t4 * 16);
+    const uint4 kw = *reinterpret_cast<const uint4*>(st + L::K_TILE + L::V_TILE + t4 * 16);
+    const uint4 vw = *reinterpret_cast<const uint4*>(st + L::K_TILE + L::V_TILE + 64 + t4 * 16);
     uint32_t kb[4] = {prmt(kw.x, 0, k_sel), prmt(kw.y, 0, k_sel), prmt(kw.z, 0, k_sel), prmt(kw.w, 0, k_sel)};
     uint32_t vb[4] = {prmt(vw.x, 0, v_sel), prmt(vw.y, 0, v_sel), prmt(vw.z, 0, v_sel), prmt(vw.w, 0, v_sel)};
 
@@ -725,30 +799,12 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
 #pragma unroll
       for (int i = 0; i < 4; ++i) sacc[v][i] = sacc2[v][i] = 0.f;
       const int lc = g + 8 * v;
-      const uint8_t* krow = st + lc * ROW;
-      uint32_t kx[D / 32];
-      if constexpr (D == 64) {
-        uint2 a = *reinterpret_cast<const uint2*>(krow + t4 * 8);
-        kx[0] = a.x; kx[1] = a.y;
-      } else if constexpr (D == 128) {
-        uint4 a = *reinterpret_cast<const uint4*>(krow + t4 * 16);
-        kx[0] = a.x; kx[1] = a.y; kx[2] = a.z; kx[3] = a.w;
-      } else {
-        const int sw = k_swz<D>(lc);
-        uint4 a = *reinterpret_cast<const uint4*>(krow + (((2 * t4) ^ sw) * 16));
-        uint4 b = *reinterpret_cast<const uint4*>(krow + (((2 * t4 + 1) ^ sw) * 16));
-        kx[0] = a.x; kx[1] = a.y; kx[2] = a.z; kx[3] = a.w;
-        kx[4] = b.x; kx[5] = b.y; kx[6] = b.z; kx[7] = b.w;
-      }
+      uint32_t kx[KROW / 16];
+      load_key_quarter<KROW>(st + lc * KROW, lc, t4, kx);
 #pragma unroll
-      for (int w = 0; w < D / 32; ++w) {
+      for (int w = 0; w < D / 32; ++w) {  // 8 elements: (e0,e2) (e4,e6) (e1,e3) (e5,e7)
         uint32_t h[4];
-        {
-          uint32_t lo, hi;
-          fp4x8_to_f16hi8(kx[w], lo, hi);
-          f16hi4_to_f16x2x2(lo, h[0], h[1]);  // (e0,e2) (e4,e6)
-          f16hi4_to_f16x2x2(hi, h[2], h[3]);  // (e1,e3) (e5,e7)
-        }
+        decode_key8<kE4m3>(kx + w * KeyRow<D, kE4m3>::WORDS8, h);
         uint32_t a0[4], a1[4];
         if constexpr (L::QREG) {
 #pragma unroll
@@ -870,7 +926,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int r = v_row<D>(t4 + 4 * q);
-        const uint8_t* vrow = st + L::KV_TILE + r * ROW;
+        const uint8_t* vrow = st + L::K_TILE + r * ROW;
         const int byte = g * (D / 16);
         const int chunk = (byte >> 4) ^ v_swz<D>(r);
         const uint8_t* src = vrow + chunk * 16 + (byte & 15);
@@ -1117,10 +1173,10 @@ cudaError_t launch_programmatic(Kernel kern, dim3 grid, dim3 block, int smem, cu
 }
 
 // The general kernel alone (torch-free). grid_x = row tiles (see the design note).
-template <int D, typename T, bool kStates>
+template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_general_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
-  using L = AttnLayout<D>;
-  auto kern = paged_attention_fp4_kernel<D, T, kStates>;
+  using L = AttnLayout<D, kE4m3>;
+  auto kern = paged_attention_fp4_kernel<D, T, kStates, kE4m3>;
   static bool attr_set = false;  // per instantiation; the limit is per function
   if (!attr_set) {
     cudaError_t e = set_smem_attributes(kern, L::TOTAL);

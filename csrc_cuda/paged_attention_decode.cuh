@@ -15,8 +15,9 @@
 //   STAGES-deep cp.async ring, then merged in shared memory like the general kernel; with more
 //   than one partition the CTA writes partials that paged_attention_reduce_kernel combines.
 // Lane = 4 g + t. Per tile:
-//   S^T[16 x 8] = K[16 x D] Q^T[D x 8]: A = K rows g and g+8 (lane t reads a contiguous D/8-byte
-//     slice of each and decodes it in registers; D/16 k-steps), B = Q^T fragments built once
+//   S^T[16 x 8] = K[16 x D] Q^T[D x 8]: A = K rows g and g+8 (lane t reads a contiguous quarter
+//     of each, D/8 bytes of FP4 or D/4 of E4M3 (K8V4), and decodes it in registers with
+//     decode_key8; D/16 k-steps), B = Q^T fragments built once
 //     per CTA (D/16 x 2 words, same reduction-dimension permutation as the general kernel; in
 //     registers up to DECODE_QREG_MAX_D, else re-read from shared memory). C: thread holds
 //     tokens g, g+8 x heads 2t, 2t+1.
@@ -35,7 +36,8 @@
 //     with prmt so that one decode yields fp16 pairs (token 2t, token 2t+1) at one head-dim index.
 //     m-tile j = 4 w + i holds head-dim g D/8 + 8 w + i (rows g) and + 4 (rows g+8).
 // Shared-memory layouts (per ring slot: K tile, V tile, 32 scale words):
-//   K: token r at row r; D = 256 swaps 16-byte chunks by (r & 1) (dk_swz). Reads: rows g, g+8.
+//   K: token r at row r, 16-byte chunks placed by k_chunk (rows of 128 or 256 bytes: FP4 at
+//     D = 256, E4M3 keys at D >= 128). Reads: rows g, g+8, a quarter row per lane.
 //   V: token r at row dv_row(r), chunks XOR dv_swz(r); chosen so that the four tokens
 //     2t + a (t = 0..3) one V load instruction reads fall in distinct banks (see dv_row).
 //   Scales: words of K(g), K(g+8), V(g), V(g+8) at 16 g (one 16-byte load per thread).
@@ -58,16 +60,20 @@
 namespace turboquant {
 namespace cuda_fp4 {
 
-template <int D>
+template <int D, bool kE4m3>
 struct DecodeLayout {
   static constexpr int W = tuning::DECODE_WARPS;
   static constexpr int ST = tuning::DecodeStages<D>::value;
-  static constexpr int ROW = D / 2;             // bytes of one token row (K or V)
-  static constexpr int CPR = ROW / 16;          // 16-byte chunks per row
-  static constexpr int KV_TILE = 16 * ROW;      // bytes of one 16-token K (or V) tile
-  static constexpr int STAGE = 2 * KV_TILE + 128;
+  static constexpr int ROW = D / 2;             // bytes of one V row
+  static constexpr int CPR = ROW / 16;          // 16-byte chunks per V row
+  static constexpr int KROW = KeyRow<D, kE4m3>::BYTES;  // bytes of one K row (D/2, or D: E4M3)
+  static constexpr int KCPR = KROW / 16;
+  static constexpr int K_TILE = 16 * KROW;      // bytes of one 16-token K tile
+  static constexpr int V_TILE = 16 * ROW;
+  static constexpr int STAGE = K_TILE + V_TILE + 128;  // K tile, V tile, 32 scale words
   static constexpr int PIPE = W * ST * STAGE;
-  static constexpr int NI = 16 * CPR / 32;      // 16-byte chunks per lane per K (or V) tile
+  static constexpr int NI_K = 16 * KCPR / 32;   // 16-byte chunks per lane per K tile
+  static constexpr int NI_V = 16 * CPR / 32;    // per V tile
   static constexpr int QRAW = 8 * D * 4;        // Q rows in fp32, after the transforms
   static constexpr int MROW = D + 4;            // merge row pitch (floats)
   static constexpr int MERGE = W * 8 * MROW * 4;
@@ -98,17 +104,16 @@ template <int D> __device__ __forceinline__ int dv_swz(int r) {
   else if constexpr (D == 128) return r & 2;
   else return (r & 6);
 }
-// K rows: identity; D=256 rows are 8 chunks (all banks), so odd rows swap chunk pairs to keep
-// the two rows of an 8-lane phase (g, g+1) on distinct banks.
-template <int D> __device__ __forceinline__ int dk_swz(int r) { return D == 256 ? (r & 1) : 0; }
+// K rows: token r at row r, chunks placed by k_chunk (paged_attention.cuh).
 // Copy order of V: copy index q (lane / CPR + (32 / CPR) i) -> token. D=128: tokens r, r+4 in
 // one 8-lane store phase (different row parity); D=64/256: tokens with distinct bits 1..2.
 template <int D> __device__ __forceinline__ int dv_copy_token(int q) {
   if constexpr (D == 128) return 8 * (q >> 3) + ((q & 7) >> 1) + 4 * (q & 1);
   else return 2 * (q & 3) + ((q >> 2) & 1) + 8 * (q >> 3);
 }
-// rows between chunk 0 and chunk i of a lane (K: token order; V: the copy order above)
-template <int D> __host__ __device__ constexpr int dk_step(int i) { return (32 / (D / 32)) * i; }
+// rows between chunk 0 and chunk i of a lane (K: token order, KCPR chunks per row, which keeps
+// k_chunk's row parity; V: the copy order above)
+template <int KCPR> __host__ __device__ constexpr int dk_step(int i) { return (32 / KCPR) * i; }
 template <int D> __host__ __device__ constexpr int dv_step(int i) {
   return D == 128 ? 8 * i : (i & 1) + 8 * (i >> 1);
 }
@@ -122,14 +127,6 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return y;
 }
 
-// One FP4 word of a K row -> 4 fp16x2 A-fragment words: elements (e0,e2) (e4,e6) (e1,e3) (e5,e7)
-// (the general kernel's B-fragment order).
-__device__ __forceinline__ void decode_k_word(uint32_t x, uint32_t (&h)[4]) {
-  uint32_t lo, hi;
-  fp4x8_to_f16hi8(x, lo, hi);
-  f16hi4_to_f16x2x2(lo, h[0], h[1]);
-  f16hi4_to_f16x2x2(hi, h[2], h[3]);
-}
 // The same FP4 word (8 head-dim elements) of two tokens a, b -> e[i] = fp16x2 (a_i, b_i).
 __device__ __forceinline__ void decode_v_pair(uint32_t a, uint32_t b, uint32_t (&e)[8]) {
   uint32_t l0, h0, l1, h1;
@@ -142,14 +139,14 @@ __device__ __forceinline__ void decode_v_pair(uint32_t a, uint32_t b, uint32_t (
 }
 
 // grid (num_seqs, num_kv_heads, num_partitions), block 32 * DECODE_WARPS, dynamic smem
-// DecodeLayout<D>::TOTAL bytes. Requires cu_query_lens == nullptr and group_size <= 8. kStates as
-// for the general kernel.
-template <int D, typename T, bool kStates>
+// DecodeLayout<D, kE4m3>::TOTAL bytes. Requires cu_query_lens == nullptr and group_size <= 8.
+// kStates and kE4m3 (K8V4 keys) as for the general kernel.
+template <int D, typename T, bool kStates, bool kE4m3>
 __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_BLOCKS)
     paged_attention_fp4_decode_kernel(const AttnParams p) {
-  using L = DecodeLayout<D>;
-  constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR, NI = L::NI;
-  constexpr int KW = D / 32;  // FP4 words per thread per K row
+  using L = DecodeLayout<D, kE4m3>;
+  constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR, KROW = L::KROW, KCPR = L::KCPR;
+  constexpr int KW = KROW / 16;  // words per thread per K row (a quarter row)
   constexpr int NW = D / 64;  // FP4 words per thread per V row
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -173,11 +170,11 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
                                           (kvh * G + q_r) * p.q_stride_head + q_col);
   const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
   const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
-  const uint32_t blk_stride = (uint32_t)p.kc_stride_blk;  // == vc_stride_blk (binding checks)
+  const uint32_t blk_stride = (uint32_t)p.vc_stride_blk;  // K: KROW / ROW times it (binding checks)
   // tile k of this warp, counted from tile_first tf: its block id (-1 if out of range; unused
   // tiles may be looked up: the block table row is read only below max_blocks_per_seq), then
-  // the byte offset of its first token row in the kv head's cache (~0 for a bad id) and its
-  // first scale row (block * block_size + offset)
+  // the byte offset of its first V token row in the kv head's cache (~0 for a bad id; K's is
+  // KROW / ROW times it) and its first scale row (block * block_size + offset)
   auto load_bid = [&](int tf, int k) -> int {
     const int col = ((tf + warp + L::W * k) * 16) >> lbs;
     const int b = col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
@@ -249,14 +246,15 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   bool bad = false;
 
   // ---- per-lane copy offsets (chunk 0; chunk i is dk_step / dv_step rows further) ----
-  const int q0 = lane / CPR, j0 = lane % CPR;
+  const int qk = lane / KCPR, jk = lane % KCPR;  // K: row, chunk
+  const int q0 = lane / CPR, j0 = lane % CPR;    // V
   const int vt = dv_copy_token<D>(q0);
-  const uint32_t k_dst = q0 * ROW + ((j0 ^ dk_swz<D>(q0)) * 16);
-  const uint32_t v_dst = L::KV_TILE + dv_row<D>(vt) * ROW + ((j0 ^ dv_swz<D>(vt)) * 16);
+  const uint32_t k_dst = qk * KROW + k_chunk<KROW>(qk, jk) * 16;
+  const uint32_t v_dst = L::K_TILE + dv_row<D>(vt) * ROW + ((j0 ^ dv_swz<D>(vt)) * 16);
   const int s_tok = lane & 15;  // scale word: K of token s_tok (lanes 0-15), V (lanes 16-31)
-  const uint32_t s_dst = 2 * L::KV_TILE + 16 * (s_tok & 7) + 4 * (s_tok >> 3) + ((lane & 16) >> 1);
+  const uint32_t s_dst = L::K_TILE + L::V_TILE + 16 * (s_tok & 7) + 4 * (s_tok >> 3) + ((lane & 16) >> 1);
   const uint8_t* s_base = (lane < 16 ? p.key_scales : p.value_scales) + (long long)s_tok * Hkv + kvh;
-  const uint8_t* k_base = p.key_cache + kvh * p.kc_stride_head + q0 * ROW + j0 * 16;
+  const uint8_t* k_base = p.key_cache + kvh * p.kc_stride_head + qk * KROW + jk * 16;
   const uint8_t* v_base = p.value_cache + kvh * p.vc_stride_head + vt * ROW + j0 * 16;
   const uint32_t pipe_s = (uint32_t)__cvta_generic_to_shared(smem + warp * ST * L::STAGE);
   uint32_t st_issue = 0;
@@ -272,10 +270,11 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
     st_issue = (st_issue + 1 == ST) ? 0 : st_issue + 1;
     if (toff == ~0ull) { bad = true; return; }
 #pragma unroll
-    for (int i = 0; i < NI; ++i) {
-      cp_async_16(st + k_dst + dk_step<D>(i) * ROW, k_base + toff + dk_step<D>(i) * ROW);
+    for (int i = 0; i < L::NI_K; ++i)
+      cp_async_16(st + k_dst + dk_step<KCPR>(i) * KROW, k_base + toff * (KROW / ROW) + dk_step<KCPR>(i) * KROW);
+#pragma unroll
+    for (int i = 0; i < L::NI_V; ++i)
       cp_async_16(st + v_dst + dv_step<D>(i) * ROW, v_base + toff + dv_step<D>(i) * ROW);
-    }
     cp_async_4(st + s_dst, reinterpret_cast<const void*>((uintptr_t)(s_base + (unsigned long long)srow * (uint32_t)Hkv) & ~(uintptr_t)3));
   };
 #pragma unroll
@@ -303,7 +302,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   for (int idx = tid; idx < (D / 16) * 32; idx += blockDim.x) {
     const int ks = idx >> 5, gg = (idx & 31) >> 2, tt = idx & 3;
     // B fragment of k-step ks: Q^T rows (slots) 2t, 2t+1 | 2t+8, 2t+9 of head gg, in the
-    // permutation of decode_k_word
+    // permutation of decode_key8
     const int E0 = tt * (D / 4) + 8 * (ks >> 1) + (ks & 1);
     const int A1 = 2, B0 = 4;
     auto q = [&](int d) { return qraw[gg * D + d] * qmul; };
@@ -323,7 +322,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
 
   const bool cap = p.soft_cap > 0.f;
   // logit = acc * 2^(b-127) * kmul (see the general kernel)
-  const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
+  const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
   const float qm_head[2] = {cap_state ? qmS[2 * t4] : 0.f, cap_state ? qmS[2 * t4 + 1] : 0.f};
   const uint32_t k_sel = 0x4440u | (uint32_t)(((uintptr_t)p.key_scales + kvh + g * Hkv) & 3);
@@ -350,36 +349,21 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
     const int t0 = (tile_first + warp + L::W * k) * 16;
     const bool need_mask = (t0 < r_lo) || (t0 + 16 > r_hi);
 
-    const uint4 sw = *reinterpret_cast<const uint4*>(st + 2 * L::KV_TILE + 16 * g);
+    const uint4 sw = *reinterpret_cast<const uint4*>(st + L::K_TILE + L::V_TILE + 16 * g);
     uint32_t kb0 = prmt(sw.x, 0, k_sel), kb1 = prmt(sw.y, 0, k_sel);  // tokens g, g+8
     uint32_t vb0 = prmt(sw.z, 0, v_sel), vb1 = prmt(sw.w, 0, v_sel);
 
     // ---- S^T = K Q^T ----
-    uint32_t ka[KW], kb[KW];  // this thread's slice of token rows g, g+8
-    {
-      const uint8_t* r0 = st + g * ROW;
-      const uint8_t* r1 = st + (g + 8) * ROW;
-      if constexpr (D == 64) {
-        const uint2 a = *reinterpret_cast<const uint2*>(r0 + t4 * 8), b = *reinterpret_cast<const uint2*>(r1 + t4 * 8);
-        ka[0] = a.x; ka[1] = a.y; kb[0] = b.x; kb[1] = b.y;
-      } else if constexpr (D == 128) {
-        const uint4 a = *reinterpret_cast<const uint4*>(r0 + t4 * 16), b = *reinterpret_cast<const uint4*>(r1 + t4 * 16);
-        ka[0] = a.x; ka[1] = a.y; ka[2] = a.z; ka[3] = a.w;
-        kb[0] = b.x; kb[1] = b.y; kb[2] = b.z; kb[3] = b.w;
-      } else {
-        const int sw0 = ((2 * t4) ^ dk_swz<D>(g)) * 16, sw1 = ((2 * t4 + 1) ^ dk_swz<D>(g)) * 16;
-        const uint4 a0 = *reinterpret_cast<const uint4*>(r0 + sw0), a1 = *reinterpret_cast<const uint4*>(r0 + sw1);
-        const uint4 b0 = *reinterpret_cast<const uint4*>(r1 + sw0), b1 = *reinterpret_cast<const uint4*>(r1 + sw1);
-        ka[0] = a0.x; ka[1] = a0.y; ka[2] = a0.z; ka[3] = a0.w; ka[4] = a1.x; ka[5] = a1.y; ka[6] = a1.z; ka[7] = a1.w;
-        kb[0] = b0.x; kb[1] = b0.y; kb[2] = b0.z; kb[3] = b0.w; kb[4] = b1.x; kb[5] = b1.y; kb[6] = b1.z; kb[7] = b1.w;
-      }
-    }
+    uint32_t ka[KW], kb[KW];  // this thread's quarter of token rows g, g+8
+    load_key_quarter<KROW>(st + g * KROW, g, t4, ka);
+    load_key_quarter<KROW>(st + (g + 8) * KROW, g + 8, t4, kb);
     float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};  // even / odd k-steps
+    constexpr int W8 = KeyRow<D, kE4m3>::WORDS8;
 #pragma unroll
-    for (int w = 0; w < KW; ++w) {
+    for (int w = 0; w < D / 32; ++w) {  // 8 elements of each row per step
       uint32_t h0[4], h1[4];
-      decode_k_word(ka[w], h0);
-      decode_k_word(kb[w], h1);
+      decode_key8<kE4m3>(ka + W8 * w, h0);
+      decode_key8<kE4m3>(kb + W8 * w, h1);
       const uint32_t a_even[4] = {h0[0], h1[0], h0[1], h1[1]};
       const uint32_t a_odd[4] = {h0[2], h1[2], h0[3], h1[3]};
       if constexpr (QREG) {
@@ -467,7 +451,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
       for (int q = 0; q < 4; ++q) {
         const int tok = 2 * t4 + (q & 1) + 8 * (q >> 1);
         const int byte = g * (D / 16);
-        const uint8_t* src = st + L::KV_TILE + dv_row<D>(tok) * ROW + (((byte >> 4) ^ dv_swz<D>(tok)) * 16) + (byte & 15);
+        const uint8_t* src = st + L::K_TILE + dv_row<D>(tok) * ROW + (((byte >> 4) ^ dv_swz<D>(tok)) * 16) + (byte & 15);
         if constexpr (NW == 1) {
           xv[q][0] = *reinterpret_cast<const uint32_t*>(src);
         } else if constexpr (NW == 2) {
@@ -570,12 +554,12 @@ inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_
 
 // The decode or the general kernel, then the reduce pass when the KV range is split, for one
 // kStates (see the general kernel).
-template <int D, typename T, bool kStates>
+template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
   cudaError_t e;
   if (use_decode_kernel(p.cu_query_lens != nullptr, p.group_size)) {
-    using L = DecodeLayout<D>;
-    auto kern = paged_attention_fp4_decode_kernel<D, T, kStates>;
+    using L = DecodeLayout<D, kE4m3>;
+    auto kern = paged_attention_fp4_decode_kernel<D, T, kStates, kE4m3>;
     static bool attr_set = false;  // per instantiation
     if (!attr_set) {
       e = set_smem_attributes(kern, L::TOTAL);
@@ -585,7 +569,7 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
     e = launch_programmatic(kern, dim3(p.num_seqs, p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
                             stream, p);
   } else {
-    e = launch_general_attention<D, T, kStates>(p, grid_x, stream);
+    e = launch_general_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
   }
   if (e != cudaSuccess || p.num_partitions == 1) return e;
   return launch_reduce<D, T, kStates>(p, stream);
@@ -594,8 +578,13 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
 // Host launcher (torch-free). grid_x = row tiles (general kernel) = num_seqs (decode kernel).
 template <int D, typename T>
 cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
-  if (p.lse != nullptr || p.sinks != nullptr) return launch_attention_variant<D, T, true>(p, grid_x, stream);
-  return launch_attention_variant<D, T, false>(p, grid_x, stream);
+  const bool states = p.lse != nullptr || p.sinks != nullptr;
+  if (p.key_e4m3) {
+    if (states) return launch_attention_variant<D, T, true, true>(p, grid_x, stream);
+    return launch_attention_variant<D, T, false, true>(p, grid_x, stream);
+  }
+  if (states) return launch_attention_variant<D, T, true, false>(p, grid_x, stream);
+  return launch_attention_variant<D, T, false, false>(p, grid_x, stream);
 }
 
 }  // namespace cuda_fp4

@@ -23,7 +23,7 @@ namespace {
 template <typename Params>
 void set_cache_fields(Params& p, const at::Tensor& key_cache, const at::Tensor& value_cache,
                       const at::Tensor& key_scales, const at::Tensor& value_scales) {
-  p.key_cache = key_cache.data_ptr<uint8_t>();
+  p.key_cache = static_cast<uint8_t*>(key_cache.data_ptr());  // uint8, or float8_e4m3fn (K8V4)
   p.value_cache = value_cache.data_ptr<uint8_t>();
   p.kc_stride_blk = key_cache.stride(0);
   p.kc_stride_head = key_cache.stride(1);
@@ -97,21 +97,23 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
               "out: expected the query's shape and dtype");
   TORCH_CHECK(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16,
               "query: expected float16 or bfloat16");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == at::kByte, "key_cache: expected uint8 4-D");
+  TORCH_CHECK(key_cache.dim() == 4 && (key_cache.scalar_type() == at::kByte || key_cache.scalar_type() == at::kFloat8_e4m3fn),
+              "key_cache: expected uint8 (FP4) or float8_e4m3fn (K8V4) 4-D");
   TORCH_CHECK(key_scales.dim() == 3, "key_scales: the cuda backend supports one scale per (token, head) only");
   const int num_tokens = (int)query.size(0), num_heads = (int)query.size(1), D = (int)query.size(2);
   const int num_blocks = (int)key_cache.size(0), hkv = (int)key_cache.size(1), bs = (int)key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) * 2 == D, "key_cache: D/2 mismatch");
+  const bool key_e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;  // K8V4
+  TORCH_CHECK(key_cache.size(3) == (key_e4m3 ? D : D / 2), "key_cache: row size mismatch (D/2; K8V4: D)");
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
   TORCH_CHECK(bs >= 16 && (bs & (bs - 1)) == 0, "block_size must be a power of two >= 16");
   TORCH_CHECK(num_heads % hkv == 0, "num_heads % num_kv_heads != 0");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: last dim must be contiguous");
-  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == D / 2 && value_cache.stride(3) == 1 &&
-                  value_cache.stride(2) == D / 2,
-              "key_cache/value_cache: [block_size, D/2] must be contiguous");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == (key_e4m3 ? D : D / 2) &&
+                  value_cache.stride(3) == 1 && value_cache.stride(2) == D / 2,
+              "key_cache/value_cache: [block_size, D/2] (K8V4 keys: [block_size, D]) must be contiguous");
   TORCH_CHECK(key_scales.is_contiguous() && value_scales.is_contiguous(), "scales must be contiguous");
-  TORCH_CHECK(key_cache.stride(0) == value_cache.stride(0) && key_cache.stride(0) < (1LL << 31),
-              "key_cache/value_cache: expected equal block strides below 2^31 bytes");
+  TORCH_CHECK(key_cache.stride(0) == (key_e4m3 ? 2 : 1) * value_cache.stride(0) && key_cache.stride(0) < (1LL << 31),
+              "key_cache/value_cache: expected key_cache's block stride = value_cache's (K8V4: twice it), below 2^31 bytes");
   TORCH_CHECK((long long)num_blocks * bs <= (1LL << 32), "key_cache: at most 2^32 token slots (num_blocks * block_size)");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables/seq_lens: expected int32");
@@ -191,6 +193,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.sink = sink ? 1 : 0;
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  p.key_e4m3 = key_e4m3 ? 1 : 0;
 
   cudaError_t err = cudaSuccess;
 #define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, (int)grid_x, stream)
@@ -218,9 +221,10 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
   const int num_tokens = (int)key.size(0), hkv = (int)key.size(1), D = (int)key.size(2);
   TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: last dim must be contiguous");
-  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == D / 2 && value_cache.stride(3) == 1 &&
-                  value_cache.stride(2) == D / 2,
-              "key_cache/value_cache: [block_size, D/2] must be contiguous");
+  const bool key_e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;  // K8V4
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == (key_e4m3 ? D : D / 2) &&
+                  value_cache.stride(3) == 1 && value_cache.stride(2) == D / 2,
+              "key_cache/value_cache: [block_size, D/2] (K8V4 keys: [block_size, D]) must be contiguous");
   TORCH_CHECK(key_scales.is_contiguous() && value_scales.is_contiguous(), "scales must be contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
               "slot_mapping: expected int64 or int32");
@@ -242,6 +246,7 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
   p.num_kv_heads = hkv;
   p.head_dim = D;
   p.group = key_scales.dim() == 4 ? 32 : D;
+  p.key_e4m3 = key_e4m3 ? 1 : 0;
   p.block_size = (int)key_cache.size(2);
   TORCH_CHECK(p.block_size > 0 && (p.block_size & (p.block_size - 1)) == 0, "block_size must be a power of two");
   p.log2_block_size = 0;

@@ -75,7 +75,7 @@ def test_outlier_keys_fall_without_rotation_and_come_back_with_it(gaussian_rows,
 
 
 @pytest.mark.parametrize("option", ["rotation+per32", "default", "default@20",
-                                    "rotation+sink"])
+                                    "rotation+sink", "k8v4", "k8v4/plain"])
 def test_read_back_is_what_the_api_attends_over(option):
     """The API's path (q * lam rotated, sink from the record, output un-rotated) equals plain
     attention over what the cache and the record hold, read back with every transform undone."""
@@ -93,9 +93,24 @@ def test_read_back_is_what_the_api_attends_over(option):
 def test_formats_parse_and_reject():
     assert A.parse_format("fp8").is_fp8 and not A.parse_format("default@64").is_fp8
     assert A.parse_format("default@64").first_chunk == 64
-    for bad in ("default@0", "default@x", "fp9", "rotation+per16"):
+    for bad in ("default@0", "default@x", "fp9", "rotation+per16", "k8v4/default+per32"):
         with pytest.raises(ValueError):
             A.parse_format(bad)
+    k8 = A.parse_format("k8v4")
+    assert k8.key_format == "fp8_e4m3" and not k8.is_fp8 and k8.config == A.parse_format("default").config
+    assert A.parse_format("k8v4/plain").config == A.parse_format("plain").config
+
+
+def test_targets_keep_k8v4_apart_from_the_fp4_rows():
+    """K8V4 is not an FP4-keys row: 'best FP4' never picks it; it has its own target."""
+    def row(option, kld, top1):
+        return {"dataset": "smollm2", "option": option, "kld": kld, "top1": top1}
+    out = A.check_targets([row("fp8", 0.005, 0.96), row("k8v4", 0.009, 0.94),
+                           row("default", 0.036, 0.873), row("default+mse", 0.029, 0.89)])
+    by = {t["target"].split(":")[0]: t for t in out}
+    assert by["best FP4"]["option"] == "default+mse" and by["best FP4"]["met"]
+    assert by["K8V4"]["met"] and by["default"]["met"]
+    assert not A.check_targets([row("k8v4", 0.016, 0.913)])[0]["met"]
 
 
 def test_reference_attention_is_causal_sdpa():

@@ -40,6 +40,12 @@ def test_dense_and_writer_bytes_by_hand():
     t = 65536
     assert bench.writer_bytes(t, 8, 128) == 2 * t * 8 * 128 * 2 + 2 * t * 8 * 64 + 2 * t * 8
     assert bench.fp4_cache_bytes(10, 8, 16, 128) == 2 * 10 * 16 * 8 * (64 + 1)
+    # K8V4: D key bytes + D/2 value bytes + 2 scales per token and head (194 at D 128)
+    assert bench.fp4_cache_bytes(10, 8, 16, 128, key_format="fp8_e4m3") == 10 * 16 * 8 * 194
+    assert bench.fp4_attention_bytes(1, 1024, 32, 8, 128, key_format="fp8_e4m3") == (
+        1024 * 8 * 194 + 2 * 32 * 128 * 2)
+    assert bench.writer_bytes(t, 8, 128, key_format="fp8_e4m3") == (
+        2 * t * 8 * 128 * 2 + t * 8 * (128 + 64) + 2 * t * 8)
 
 
 def test_parsing():

@@ -85,3 +85,48 @@ def test_e2m1_encode_matches_nearest_even_for_every_float(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "0 mismatches" in r.stdout, r.stdout[-2000:]
+
+
+E4M3_CHECK = r"""
+#include <cstdio>
+#include "cache_writer.cuh"
+using namespace turboquant::cuda_fp4;
+// E4M3 magnitude of code c (0..126): c * 2^-9 below 8, else (8 + c % 8) * 2^(c / 8 - 10).
+static double e4m3_value(unsigned c) {
+  return c < 8 ? c / 512.0 : (8 + (c & 7)) * __builtin_ldexp(1.0, (int)(c >> 3) - 10);
+}
+int main() {
+  unsigned long long bad = 0;
+  const unsigned last = 0x43E00000u;  // 448.0f: the scale rule keeps every |q| <= 448
+  unsigned c = 0;  // nearest code so far: the magnitudes come in increasing order
+  for (unsigned u = 0; u <= last; ++u) {
+    float y;
+    memcpy(&y, &u, 4);
+    // move up while y is past the midpoint to the next code, or on it and the next is even
+    while (c < 126) {
+      const double mid = 0.5 * (e4m3_value(c) + e4m3_value(c + 1));
+      if (y > mid || (y == mid && (c + 1) % 2 == 0)) ++c; else break;
+    }
+    const unsigned pos = e4m3_byte(y), neg = e4m3_byte(-y);
+    if ((pos != c || neg != (c | 0x80u)) && bad++ < 5)
+      printf("mismatch at %a: %u / %u vs %u\n", y, pos, neg, c);
+  }
+  printf("checked %u magnitudes, %llu mismatches\n", last + 1, bad);
+  return bad != 0;
+}
+"""
+
+
+def test_e4m3_encode_matches_nearest_even_for_every_float(tmp_path):
+    """The K8V4 writer's software E4M3 encode (cache_writer.cuh e4m3_byte, SM80's path; host
+    build) against a nearest-even search of the E4M3 grid, for every float32 in [0, 448] and
+    its negative (sign from the sign bit: -0.0 gives 0x80)."""
+    src = tmp_path / "e4m3_check.cu"
+    src.write_text(E4M3_CHECK)
+    exe = tmp_path / "e4m3_check"
+    r = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", str(CSRC), str(src), "-o", str(exe),
+                        *nvcc_link_flags(NVCC)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "0 mismatches" in r.stdout, r.stdout[-2000:]

@@ -76,7 +76,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .config import QuantConfig
+from .config import parse_cache_format
 from .rotation import rotation_signs
 
 GB = 1e9
@@ -156,12 +156,17 @@ def _groups(head_dim: int, scale_group: int) -> int:
     return head_dim // group
 
 
+def _key_row_bytes(head_dim: int, key_format: str) -> int:
+    return head_dim if key_format == "fp8_e4m3" else head_dim // 2
+
+
 def fp4_attention_bytes(batch: int, context: int, num_heads: int, num_kv_heads: int,
                         head_dim: int, scale_group: int = 0, q_elem_bytes: int = 2,
-                        query_len: int = 1) -> int:
-    """Bytes a decode call must move: K and V codes + K and V scales + Q read + O written."""
+                        query_len: int = 1, key_format: str = "fp4") -> int:
+    """Bytes a decode call must move: K and V codes + K and V scales + Q read + O written
+    (K8V4, ``key_format="fp8_e4m3"``: D key bytes per token and head instead of D/2)."""
     tokens = batch * context
-    codes = 2 * tokens * num_kv_heads * (head_dim // 2)
+    codes = tokens * num_kv_heads * (_key_row_bytes(head_dim, key_format) + head_dim // 2)
     scales = 2 * tokens * num_kv_heads * _groups(head_dim, scale_group)
     q = batch * query_len * num_heads * head_dim * q_elem_bytes
     return codes + scales + 2 * q
@@ -176,19 +181,20 @@ def dense_attention_bytes(batch: int, context: int, num_heads: int, num_kv_heads
 
 
 def writer_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, scale_group: int = 0,
-                 in_elem_bytes: int = 2) -> int:
+                 in_elem_bytes: int = 2, key_format: str = "fp4") -> int:
     """Bytes the cache writer must move: K + V input read + codes + scales written."""
     read = 2 * num_tokens * num_kv_heads * head_dim * in_elem_bytes
-    codes = 2 * num_tokens * num_kv_heads * (head_dim // 2)
+    codes = num_tokens * num_kv_heads * (_key_row_bytes(head_dim, key_format) + head_dim // 2)
     scales = 2 * num_tokens * num_kv_heads * _groups(head_dim, scale_group)
     return read + codes + scales
 
 
 def fp4_cache_bytes(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                    scale_group: int = 0) -> int:
+                    scale_group: int = 0, key_format: str = "fp4") -> int:
     """Bytes allocated for the K+V codes and K+V scales of ``num_blocks`` blocks."""
-    per_token = num_kv_heads * (head_dim // 2 + _groups(head_dim, scale_group))
-    return 2 * num_blocks * block_size * per_token
+    per_token = num_kv_heads * (_key_row_bytes(head_dim, key_format) + head_dim // 2
+                                + 2 * _groups(head_dim, scale_group))
+    return num_blocks * block_size * per_token
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,8 +262,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="elements per E8M0 scale: 0 = head dim, one per token and head "
                         "(default), or 32")
     g.add_argument("--configs", default="default",
-                   help="comma-separated QuantConfig names, each timed at every shape, e.g. "
-                        "'default,plain' for the transforms on and off (default: default)")
+                   help="comma-separated cache formats, each timed at every shape: QuantConfig "
+                        "names (FP4 keys), e.g. 'default,plain' for the transforms on and off, "
+                        "or k8v4[/NAME] for E4M3 keys (default: default)")
     g.add_argument("--backend", default="auto",
                    help="paged_attention_fp4 and timed cache-writer backend (default auto)")
     g.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
@@ -601,11 +608,11 @@ def _sdpa_has_gqa(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def row_memory(row: Row, n_sets: int, block_size: int, scale_group: int, elem: int,
-               sdpa: bool, gqa: bool, chunk_bytes: int) -> int:
+               sdpa: bool, gqa: bool, chunk_bytes: int, key_format: str = "fp4") -> int:
     """Device bytes a row needs: FP4 cache, dense cache, Q/O, block tables, work space."""
     nblk = math.ceil(row.context / block_size)
     fp4 = fp4_cache_bytes(n_sets * row.batch * nblk, row.num_kv_heads, block_size,
-                          row.head_dim, scale_group)
+                          row.head_dim, scale_group, key_format)
     dense = 2 * n_sets * row.batch * row.num_kv_heads * row.context * row.head_dim * elem
     if sdpa and not gqa:  # the repeated copy exists next to the kv-head cache for a moment
         dense += dense * row.num_heads // row.num_kv_heads
@@ -615,19 +622,23 @@ def row_memory(row: Row, n_sets: int, block_size: int, scale_group: int, elem: i
     return fp4 + dense + qo + tables + work
 
 
-def _sets_for(row: Row, args, l2_bytes: int) -> int:
+def _sets_for(row: Row, args, l2_bytes: int, key_format: str = "fp4") -> int:
     nblk = math.ceil(row.context / args.block_size)
     set_fp4 = fp4_cache_bytes(row.batch * nblk, row.num_kv_heads, args.block_size,
-                              row.head_dim, args.scale_group)
+                              row.head_dim, args.scale_group, key_format)
     if not l2_bytes:
         return 1
     return max(1, math.ceil(args.l2_multiple * l2_bytes / set_fp4))
 
 
-def _config(name: str, args):
-    """The QuantConfig ``name`` with the bench's scale group."""
-    return dataclasses.replace(QuantConfig.parse(name),
-                               scale_group=args.scale_group or None)
+def _config(name: str, args) -> tuple:
+    """The cache format ``name`` (a QuantConfig name, or ``k8v4[/NAME]``) with the bench's
+    scale group -> (QuantConfig, key_format)."""
+    config, key_format = parse_cache_format(name)
+    if key_format == "fp8_e4m3" and args.scale_group:
+        raise ValueError(f"--configs {name}: K8V4 has one scale per (token, head); drop "
+                         f"--scale-group {args.scale_group}")
+    return dataclasses.replace(config, scale_group=args.scale_group or None), key_format
 
 
 def state_bytes(batch: int, num_kv_heads: int, head_dim: int, config) -> int:
@@ -639,7 +650,7 @@ def state_bytes(batch: int, num_kv_heads: int, head_dim: int, config) -> int:
 
 def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: int,
             gqa: bool, config_name: str = "default") -> dict:
-    config = _config(config_name, args)
+    config, key_format = _config(config_name, args)
     dtype = _dtype(args.dtype)
     elem = torch.finfo(dtype).bits // 8
     bs = args.block_size
@@ -647,7 +658,8 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     B, L = row.batch, row.context
     group = args.scale_group or d
     nblk = math.ceil(L / bs)
-    fp4_bytes = (fp4_attention_bytes(B, L, hq, hkv, d, args.scale_group, elem)
+    fp4_bytes = (fp4_attention_bytes(B, L, hq, hkv, d, args.scale_group, elem,
+                                     key_format=key_format)
                  + state_bytes(B, hkv, d, config))
     sdpa_bytes = dense_attention_bytes(B, L, hq, hkv, d, elem)
     if not gqa:
@@ -659,7 +671,7 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
                floor_us=fp4_bytes / (bw_ref * GB) * 1e6 if bw_ref > 0 else "",
                sdpa_gqa="" if args.no_sdpa else ("enable_gqa" if gqa else "repeated"))
 
-    n_sets = _sets_for(row, args, l2_bytes)
+    n_sets = _sets_for(row, args, l2_bytes, key_format)
     chunk_bytes = 512 * 2**20
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -667,7 +679,7 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
 
         def need(n):
             return row_memory(row, n, bs, args.scale_group, elem, not args.no_sdpa, gqa,
-                              chunk_bytes)
+                              chunk_bytes, key_format)
         while n_sets > 1 and need(n_sets) > budget:
             n_sets = max(1, n_sets // 2)
         if need(n_sets) > budget:
@@ -687,16 +699,12 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     query = torch.randn(n_sets, B, hq, d, device=device, dtype=dtype, generator=gen)
     out = torch.empty_like(query)
 
-    sshape = (total_blocks, bs, hkv) if group == d else (total_blocks, bs, hkv, d // group)
-    key_cache = torch.zeros(total_blocks, hkv, bs, d // 2, device=device, dtype=torch.uint8)
-    value_cache = torch.zeros_like(key_cache)
-    key_scales = torch.zeros(sshape, device=device, dtype=torch.uint8)
-    value_scales = torch.zeros_like(key_scales)
+    cache = tq.allocate_cache(total_blocks, hkv, bs, d, scale_group=args.scale_group or None,
+                              device=device, key_format=key_format)
     perm = torch.randperm(total_blocks, device=device, generator=gen).to(torch.int32)
     block_tables = perm.view(n_sets, B, nblk)
     seq_lens = torch.full((B,), L, device=device, dtype=torch.int32)
     scale = 1.0 / math.sqrt(d)
-    cache = (key_cache, value_cache, key_scales, value_scales)
 
     # write the FP4 cache from the dense cache, a chunk of sequences at a time ("auto" writer)
     per_seq = 2 * L * hkv * d * elem
@@ -824,13 +832,13 @@ def writer_state(tq, key, value, cache, slots, config, sequences: int = 64) -> d
 def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
                config_name: str = "default") -> dict:
     _hq, hkv, d = shape
-    config = _config(config_name, args)
+    config, key_format = _config(config_name, args)
     dtype = _dtype(args.dtype)
     elem = torch.finfo(dtype).bits // 8
     bs = args.block_size
     group = args.scale_group or d
     T = args.writer_tokens
-    nbytes = writer_bytes(T, hkv, d, args.scale_group, elem)
+    nbytes = writer_bytes(T, hkv, d, args.scale_group, elem, key_format)
     rec = {f: "" for f in WRITER_FIELDS}
     rec.update(num_tokens=T, num_kv_heads=hkv, head_dim=d, block_size=bs, scale_group=group,
                config=config_name, dtype=args.dtype, bytes=nbytes)
@@ -839,11 +847,8 @@ def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
     nblk = math.ceil(T / bs)
     key = torch.randn(T, hkv, d, device=device, dtype=dtype, generator=gen)
     value = torch.randn(T, hkv, d, device=device, dtype=dtype, generator=gen)
-    kc = torch.zeros(nblk, hkv, bs, d // 2, device=device, dtype=torch.uint8)
-    vc = torch.zeros_like(kc)
-    sshape = (nblk, bs, hkv) if group == d else (nblk, bs, hkv, d // group)
-    ks = torch.zeros(sshape, device=device, dtype=torch.uint8)
-    vs = torch.zeros_like(ks)
+    kc, vc, ks, vs = tq.allocate_cache(nblk, hkv, bs, d, scale_group=args.scale_group or None,
+                                       device=device, key_format=key_format)
     perm = torch.randperm(nblk, device=device, generator=gen)
     pos = torch.arange(T, device=device)
     slots = (perm[pos // bs] * bs + pos % bs).long()
@@ -1033,7 +1038,7 @@ def main(args: argparse.Namespace) -> int:
             QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS))
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
         for c in configs:
-            QuantConfig.parse(c)
+            _config(c, args)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         print(f"turboquant bench: {exc}", file=sys.stderr)
         return 2

@@ -73,12 +73,14 @@ class PagedProblem(NamedTuple):
 def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: int, *,
                         dtype=torch.bfloat16, device="cpu", scale_group=None, spare_blocks=0,
                         poison: bool = True, generator=None, write_backend: str = "auto",
-                        kv_factory=None, config: Optional[QuantConfig] = None) -> PagedProblem:
+                        kv_factory=None, config: Optional[QuantConfig] = None,
+                        key_format: str = "fp4") -> PagedProblem:
     """Random K/V for each sequence, written through ``reshape_and_cache_fp4`` with ``config``
     (default ``QuantConfig()``; ``scale_group``, when given, replaces its scale group) into blocks in
     shuffled order; sequence s keeps its state record (if the config uses one) in slot
     ``num_seqs - 1 - s``. With ``poison``, every byte not written (unused slots of the last
-    blocks, spare blocks, block table padding is -1) is 0xFF, i.e. NaN scales."""
+    blocks, spare blocks, block table padding is -1) is 0xFF, i.e. NaN scales. ``key_format``:
+    as for ``allocate_cache``."""
     from .api import reshape_and_cache_fp4
     from .smoothing import allocate_state
 
@@ -92,7 +94,8 @@ def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: 
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
     cache = allocate_cache(max(num_blocks, 1), num_kv_heads, block_size, head_dim,
-                           scale_group=scale_group, device=device, fill=0xFF if poison else 0)
+                           scale_group=scale_group, device=device, fill=0xFF if poison else 0,
+                           key_format=key_format)
     perm = torch.randperm(max(num_blocks, 1), generator=generator).tolist()
     width = max(blocks_per_seq + [1])
     table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)

@@ -92,3 +92,18 @@ class QuantConfig:
 
 DEFAULT = QuantConfig()
 PLAIN = QuantConfig.parse("plain")
+
+KEY_FORMATS = ("fp4", "fp8_e4m3")
+
+
+def parse_cache_format(name: str) -> tuple:
+    """A cache format by name -> (QuantConfig, key_format): a QuantConfig name (FP4 keys), or
+    ``k8v4`` (E4M3 keys, FP4 values, the default config) / ``k8v4/NAME`` (config ``NAME``).
+    K8V4 has one scale per (token, head), so its configs cannot ask for per-32 scales."""
+    if name == "k8v4" or name.startswith("k8v4/"):
+        config = QuantConfig.parse(name.partition("/")[2] or "default")
+        if config.scale_group is not None:
+            raise ValueError(f"format {name!r}: a K8V4 cache has one scale per (token, head), "
+                             f"not per {config.scale_group} elements")
+        return config, "fp8_e4m3"
+    return QuantConfig.parse(name), "fp4"

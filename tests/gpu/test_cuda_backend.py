@@ -34,12 +34,12 @@ CONFIGS = {"plain": PLAIN, "default": QuantConfig(), "rotation": QuantConfig.par
 
 
 def _problem(lens, hq, hkv, d, bs, dtype=torch.bfloat16, qlens=None, seed=0, spare=3,
-             config="default"):
+             config="default", key_format="fp4"):
     """A paged problem written by the reference writer with ``config`` (a CONFIGS name)."""
     g = torch.Generator().manual_seed(seed)
     prob = build_paged_problem(lens, hkv, d, bs, dtype=dtype, device="cuda", generator=g,
                                write_backend="reference", spare_blocks=spare,
-                               config=CONFIGS[config])
+                               config=CONFIGS[config], key_format=key_format)
     ntok = len(lens) if qlens is None else sum(qlens)
     q = torch.randn(ntok, hq, d, generator=g).to(dtype).cuda()
     cu = None
@@ -331,6 +331,101 @@ def test_cache_writer_transforms_bit_exact(d, group, dtype, config):
         assert torch.equal(a, b)
 
 
+K8V4_CASES = {  # name: (lens, hq, hkv, qlens, window, cap)
+    "decode": ([1, 54, 97, 0, 33, 300, 5, 16, 17, 64, 65, 128, 129, 255, 256, 257, 2], 32, 8,
+               None, 0, 0.0),
+    "decode_window_cap": ([1, 54, 97, 700, 33], 16, 4, None, 37, 30.0),
+    "gqa16": ([1, 54, 97, 513], 32, 2, None, 0, 0.0),  # the general kernel (G > 8)
+    "multi_token": ([54, 97, 33, 600, 1], 32, 8, [3, 1, 17, 40, 1], 0, 0.0),
+    "multi_token_window_cap": ([54, 97, 600], 16, 8, [5, 16, 33], 64, 20.0),
+}
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("config", ["plain", "default"])
+@pytest.mark.parametrize("case", sorted(K8V4_CASES))
+def test_k8v4_attention_matches_reference(case, config, d):
+    """K8V4 (E4M3 keys) through the decode and the general kernel, against the reference on the
+    same bytes: batch 17 with lengths 1/54/97/..., poisoned unused slots (0xFF: E4M3 NaN bytes and
+    NaN scales), shuffled blocks, spare blocks, windows, soft cap, the transforms."""
+    lens, hq, hkv, qlens, window, cap = K8V4_CASES[case]
+    bs = 16 if d == 256 else 32
+    prob, q, cu = _problem(lens, hq, hkv, d, bs, qlens=qlens, seed=d + len(case), config=config,
+                           key_format="fp8_e4m3")
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    ref = _run("reference", prob, q, cu, **kw)
+    out = _run("cuda", prob, q, cu, **kw)
+    _compare(out, ref)
+    if case == "decode":  # the states compose with K8V4 too
+        sinks = torch.randn(hq, device="cuda")
+        o_r, l_r = _run("reference", prob, q, cu, sinks=sinks, return_lse=True)
+        o_c, l_c = _run("cuda", prob, q, cu, sinks=sinks, return_lse=True)
+        _compare(o_c, o_r)
+        fin = torch.isfinite(l_r)
+        assert torch.equal(fin, torch.isfinite(l_c))
+        assert torch.allclose(l_c[fin], l_r[fin], atol=2e-3, rtol=1e-4)
+
+
+def test_k8v4_structured_keys_locate_each_element():
+    """One-hot keys: key token j has a single nonzero element at head-dim j % D, the query is
+    one-hot at element e, so exactly the tokens with j % D == e have a large logit (~23):
+    a wrong byte order in the E4M3 decode or the K shared-memory swizzle moves the peak to
+    other tokens (and gives a different output than the reference)."""
+    d, hkv, hq = 128, 2, 8
+    n = 3 * d + 5
+
+    def factory(s, shape):
+        k = torch.zeros(shape)
+        idx = torch.arange(shape[0])
+        k[idx, :, idx % d] = 4.0
+        v = torch.randn(shape, generator=torch.Generator().manual_seed(s))
+        return k.bfloat16(), v.bfloat16()
+
+    g = torch.Generator().manual_seed(1)
+    prob = build_paged_problem([n, n - 7], hkv, d, 16, device="cuda", generator=g,
+                               write_backend="cuda", spare_blocks=2, config=PLAIN,
+                               key_format="fp8_e4m3", kv_factory=factory)
+    for e in (0, 1, 7, 8, 63, 64, 127):
+        q = torch.zeros(2, hq, d, dtype=torch.bfloat16, device="cuda")
+        q[:, :, e] = 64.0
+        ref = _run("reference", prob, q)
+        out = _run("cuda", prob, q)
+        _compare(out, ref)
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("config", ["plain", "default", "rotation", "smooth"])
+def test_k8v4_cache_writer_bit_exact(d, dtype, config):
+    """K8V4 (E4M3 keys, FP4 values): the cuda writer's bytes are the reference's, with every
+    transform, on the awkward values of _writer_inputs (ties, zeros, -0, NaN, Inf, tiny, huge)."""
+    cfg = CONFIGS[config]
+    n, hkv = 61, 3
+    key, val, nb, slots = _writer_inputs(n, hkv, d, dtype, None, seed=d + 2)
+    key[7, 1] = key[7, 1] * 2.0 ** -20  # E4M3 subnormals after the scale
+    ids = (torch.arange(n, device="cuda") % 3).to(torch.int32)
+    pos = torch.arange(n, device="cuda") // 3
+    kw = {}
+    if cfg.uses_state:
+        state = allocate_state(4, hkv, d, device="cuda")
+        c0 = allocate_cache(nb, hkv, 16, d, device="cuda", key_format="fp8_e4m3")
+        turboquant.reshape_and_cache_fp4(key, val, *c0, slots, config=cfg, seq_state=state,
+                                         state_ids=ids, positions=pos, backend="reference")
+        kw = dict(seq_state=state, state_ids=ids)
+    caches = []
+    for backend in ("reference", "cuda"):
+        c = allocate_cache(nb, hkv, 16, d, device="cuda", fill=0xAB, key_format="fp8_e4m3")
+        turboquant.reshape_and_cache_fp4(key, val, *c, slots, config=cfg, backend=backend, **kw)
+        caches.append(c)
+    for a, b in zip(*caches):
+        assert torch.equal(_bytes(a), _bytes(b))
+    assert (_bytes(caches[1].key_cache) == 0xAB).any()  # unused slots keep the fill
+
+
 LSE_CASES = {  # name: (lens, hq, hkv, qlens, window, cap)
     "decode": ([1, 54, 97, 0, 33, 1000, 5, 16, 17, 64, 65, 128, 129, 255, 256, 257, 2], 32, 8,
                None, 0, 0.0),
@@ -489,13 +584,17 @@ SANITIZER_CASE = textwrap.dedent("""
     from turboquant._backends import cuda
     from turboquant.cache import build_paged_problem
     g = torch.Generator().manual_seed(0)
-    for d, bs, lens, qlens, cfg in ((128, 16, [1, 54, 97, 0, 300], None, "default"),
-                                    (64, 32, [70, 9], [3, 2], "default"),
-                                    (256, 64, [129, 5], None, "plain"),
-                                    (128, 16, [5000, 3], None, "default")):
+    for d, bs, lens, qlens, cfg, kf in ((128, 16, [1, 54, 97, 0, 300], None, "default", "fp4"),
+                                        (64, 32, [70, 9], [3, 2], "default", "fp4"),
+                                        (256, 64, [129, 5], None, "plain", "fp4"),
+                                        (128, 16, [5000, 3], None, "default", "fp4"),
+                                        (128, 16, [1, 54, 97, 0, 300], None, "default", "fp8_e4m3"),
+                                        (64, 32, [70, 9], [3, 2], "plain", "fp8_e4m3"),
+                                        (256, 16, [129, 5], None, "default", "fp8_e4m3"),
+                                        (256, 32, [129, 40], [3, 2], "default", "fp8_e4m3")):
         prob = build_paged_problem(lens, 2, d, bs, device="cuda", generator=g,
                                    write_backend="cuda", spare_blocks=2,
-                                   config=turboquant.QuantConfig.parse(cfg))
+                                   config=turboquant.QuantConfig.parse(cfg), key_format=kf)
         nt = len(lens) if qlens is None else sum(qlens)
         q = torch.randn(nt, 8, d, device="cuda", dtype=torch.bfloat16)
         cu = None if qlens is None else torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")

@@ -14,7 +14,8 @@ loads a prebuilt library instead.
 Supported: query fp16/bf16 on a CUDA device; head_dim 64/128/256; block_size a power of two
 16 .. 256; one scale per (token, head) for attention (per-32 scales are declined with a reason;
 the cache writer supports both); any GQA ratio; multi-token queries; sliding window; soft cap;
-the log-sum-exp output and learned sinks (turboquant.states).
+the log-sum-exp output and learned sinks (turboquant.states); both key formats (FP4, and
+K8V4's E4M3 keys, decoded in registers like FP4) in the writer and both attention kernels.
 The transforms of CONTRACT.md section 2 run inside the kernels: the writer rotates
 ((k - m) * (1 / lam)) and v in registers (a Walsh-Hadamard transform over the lanes of a row); the
 attention kernels multiply Q by lam and rotate it in the prologue, merge the sink record as one
@@ -35,7 +36,7 @@ import torch
 from ..api import attention_op_args, cache_write_op_args
 from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from ._jit import load, sources_hash
-from ..registry import (AttentionCall, Backend, CacheWrite, key_format_reason, register,
+from ..registry import (AttentionCall, Backend, CacheWrite, register,
                         transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
@@ -119,7 +120,7 @@ class CudaBackend(Backend):
         return ensure_loaded()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = key_format_reason(call, "cuda") or transform_tensors_reason(call)
+        reason = transform_tensors_reason(call)
         if reason is not None:
             return reason
         q = call.query
@@ -137,15 +138,19 @@ class CudaBackend(Backend):
         d = call.head_dim
         if q.stride(2) != 1 or q.stride(1) % 8 or q.stride(0) % 8 or not _aligned(q, 16):
             return "query must have a contiguous, 16-byte aligned head dimension"
-        for nm in ("key_cache", "value_cache"):
+        k8 = call.key_format == "fp8_e4m3"  # K8V4: key rows of D bytes
+        for nm, row in (("key_cache", d if k8 else d // 2), ("value_cache", d // 2)):
             c = getattr(call, nm)
-            if (c.stride(3) != 1 or c.stride(2) != d // 2 or c.stride(1) % 16 or c.stride(0) % 16
+            if (c.stride(3) != 1 or c.stride(2) != row or c.stride(1) % 16 or c.stride(0) % 16
                     or not _aligned(c, 16)):
-                return f"{nm} must have contiguous, 16-byte aligned [block_size, D/2] blocks"
+                return f"{nm} must have contiguous, 16-byte aligned [block_size, {row}] blocks"
         if not (call.key_scales.is_contiguous() and call.value_scales.is_contiguous()):
             return "key_scales/value_scales must be contiguous"
-        if call.key_cache.stride(0) != call.value_cache.stride(0) or call.key_cache.stride(0) >= 2 ** 31:
-            return "key_cache and value_cache must have equal block strides below 2^31 bytes"
+        ratio = 2 if k8 else 1  # one tile offset serves both caches
+        if (call.key_cache.stride(0) != ratio * call.value_cache.stride(0)
+                or call.key_cache.stride(0) >= 2 ** 31):
+            return ("key_cache's block stride must be " + ("twice " if k8 else "") +
+                    "value_cache's, below 2^31 bytes")
         if call.block_tables.stride(1) != 1:
             return "block_tables rows must be contiguous"
         if call.cu_query_lens is not None and not call.cu_query_lens.is_contiguous():
@@ -155,9 +160,6 @@ class CudaBackend(Backend):
         return None
 
     def check_cache_write(self, write: CacheWrite) -> Optional[str]:
-        reason = key_format_reason(write, "cuda")
-        if reason is not None:
-            return reason
         k = write.key
         if not k.is_cuda:
             return f"tensors are on {k.device}, not on a CUDA device"
@@ -175,11 +177,14 @@ class CudaBackend(Backend):
                     or not _aligned(t, 16)):
                 return f"{nm} must have a contiguous, 16-byte aligned head dimension"
         d = write.head_dim
-        for nm in ("key_cache", "value_cache"):
+        k8 = write.key_format == "fp8_e4m3"  # K8V4: key rows of D bytes
+        # a thread stores WRITER_EPT = 16 elements: 8 bytes of FP4 codes, 16 of E4M3
+        for nm, row, align in (("key_cache", d if k8 else d // 2, 16 if k8 else 8),
+                               ("value_cache", d // 2, 8)):
             c = getattr(write, nm)
-            if c.stride(3) != 1 or c.stride(2) != d // 2 or c.stride(1) % 4 or c.stride(0) % 4 \
-                    or not _aligned(c, 4):
-                return f"{nm} must have contiguous, 4-byte aligned [block_size, D/2] blocks"
+            if (c.stride(3) != 1 or c.stride(2) != row or c.stride(1) % align
+                    or c.stride(0) % align or not _aligned(c, align)):
+                return f"{nm} must have contiguous, {align}-byte aligned [block_size, {row}] blocks"
         if not (write.key_scales.is_contiguous() and write.value_scales.is_contiguous()):
             return "key_scales/value_scales must be contiguous"
         if not write.slot_mapping.is_contiguous():

@@ -5,9 +5,10 @@ A format is a name (``parse_format``):
 - ``fp8``: FP8 E4M3 keys and values with scale 1.0 per tensor (what vLLM's ``kv_cache_dtype=fp8``
   does without calibrated scales); ``fp8/token``: one fp32 scale per (token, kv head), amax/448.
   Both are emulated (values rounded to E4M3 and back, attention in fp32): the anchors.
-- ``k8v4``: the second key format (K8V4): E4M3 keys with one E8M0 scale per (token, kv head)
-  (``turboquant.format.quantize_e4m3``, the bytes its cache will hold) and FP4 values rotated as
-  the default config stores them; emulated the same way until its writer and kernels exist.
+- ``k8v4``: the second key format (K8V4): E4M3 keys with one E8M0 scale per (token, kv head),
+  FP4 values, written and read through the real API like the FP4 configs below, with the
+  default config's transforms (rotation, key smoothing, the sink token); ``k8v4/NAME`` with
+  the QuantConfig ``NAME`` instead (``k8v4/plain``: the format alone).
 - Any ``QuantConfig.parse`` name (``default``, ``plain``, ``rotation+per32``, ...), optionally
   with ``@N``: the sequence's first chunk (the one its state record is taken from) is its
   first N tokens, the rest is written in a second call. These go through the real API
@@ -27,13 +28,13 @@ import torch
 
 from ..api import paged_attention_fp4, reshape_and_cache_fp4
 from ..cache import allocate_cache
-from ..config import QuantConfig
-from ..format import dequantize_e4m3, dequantize_fp4, quantize_e4m3, quantize_fp4, sqnr_db
-from ..rotation import rotate, rotation_signs, unrotate
+from ..config import QuantConfig, parse_cache_format
+from ..format import dequantize_e4m3, dequantize_fp4, sqnr_db
+from ..rotation import rotation_signs, unrotate
 from ..smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE, allocate_state
 
 BLOCK_SIZE = 16
-FP8_FORMATS = ("fp8", "fp8/token", "k8v4")  # emulated formats with FP8 keys
+FP8_FORMATS = ("fp8", "fp8/token")  # the emulated anchors
 E4M3_MAX = 448.0
 
 
@@ -52,15 +53,17 @@ class KVFormat:
     name: str
     config: Optional[QuantConfig]  # None: an FP8 anchor
     first_chunk: int = 0  # 0: the whole sequence in one write
+    key_format: str = "fp4"  # or "fp8_e4m3" (K8V4)
 
     @property
     def is_fp8(self) -> bool:
-        """Keys in FP8: an emulated format (the anchors and K8V4), not an FP4 cache."""
+        """An emulated FP8 anchor, not a turboquant cache."""
         return self.config is None
 
 
 def parse_format(name: str) -> KVFormat:
-    """'fp8', 'fp8/token', or a QuantConfig name with an optional '@N' first chunk."""
+    """'fp8', 'fp8/token', 'k8v4' or 'k8v4/NAME', or a QuantConfig name with an optional '@N'
+    first chunk."""
     if name in FP8_FORMATS:
         return KVFormat(name, None)
     base, _, chunk = name.partition("@")
@@ -69,7 +72,8 @@ def parse_format(name: str) -> KVFormat:
         if not chunk.isdigit() or int(chunk) < 1:
             raise ValueError(f"format: expected '@N' with N >= 1 tokens, got {name!r}")
         first = int(chunk)
-    return KVFormat(name, QuantConfig.parse(base), first)
+    config, key_format = parse_cache_format(base)
+    return KVFormat(name, config, first, key_format)
 
 
 def fp8_round(x: torch.Tensor, per_token: bool) -> torch.Tensor:
@@ -84,11 +88,6 @@ def fp8_round(x: torch.Tensor, per_token: bool) -> torch.Tensor:
 
 def emulate_kv(k: torch.Tensor, v: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V [T, Hkv, D] as an emulated format (FP8_FORMATS) holds them: float32 each."""
-    if name == "k8v4":
-        signs = rotation_signs(k.shape[-1], QuantConfig().rotation_seed, k.device)
-        codes, scales = quantize_fp4(rotate(v.float(), signs))
-        return (dequantize_e4m3(*quantize_e4m3(k.float())),
-                unrotate(dequantize_fp4(codes, scales), signs))
     per_token = name == "fp8/token"
     return fp8_round(k, per_token), fp8_round(v, per_token)
 
@@ -127,12 +126,14 @@ class WrittenCache:
 def write_cache(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat,
                 calibration: Optional[tuple] = None, block_size: int = BLOCK_SIZE
                 ) -> WrittenCache:
-    """Write k/v [T, Hkv, D] with an FP4 format (its first chunk, then the rest)."""
+    """Write k/v [T, Hkv, D] into a turboquant cache of ``fmt`` (its first chunk, then the
+    rest)."""
     config = fmt.config
     t, hkv, d = k.shape
     dev = k.device
     nb = max(1, -(-t // block_size))
-    cache = allocate_cache(nb, hkv, block_size, d, scale_group=config.scale_group, device=dev)
+    cache = allocate_cache(nb, hkv, block_size, d, scale_group=config.scale_group, device=dev,
+                           key_format=fmt.key_format)
     kwargs: dict = {"config": config}
     extra: dict = {}
     if config.uses_state:
@@ -162,15 +163,18 @@ def read_back(written: WrittenCache, tokens: int) -> tuple[torch.Tensor, torch.T
     out = []
     for codes, scales, is_key in ((written.cache.key_cache, written.cache.key_scales, True),
                                   (written.cache.value_cache, written.cache.value_scales, False)):
-        nb, hkv, bs, half = codes.shape
-        c = codes.transpose(1, 2).reshape(nb * bs, hkv, half)[:tokens]
+        nb, hkv, bs, row = codes.shape
+        c = codes.transpose(1, 2).reshape(nb * bs, hkv, row)[:tokens]
         s = scales.reshape(nb * bs, hkv, -1)[:tokens]
-        x = dequantize_fp4(c, s, config.scale_group)
+        if codes.dtype == torch.float8_e4m3fn:  # K8V4 keys
+            x = dequantize_e4m3(c.view(torch.uint8), s[..., 0])
+        else:
+            x = dequantize_fp4(c, s, config.scale_group)
         record = written.kwargs.get("seq_state")
         if config.sink:
             x[0] = record[0, :, SINK_KEY if is_key else SINK_VALUE]
         if config.rotation:
-            x = unrotate(x, rotation_signs(2 * half, config.rotation_seed, x.device))
+            x = unrotate(x, rotation_signs(x.shape[-1], config.rotation_seed, x.device))
         if is_key and config.key_smoothing is not None:
             x = x * record[0, :, KEY_SCALE] + record[0, :, KEY_CENTER]
         out.append(x)
