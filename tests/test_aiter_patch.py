@@ -1,4 +1,5 @@
-"""The AITER patch script on the real AITER sources: the pinned amd-aiter wheel.
+"""The AITER patch script on real AITER sources: the pinned amd-aiter wheel and a snapshot of
+the newest upstream ROCm/aiter.
 
 The wheel (amd-aiter 0.1.7.post2.dev18, pure Python + sources, ~40 MB) is not installed: it
 is unpacked into a temporary directory, which has the installed layout (aiter/ and
@@ -6,29 +7,38 @@ aiter_meta/csrc/). Point TURBOQUANT_AITER_WHEEL_DIR at a directory holding the .
 it in <repo>/.whl/:
 
     pip download --no-deps amd-aiter==0.1.7.post2.dev18 -d .whl
+
+Upstream: TURBOQUANT_AITER_SRC names a ROCm/aiter checkout or its git directory (without it,
+the newest git snapshot under /work/.mirror/ROCm+aiter*, where this workplace's fetch tool puts
+them); its csrc/cpp_itfs/ and aiter/ are copied (from a git directory: `git archive HEAD`) into
+a temporary directory, so the source is never written to. Without either, those tests skip.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import io
-import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
+import tarfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from _tools import CLANG_MISSING, find_clang
 from turboquant.integration.aiter import patch
 
 ROOT = Path(__file__).resolve().parents[1]
 PINNED = "amd_aiter-0.1.7.post2.dev18-py3-none-any.whl"
 PA = Path("aiter_meta/csrc/cpp_itfs/pa")
+UPSTREAM_ENV = "TURBOQUANT_AITER_SRC"
+MIRRORS = Path("/work/.mirror")
+# What the patch reads or writes, and what the patched pa_v1 route imports.
+UPSTREAM_PATHS = ("csrc/cpp_itfs", "aiter")
 
 
 def _wheel() -> Path:
@@ -39,23 +49,99 @@ def _wheel() -> Path:
                 "pip download --no-deps amd-aiter==0.1.7.post2.dev18 -d .whl")
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    tree = tmp_path_factory.mktemp("aiter_wheel") / "site-packages"
+def unpack_wheel(dst: Path, prefixes: tuple[str, ...] = ()) -> Path:
+    """The pinned wheel's files (those under `prefixes`, or all) in dst, the site-packages."""
     with zipfile.ZipFile(_wheel()) as z:
-        z.extractall(tree)
-    return tree
+        z.extractall(dst, [n for n in z.namelist() if not prefixes or n.startswith(prefixes)])
+    return dst
+
+
+def _git(git_dir: Path, *args: str, text: bool = True):
+    return subprocess.run(["git", f"--git-dir={git_dir}", *args], capture_output=True,
+                          check=True, text=text, timeout=120).stdout
+
+
+def _is_git_dir(path: Path) -> bool:
+    return (path / "HEAD").is_file() and (path / "objects").is_dir()
+
+
+def _upstream_source() -> Path:
+    """A checkout (holding csrc/cpp_itfs/pa/pa_v1.py) or a git directory of ROCm/aiter."""
+    named = os.environ.get(UPSTREAM_ENV)
+    if named:
+        path = Path(named)
+        if (path / "csrc/cpp_itfs/pa/pa_v1.py").is_file() or _is_git_dir(path):
+            return path
+        pytest.fail(f"${UPSTREAM_ENV}={named}: neither a ROCm/aiter checkout "
+                    "(csrc/cpp_itfs/pa/pa_v1.py) nor a git directory")
+    candidates = [d for d in [*MIRRORS.glob("ROCm+aiter*"), *MIRRORS.glob("ROCm+aiter*/repo")]
+                  if _is_git_dir(d)]
+    if not candidates:
+        pytest.skip(f"no snapshot of upstream ROCm/aiter: set ${UPSTREAM_ENV} to a checkout or "
+                    f"its git directory (none under {MIRRORS}/ROCm+aiter*)")
+    if shutil.which("git") is None:
+        pytest.skip(f"git is needed to read the snapshot of ROCm/aiter in {candidates[0]}")
+    return max(candidates, key=lambda d: int(_git(d, "log", "-1", "--format=%ct", "HEAD")))
+
+
+def copy_upstream(dst: Path) -> tuple[Path, str]:
+    """Upstream's csrc/cpp_itfs/ and aiter/ in dst, arranged as a checkout; and which upstream
+    it is, in words (commit and date where known)."""
+    src = _upstream_source()
+    dst.mkdir(parents=True, exist_ok=True)
+    if _is_git_dir(src):
+        commit = _git(src, "rev-parse", "HEAD").strip()
+        date = _git(src, "log", "-1", "--format=%cs", commit).strip()
+        archive = _git(src, "archive", "--format=tar", commit, *UPSTREAM_PATHS, text=False)
+        with tarfile.open(fileobj=io.BytesIO(archive)) as t:
+            t.extractall(dst, filter="data")
+        return dst, f"ROCm/aiter {commit} ({date}, git snapshot {src})"
+    for rel in UPSTREAM_PATHS:
+        shutil.copytree(src / rel, dst / rel, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst, f"ROCm/aiter checkout {src}"
+
+
+@dataclass(frozen=True)
+class Tree:
+    """An unpatched AITER tree in a temporary directory."""
+
+    root: Path
+    pa: Path  # csrc/cpp_itfs/pa relative to root
+    label: str  # which AITER, in words
+    version: str  # what the patch script prints for it
+
+
+TREES = ("pinned wheel", "upstream")
+
+
+def make_tree(which: str, dst: Path, full: bool = False) -> Tree:
+    """The pinned wheel (all of it with full=True, else what the patch and the pa_v1 route
+    touch) or the upstream snapshot, unpacked under dst."""
+    if which == "pinned wheel":
+        prefixes = () if full else ("aiter/", "aiter_meta/csrc/cpp_itfs/")
+        root = unpack_wheel(dst / "site-packages", prefixes)
+        return Tree(root, PA, PINNED, "0.1.7.post2.dev18")
+    root, label = copy_upstream(dst / "aiter-checkout")
+    print(f"upstream tree: {label}")
+    return Tree(root, Path("csrc/cpp_itfs/pa"), label, "unknown (no aiter/_version.py)")
+
+
+@pytest.fixture(scope="module", params=TREES)
+def pristine(request, tmp_path_factory):
+    """Each AITER unpacked once per module: not to be changed by a test."""
+    return make_tree(request.param, tmp_path_factory.mktemp("aiter"), full=True)
 
 
 @pytest.fixture
 def tree(pristine, tmp_path):
-    """The files of the wheel the patch reads or writes (and their directories), copied."""
-    dst = tmp_path / "site-packages"
+    """A copy of the pristine tree's files that the patch reads or writes."""
+    dst = tmp_path / pristine.root.name
     for rel in ("aiter/_version.py", "aiter/ops/attention.py", "aiter/ops/__init__.py"):
-        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(pristine / rel, dst / rel)
-    shutil.copytree(pristine / "aiter_meta" / "csrc" / "cpp_itfs", dst / "aiter_meta" / "csrc" / "cpp_itfs")
-    return dst
+        if (pristine.root / rel).is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(pristine.root / rel, dst / rel)
+    shutil.copytree(pristine.root / pristine.pa, dst / pristine.pa)
+    return Tree(dst, pristine.pa, pristine.label, pristine.version)
 
 
 def snapshot(root: Path, content: bool = True) -> dict:
@@ -89,29 +175,36 @@ def test_command_line(tmp_path):
     assert r.returncode == 2 and "no AITER found" in r.stderr
 
 
-def test_round_trip_on_pinned_wheel(pristine):
-    """The whole unpacked wheel (about 9,000 files): apply, check, re-apply, revert."""
-    tree = pristine
+def test_round_trip(pristine):
+    """The whole tree (the wheel: about 9,000 files): apply, check, re-apply, revert."""
+    tree, pa = pristine.root, pristine.pa
     before = snapshot(tree)
     stat_before = snapshot(tree, content=False)
     rc, out = cli("--aiter-root", tree, "--check")
-    assert rc == 1 and out.startswith("unpatched: AITER 0.1.7.post2.dev18 (installed wheel"), out
+    assert rc == 1 and out.startswith(f"unpatched: AITER {pristine.version} ("), out
 
     rc, diff = cli("--aiter-root", tree, "--dry-run")
     assert rc == 0 and snapshot(tree, content=False) == stat_before
-    assert f"+++ b/{PA}/pa_v1.py" in diff and '+    elif kv_cache_dtype in ("fp4", "fp4_e2m1")' in diff
-    assert "+++ b/aiter/ops/attention.py" in diff and f"+++ b/{PA}/tq_fp4_paged_attention.cuh" in diff
+    assert f"+++ b/{pa}/pa_v1.py" in diff and '+    elif kv_cache_dtype in ("fp4", "fp4_e2m1")' in diff
+    assert "+++ b/aiter/ops/attention.py" in diff and f"+++ b/{pa}/tq_fp4_paged_attention.cuh" in diff
 
     rc, out = cli("--aiter-root", tree)
-    assert rc == 0 and out.startswith("patched AITER 0.1.7.post2.dev18"), out
+    assert rc == 0 and out.startswith(f"patched AITER {pristine.version}"), out
     patched = snapshot(tree, content=False)
     added = sorted(set(patched) - set(stat_before))
     changed = sorted(k for k in stat_before if stat_before[k] != patched.get(k))
     print("added:", added, "\nchanged:", changed)
-    assert added == sorted([f"{PA}/tq_fp4_platform.cuh", f"{PA}/tq_fp4_paged_attention.cuh",
-                            f"{PA}/pa_fp4.cpp.jinja", f"{PA}/pa_fp4.py",
+    assert added == sorted([f"{pa}/tq_fp4_platform.cuh", f"{pa}/tq_fp4_paged_attention.cuh",
+                            f"{pa}/pa_fp4.cpp.jinja", f"{pa}/pa_fp4.py",
                             "aiter/ops/turboquant_fp4.py"])
-    assert changed == sorted([f"{PA}/pa_v1.py", "aiter/ops/attention.py"])
+    assert changed == sorted([f"{pa}/pa_v1.py", "aiter/ops/attention.py"])
+    # The fp4 branch sits right before the fp8 one, the import right after pa_v1's.
+    pa_v1 = (tree / pa / "pa_v1.py").read_text()
+    assert ('        )  # turboquant-fp4\n    elif kv_cache_dtype == "fp8" or kv_cache_dtype == '
+            '"fp8_e4m3":\n') in pa_v1
+    assert ("from csrc.cpp_itfs.pa.pa_v1 import paged_attention_v1 as paged_attention_v1_core\n"
+            "from .turboquant_fp4 import paged_attention_fp4, paged_attention_fp4_out  "
+            "# turboquant-fp4\n") in (tree / "aiter/ops/attention.py").read_text()
     assert cli("--aiter-root", tree, "--check")[0] == 0
 
     rc, out = cli("--aiter-root", tree)
@@ -119,7 +212,7 @@ def test_round_trip_on_pinned_wheel(pristine):
     assert snapshot(tree, content=False) == patched
 
     rc, diff = cli("--aiter-root", tree, "--revert", "--dry-run")
-    assert rc == 0 and snapshot(tree, content=False) == patched and f"--- a/{PA}/pa_v1.py" in diff
+    assert rc == 0 and snapshot(tree, content=False) == patched and f"--- a/{pa}/pa_v1.py" in diff
 
     rc, out = cli("--aiter-root", tree, "--revert")
     assert rc == 0, out
@@ -127,34 +220,120 @@ def test_round_trip_on_pinned_wheel(pristine):
     assert cli("--aiter-root", tree, "--check")[0] == 1
 
 
-def test_missing_anchor_writes_nothing(tree):
-    pa_v1 = tree / PA / "pa_v1.py"
-    pa_v1.write_text(pa_v1.read_text().replace('kv_cache_dtype == "fp8" or ', 'kv_cache_dtype in ("fp8",) or '))
-    before = snapshot(tree, content=False)
-    rc, out = cli("--aiter-root", tree)
-    assert rc == 2
-    assert "AITER 0.1.7.post2.dev18" in out and "nothing was written" in out
-    assert '\'elif kv_cache_dtype == "fp8" or kv_cache_dtype == "fp8_e4m3":\'' in out
-    assert snapshot(tree, content=False) == before
+def test_pa_v1_branch_passes_the_checked_names():
+    """The inserted branch tests the names patch.FP4_KV_CACHE_DTYPES and passes exactly
+    patch.PA_V1_ARGS (the parameters it checks paged_attention_v1 has), in that order."""
+    branch = ast.parse("if kv_cache_dtype == 'auto':\n    pass\n" + patch._render_pa_v1(""))
+    fp4 = branch.body[0].orelse[0]
+    assert tuple(c.value for c in fp4.test.comparators[0].elts) == patch.FP4_KV_CACHE_DTYPES
+    call = fp4.body[1].value
+    assert call.func.id == "paged_attention_v1_fp4"
+    assert tuple(a.id for a in call.args) == patch.PA_V1_ARGS and not call.keywords
+
+
+def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
+    text = path.read_text()
+    assert text.count(old) == count, f"{path}: {old!r} is not in this AITER {count} times"
+    path.write_text(text.replace(old, new))
+
+
+PA_V1_CHAIN_START = '    if kv_cache_dtype == "auto":\n'
+PA_V1_CHAIN_END = '        raise ValueError(f"Unsupported kv_cache_dtype: {kv_cache_dtype}")\n'
+PA_V1_IMPORT = "from csrc.cpp_itfs.pa.pa_v1 import paged_attention_v1 as paged_attention_v1_core\n"
+TORCH_UTILS_IMPORT = "from csrc.cpp_itfs.torch_utils import direct_register_custom_op\n"
+
+
+def test_moved_anchors_are_found_by_structure(tree):
+    """Upstream reformatting: the chain nested one level deeper with a multi-line fp8 test, the
+    pa_v1 import split over lines and moved below another import. Apply finds both places,
+    --check says patched, a second apply is a no-op, --revert restores every byte."""
+    pa_v1, attention = tree.root / tree.pa / "pa_v1.py", tree.root / "aiter/ops/attention.py"
+    text = pa_v1.read_text()
+    i, j = text.index(PA_V1_CHAIN_START), text.index(PA_V1_CHAIN_END) + len(PA_V1_CHAIN_END)
+    chain = text[i:j].replace('elif kv_cache_dtype == "fp8" or kv_cache_dtype == "fp8_e4m3":',
+                              'elif kv_cache_dtype in (\n        "fp8",\n        "fp8_e4m3",\n    ):')
+    nested = "".join("    " + line if line.strip() else line for line in chain.splitlines(True))
+    pa_v1.write_text(text[:i] + "    if query is not None:\n" + nested + text[j:])
+    _edit(attention, PA_V1_IMPORT, "")
+    _edit(attention, TORCH_UTILS_IMPORT, TORCH_UTILS_IMPORT + "from csrc.cpp_itfs.pa.pa_v1 import (\n"
+          "    paged_attention_v1 as paged_attention_v1_core,\n)\n")
+    before = snapshot(tree.root)
+
+    rc, out = cli("--aiter-root", tree.root)
+    assert rc == 0 and out.startswith("patched"), out
+    assert ('            )  # turboquant-fp4\n        elif kv_cache_dtype in (\n            "fp8",\n'
+            in pa_v1.read_text())
+    assert ("    paged_attention_v1 as paged_attention_v1_core,\n)\nfrom .turboquant_fp4 import "
+            in attention.read_text())
+    rc, out = cli("--aiter-root", tree.root, "--check")
+    assert rc == 0 and "hooked     aiter/ops/attention.py" in out, out
+    patched = snapshot(tree.root)
+    assert cli("--aiter-root", tree.root)[1].startswith("already patched")
+    assert snapshot(tree.root) == patched
+    assert cli("--aiter-root", tree.root, "--revert")[0] == 0
+    assert snapshot(tree.root) == before
+
+
+MISSING = {
+    "function renamed": ("pa_v1.py", "def paged_attention_v1(", "def paged_attention_v1_impl(",
+                         "pa_v1.py: " + patch.PA_V1_ANCHOR + ": no top-level def paged_attention_v1"),
+    "parameter renamed": ("pa_v1.py", "    sliding_window: int = 0,\n", "    window: int = 0,\n",
+                          "paged_attention_v1 has no parameter sliding_window (the fp4 branch passes these names"),
+    # the three tests of the chain ("auto", "fp8", "fp8_e4m3") on another variable
+    "no chain": ("pa_v1.py", "kv_cache_dtype == ", "dtype_name == ",
+                 "paged_attention_v1 has no 'if kv_cache_dtype ...' statement"),
+    "own fp4 branch": ("pa_v1.py", 'kv_cache_dtype == "fp8_e4m3"', 'kv_cache_dtype == "fp4_e2m1"',
+                     "already handles 'fp4_e2m1': this AITER has an FP4 branch of its own"),
+    "import gone": ("attention.py", PA_V1_IMPORT, "",
+                    "aiter/ops/attention.py: " + patch.ATTENTION_ANCHOR + ": not found"),
+}
+
+
+@pytest.mark.parametrize("case", MISSING)
+def test_missing_anchor_is_named_and_nothing_written(tree, case):
+    name, old, new, message = MISSING[case]
+    path = tree.root / (tree.pa / name if name == "pa_v1.py" else "aiter/ops/attention.py")
+    _edit(path, old, new, 3 if case == "no chain" else 1)
+    before = snapshot(tree.root, content=False)
+    rc, out = cli("--aiter-root", tree.root)
+    assert rc == 2 and f"AITER {tree.version}" in out and "nothing was written" in out, out
+    assert message in out, out
+    assert snapshot(tree.root, content=False) == before
+    rc, out = cli("--aiter-root", tree.root, "--check")
+    assert rc == 1 and "NO ANCHOR" in out and message.split(": ")[-1] in out, out
 
 
 def test_partial_patch_is_reported_and_reverted(tree):
-    before = snapshot(tree)
-    assert patch.apply(tree).startswith("patched")
-    (tree / PA / "pa_fp4.py").unlink()
-    rc, out = cli("--aiter-root", tree, "--check")
+    before = snapshot(tree.root)
+    assert patch.apply(tree.root).startswith("patched")
+    (tree.root / tree.pa / "pa_fp4.py").unlink()
+    rc, out = cli("--aiter-root", tree.root, "--check")
     assert rc == 3 and out.startswith("partial") and "absent" in out, out
-    rc, out = cli("--aiter-root", tree)
+    rc, out = cli("--aiter-root", tree.root)
     assert rc == 2 and "--revert" in out
-    assert patch.revert(tree).startswith("reverted")
-    assert snapshot(tree) == before
+    assert patch.revert(tree.root).startswith("reverted")
+    assert snapshot(tree.root) == before
 
 
-def test_git_checkout_layout(pristine, tmp_path):
-    """The same sources arranged as a ROCm/aiter checkout (csrc/ at the root)."""
+def test_edited_hook_is_not_reverted(tree):
+    """A hand-edited inserted line: --check says MODIFIED, --revert refuses and writes nothing."""
+    assert patch.apply(tree.root).startswith("patched")
+    pa_v1 = tree.root / tree.pa / "pa_v1.py"
+    _edit(pa_v1, "            sliding_window,\n", "            sliding_window or 0,\n")
+    rc, out = cli("--aiter-root", tree.root, "--check")
+    assert rc == 3 and f"MODIFIED   {tree.pa}/pa_v1.py" in out, out
+    before = snapshot(tree.root, content=False)
+    rc, out = cli("--aiter-root", tree.root, "--revert")
+    assert rc == 2 and "turboquant lines were edited" in out, out
+    assert snapshot(tree.root, content=False) == before
+
+
+def test_git_checkout_layout(tmp_path):
+    """The wheel's sources arranged as a ROCm/aiter checkout (csrc/ at the root)."""
+    site = unpack_wheel(tmp_path / "site-packages", ("aiter/ops/", "aiter_meta/csrc/cpp_itfs/"))
     root = tmp_path / "aiter-checkout"
-    shutil.copytree(pristine / "aiter" / "ops", root / "aiter" / "ops")
-    shutil.copytree(pristine / "aiter_meta" / "csrc" / "cpp_itfs", root / "csrc" / "cpp_itfs")
+    shutil.copytree(site / "aiter" / "ops", root / "aiter" / "ops")
+    shutil.copytree(site / "aiter_meta" / "csrc" / "cpp_itfs", root / "csrc" / "cpp_itfs")
     before = snapshot(root)
     assert patch.status(root).layout.kind == "git checkout"
     assert patch.apply(root / "aiter").startswith("patched AITER unknown")  # package dir accepted
@@ -167,101 +346,3 @@ def test_git_checkout_layout(pristine, tmp_path):
 def test_unknown_tree_is_refused(tmp_path):
     rc, out = cli("--aiter-root", tmp_path)
     assert rc == 2 and "no AITER found" in out
-
-
-def test_patched_python_routes_fp4_and_renders_both_specializations(tree, tmp_path):
-    """Import the patched pa_v1 (CPU: no GPU calls are made), call it with
-    kv_cache_dtype='fp4_e2m1', and catch AITER's own compile_template_op at the point where it
-    would build: the rendered source, its compile key and the launch arguments."""
-    patch.apply(tree)
-    for f in (tree / PA / "pa_v1.py", tree / PA / "pa_fp4.py", tree / "aiter/ops/attention.py",
-              tree / "aiter/ops/turboquant_fp4.py"):
-        compile(f.read_text(), str(f), "exec")
-    script = textwrap.dedent(f"""
-        import json, sys, types
-        import torch
-        sys.path.insert(0, {str(tree / 'aiter_meta')!r})
-        from csrc.cpp_itfs import utils
-        captured = {{}}
-        def compile_lib(src, folder, includes, sources, cxxflags):
-            captured.update(src=src, folder=folder, includes=includes)
-        def run_lib(func_name, folder=None):
-            captured["func_name"] = func_name
-            def launch(*args):
-                captured.update(nargs=len(args), use_native=args[-2].value,
-                                transforms=[args[i].value for i in range(-7, -2)])
-            return launch
-        utils.compile_lib, utils.run_lib = compile_lib, run_lib
-        utils.not_built = lambda folder: True
-        props = types.SimpleNamespace(gcnArchName="gfx950:sramecc+:xnack-", warp_size=64)
-        torch.cuda.get_device_properties = lambda device: props
-        torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(cuda_stream=0)
-        from csrc.cpp_itfs.pa import pa_v1
-        nb, hkv, bs, d, g = 4, 2, 16, 128, 4
-        q = torch.zeros(3, hkv * g, d, dtype=torch.bfloat16)
-        kc = torch.zeros(nb, hkv, bs, d // 2, dtype=torch.uint8)
-        ks = torch.zeros(nb, bs, hkv, dtype=torch.uint8)
-        bt = torch.zeros(3, 2, dtype=torch.int32)
-        sl = torch.full((3,), 20, dtype=torch.int32)
-        ws = torch.empty(1 << 20, dtype=torch.uint8)
-        out = torch.empty_like(q)
-        args = [out, ws, q, kc, kc.clone(), 0.1, bt, None, sl, 32, None, "fp4_e2m1", "HND", 0.0, ks, ks.clone()]
-        pa_v1.paged_attention_v1(*args)
-        try:
-            args[12] = "NHD"
-            pa_v1.paged_attention_v1(*args)
-        except ValueError as e:
-            captured["nhd_error"] = str(e)
-        from csrc.cpp_itfs.pa import pa_fp4
-        captured["plain_transforms"] = captured["transforms"]
-        signs = torch.ones(d)
-        state = torch.zeros(5, hkv, 5, d)
-        ids = torch.tensor([4, 0, 2], dtype=torch.int32)
-        pa_fp4.paged_attention_fp4_launch(out, ws, q, kc, kc.clone(), ks, ks.clone(), bt, sl, 32,
-                                          0.1, 0.0, True, rotation_signs=signs, seq_state=state,
-                                          state_ids=ids, sink=True)
-        captured["pointers"] = [signs.data_ptr(), state.data_ptr(), ids.data_ptr()]
-        try:
-            pa_fp4.paged_attention_fp4_launch(out, ws, q, kc, kc.clone(), ks, ks.clone(), bt, sl,
-                                              32, 0.1, 0.0, True, seq_state=state, sink=True)
-        except ValueError as e:
-            captured["ids_error"] = str(e)
-        kw = (g, d, bs, "Bf16", "e2m1_e8m0")
-        captured["expected_key"] = utils.get_default_func_name("pa_v1_fp4", kw + (pa_fp4.KERNEL_DIGEST,))
-        captured["key_with_other_digest"] = utils.get_default_func_name("pa_v1_fp4", kw + ("0" * 16,))
-        print(json.dumps(captured))
-    """)
-    env = dict(os.environ, AITER_ROOT_DIR=str(tmp_path / "aiter_root"), PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["func_name"].startswith("pa_v1_fp4_")  # its own module name: never pa_v1's lib.so
-    assert got["nargs"] == 26 and got["use_native"] == 1
-    # pa_v1 passes no transform (null pointers, sink 0); turboquant's launcher passes them all
-    assert got["plain_transforms"] == [None, None, None, 0, 0]
-    assert got["transforms"] == got["pointers"] + [5, 1]
-    assert "state_ids: expected a contiguous int32 [3]" in got["ids_error"]
-    assert "kv_cache_layout: expected 'HND'" in got["nhd_error"]
-    src = got["src"]
-    assert "tq::tq_fp4_pa_partition_kernel<Scalar, head_size, block_size, gqa_ratio, NATIVE>" in src
-    assert "TQ_LAUNCH_PARTITION(true)" in src and "TQ_LAUNCH_PARTITION(false)" in src
-    # The compile key is AITER's md5 of the kwargs, which include the kernel digest.
-    assert got["func_name"] == got["expected_key"] != got["key_with_other_digest"]
-
-    # The rendered translation unit, with the injected headers, compiles for gfx950 (host
-    # launch code and device code; csrc_hip/shims stands in for <hip/hip_runtime.h>).
-    clang = find_clang()
-    if clang is None:
-        pytest.skip(CLANG_MISSING)
-    tu = tmp_path / "pa_fp4_rendered.cpp"
-    tu.write_text(src)
-    flags = [clang, "-x", "hip", "--offload-arch=gfx950", "-nogpulib", "-nogpuinc", "-O3",
-             "-std=c++20", f"-I{ROOT / 'csrc_hip' / 'shims'}", f"-I{tree / PA}"]
-    subprocess.run(flags + ["--offload-host-only", "-c", "-o", str(tmp_path / "host.o"), str(tu)],
-                   check=True)
-    subprocess.run(flags + ["--offload-device-only", "-S", "-o", str(tmp_path / "dev.s"), str(tu)],
-                   check=True)
-    asm = (tmp_path / "dev.s").read_text()
-    kernels = [ln for ln in asm.splitlines() if ln.startswith("_ZN2tq26tq_fp4_pa_partition_kernel")]
-    assert len(kernels) == 2 and any("Lb1E" in k for k in kernels) and any("Lb0E" in k for k in kernels)
-    assert asm.count("v_mfma_scale_f32_16x16x128_f8f6f4") == 32

@@ -12,11 +12,14 @@ What it does:
   launcher, compiled under its own module name ``pa_v1_fp4`` with a digest of the kernel
   sources in the compile key) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4.py``
   (``aiter.paged_attention_fp4``);
-- hooks two lines that are the same across AITER versions: pa_v1's ``kv_cache_dtype`` chain
-  gains an ``fp4``/``fp4_e2m1`` branch (k_scale/v_scale are then the E8M0 scale tensors), and
-  ``aiter/ops/attention.py`` imports the new op.
+- inserts lines at two places found from the structure of the Python code (its syntax tree,
+  never a line number or an exact line, so reformatted or moved code is still found): pa_v1's
+  ``kv_cache_dtype`` if/elif chain gains an ``fp4``/``fp4_e2m1`` branch before its first elif
+  (k_scale/v_scale are then the E8M0 scale tensors), and ``aiter/ops/attention.py`` imports
+  the new op right after its ``from csrc.cpp_itfs.pa.pa_v1 import ...`` statement.
 
-Every anchor is checked before anything is written; a second apply changes nothing;
+Every place is found before anything is written (an error names the one that is missing); a
+second apply changes nothing;
 ``--revert`` removes exactly what apply added, so the tree is byte-for-byte as before.
 Exit status: 0 done (or, with --check, patched), 1 unpatched (--check), 3 partial (--check),
 2 error.
@@ -24,6 +27,7 @@ Exit status: 0 done (or, with --check, patched), 1 unpatched (--check), 3 partia
 from __future__ import annotations
 
 import argparse
+import ast
 import difflib
 import os
 import re
@@ -32,7 +36,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 MARK = "turboquant-fp4"
 HERE = Path(__file__).resolve().parent
@@ -99,43 +103,131 @@ def aiter_version(layout: Layout) -> str:
     return "unknown (no aiter/_version.py)"
 
 
+class AnchorNotFound(Exception):
+    """The place a hook goes was not found; the message says what is missing."""
+
+
+def _parse(text: str) -> ast.Module:
+    try:
+        return ast.parse(text)
+    except SyntaxError as e:
+        raise AnchorNotFound(f"the file does not parse as Python ({e.msg}, line {e.lineno})") from None
+
+
+def _indent(line: str) -> str:
+    return line[:len(line) - len(line.lstrip(" \t"))]
+
+
 @dataclass(frozen=True)
 class Hook:
-    """Insert `text` right before (or after) the one line `anchor` of `path`."""
+    """Lines inserted into `path` before the line that `locate` finds from the file's structure
+    (never from a line number): `render(indent)` is the inserted text; its first line holds the
+    mark, and finding that line again (with its indentation) is how status and revert find it."""
 
     path: Path
-    anchor: str
-    text: str
-    after: bool
+    anchor: str  # the place, in words, for messages
+    locate: Callable[[str], tuple[int, str]]  # text -> (0-based line index, indentation)
+    render: Callable[[str], str]
 
-    def patched_form(self) -> str:
-        return self.anchor + self.text if self.after else self.text + self.anchor
+    def inserted(self, text: str) -> Optional[str]:
+        """The inserted text, if it is in `text` exactly once and unedited."""
+        first = self.render("").splitlines()[0]
+        for line in text.splitlines():
+            if line.lstrip(" \t") == first:
+                block = self.render(_indent(line))
+                if text.count(block) == 1:
+                    return block
+        return None
+
+    def insert(self, text: str) -> str:
+        index, indent = self.locate(text)
+        lines = text.splitlines(keepends=True)
+        if index == len(lines) and not text.endswith("\n"):
+            raise AnchorNotFound("the file ends without a newline right at the place")
+        patched = "".join(lines[:index]) + self.render(indent) + "".join(lines[index:])
+        try:
+            ast.parse(patched)
+        except SyntaxError as e:
+            raise AnchorNotFound(f"the inserted lines would not parse there ({e.msg}, line "
+                                 f"{e.lineno})") from None
+        return patched
 
 
-PA_V1_HOOK = (
-    '    elif kv_cache_dtype in ("fp4", "fp4_e2m1"):  # turboquant-fp4: E2M1 codes, E8M0 k/v_scale\n'
-    "        from csrc.cpp_itfs.pa.pa_fp4 import paged_attention_v1_fp4  # turboquant-fp4\n"
-    "\n"
-    "        return paged_attention_v1_fp4(  # turboquant-fp4\n"
-    "            out, workspace_buffer, query, key_cache, value_cache, scale, block_tables,\n"
-    "            cu_query_lens, context_lens, max_context_len, alibi_slopes, kv_cache_layout,\n"
-    "            logits_soft_cap, k_scale, v_scale, fp8_out_scale, partition_size, mtp, q_scale,\n"
-    "            sliding_window,\n"
-    "        )  # turboquant-fp4\n"
-)
-ATTENTION_HOOK = (
-    "from .turboquant_fp4 import paged_attention_fp4, paged_attention_fp4_out  # turboquant-fp4\n"
-)
+# The names paged_attention_v1's fp4 branch passes on, in paged_attention_v1_fp4's order; each
+# must be a parameter of AITER's paged_attention_v1.
+PA_V1_ARGS = ("out", "workspace_buffer", "query", "key_cache", "value_cache", "scale",
+              "block_tables", "cu_query_lens", "context_lens", "max_context_len", "alibi_slopes",
+              "kv_cache_layout", "logits_soft_cap", "k_scale", "v_scale", "fp8_out_scale",
+              "partition_size", "mtp", "q_scale", "sliding_window")
+FP4_KV_CACHE_DTYPES = ("fp4", "fp4_e2m1")
+PA_V1_ANCHOR = "the first elif of the kv_cache_dtype if/elif chain in def paged_attention_v1"
+ATTENTION_ANCHOR = "the top-level 'from csrc.cpp_itfs.pa.pa_v1 import ...' statement"
+
+
+def _render_pa_v1(indent: str) -> str:
+    body = indent + "    "
+    return (
+        f'{indent}elif kv_cache_dtype in ("fp4", "fp4_e2m1"):  # turboquant-fp4: E2M1 codes, E8M0 k/v_scale\n'
+        f"{body}from csrc.cpp_itfs.pa.pa_fp4 import paged_attention_v1_fp4  # turboquant-fp4\n"
+        "\n"
+        f"{body}return paged_attention_v1_fp4(  # turboquant-fp4\n"
+        f"{body}    out, workspace_buffer, query, key_cache, value_cache, scale, block_tables,\n"
+        f"{body}    cu_query_lens, context_lens, max_context_len, alibi_slopes, kv_cache_layout,\n"
+        f"{body}    logits_soft_cap, k_scale, v_scale, fp8_out_scale, partition_size, mtp, q_scale,\n"
+        f"{body}    sliding_window,\n"
+        f"{body})  # turboquant-fp4\n"
+    )
+
+
+def _render_attention(indent: str) -> str:
+    return f"{indent}from .turboquant_fp4 import paged_attention_fp4, paged_attention_fp4_out  # turboquant-fp4\n"
+
+
+def _locate_pa_v1(text: str) -> tuple[int, str]:
+    """Before the second branch of paged_attention_v1's `if kv_cache_dtype ...: / elif ...` chain
+    (the fp8 branch in every AITER so far), at that elif's indentation."""
+    func = next((node for node in _parse(text).body if isinstance(node, ast.FunctionDef)
+                 and node.name == "paged_attention_v1"), None)
+    if func is None:
+        raise AnchorNotFound("no top-level def paged_attention_v1")
+    params = {a.arg for a in func.args.posonlyargs + func.args.args + func.args.kwonlyargs}
+    missing = [name for name in PA_V1_ARGS if name not in params]
+    if missing:
+        raise AnchorNotFound(f"paged_attention_v1 has no parameter {', '.join(missing)} (the fp4 "
+                             "branch passes these names on to turboquant's launcher)")
+    chain = next((node for node in ast.walk(func) if isinstance(node, ast.If) and any(
+        isinstance(n, ast.Name) and n.id == "kv_cache_dtype" for n in ast.walk(node.test))), None)
+    if chain is None:
+        raise AnchorNotFound("paged_attention_v1 has no 'if kv_cache_dtype ...' statement")
+    branches = [chain]
+    while (len(branches[-1].orelse) == 1 and isinstance(branches[-1].orelse[0], ast.If)
+           and branches[-1].orelse[0].col_offset == chain.col_offset):
+        branches.append(branches[-1].orelse[0])
+    handled = [n.value for b in branches for n in ast.walk(b.test)
+               if isinstance(n, ast.Constant) and n.value in FP4_KV_CACHE_DTYPES]
+    if handled:
+        raise AnchorNotFound(f"the kv_cache_dtype chain (line {chain.lineno}) already handles "
+                             f"{handled[0]!r}: this AITER has an FP4 branch of its own")
+    if len(branches) < 2:
+        raise AnchorNotFound(f"the kv_cache_dtype chain (line {chain.lineno}) has no elif")
+    line = text.splitlines()[branches[1].lineno - 1]
+    return branches[1].lineno - 1, _indent(line)
+
+
+def _locate_attention(text: str) -> tuple[int, str]:
+    """After the statement that imports pa_v1 (one line or several), at the top level."""
+    node = next((node for node in _parse(text).body if isinstance(node, ast.ImportFrom)
+                 and node.level == 0 and node.module == "csrc.cpp_itfs.pa.pa_v1"), None)
+    if node is None:
+        raise AnchorNotFound("not found")
+    return node.end_lineno, ""
 
 
 def hooks(layout: Layout) -> list[Hook]:
     return [
-        Hook(layout.pa_dir / "pa_v1.py",
-             '    elif kv_cache_dtype == "fp8" or kv_cache_dtype == "fp8_e4m3":\n',
-             PA_V1_HOOK, after=False),
-        Hook(layout.ops_dir / "attention.py",
-             "from csrc.cpp_itfs.pa.pa_v1 import paged_attention_v1 as paged_attention_v1_core\n",
-             ATTENTION_HOOK, after=True),
+        Hook(layout.pa_dir / "pa_v1.py", PA_V1_ANCHOR, _locate_pa_v1, _render_pa_v1),
+        Hook(layout.ops_dir / "attention.py", ATTENTION_ANCHOR, _locate_attention,
+             _render_attention),
     ]
 
 
@@ -176,18 +268,19 @@ def status(root) -> Status:
     for hook in hooks(layout):
         text = _read(hook.path)
         rel = hook.path.relative_to(layout.root)
-        if text.count(hook.patched_form()) == 1:
+        if hook.inserted(text) is not None:
             done += 1
             details.append(f"hooked     {rel}")
         elif MARK in text:
             todo += 1
             details.append(f"MODIFIED   {rel} (holds '{MARK}' lines that are not this patch's)")
-        elif text.count(hook.anchor) == 1:
-            todo += 1
-            details.append(f"unhooked   {rel}")
         else:
             todo += 1
-            details.append(f"NO ANCHOR  {rel}: {hook.anchor.strip()!r}")
+            try:
+                hook.locate(text)
+                details.append(f"unhooked   {rel}")
+            except AnchorNotFound as e:
+                details.append(f"NO ANCHOR  {rel}: {hook.anchor}: {e}")
     for path, data in new_files(layout).items():
         rel = path.relative_to(layout.root)
         if not path.exists():
@@ -209,14 +302,14 @@ def _plan_apply(layout: Layout, version: str) -> dict[Path, bytes]:
     missing, plan = [], {}
     for hook in hooks(layout):
         text = _read(hook.path)
-        count = text.count(hook.anchor)
-        if count != 1 or MARK in text:
-            what = "found twice" if count > 1 else ("already holds turboquant lines"
-                                                    if MARK in text else "not found")
-            missing.append(f"{hook.path.relative_to(layout.root)}: anchor {hook.anchor.strip()!r} "
-                           f"{what}")
+        rel = hook.path.relative_to(layout.root)
+        if MARK in text:
+            missing.append(f"{rel}: already holds turboquant lines")
             continue
-        plan[hook.path] = text.replace(hook.anchor, hook.patched_form()).encode("utf-8")
+        try:
+            plan[hook.path] = hook.insert(text).encode("utf-8")
+        except AnchorNotFound as e:
+            missing.append(f"{rel}: {hook.anchor}: {e}")
     for path, data in new_files(layout).items():
         if path.exists():
             missing.append(f"{path.relative_to(layout.root)}: already exists")
@@ -234,8 +327,9 @@ def _plan_revert(layout: Layout) -> dict[Path, Optional[bytes]]:
     problems, plan = [], {}
     for hook in hooks(layout):
         text = _read(hook.path)
-        if text.count(hook.patched_form()) == 1:
-            plan[hook.path] = text.replace(hook.patched_form(), hook.anchor).encode("utf-8")
+        block = hook.inserted(text)
+        if block is not None:
+            plan[hook.path] = text.replace(block, "", 1).encode("utf-8")
         elif MARK in text:
             problems.append(f"{hook.path.relative_to(layout.root)}: turboquant lines were edited; "
                             "restore the file from AITER's sources")

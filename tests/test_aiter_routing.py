@@ -1,0 +1,445 @@
+"""Where a call reaches in a patched AITER: driven on CPU, on the pinned amd-aiter wheel and on
+the upstream ROCm/aiter snapshot (see test_aiter_patch.py for where each comes from; a missing
+one skips).
+
+Each tree is patched in a temporary directory and imported in its own Python process (the two
+trees' `csrc` and `aiter` packages, and the torch op each registers, cannot share one), with
+what needs ROCm replaced:
+
+- `chip_info` (upstream's csrc/cpp_itfs/utils.py imports it and asks rocminfo for the GPU,
+  raising "ROCm version file not found" without ROCm): a module that answers gfx950;
+- `aiter` and `aiter.ops`: bare packages over the tree's directories (their __init__ imports
+  all of AITER: triton, compiled modules); `aiter.paged_attention_fp4` is then bound the way
+  the real chain binds it, from the import statement the patch put in aiter/ops/attention.py
+  (aiter/__init__.py star-imports that module: checked);
+- torch.cuda's device properties (gcnArchName gfx950:sramecc+:xnack-), current stream and
+  Stream type;
+- AITER's compile_template_op runs for real (its compile key, the rendered source) but
+  compile_lib builds nothing and run_lib hands back a function that records the ctypes call;
+- AITER's direct_register_custom_op registers the op for CPU instead of CUDA.
+
+A record says which module compile_template_op was asked for (pa_v1_fp4: turboquant's kernel;
+pa_v1: AITER's own), its template arguments, and the runtime arguments by the names of the
+rendered entry point's C parameters (tensors by their names in the call).
+"""
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import test_aiter_patch as tp
+from _tools import CLANG_MISSING, find_clang
+from turboquant.integration.aiter import patch
+
+ROOT = Path(__file__).resolve().parents[1]
+MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"
+
+
+# ---------------------------------------------------------------- the driver (child process)
+
+def _c_value(arg):
+    import ctypes
+
+    if isinstance(arg, ctypes._Pointer):
+        return ctypes.cast(arg, ctypes.c_void_p).value
+    if isinstance(arg, ctypes._SimpleCData):
+        return arg.value
+    return repr(arg)
+
+
+def _entry_point_params(src: str) -> list[str]:
+    """The parameter names of the rendered extern "C" function, in order."""
+    m = re.search(r'extern "C"\s*\{\s*void\s+\w+\s*\(([^)]*)\)\s*;', src)
+    if m is None:
+        raise AssertionError("the rendered source declares no extern \"C\" entry point")
+    return [re.findall(r"\w+", p)[-1] for p in m.group(1).split(",")]
+
+
+def _stub_rocm(root: Path, meta: Path) -> dict:
+    """Everything the module docstring lists; returns the capture dict the stubs fill."""
+    import torch
+
+    chip_info = types.ModuleType("chip_info")
+    chip_info.get_gfx_runtime = chip_info.get_gfx = lambda: "gfx950"
+    chip_info.get_cu_num = lambda: 256
+    sys.modules["chip_info"] = chip_info
+    for name, path in (("aiter", root / "aiter"), ("aiter.ops", root / "aiter" / "ops")):
+        package = types.ModuleType(name)
+        package.__path__ = [str(path)]
+        sys.modules[name] = package
+    sys.modules["aiter"].ops = sys.modules["aiter.ops"]
+    sys.path[:0] = [str(meta), str(root)]
+
+    props = types.SimpleNamespace(gcnArchName="gfx950:sramecc+:xnack-", warp_size=64,
+                                  multi_processor_count=256)
+    torch.cuda.get_device_properties = lambda device=None: props
+    stream = type("Stream", (), {"cuda_stream": 0})  # AITER's torch_to_c_types checks the type
+    torch.cuda.Stream = stream
+    torch.cuda.current_stream = lambda device=None: stream()
+
+    from csrc.cpp_itfs import torch_utils, utils
+
+    capture: dict = {}
+    real_compile_template_op = utils.compile_template_op
+
+    def compile_template_op(src_template, md_name, *args, **kwargs):
+        capture["module"] = md_name
+        capture["template"] = {k: v for k, v in kwargs.items() if k != "folder"}
+        return real_compile_template_op(src_template, md_name, *args, **kwargs)
+
+    def run_lib(func_name, folder=None):
+        capture["func_name"] = func_name
+        return lambda *args: capture.update(args=[_c_value(a) for a in args])
+
+    utils.compile_template_op = compile_template_op
+    utils.not_built = lambda folder: True
+    utils.compile_lib = lambda src, folder, *args, **kwargs: capture.update(src=src)
+    utils.run_lib = run_lib
+    real_register = torch_utils.direct_register_custom_op
+    torch_utils.direct_register_custom_op = (
+        lambda *args, **kwargs: real_register(*args, **{**kwargs, "dispatch_key": "CPU"}))
+    return capture
+
+
+def _bind_aiter_op(root: Path) -> dict:
+    """aiter.paged_attention_fp4 as the real import chain binds it; the facts of that chain."""
+    import importlib
+
+    attention = ast.parse((root / "aiter/ops/attention.py").read_text())
+    hook = [n for n in attention.body if isinstance(n, ast.ImportFrom) and n.level == 1
+            and n.module == "turboquant_fp4"]
+    init = ast.parse((root / "aiter/__init__.py").read_text())
+    facts = {
+        "attention_imports": [a.name for n in hook for a in n.names],
+        "attention_has_all": any(isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+            for n in attention.body),
+        "init_star_imports_attention": any(
+            isinstance(n, ast.ImportFrom) and n.level == 1 and n.module == "ops.attention"
+            and [a.name for a in n.names] == ["*"] for n in ast.walk(init)),
+    }
+    module = importlib.import_module("aiter.ops.turboquant_fp4")
+    for name in facts["attention_imports"]:
+        setattr(sys.modules["aiter"], name, getattr(module, name))
+    return facts
+
+
+def _problem(seq_lens, hkv=2, gqa=4, d=128, bs=16, dtype="bfloat16", tokens=None,
+             max_blocks=None):
+    """Named CPU tensors of one call (contents do not matter: nothing runs)."""
+    import torch
+
+    max_blocks = max_blocks or max(math.ceil(n / bs) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks
+    dt = getattr(torch, dtype)
+    query = torch.zeros(tokens or len(seq_lens), hkv * gqa, d, dtype=dt)
+    return {
+        "out": torch.empty_like(query),
+        "query": query,
+        "key_cache": torch.zeros(num_blocks, hkv, bs, d // 2, dtype=torch.uint8),
+        "value_cache": torch.zeros(num_blocks, hkv, bs, d // 2, dtype=torch.uint8),
+        "key_scales": torch.zeros(num_blocks, bs, hkv, dtype=torch.uint8),
+        "value_scales": torch.zeros(num_blocks, bs, hkv, dtype=torch.uint8),
+        "block_tables": torch.arange(num_blocks, dtype=torch.int32).view(len(seq_lens), -1),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "workspace": torch.empty(1 << 22, dtype=torch.uint8),
+    }
+
+
+def _op_call(t, scale=0.125, **kwargs):
+    import aiter
+
+    return lambda: aiter.paged_attention_fp4(
+        t["query"], t["key_cache"], t["value_cache"], t["key_scales"], t["value_scales"],
+        t["block_tables"], t["seq_lens"], scale, out=t["out"], workspace_buffer=t["workspace"],
+        **kwargs)
+
+
+def _pa_v1_call(t, kv_cache_dtype="fp4_e2m1", scale=0.125, layout="HND", cu_query_lens=None,
+                **kwargs):
+    from csrc.cpp_itfs.pa import pa_v1
+
+    max_context_len = t["block_tables"].size(1) * t["key_cache"].size(2)
+    return lambda: pa_v1.paged_attention_v1(
+        t["out"], t["workspace"], t["query"], t["key_cache"], t["value_cache"], scale,
+        t["block_tables"], cu_query_lens, t["seq_lens"], max_context_len, None, kv_cache_dtype,
+        layout, 0.0, t["key_scales"], t["value_scales"], **kwargs)
+
+
+def _cases():
+    """name -> (environment for the call, tensors, the call)."""
+    import torch
+
+    lut = {"AITER_FP4_KV_LUT": "1"}
+    decode = _problem([20, 33, 1])
+    half = _problem([100, 7], hkv=1, gqa=8, d=64, bs=32, dtype="float16")
+    transforms = _problem([20, 33, 1])
+    transforms.update(rotation_signs=torch.ones(128), seq_state=torch.zeros(5, 2, 5, 128),
+                      state_ids=torch.tensor([4, 0, 2], dtype=torch.int32))
+    multi = _problem([20, 33], tokens=5)
+    multi["cu_query_lens"] = torch.tensor([0, 3, 5], dtype=torch.int32)
+    window = _problem([20, 33, 1])
+    bf16_cache = _problem([20, 33, 1])
+    bf16_cache["key_cache"] = torch.zeros(6, 2, 16, 128, dtype=torch.bfloat16)
+    bf16_cache["value_cache"] = torch.zeros(6, 2, 16, 128, dtype=torch.bfloat16)
+    t = transforms
+    return {
+        "op decode": ({}, decode, _op_call(decode)),
+        "op decode LUT by env": (lut, decode, _op_call(decode)),
+        "op decode use_native=False": ({}, decode, _op_call(decode, use_native=False)),
+        "op decode use_native=True, LUT env": (lut, decode, _op_call(decode, use_native=True)),
+        "op decode fp16 D64 block 32 gqa 8 soft cap": (
+            {}, half, _op_call(half, logits_soft_cap=30.0, max_seq_len=100)),
+        "op decode transforms": ({}, t, _op_call(
+            t, rotation_signs=t["rotation_signs"], seq_state=t["seq_state"],
+            state_ids=t["state_ids"], sink=True)),
+        "op seq_state without state_ids": ({}, t, _op_call(t, seq_state=t["seq_state"], sink=True)),
+        "pa_v1 fp4_e2m1": ({}, decode, _pa_v1_call(decode)),
+        "pa_v1 fp4": ({}, decode, _pa_v1_call(decode, kv_cache_dtype="fp4")),
+        "pa_v1 fp4 LUT by env": (lut, decode, _pa_v1_call(decode)),
+        "pa_v1 fp4 NHD": ({}, decode, _pa_v1_call(decode, layout="NHD")),
+        "pa_v1 auto (bf16 cache)": ({}, bf16_cache, _pa_v1_call(bf16_cache, kv_cache_dtype="auto")),
+        "op multi-token": ({}, multi, _op_call(multi, cu_query_lens=multi["cu_query_lens"])),
+        "op sliding window": ({}, window, _op_call(window, sliding_window=8)),
+        "pa_v1 fp4 multi-token": ({}, multi, _pa_v1_call(
+            multi, cu_query_lens=multi["cu_query_lens"])),
+        "pa_v1 fp4 sliding window": ({}, window, _pa_v1_call(window, sliding_window=8)),
+    }
+
+
+def drive(root: str, meta: str) -> dict:
+    """Run every case in this (child) process; JSON-able records by case name."""
+    root, meta = Path(root), Path(meta)
+    capture = _stub_rocm(root, meta)
+    records = {"chain": _bind_aiter_op(root)}
+    from csrc.cpp_itfs import utils
+    from csrc.cpp_itfs.pa import pa_fp4
+
+    records["digest"] = pa_fp4.KERNEL_DIGEST
+    records["pa_dir"] = str(Path(pa_fp4.__file__).parent)
+    for name, (env, tensors, call) in _cases().items():
+        capture.clear()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            call()
+            error = None
+        except Exception as e:  # noqa: BLE001 - the record says what was raised
+            error = f"{type(e).__name__}: {e}"
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        record = {"error": error, **{k: capture[k] for k in ("module", "template", "func_name")
+                                     if k in capture}}
+        if "template" in capture:
+            record["expected_func_name"] = utils.get_default_func_name(
+                capture["module"], tuple(capture["template"].values()))
+        if capture.get("module") == pa_fp4.MD_NAME and "args" in capture:
+            params = _entry_point_params(capture["src"])
+            labels = {t.data_ptr(): f"<{k}>" for k, t in tensors.items() if hasattr(t, "data_ptr")}
+            args = [labels.get(a, a) if isinstance(a, int) and a > 4096 else a
+                    for a in capture["args"]]
+            record["nargs"], record["nparams"] = len(args), len(params)
+            record["args"] = dict(zip(params, args))
+            record["src"] = capture["src"]
+        records[name] = record
+    return records
+
+
+# ---------------------------------------------------------------- the tests (pytest process)
+
+@pytest.fixture(scope="module", params=tp.TREES)
+def routes(request, tmp_path_factory):
+    tree = tp.make_tree(request.param, tmp_path_factory.mktemp("aiter_routing"))
+    assert patch.apply(tree.root).startswith("patched")
+    meta = patch.find_layout(tree.root).meta
+    script = ("import json, sys; sys.path[:0] = sys.argv[1:3]; import test_aiter_routing as t; "
+              "print(json.dumps(t.drive(sys.argv[3], sys.argv[4])))")
+    env = dict(os.environ, AITER_ROOT_DIR=str(tmp_path_factory.mktemp("aiter_build_root")))
+    env.pop("AITER_FP4_KV_LUT", None)
+    env.pop("GPU_ARCHS", None)
+    r = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(ROOT),
+                        str(tree.root), str(meta)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, f"{tree.label}:\n{r.stderr[-4000:]}"
+    records = json.loads(r.stdout.strip().splitlines()[-1])
+    records["tree"] = tree.label
+    return records
+
+
+def _reached(records, case, module="pa_v1_fp4"):
+    rec = records[case]
+    assert rec["error"] is None, f"{records['tree']}: {case}: {rec['error']}"
+    assert rec["module"] == module, f"{case} reached {rec['module']}, not {module}"
+    # AITER's compile key of these template arguments: the lib.so that would be loaded
+    assert rec["func_name"] == rec["expected_func_name"]
+    assert rec["func_name"].startswith(module + "_")
+    if module == "pa_v1_fp4":
+        assert rec["nargs"] == rec["nparams"], \
+            f"{case}: {rec['nargs']} ctypes arguments for {rec['nparams']} C parameters"
+    return rec
+
+
+def _template(gqa, d, bs, scalar, digest):
+    return {"gqa_ratio": gqa, "head_size": d, "block_size": bs, "scalar": scalar,
+            "kv_fp4": "e2m1_e8m0", "kernel_digest": digest}
+
+
+def _decode_args(rec, **expect):
+    for name, value in expect.items():
+        assert rec["args"][name] == value, f"{name}: {rec['args'][name]!r} != {value!r}"
+
+
+def test_aiter_namespace_gets_the_op(routes):
+    chain = routes["chain"]
+    assert chain["attention_imports"] == ["paged_attention_fp4", "paged_attention_fp4_out"]
+    assert chain["init_star_imports_attention"] and not chain["attention_has_all"]
+
+
+def test_op_decode_reaches_native_kernel(routes):
+    rec = _reached(routes, "op decode")
+    assert rec["template"] == _template(4, 128, 16, "Bf16", routes["digest"])
+    _decode_args(rec, out_ptr="<out>", workspace_buffer_ptr="<workspace>", query_ptr="<query>",
+                 key_cache_ptr="<key_cache>", value_cache_ptr="<value_cache>",
+                 key_scales_ptr="<key_scales>", value_scales_ptr="<value_scales>",
+                 block_tables_ptr="<block_tables>", context_lens_ptr="<seq_lens>", scale=0.125,
+                 logits_soft_cap=0.0, max_num_blocks_per_seq=3, num_seqs=3, num_kv_heads=2,
+                 max_num_partitions=1, q_stride=8 * 128, kv_block_stride=2 * 16 * 64,
+                 kv_head_stride=16 * 64, kv_seq_stride=64, rotation_signs_ptr=None,
+                 seq_state_ptr=None, state_ids_ptr=None, num_slots=0, sink=0,
+                 use_native_fp4_mfma=1)
+
+
+def test_lut_path_by_env_and_argument(routes):
+    """AITER_FP4_KV_LUT=1 picks the LUT specialization of the same library; an explicit
+    use_native wins over the variable."""
+    native = _reached(routes, "op decode")
+    for case, want in (("op decode LUT by env", 0), ("op decode use_native=False", 0),
+                       ("op decode use_native=True, LUT env", 1), ("pa_v1 fp4 LUT by env", 0)):
+        rec = _reached(routes, case)
+        assert rec["args"]["use_native_fp4_mfma"] == want, case
+        assert rec["func_name"] == native["func_name"], case  # one lib.so holds both
+
+
+def test_op_other_shape_reaches_its_own_instantiation(routes):
+    rec = _reached(routes, "op decode fp16 D64 block 32 gqa 8 soft cap")
+    assert rec["template"] == _template(8, 64, 32, "Fp16", routes["digest"])
+    assert rec["func_name"] != routes["op decode"]["func_name"]
+    _decode_args(rec, logits_soft_cap=30.0, num_seqs=2, num_kv_heads=1, max_num_partitions=1,
+                 max_num_blocks_per_seq=4, q_stride=8 * 64, kv_seq_stride=32,
+                 use_native_fp4_mfma=1)
+
+
+def test_op_transforms_reach_the_kernel(routes):
+    rec = _reached(routes, "op decode transforms")
+    _decode_args(rec, rotation_signs_ptr="<rotation_signs>", seq_state_ptr="<seq_state>",
+                 state_ids_ptr="<state_ids>", num_slots=5, sink=1)
+
+
+def test_op_refuses_state_without_slots(routes):
+    rec = routes["op seq_state without state_ids"]
+    assert rec["error"].startswith("ValueError: state_ids: expected a contiguous int32 [3]"), rec
+    assert "module" not in rec  # refused before anything is compiled
+
+
+@pytest.mark.parametrize("dtype", ["pa_v1 fp4_e2m1", "pa_v1 fp4"])
+def test_pa_v1_fp4_branch(routes, dtype):
+    """pa_v1's kv_cache_dtype chain sends both names to turboquant's kernel, k_scale/v_scale
+    as the E8M0 scale tensors, no transform."""
+    rec = _reached(routes, dtype)
+    op = routes["op decode"]
+    assert rec["template"] == op["template"] and rec["func_name"] == op["func_name"]
+    assert rec["args"] == op["args"]
+
+
+def test_pa_v1_other_dtypes_stay_with_aiter(routes):
+    rec = _reached(routes, "pa_v1 auto (bf16 cache)", module="pa_v1")
+    assert rec["template"]["gqa_ratio"] == 4 and rec["template"]["head_size"] == 128
+
+
+def test_pa_v1_fp4_nhd_is_refused(routes):
+    assert routes["pa_v1 fp4 NHD"]["error"].startswith("ValueError: kv_cache_layout: expected 'HND'")
+    assert "module" not in routes["pa_v1 fp4 NHD"]
+
+
+def test_rendered_source_compiles_for_gfx950(routes, tmp_path):
+    """The translation unit AITER would build, with the injected headers, compiles for gfx950
+    (host launch code and device code; csrc_hip/shims stands in for <hip/hip_runtime.h>), with
+    both specializations of the partition kernel and the scaled FP4 MFMA."""
+    src = routes["op decode"]["src"]
+    assert "TQ_LAUNCH_PARTITION(true)" in src and "TQ_LAUNCH_PARTITION(false)" in src
+    clang = find_clang()
+    if clang is None:
+        pytest.skip(CLANG_MISSING)
+    tu = tmp_path / "pa_fp4_rendered.cpp"
+    tu.write_text(src)
+    flags = [clang, "-x", "hip", "--offload-arch=gfx950", "-nogpulib", "-nogpuinc", "-O3",
+             "-std=c++20", f"-I{ROOT / 'csrc_hip' / 'shims'}", f"-I{routes['pa_dir']}"]
+    subprocess.run(flags + ["--offload-host-only", "-c", "-o", str(tmp_path / "host.o"), str(tu)],
+                   check=True)
+    subprocess.run(flags + ["--offload-device-only", "-S", "-o", str(tmp_path / "dev.s"), str(tu)],
+                   check=True)
+    asm = (tmp_path / "dev.s").read_text()
+    kernels = [ln for ln in asm.splitlines() if ln.startswith("_ZN2tq26tq_fp4_pa_partition_kernel")]
+    # <Bf16, 128, 16, gqa 4, USE_NATIVE_FP4_MFMA, ...>: both values of the bool after gqa 4
+    for native in ("ELi4ELb1E", "ELi4ELb0E"):
+        assert any(native in k for k in kernels), (native, kernels)
+    assert MFMA in asm
+
+
+# Multi-token (cu_query_lens) and sliding-window calls: the launcher files (files/pa_fp4.py,
+# pa_fp4.cpp.jinja, turboquant_fp4.py) name the C parameters, so these tests find them by what
+# they carry: the cu_query_lens tensor, the window 8.
+AWAITS = ("unexpected keyword argument 'cu_query_lens'", "unexpected keyword argument 'sliding_window'",
+          "cu_query_lens: expected None with an FP4 KV cache",
+          "sliding_window: expected 0 with an FP4 KV cache")
+
+
+def _reached_new(routes, case):
+    error = routes[case]["error"]
+    if error is not None and any(a in error for a in AWAITS):
+        pytest.skip(f"{case}: awaits the launcher change in turboquant/integration/aiter/files/ "
+                    f"(pa_fp4.py, turboquant_fp4.py): {error}")
+    rec = _reached(routes, case)
+    decode = _reached(routes, "op decode")
+    assert {k: rec["template"][k] for k in ("gqa_ratio", "head_size", "block_size", "scalar")} \
+        == {"gqa_ratio": 4, "head_size": 128, "block_size": 16, "scalar": "Bf16"}
+    print(f"{case}: template {rec['template']}\nruntime {rec['args']}")
+    return rec, decode
+
+
+def _param_of(rec, value):
+    names = [k for k, v in rec["args"].items() if v == value]
+    assert len(names) == 1, f"{value!r} is passed as {names or 'no argument'}: {rec['args']}"
+    return names[0]
+
+
+@pytest.mark.parametrize("case", ["op multi-token", "pa_v1 fp4 multi-token"])
+def test_multi_token_reaches_the_kernel(routes, case):
+    """Two sequences, 3 + 2 query tokens: the kernel gets cu_query_lens (decode: null), the
+    number of sequences from the block table and the 5 query tokens."""
+    rec, decode = _reached_new(routes, case)
+    name = _param_of(rec, "<cu_query_lens>")
+    assert decode["args"][name] is None, f"decode passes {name}={decode['args'][name]!r}"
+    assert rec["args"]["num_seqs"] == 2
+    tokens = [k for k, v in rec["args"].items() if v == 5 and "token" in k]
+    assert tokens, f"no parameter carries the 5 query tokens: {rec['args']}"
+    assert rec["args"]["query_ptr"] == "<query>" and rec["args"]["out_ptr"] == "<out>"
+
+
+@pytest.mark.parametrize("case", ["op sliding window", "pa_v1 fp4 sliding window"])
+def test_sliding_window_reaches_the_kernel(routes, case):
+    rec, decode = _reached_new(routes, case)
+    names = [k for k in rec["args"] if "window" in k]
+    assert len(names) == 1 and rec["args"][names[0]] == 8, rec["args"]
+    assert decode["args"][names[0]] == 0
+    assert rec["args"]["num_seqs"] == 3
