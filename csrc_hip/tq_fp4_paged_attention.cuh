@@ -1,19 +1,43 @@
 // turboquant FP4 paged attention for gfx950 (MI355X), in the shape of AITER's pa_v1:
-// 256 threads = 4 wavefronts of 64, one workgroup per (sequence, partition of 256 tokens,
+// 256 threads = 4 wavefronts of 64, one workgroup per (row tile, partition of 256 tokens,
 // kv head), per-partition exp_sums / max_logits / tmp_out, then a reduce kernel.
+//
+// Rows: the MFMA's 16 columns of Q are 16 rows of (query token, head of the GQA group) of one
+// sequence and one kv head, query-token major: row R of a sequence is its query token R / GQA
+// and head kvh * GQA + R % GQA, and row tile i holds rows 16i .. 16i + 15.
+//   Decode (MULTI_TOKEN false, one query token per sequence): one tile per sequence, row =
+//     head, GQA <= 16 live columns; grid x is the sequence. A decode call with a larger GQA
+//     runs the multi-token instantiation with cu_query_lens = 0, 1, .., num_seqs.
+//   Multi-token (MULTI_TOKEN true, cu_query_lens [num_seqs + 1]): a sequence with q query
+//     tokens has ceil(q * GQA / 16) tiles, numbered base(s) + i with base(s) = s +
+//     floor(cu[s] * GQA / 16): strictly increasing with room for every sequence's tiles, so
+//     grid x = num_seqs + ceil(num_tokens * GQA / 16) covers them all, a workgroup finds its
+//     sequence by a binary search over cu_query_lens (no host sync) and spare tiles exit.
+//     GQA 16 gives one query token per tile, GQA 8 two, GQA 1 sixteen; with a GQA that does
+//     not divide 16 a token's heads may straddle two tiles, and above 16 they take several
+//     (each row is on its own).
+// Keys a row sees (turboquant/reference.py): query token j of q, with seq_len keys, is at
+// position p = seq_len - q + j and sees [lo, p], lo = max(0, p - W + 1) with a sliding window W
+// (else 0). lo and p grow with the row, so a tile's rows together see [lo of its first row,
+// p of its last]: a partition outside that range exits before reading anything, and the
+// reduce of a row combines exactly the partitions lo / 256 .. p / 256 (each holds at least
+// one of its keys, so every partial it reads was written by a workgroup that ran). Inside a
+// partition each lane applies its own row's range by selection (logit -inf); tokens past the
+// tile's range are not loaded, tokens before it only in its first partition, with constant
+// scales (see the kernel's prologue).
 //
 // Cache (DESIGN.md section 1): key/value uint8 [num_blocks, num_kv_heads, block_size, HEAD/2]
 // of packed E2M1 codes (even element in the low nibble), scales uint8
 // [num_blocks, block_size, num_kv_heads] of E8M0 bytes, one per (token, kv head).
 //
-// QK^T: v_mfma_scale_f32_16x16x128_f8f6f4 with A = K (16 tokens) and B = Q (16 query heads
-// of one GQA group) in FP8 E4M3, so a lane's accumulator holds logits of one query head.
+// QK^T: v_mfma_scale_f32_16x16x128_f8f6f4 with A = K (16 tokens) and B = Q (the 16 rows of
+// the tile) in FP8 E4M3, so a lane's accumulator holds logits of one row.
 //   USE_NATIVE_FP4_MFMA: A is the cache's FP4 bytes as they are (cbsz = 4) and scale_a is the
 //     token's E8M0 byte from the cache: the instruction applies the cache scale itself.
 //   LUT: the FP4 codes are decoded to E4M3 through a 16-entry table (cbsz = 0); scale_a is
 //     still the cache byte, exact because one scale covers the whole row.
-//   Q is scaled by one E8M0 power of two per query head (largest |q| <= 448) and split into
-//   two E4M3 terms, q = hi + lo / 16, each its own MFMA with scale_b = the head's byte (hi)
+//   Q is scaled by one E8M0 power of two per row (largest |q| <= 448) and split into
+//   two E4M3 terms, q = hi + lo / 16, each its own MFMA with scale_b = the row's byte (hi)
 //   or that byte - 4 (lo): about 8 significant bits instead of E4M3's 4. With P split the
 //   same way this doubles the MFMAs (16 instead of 8 per wave and partition at head size
 //   128), which a kernel bound by memory does not feel. Every scale operand is the same byte
@@ -22,18 +46,20 @@
 // PV: the same instruction, FP8 x FP8, K = tokens. V's codes are decoded to E4M3 (exact)
 // without their scale; the per-token V scale is folded into the probabilities in the log
 // domain (y = logit * log2(e) + vscale - 127, p' = 2^(y - ceil(max y)) <= 1), p' is split into
-// two E4M3 terms like Q, the remaining per-head power of two is P's scale_a byte and the rest
+// two E4M3 terms like Q, the remaining per-row power of two is P's scale_a byte and the rest
 // a float multiply at the end.
-// Tokens past seq_len are removed by selection: their K fragment and scale and V codes are
-// replaced by constants, their logits by -inf (so their P bytes are 2^-inf = 0); no garbage
-// byte is ever multiplied.
+// Masking is by selection: tokens outside the tile's range (past seq_len included) have their
+// K fragment, scales and V codes replaced by constants; a token outside a row's own range has
+// its logit replaced by -inf (so its P bytes are 2^-inf = 0, and its V scale is not looked
+// at); no garbage byte is ever multiplied into an output. Soft cap, window and causality
+// compose: the cap acts on each logit, the ranges select which logits count.
 //
 // Accuracy transforms (CONTRACT.md section 2; turboquant/reference.py defines them), each on
 // only when its argument is given, all in fp32 and fused into this kernel (no extra pass):
 //   - state record (seq_state [num_slots, num_kv_heads, 5, HEAD], slot r = state_ids[seq]):
 //     q' = q * lam_r in the prologue. A slot outside [0, num_slots) is never read: the
 //     sequence's partials are NaN, so its output rows are. With a soft cap the logit is
-//     scale * (q'.k' + q.m_r): q.m_r is one more head_sum in the prologue.
+//     scale * (q'.k' + q.m_r): q.m_r is one more row_sum in the prologue.
 //   - rotation (rotation_signs [HEAD] of +-1): q' = fwht(q' * s) * HEAD^-0.5 in the prologue,
 //     in registers, in the Q operand's own layout: register qv[c][16b + j] of the lane in K
 //     group g = lane / 16 holds element 128c + 64b + 16g + j, so butterfly stages h = 1, 2,
@@ -41,18 +67,18 @@
 //     value), h = 64 and 128 pair registers again: the stages run in the reference's order
 //     h = 1 .. HEAD/2 with the same fp32 roundings. The output is un-rotated per partition
 //     (the reduce is linear): o = fwht(o') * HEAD^-0.5 * s in the epilogue, where each wave
-//     owns whole query heads and lane l holds elements 64j + l (stages h < 64 pair lanes,
+//     owns whole rows and lane l holds elements 64j + l (stages h < 64 pair lanes,
 //     h >= 64 registers), again in the reference's order.
-//   - sink: position 0 is removed from the FP4 stream by selection (its scales are staged as
-//     constants and its logit replaced by -inf, so its P bytes are 0; its K and V codes are
-//     finite FP4 and meet only those constants), and in partition 0 its fp32 key and value
-//     from the record are merged into the partition's softmax state as one more key:
+//   - sink: position 0 is removed from the FP4 stream (it is outside every row's FP4 range:
+//     not loaded, its logit -inf), and in partition 0 its fp32 key and value from the record
+//     are merged, for each row whose range holds position 0 (a window may leave it out, as in
+//     the reference), into the row's softmax state as one more key:
 //     m' = max(m, x0), l' = l e^(m - m') + e^(x0 - m'), o' = (o l e^(m - m') + e^(x0 - m') v0) / l'.
 //     x0 = q'.k0 uses the fp32 q' (not its E4M3 terms); v0 is added in fp32 in the epilogue.
 //     A sequence of one token is the sink alone: o' = v0 exactly.
-// The epilogue stages the partition's fp32 output o'[head][element] in LDS (over the V tile,
-// which is dead by then) so that one wave holds whole heads for the sink term, the NaN of a
-// bad slot and the un-rotation, and stores each head row as consecutive elements.
+// The epilogue stages the partition's fp32 output o'[row][element] in LDS (over the V tile,
+// which is dead by then) so that one wave holds whole rows for the sink term, the NaN of a
+// bad slot and the un-rotation, and stores each row as consecutive elements.
 #pragma once
 
 #include "tq_fp4_platform.cuh"
@@ -190,12 +216,12 @@ TQ_HD float soft_cap(float x, float cap) {
   return x < 0.0f ? -cap * t : cap * t;
 }
 
-// Wave-wide max / sum over the four lanes that share a query head (lanes l, l^16, l^32, l^48).
-TQ_HD float head_max(float v) {
+// Wave-wide max / sum over the four lanes that share a row (lanes l, l^16, l^32, l^48).
+TQ_HD float row_max(float v) {
   v = fmax_f32(v, wave_shfl_xor(v, 16));
   return fmax_f32(v, wave_shfl_xor(v, 32));
 }
-TQ_HD float head_sum(float v) {
+TQ_HD float row_sum(float v) {
   v += wave_shfl_xor(v, 16);
   return v + wave_shfl_xor(v, 32);
 }
@@ -206,15 +232,15 @@ struct PartitionLds {
   int64_t row_offset[kPartition];  // byte offset of the token's row, block and slot applied
   uint8_t kscale[kPartition];      // K E8M0 byte of the token (127 past seq_len)
   uint8_t vscale[kPartition];      // V E8M0 byte of the token (127 past seq_len)
-  float red[3][kWaves][kTile];     // per wave and head: max logit, max y, V NaN flag
-  float red_sum[kWaves][kTile];    // per wave and head: sum of exp(logit - max)
-  float post[kTile];               // per head: float factor applied to the PV accumulator
-  float sinkw[kTile];              // per head: weight of the sink value (partition 0, sink on)
-  uint8_t p8[2][kTile][kPartition];  // P as two E4M3 terms (hi, lo), [term][head][token]
+  float red[3][kWaves][kTile];     // per wave and row: max logit, max y, V NaN flag
+  float red_sum[kWaves][kTile];    // per wave and row: sum of exp(logit - max)
+  float post[kTile];               // per row: float factor applied to the PV accumulator
+  float sinkw[kTile];              // per row: weight of the sink value (partition 0, sink on)
+  uint8_t p8[2][kTile][kPartition];  // P as two E4M3 terms (hi, lo), [term][row][token]
   union {
     uint8_t vt[HEAD][kMfmaK];      // V of one PV K-step as E4M3, transposed: [element][token]
-    float obuf[kTile][HEAD + 4];   // epilogue: the partition's fp32 output o'[head][element]
-  };                               // (rows padded: the 4 head groups of a wave hit other banks)
+    float obuf[kTile][HEAD + 4];   // epilogue: the partition's fp32 output o'[row][element]
+  };                               // (rows padded: the 4 row groups of a wave hit other banks)
 };
 
 // A state record value: row `row`, element e of the record (nullptr: a bad slot, NaN).
@@ -237,20 +263,63 @@ TQ_HD float butterfly_xor(float v, int lane, int mask) {
   return (lane & mask) ? other - v : v + other;
 }
 
-// grid (num_seqs, max_num_partitions, num_kv_heads)  block (256)
-template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool USE_NATIVE_FP4_MFMA>
+TQ_HD int min_i32(int a, int b) { return a < b ? a : b; }
+TQ_HD int max_i32(int a, int b) { return a > b ? a : b; }
+
+// The keys [lo, hi) query token qi of a sequence with qn query tokens and seq_len keys sees
+// (position p = seq_len - qn + qi, hi = p + 1; lo = hi - W with a sliding window W > 0). hi <= 0:
+// none (the row's output is 0).
+struct KeyRange { int lo, hi; };
+TQ_HD KeyRange query_keys(int seq_len, int qn, int qi, int sliding_window) {
+  const int hi = seq_len - qn + qi + 1;
+  return {sliding_window > 0 ? max_i32(0, hi - sliding_window) : 0, hi};
+}
+
+// Multi-token row tiles (see the design note): the first tile of sequence s is
+// base(s) = s + floor(cu[s] * GQA / 16); the tile's sequence is the last s with base(s) <= tile.
+template <int GQA>
+TQ_HD int tile_base(int s, int first_token) {
+  return s + int(int64_t(first_token) * GQA / kTile);
+}
+template <int GQA>
+TQ_HD int tile_sequence(const int* cu_query_lens, int num_seqs, int tile) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tile_base<GQA>(mid, max_i32(cu_query_lens[mid], 0)) <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+// The sequence of query token `token`: the last s with cu[s] <= token.
+TQ_HD int token_sequence(const int* cu_query_lens, int num_seqs, int token) {
+  int lo = 0, hi = num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (cu_query_lens[mid] <= token) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// grid (row tiles: num_seqs in decode, num_seqs + ceil(num_tokens * GQA / 16) with MULTI_TOKEN;
+//       max_num_partitions, num_kv_heads)  block (256)
+template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool USE_NATIVE_FP4_MFMA, bool MULTI_TOKEN>
 TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
-    const uint16_t* __restrict__ query,       // [num_seqs, num_kv_heads * GQA, HEAD] Scalar, row stride q_stride
+    const uint16_t* __restrict__ query,       // [num_tokens, num_kv_heads * GQA, HEAD] Scalar, row stride q_stride
     const uint8_t* __restrict__ key_cache,    // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
     const uint8_t* __restrict__ value_cache,  // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
     const uint8_t* __restrict__ key_scales,   // [num_blocks, BLOCK_SIZE, num_kv_heads]
     const uint8_t* __restrict__ value_scales, // [num_blocks, BLOCK_SIZE, num_kv_heads]
     const int* __restrict__ block_tables,     // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens,         // [num_seqs]
-    float* __restrict__ exp_sums,             // [num_seqs, num_kv_heads * GQA, max_num_partitions]
-    float* __restrict__ max_logits,           // [num_seqs, num_kv_heads * GQA, max_num_partitions]
-    uint16_t* __restrict__ tmp_out,           // [num_seqs, num_kv_heads * GQA, max_num_partitions, HEAD] Scalar
-    float scale, float logits_soft_cap, int max_blocks_per_seq, int max_num_partitions,
+    const int* __restrict__ cu_query_lens,    // [num_seqs + 1] with MULTI_TOKEN (decode: unused, token = sequence)
+    float* __restrict__ exp_sums,             // [num_tokens, num_kv_heads * GQA, max_num_partitions]
+    float* __restrict__ max_logits,           // [num_tokens, num_kv_heads * GQA, max_num_partitions]
+    uint16_t* __restrict__ tmp_out,           // [num_tokens, num_kv_heads * GQA, max_num_partitions, HEAD] Scalar
+    float scale, float logits_soft_cap,
+    int sliding_window,                       // W > 0: position p sees keys p - W + 1 .. p; 0: off
+    int max_blocks_per_seq, int max_num_partitions, int num_seqs, int num_tokens,
     int num_kv_heads, int q_stride, int64_t kv_block_stride, int kv_head_stride,
     int kv_seq_stride,
     const float* __restrict__ rotation_signs, // [HEAD] of +-1, or nullptr: no rotation
@@ -258,7 +327,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     const int* __restrict__ state_ids,        // [num_seqs]: each sequence's slot (read with seq_state)
     int num_slots, int sink) {                // sink != 0: position 0 from the record (needs seq_state)
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
-  static_assert(GQA >= 1 && GQA <= kTile, "one MFMA column per query head of the group");
+  static_assert(GQA >= 1 && (MULTI_TOKEN || GQA <= kTile), "a decode tile holds the whole GQA group");
   static_assert(BLOCK_SIZE >= 16 && BLOCK_SIZE <= kPartition && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0,
                 "block size a power of two in [16, 256]");
   constexpr int kRowBytes = HEAD / 2;                         // packed FP4 bytes per token row
@@ -267,17 +336,34 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   constexpr int kVDwordsPerRow = kRowBytes / 4;               // V decode: 8 codes per dword
   constexpr int kVUnits = (kMfmaK / 4) * kVDwordsPerRow;      // (4 tokens x 1 dword) units per K-step
 
-  const int seq = block_id_x();
+  const int tile = block_id_x();
   const int part = block_id_y();
   const int kvh = block_id_z();
   const int tid = thread_id();
   const int wave = tid / kWaveSize;
   const int lane = tid % kWaveSize;
+  // The tile's sequence, its query tokens [q0, q0 + qn), and its rows first_row .. + nrows - 1.
+  int seq = tile, q0 = tile, qn = 1, first_row = 0;
+  if constexpr (MULTI_TOKEN) {
+    seq = tile_sequence<GQA>(cu_query_lens, num_seqs, tile);
+    q0 = min_i32(max_i32(cu_query_lens[seq], 0), num_tokens);
+    qn = min_i32(cu_query_lens[seq + 1], num_tokens) - q0;
+    first_row = kTile * (tile - tile_base<GQA>(seq, q0));
+    if (first_row >= qn * GQA) return;  // a spare tile (the whole workgroup leaves together)
+  }
+  const int nrows = MULTI_TOKEN ? min_i32(kTile, qn * GQA - first_row) : GQA;
   const int seq_len = seq_lens[seq];
+  // Row n of the tile: query token q0 + (first_row + n) / GQA, head kvh * GQA + (first_row + n) % GQA.
+  auto row_token = [&](int n) { return MULTI_TOKEN ? (first_row + n) / GQA : 0; };
+  auto row_head = [&](int n) { return kvh * GQA + (MULTI_TOKEN ? (first_row + n) % GQA : n); };
+  auto row_keys = [&](int n) { return query_keys(seq_len, qn, row_token(n), sliding_window); };
+  auto out_row = [&](int n) {  // the row's index in [num_tokens, num_heads]
+    return int64_t(q0 + row_token(n)) * (num_kv_heads * GQA) + row_head(n);
+  };
+  // The tile's keys: from its first row's lo to its last row's hi (see the design note).
+  const KeyRange tile_keys = {row_keys(0).lo, row_keys(nrows - 1).hi};
   const int part_start = part * kPartition;
-  if (part_start >= seq_len) return;  // the whole workgroup leaves together
-  const int num_heads = num_kv_heads * GQA;
-  const int last_block = (seq_len - 1) / BLOCK_SIZE;
+  if (part_start >= tile_keys.hi || part_start + kPartition <= tile_keys.lo) return;
   // The sequence's state record; a slot outside [0, num_slots) is never read (NaN output).
   const bool has_state = seq_state != nullptr;
   const int state_slot = has_state ? state_ids[seq] : 0;
@@ -285,38 +371,49 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   const float* record = (has_state && !state_bad)
       ? seq_state + (int64_t(state_slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
   const bool smooth_cap = has_state && logits_soft_cap > 0.0f;  // logit gets q.m back
-  const bool sink_here = sink != 0 && part == 0;  // this partition holds position 0
-  // Positions the FP4 stream serves: [first_pos, seq_len). With the sink, position 0 comes
-  // from the record: its scales are staged as constants and its logit and P bytes replaced by
-  // selection (its K and V codes are finite and meet only the replaced values). One unsigned
-  // compare per token (a position below first_pos wraps around): a second compare per token
-  // kept masks live across the softmax and cost SGPR spills.
+  const bool sink_here = sink != 0 && part == 0 && tile_keys.lo == 0;  // some row sees position 0
+  // Row n sees position 0 (in decode every row has the tile's keys: sink_here says it).
+  auto sees_sink = [&](int n) { return sink_here && (!MULTI_TOKEN || row_keys(n).lo == 0); };
+  // Positions the FP4 stream serves: the tile's keys from first_pos on (with the sink,
+  // position 0 comes from the record). Tokens past the tile's keys are not loaded; a token
+  // before them (and position 0 with the sink) may be, in the partition where they start,
+  // but its scales are staged as constants and its logit is -inf in every row, so its codes
+  // (finite FP4) meet only P = 0. Each lane's row sees [row_lo, row_lo + row_n); one unsigned
+  // compare per token (a position below the start wraps around): a second compare per token
+  // kept masks live across the softmax and cost SGPR spills. In decode every row has the
+  // tile's range (uniform), in multi-token each lane has its own.
   const int first_pos = sink != 0 ? 1 : 0;
-  const uint32_t served_len = uint32_t(seq_len - first_pos);
-  auto visible = [&](int pos) { return uint32_t(pos - first_pos) < served_len; };
+  const int kv_lo = max_i32(tile_keys.lo, first_pos);
+  const uint32_t kv_n = uint32_t(max_i32(tile_keys.hi - kv_lo, 0));
+  auto served = [&](int pos) { return uint32_t(pos - kv_lo) < kv_n; };
+  auto loaded = [&](int pos) { return pos < tile_keys.hi; };
+  const int my_row = mfma_out_col(lane);  // the lane's row: column of Q (B) and of the logits
+  const bool row_live = my_row < nrows;
+  const KeyRange my_keys = row_keys(my_row);
+  const int row_lo = MULTI_TOKEN ? max_i32(my_keys.lo, first_pos) : kv_lo;
+  const uint32_t row_n = MULTI_TOKEN ? (row_live ? uint32_t(max_i32(my_keys.hi - row_lo, 0)) : 0u) : kv_n;
+  auto visible = [&](int pos) { return (MULTI_TOKEN || row_live) && uint32_t(pos - row_lo) < row_n; };
 
   TQ_LDS(PartitionLds<HEAD>, lds);
 
   // Stage the partition's token rows and scales: thread tid owns token part_start + tid.
   {
     const int tok = part_start + tid;
-    const bool live = tok < seq_len;
-    const int logical = live ? tok / BLOCK_SIZE : last_block;
+    const bool live = served(tok);
+    const int logical = live ? tok / BLOCK_SIZE : (tile_keys.hi - 1) / BLOCK_SIZE;
     const int64_t blk = block_tables[int64_t(seq) * max_blocks_per_seq + logical];
     const int slot = tok % BLOCK_SIZE;
     lds->row_offset[tid] = blk * kv_block_stride + int64_t(slot) * kv_seq_stride + int64_t(kvh) * kv_head_stride;
     const int64_t sidx = (blk * BLOCK_SIZE + slot) * num_kv_heads + kvh;
-    const bool served = live && visible(tok);  // position 0 with the sink: constant scales
-    lds->kscale[tid] = served ? key_scales[sidx] : uint8_t(kE8m0One);
-    lds->vscale[tid] = served ? value_scales[sidx] : uint8_t(kE8m0One);
+    lds->kscale[tid] = live ? key_scales[sidx] : uint8_t(kE8m0One);
+    lds->vscale[tid] = live ? value_scales[sidx] : uint8_t(kE8m0One);
   }
 
-  // Q as the B operand: lane (column n = query head of the group, K group g) holds head
-  // elements 128c + mfma_fp8_k(g, j) as E4M3 with the head's E8M0 scale.
-  const int qn = mfma_row(lane);
+  // Q as the B operand: lane (column n = row of the tile, K group g) holds head elements
+  // 128c + mfma_fp8_k(g, j) of the row's query as E4M3 with the row's E8M0 scale.
   const int qg = mfma_kgroup(lane);
-  const bool q_live = qn < GQA;
-  const uint16_t* qrow = query + int64_t(seq) * q_stride + int64_t(kvh * GQA + (q_live ? qn : 0)) * HEAD;
+  const int qcol = row_live ? my_row : 0;
+  const uint16_t* qrow = query + int64_t(q0 + row_token(qcol)) * q_stride + int64_t(row_head(qcol)) * HEAD;
   float qv[kQkSteps][32];
   constexpr int kQRegs = HEAD < kMfmaK ? 16 : 32;  // registers j of qv that hold head elements
   float qdm = 0.0f;  // q.m of the original q (soft cap with a record only), this lane's part
@@ -324,7 +421,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     for (int j = 0; j < 32; ++j) {
       const int e = c * kMfmaK + mfma_fp8_k(qg, j);
       const bool in = e < HEAD;
-      float x = (q_live && in) ? Scalar::to_float(qrow[e]) : 0.0f;
+      float x = (row_live && in) ? Scalar::to_float(qrow[e]) : 0.0f;
       if (has_state && in) {
         if (smooth_cap) qdm += x * record_at<HEAD>(record, kKeyCenter, e);
         x *= record_at<HEAD>(record, kKeyScale, e);  // q' = q * lam
@@ -332,7 +429,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       if (rotation_signs != nullptr && in) x *= rotation_signs[e];
       qv[c][j] = x;
     }
-  if (smooth_cap) qdm = head_sum(qdm);
+  if (smooth_cap) qdm = row_sum(qdm);
   if (rotation_signs != nullptr) {
     // q' = fwht(q' * s) * HEAD^-0.5, stages h = 1 .. HEAD/2 in order (see the design note).
     for (int h = 1; h < 16 && h < HEAD; h *= 2)
@@ -357,13 +454,13 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     for (int c = 0; c < kQkSteps; ++c)
       for (int j = 0; j < kQRegs; ++j)
         dot += qv[c][j] * record_at<HEAD>(record, kSinkKey, c * kMfmaK + mfma_fp8_k(qg, j));
-    sink_logit = (head_sum(dot) + qdm) * scale;
+    sink_logit = (row_sum(dot) + qdm) * scale;
     if (logits_soft_cap > 0.0f) sink_logit = soft_cap(sink_logit, logits_soft_cap);
   }
   float amax = 0.0f;
   for (int c = 0; c < kQkSteps; ++c)
     for (int j = 0; j < 32; ++j) amax = fmax_f32(amax, fabs_f32(qv[c][j]));
-  amax = head_max(amax);
+  amax = row_max(amax);
   const int qscale = q_scale_byte(amax);
   const int qscale_lo = lo_scale_byte(qscale);
   i32x8 q8[kQkSteps], q8lo[kQkSteps];
@@ -384,7 +481,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   float logit[kTilesPerWave][4];
   for (int t = 0; t < kTilesPerWave; ++t) {
     const int ktok = wave * kTokensPerWave + t * kTile + kr;
-    const bool klive = part_start + ktok < seq_len;
+    const bool klive = loaded(part_start + ktok);
     const uint8_t* krow = key_cache + lds->row_offset[ktok];
     const int kscale = lds->kscale[ktok];
     f32x4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -417,15 +514,13 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     for (int i = 0; i < 4; ++i) logit[t][i] = acc[i];
   }
 
-  // Softmax statistics. Lane holds head mfma_out_col(lane), tokens 64w + 16t + mfma_out_row(lane, i).
-  const int head = mfma_out_col(lane);
-  const bool head_live = head < GQA;
+  // Softmax statistics. Lane holds row my_row, tokens 64w + 16t + mfma_out_row(lane, i).
   float mx = -__builtin_inff(), ymax = -__builtin_inff(), vnan = 0.0f;
   float y[kTilesPerWave][4];
   for (int t = 0; t < kTilesPerWave; ++t)
     for (int i = 0; i < 4; ++i) {
       const int tok = wave * kTokensPerWave + t * kTile + mfma_out_row(lane, i);
-      const bool live = head_live && visible(part_start + tok);
+      const bool live = visible(part_start + tok);
       float x = (logit[t][i] + qdm) * scale;
       if (logits_soft_cap > 0.0f) x = soft_cap(x, logits_soft_cap);
       const int vs = lds->vscale[tok];
@@ -435,31 +530,32 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       mx = fmax_f32(mx, logit[t][i]);
       ymax = fmax_f32(ymax, y[t][i]);
     }
-  mx = head_max(mx);
-  ymax = head_max(ymax);
-  vnan = head_max(vnan);
+  mx = row_max(mx);
+  ymax = row_max(ymax);
+  vnan = row_max(vnan);
   if (lane < kTile) {
     lds->red[0][wave][lane] = mx;
     lds->red[1][wave][lane] = ymax;
     lds->red[2][wave][lane] = vnan;
   }
   block_barrier();
-  mx = lds->red[0][0][head];
-  ymax = lds->red[1][0][head];
-  vnan = lds->red[2][0][head];
+  mx = lds->red[0][0][my_row];
+  ymax = lds->red[1][0][my_row];
+  vnan = lds->red[2][0][my_row];
   for (int w = 1; w < kWaves; ++w) {
-    mx = fmax_f32(mx, lds->red[0][w][head]);
-    ymax = fmax_f32(ymax, lds->red[1][w][head]);
-    vnan = fmax_f32(vnan, lds->red[2][w][head]);
+    mx = fmax_f32(mx, lds->red[0][w][my_row]);
+    ymax = fmax_f32(ymax, lds->red[1][w][my_row]);
+    vnan = fmax_f32(vnan, lds->red[2][w][my_row]);
   }
-  // The PV accumulator of head h is sum_t p'_t * v4_t * 2^(pscale - 127) with
+  // The PV accumulator of row r is sum_t p'_t * v4_t * 2^(pscale - 127) with
   // p'_t = 2^(logit_t*log2e + vscale_t - 127 - ytop), so the partition output
   // sum_t exp(logit_t - mx) * v_t / l is acc * 2^(tpow - (pscale - 127)) / l, tpow = ytop - mx*log2e.
-  // The lane's head is also its row of P in the PV MFMA: each lane knows its own pscale.
+  // The lane's row (column of the logits) is also its row of P in the PV MFMA: each lane
+  // knows its own pscale.
   const float ytop = ceil_f32(ymax);
   const float tpow = ytop - mx * kLog2e;
   const float fl = floor_f32(tpow);
-  const int ip = (head_live && fl == fl) ? (fl < -127.0f ? 0 : (fl > 127.0f ? 254 : int(fl) + kE8m0One)) : kE8m0One;
+  const int ip = (row_live && fl == fl) ? (fl < -127.0f ? 0 : (fl > 127.0f ? 254 : int(fl) + kE8m0One)) : kE8m0One;
   const int pscale = vnan > 0.0f ? 255 : ip;
   const int pscale_lo = lo_scale_byte(pscale);
   const float mx_safe = mx == -__builtin_inff() ? 0.0f : mx;
@@ -468,29 +564,30 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   for (int t = 0; t < kTilesPerWave; ++t)
     for (int i = 0; i < 4; ++i) {
       const int tok = wave * kTokensPerWave + t * kTile + mfma_out_row(lane, i);
-      // Dead tokens and heads hold logit = y = -inf from the loop above: exp2 gives 0 and the
-      // P bytes 0 (mx_safe, ytop_safe: a head with no FP4 token, the sink alone, gets 0s too).
+      // Dead tokens and rows hold logit = y = -inf from the loop above: exp2 gives 0 and the
+      // P bytes 0 (mx_safe, ytop_safe: a row with no FP4 token, the sink alone, gets 0s too).
       lsum += exp2_f32((logit[t][i] - mx_safe) * kLog2e);
-      // p' = 2^(y - ytop) <= 1 as hi + lo / 16; dead tokens and heads are the constant 0.
+      // p' = 2^(y - ytop) <= 1 as hi + lo / 16; dead tokens and rows are the constant 0.
       const E4m3Split p = split_e4m3x4(exp2_f32(y[t][i] - ytop_safe), 0.0f, 0.0f, 0.0f);
-      lds->p8[0][head][tok] = uint8_t(p.hi);
-      lds->p8[1][head][tok] = uint8_t(pscale >= 4 ? p.lo : 0u);
+      lds->p8[0][my_row][tok] = uint8_t(p.hi);
+      lds->p8[1][my_row][tok] = uint8_t(pscale >= 4 ? p.lo : 0u);
     }
-  lsum = head_sum(lsum);
+  lsum = row_sum(lsum);
   if (lane < kTile) lds->red_sum[wave][lane] = lsum;
   block_barrier();
 
-  // Per-head results, by the first 16 lanes of wave 0 (lane = head).
+  // Per-row results, by the first 16 lanes of wave 0 (lane = my_row). A row whose keys
+  // miss this partition gets numbers here that the reduce never reads.
   if (wave == 0 && lane < kTile) {
     float l = 0.0f;
     for (int w = 0; w < kWaves; ++w) l += lds->red_sum[w][lane];
     float post = 0.0f, sinkw = 0.0f;
-    if (head_live) {
+    if (row_live) {
       post = exp2_f32(tpow - float(ip - kE8m0One)) / l;
       float l_out = l, m_out = mx;
-      if (sink_here) {
-        // The sink as one more key: a two-way log-sum-exp merge. l == 0: no FP4 token
-        // (seq_len 1), the sink alone; a NaN l (NaN logits) stays NaN.
+      if (sees_sink(lane)) {
+        // The sink as one more key of the row: a two-way log-sum-exp merge. l == 0: no FP4
+        // token (the row sees position 0 only), the sink alone; a NaN l (NaN logits) stays NaN.
         const bool fp4_any = !(l == 0.0f);
         m_out = fmax_f32(mx, sink_logit);
         const float alpha = fp4_any ? exp2_f32((mx - m_out) * kLog2e) : 0.0f;
@@ -499,7 +596,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
         post = fp4_any ? post * (l * alpha / l_out) : 0.0f;
         sinkw = beta / l_out;
       }
-      const int64_t idx = (int64_t(seq) * num_heads + kvh * GQA + lane) * max_num_partitions + part;
+      const int64_t idx = out_row(lane) * max_num_partitions + part;
       exp_sums[idx] = l_out;
       max_logits[idx] = m_out;
     }
@@ -507,7 +604,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     lds->sinkw[lane] = sinkw;
   }
 
-  // PV: A = P (row = query head, K = 128 tokens of step s), B = V (column = head element).
+  // PV: A = P (row = row of the tile, K = 128 tokens of step s), B = V (column = head element).
   f32x4 out_acc[kNTilesPerWave];
   for (int n = 0; n < kNTilesPerWave; ++n) out_acc[n] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
   for (int s = 0; s < kPvSteps; ++s) {
@@ -520,7 +617,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       uint32_t fp8[4][2];
       for (int j = 0; j < 4; ++j) {
         const int tok = s * kMfmaK + 4 * quad + j;
-        const bool live = part_start + tok < seq_len;
+        const bool live = loaded(part_start + tok);
         const uint32_t codes = live ? load_u32(value_cache + lds->row_offset[tok] + 4 * col) : 0u;
         const E4m3x8 d = fp4x8_to_e4m3x8(codes);
         fp8[j][0] = d.lo;
@@ -535,7 +632,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       }
     }
     block_barrier();
-    // A lane (row = head = lane % 16, K group g): P bytes of tokens 128s + mfma_fp8_k(g, j).
+    // A lane (row = lane % 16, K group g): P bytes of tokens 128s + mfma_fp8_k(g, j).
     const int pr = mfma_row(lane);
     const int pg = mfma_kgroup(lane);
     i32x8 a, a_lo;
@@ -554,9 +651,9 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     }
   }
 
-  // Output: accumulator i of tile n is head mfma_out_row(lane, i), element 16 (w + 4n) + lane % 16.
-  // It goes to LDS as o'[head][element] (fp32), over vt once every wave is done with vt; rows
-  // of heads past GQA are written too (no branch: post is 0 there) and never read.
+  // Output: accumulator i of tile n is row mfma_out_row(lane, i), element 16 (w + 4n) + lane % 16.
+  // It goes to LDS as o'[row][element] (fp32), over vt once every wave is done with vt; dead
+  // rows (past nrows) are written too (no branch: post is 0 there) and never read.
   block_barrier();
   for (int n = 0; n < kNTilesPerWave; ++n)
     for (int i = 0; i < 4; ++i) {
@@ -564,12 +661,12 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       lds->obuf[h][(wave + kWaves * n) * kTile + mfma_out_col(lane)] = out_acc[n][i] * lds->post[h];
     }
   block_barrier();
-  // Wave w finishes heads w, w + 4, ..: lane l holds elements 64j + l of the head.
+  // Wave w finishes rows w, w + 4, ..: lane l holds elements 64j + l of the row.
   constexpr int kOutPerLane = HEAD / kWaveSize;
-  for (int h = wave; h < GQA; h += kWaves) {
+  for (int h = wave; h < nrows; h += kWaves) {
     float o[kOutPerLane];
     for (int j = 0; j < kOutPerLane; ++j) o[j] = lds->obuf[h][kWaveSize * j + lane];
-    if (sink_here) {
+    if (sees_sink(h)) {
       const float w = lds->sinkw[h];
       for (int j = 0; j < kOutPerLane; ++j) o[j] += w * record_at<HEAD>(record, kSinkValue, kWaveSize * j + lane);
     }
@@ -585,42 +682,68 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       for (int j = 0; j < kOutPerLane; ++j)
         o[j] = o[j] * rotation_norm<HEAD>() * rotation_signs[kWaveSize * j + lane];
     }
-    const int64_t row = ((int64_t(seq) * num_heads + kvh * GQA + h) * max_num_partitions + part) * HEAD;
+    const int64_t row = (out_row(h) * max_num_partitions + part) * HEAD;
     for (int j = 0; j < kOutPerLane; ++j) tmp_out[row + kWaveSize * j + lane] = Scalar::from_float(o[j]);
   }
 }
 
-// One output element of the reduce: combine the partitions of (seq, head) for element d.
+// The partitions [begin, end) the reduce combines for query token qi of a sequence (qn query
+// tokens, seq_len keys): those that hold the row's keys (query_keys), within the grid's count.
+struct PartRange { int begin, end; };
+TQ_HD PartRange row_partitions(int seq_len, int qn, int qi, int sliding_window, int max_num_partitions) {
+  const KeyRange k = query_keys(seq_len, qn, qi, sliding_window);
+  if (k.hi <= 0 || qi >= qn) return {0, 0};
+  return {k.lo / kPartition, min_i32((k.hi - 1) / kPartition + 1, max_num_partitions)};
+}
+
+// One output element of the reduce: combine the partitions [parts.begin, parts.end) of row
+// `row` of [num_tokens, num_heads] for element d (no partition: 0).
 template <class Scalar, int HEAD>
-TQ_HD void reduce_one(int seq, int head, int d, int num_heads, int max_num_partitions, int seq_len,
+TQ_HD void reduce_one(int64_t row, int d, PartRange parts, int max_num_partitions,
                       const float* exp_sums, const float* max_logits, const uint16_t* tmp_out,
                       uint16_t* out) {
-  const int nparts = (seq_len + kPartition - 1) / kPartition;
-  const int64_t row = int64_t(seq) * num_heads + head;
   float m = -__builtin_inff();
-  for (int p = 0; p < nparts; ++p) m = fmax_f32(m, max_logits[row * max_num_partitions + p]);
+  for (int p = parts.begin; p < parts.end; ++p) m = fmax_f32(m, max_logits[row * max_num_partitions + p]);
   float num = 0.0f, den = 0.0f;
-  for (int p = 0; p < nparts; ++p) {
+  for (int p = parts.begin; p < parts.end; ++p) {
     const float w = exp_sums[row * max_num_partitions + p] * exp2_f32((max_logits[row * max_num_partitions + p] - m) * kLog2e);
     den += w;
     num += w * Scalar::to_float(tmp_out[(row * max_num_partitions + p) * HEAD + d]);
   }
-  out[row * HEAD + d] = Scalar::from_float(nparts == 0 ? 0.0f : num / den);
+  out[row * HEAD + d] = Scalar::from_float(parts.begin < parts.end ? num / den : 0.0f);
 }
 
-// grid (num_heads, num_seqs)  block (HEAD)
-template <class Scalar, int HEAD>
+// The partitions of query token `token` (MULTI_TOKEN: the token's sequence
+// from cu_query_lens; decode: token = sequence).
+template <bool MULTI_TOKEN>
+TQ_HD PartRange token_partitions(int token, const int* seq_lens, const int* cu_query_lens,
+                                 int num_seqs, int sliding_window, int max_num_partitions) {
+  if constexpr (MULTI_TOKEN) {
+    const int seq = token_sequence(cu_query_lens, num_seqs, token);
+    const int q0 = cu_query_lens[seq];
+    return row_partitions(seq_lens[seq], cu_query_lens[seq + 1] - q0, token - q0, sliding_window,
+                          max_num_partitions);
+  } else {
+    return row_partitions(seq_lens[token], 1, 0, sliding_window, max_num_partitions);
+  }
+}
+
+// grid (num_tokens, num_heads)  block (HEAD)   (tokens on x: grid y and z stop at 65535)
+template <class Scalar, int HEAD, bool MULTI_TOKEN>
 TQ_KERNEL(HEAD, HEAD) void tq_fp4_pa_reduce_kernel(
-    uint16_t* __restrict__ out,               // [num_seqs, num_heads, HEAD] Scalar
-    const float* __restrict__ exp_sums,       // [num_seqs, num_heads, max_num_partitions]
-    const float* __restrict__ max_logits,     // [num_seqs, num_heads, max_num_partitions]
-    const uint16_t* __restrict__ tmp_out,     // [num_seqs, num_heads, max_num_partitions, HEAD] Scalar
+    uint16_t* __restrict__ out,               // [num_tokens, num_heads, HEAD] Scalar
+    const float* __restrict__ exp_sums,       // [num_tokens, num_heads, max_num_partitions]
+    const float* __restrict__ max_logits,     // [num_tokens, num_heads, max_num_partitions]
+    const uint16_t* __restrict__ tmp_out,     // [num_tokens, num_heads, max_num_partitions, HEAD] Scalar
     const int* __restrict__ seq_lens,         // [num_seqs]
-    int num_heads, int max_num_partitions) {
-  const int head = block_id_x();
-  const int seq = block_id_y();
-  reduce_one<Scalar, HEAD>(seq, head, thread_id(), num_heads, max_num_partitions, seq_lens[seq],
-                           exp_sums, max_logits, tmp_out, out);
+    const int* __restrict__ cu_query_lens,    // [num_seqs + 1] with MULTI_TOKEN (decode: unused)
+    int num_seqs, int num_heads, int max_num_partitions, int sliding_window) {
+  const int token = block_id_x();
+  const int head = block_id_y();
+  const PartRange parts = token_partitions<MULTI_TOKEN>(token, seq_lens, cu_query_lens, num_seqs,
+                                                        sliding_window, max_num_partitions);
+  reduce_one<Scalar, HEAD>(int64_t(token) * num_heads + head, thread_id(), parts,
+                           max_num_partitions, exp_sums, max_logits, tmp_out, out);
 }
 
 }  // namespace tq

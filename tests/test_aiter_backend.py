@@ -1,6 +1,7 @@
 """The ``aiter`` backend: its reasons everywhere, and (marker gfx950) its results on MI355X."""
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import types
@@ -79,25 +80,54 @@ def test_unpatched_aiter_names_the_command(fake_gfx950, monkeypatch, tmp_path):
     assert reason is None or "import aiter" in reason or "lacks paged_attention_fp4" in reason
 
 
-def _call(seq_lens=(20, 33), hkv=2, gqa=4, d=128, bs=16, **kw):
+def _call(seq_lens=(20, 33), hkv=2, gqa=4, d=128, bs=16, q_lens=None, scale_group=None, **kw):
+    """A call over a small cache; q_lens: query tokens per sequence (with cu_query_lens)."""
     prob = build_paged_problem(list(seq_lens), hkv, d, bs, write_backend="reference",
-                               generator=torch.Generator().manual_seed(0), config=PLAIN)
-    q = torch.randn(len(seq_lens), hkv * gqa, d).to(torch.bfloat16)
+                               generator=torch.Generator().manual_seed(0), config=PLAIN,
+                               scale_group=scale_group)
+    num_tokens = len(seq_lens) if q_lens is None else sum(q_lens)
+    q = torch.randn(num_tokens, hkv * gqa, d).to(torch.bfloat16)
     args = dict(cu_query_lens=None, sliding_window=0, logits_soft_cap=0.0, max_seq_len=None)
+    if q_lens is not None:
+        args["cu_query_lens"] = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     args.update(kw)
     return make_attention_call(q, *prob.cache, prob.block_tables, prob.seq_lens, d ** -0.5,
                                args["cu_query_lens"], args["sliding_window"],
                                args["logits_soft_cap"], args["max_seq_len"])
 
 
+DEVICE = "not on a ROCm GPU"  # the reason of a call that gets past every other check, on a CPU
+
+
 def test_declines_with_reasons():
+    """What the kernel cannot do, each with its reason (the dispatcher falls back)."""
+    import dataclasses
+
     b = tq_aiter.BACKEND
-    assert "sliding window" in b.check_attention(_call(sliding_window=8))
-    assert "GQA ratio 32" in b.check_attention(_call(hkv=1, gqa=32))
-    assert "not on a ROCm GPU" in b.check_attention(_call())
-    multi = _call(seq_lens=(20,), cu_query_lens=torch.tensor([0, 1], dtype=torch.int32))
-    assert "decode only" in b.check_attention(multi)
+    assert "per-32 scales" in b.check_attention(_call(scale_group=32))
+    assert "head_dim 96" in b.check_attention(_call(d=96))
+    call = _call()
+    assert "aiter" in b.check_attention(dataclasses.replace(call, sinks=torch.zeros(8)))
+    assert "aiter" in b.check_attention(dataclasses.replace(call, return_lse=True))
+    assert DEVICE in b.check_attention(call)
     assert "no cache writer" in b.check_cache_write(None)
+
+
+@pytest.mark.parametrize("kw", [dict(q_lens=(5, 17)), dict(q_lens=(1, 1)), dict(sliding_window=8),
+                                dict(q_lens=(33, 0), sliding_window=1),
+                                dict(q_lens=(4, 2), sliding_window=16, logits_soft_cap=5.0),
+                                dict(hkv=1, gqa=32), dict(hkv=1, gqa=32, q_lens=(3, 1))],
+                         ids=["multi-token", "q-1", "window", "prefill-w1", "all", "gqa32",
+                              "gqa32-multi-token"])
+def test_multi_token_and_window_are_not_declined(kw):
+    """Multi-token queries (ragged, a whole sequence as a chunk, empty ones), sliding window
+    and soft cap, alone and together, and GQA groups larger than 16: the call gets past every
+    kernel check (here it stops at the device) and no reason names them."""
+    seq_lens = (20, 33) if kw.get("q_lens") != (33, 0) else (33, 0)
+    reason = tq_aiter.BACKEND.check_attention(_call(seq_lens=seq_lens, **kw))
+    assert DEVICE in reason, reason
+    for word in ("multi-token", "cu_query_lens", "window", "decode"):
+        assert word not in reason, reason
 
 
 def test_transforms_are_not_declined():
@@ -116,7 +146,7 @@ def test_transforms_are_not_declined():
         call = prepare_attention(q, *prob.cache, prob.block_tables, prob.seq_lens, 128 ** -0.5,
                                  logits_soft_cap=5.0, **prob.kwargs)
         reason = b.check_attention(call)
-        assert "not on a ROCm GPU" in reason and "fused" not in reason, reason
+        assert DEVICE in reason and "fused" not in reason, reason
         assert registry.transform_tensors_reason(call) is None
     assert "needs seq_state" in registry.transform_tensors_reason(
         dataclasses.replace(call, seq_state=None, state_ids=None))
@@ -178,3 +208,32 @@ def test_on_gfx950_matches_reference(shape, lut, monkeypatch):
         out = turboquant.paged_attention_fp4(*args, logits_soft_cap=c, backend="aiter", config=PLAIN)
         ref = turboquant.paged_attention_fp4(*args, logits_soft_cap=c, backend="reference", config=PLAIN)
         assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+
+
+@pytest.mark.gfx950
+@pytest.mark.parametrize("lut", [False, True], ids=["native", "lut"])
+@pytest.mark.parametrize("config", ["default", "plain"])
+def test_on_gfx950_multi_token_and_window_match_reference(config, lut, monkeypatch):
+    """On an MI355X with a patched AITER: ragged multi-token queries (1 up to 40 tokens, a
+    chunk from position 0), windows and soft cap against the reference."""
+    from turboquant.config import QuantConfig
+
+    reason = tq_aiter.BACKEND.unavailable()
+    if reason is not None:
+        pytest.skip(f"aiter backend: {reason}")
+    monkeypatch.setenv("AITER_FP4_KV_LUT", "1" if lut else "0")
+    lens, q_lens = [1, 54, 97, 300, 1000, 40], [1, 5, 20, 7, 33, 40]
+    prob = build_paged_problem(lens, 8, 128, 16, device="cuda", spare_blocks=3,
+                               generator=torch.Generator().manual_seed(1),
+                               config=QuantConfig.parse(config))
+    q = torch.randn(sum(q_lens), 32, 128, generator=torch.Generator().manual_seed(2)).to(
+        "cuda", torch.bfloat16)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
+    args = (q, *prob.cache, prob.block_tables, prob.seq_lens, 128 ** -0.5)
+    for window, cap in ((0, 0.0), (1, 0.0), (16, 5.0), (300, 0.0)):
+        kw = dict(cu_query_lens=cu, sliding_window=window, logits_soft_cap=cap, **prob.kwargs)
+        out = turboquant.paged_attention_fp4(*args, backend="aiter", **kw)
+        ref = turboquant.paged_attention_fp4(*args, backend="reference", **kw)
+        assert torch.isfinite(out).all()
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 1e-2, (window, cap, rel)  # the lane simulation: about 1e-3 on such data

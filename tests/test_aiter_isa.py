@@ -56,11 +56,17 @@ def isa(tmp_path_factory):
     return kernels(compile_to_asm(ISA_TU, tmp_path_factory.mktemp("isa") / "isa.s"))
 
 
-def _one(isa, native: bool):
-    tag = "ELb1E" if native else "ELb0E"
+def _one(isa, native: bool, multi: bool = False):
+    """The partition kernel <..., USE_NATIVE_FP4_MFMA = native, MULTI_TOKEN = multi>."""
+    tag = f"ELb{int(native)}ELb{int(multi)}EEEv"
     names = [n for n in isa if "partition_kernel" in n and tag in n]
     assert len(names) == 1, names
     return isa[names[0]]
+
+
+# Today's decode figures (Bf16, head 128, block 16, GQA 8) before multi-token and window
+# support: native 82 VGPRs, 5 waves/SIMD; LUT 105 VGPRs, 4 waves/SIMD. Neither may get worse.
+DECODE_OCCUPANCY = {True: 5, False: 4}
 
 
 def _report(name, k):
@@ -98,6 +104,7 @@ def test_native_path_uses_fp4_operand(isa):
     assert len(lines) == 16
     _no_spills(k)
     _report("native", k)
+    assert k["stats"]["Occupancy"] >= DECODE_OCCUPANCY[True]
 
 
 def test_lut_path_is_fp8_only(isa):
@@ -110,35 +117,55 @@ def test_lut_path_is_fp8_only(isa):
     assert "v_perm_b32" in k["body"]  # the FP4 -> E4M3 table
     _no_spills(k)
     _report("lut", k)
+    assert k["stats"]["Occupancy"] >= DECODE_OCCUPANCY[False]
 
 
-def test_reduce_kernel(isa):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_multi_token_kernel_same_forms_and_occupancy(isa, native):
+    """The multi-token instantiation (cu_query_lens; window and soft cap are runtime
+    arguments of both): the same MFMA instructions as decode, in the same number, no spills,
+    and an occupancy no lower than decode's."""
+    decode, multi = _one(isa, native), _one(isa, native, multi=True)
+    forms = lambda k: sorted(re.sub(r"v\[?\d+(:\d+)?\]?", "v", ln.strip())  # noqa: E731
+                             for ln in k["body"].splitlines() if MFMA in ln)
+    assert forms(multi) == forms(decode)
+    _no_spills(multi)
+    _report(f"{'native' if native else 'lut'} multi-token", multi)
+    assert multi["stats"]["Occupancy"] >= decode["stats"]["Occupancy"]
+
+
+def test_reduce_kernels(isa):
     names = [n for n in isa if "reduce_kernel" in n]
-    assert len(names) == 1
-    _no_spills(isa[names[0]])
-    _report("reduce", isa[names[0]])
+    assert len(names) == 2  # decode, multi-token
+    for name in names:
+        _no_spills(isa[name])
+        _report(name, isa[name])
 
 
 SHAPES = [  # (scalar, head, block, gqa)
     ("Bf16", 64, 16, 8), ("Bf16", 128, 16, 4), ("Bf16", 128, 16, 16), ("Bf16", 128, 256, 1),
-    ("Bf16", 256, 16, 8), ("Fp16", 128, 32, 8), ("Fp16", 256, 64, 16),
+    ("Bf16", 256, 16, 8), ("Fp16", 128, 32, 8), ("Fp16", 256, 64, 16), ("Bf16", 128, 16, 3),
+    ("Bf16", 128, 16, 32),  # above 16: multi-token only (decode calls run it too)
 ]
 
 
 def test_shape_matrix_compiles_without_spills(tmp_path):
-    """Every (head, block, GQA, dtype) class the backend can launch, both paths: no spills."""
+    """Every (head, block, GQA, dtype) class the backend can launch, both paths, decode and
+    multi-token: no spills."""
     args = ("const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, "
-            "const int*, const int*, float*, float*, uint16_t*, float, float, int, int, int, int, "
-            "int64_t, int, int, const float*, const float*, const int*, int, int")
+            "const int*, const int*, const int*, float*, float*, uint16_t*, float, float, int, "
+            "int, int, int, int, int, int, int64_t, int, int, const float*, const float*, "
+            "const int*, int, int")
     lines = ['#include "tq_fp4_paged_attention.cuh"']
     for scalar, head, block, gqa in SHAPES:
         for native in ("true", "false"):
-            lines.append(f"template __attribute__((global)) void tq::tq_fp4_pa_partition_kernel"
-                         f"<tq::{scalar}, {head}, {block}, {gqa}, {native}>({args});")
+            for multi in ("false", "true") if gqa <= 16 else ("true",):
+                lines.append(f"template __attribute__((global)) void tq::tq_fp4_pa_partition_kernel"
+                             f"<tq::{scalar}, {head}, {block}, {gqa}, {native}, {multi}>({args});")
     src = tmp_path / "matrix.hip"
     src.write_text("\n".join(lines) + "\n")
     ks = kernels(compile_to_asm(src, tmp_path / "matrix.s"))
-    assert len(ks) == 2 * len(SHAPES)
+    assert len(ks) == sum(4 if gqa <= 16 else 2 for _, _, _, gqa in SHAPES)
     for name, k in sorted(ks.items()):
         _no_spills(k)
         assert MFMA in k["body"]

@@ -15,10 +15,16 @@ LUT) and is compared with
 The accuracy transforms (rotation, key smoothing, sink; CONTRACT.md section 2) run in the same
 kernel source: the emulation applies them in fp32 with turboquant's own functions, the
 reference through ``paged_attention_fp4(backend="reference", **problem.kwargs)``.
+
+Multi-token queries (cu_query_lens: the kernel's multi-token instantiation, rows of (query
+token, head) in row tiles), sliding windows and soft cap run through the same comparison, with
+structured probes: rows that see exactly one key, a NaN scale that must reach exactly the rows
+whose range holds it, window edges, a saturating cap.
 """
 from __future__ import annotations
 
 import ctypes
+import itertools
 import dataclasses
 import math
 import shutil
@@ -64,33 +70,38 @@ def _ptr(t):
 
 
 def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_cap=0.0,
-            rotation_signs=None, seq_state=None, state_ids=None, sink=False):
+            rotation_signs=None, seq_state=None, state_ids=None, sink=False, cu_query_lens=None,
+            sliding_window=0):
     """The simulated kernel pair (partition + reduce): -> out like query. The transforms'
-    tensors as in an AttentionCall (None: off)."""
+    tensors as in an AttentionCall (None: off); cu_query_lens None: decode (the decode
+    instantiation), else the multi-token one."""
     key_cache, value_cache, key_scales, value_scales = cache
-    num_seqs, num_heads, head = query.shape
+    num_tokens, num_heads, head = query.shape
+    num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    max_parts = max(1, math.ceil(int(seq_lens.max()) / PARTITION))
-    exp_sums = torch.full((num_seqs, num_heads, max_parts), float("nan"))
+    max_parts = max(1, math.ceil(int(seq_lens.max()) / PARTITION)) if num_seqs else 1
+    exp_sums = torch.full((num_tokens, num_heads, max_parts), float("nan"))
     max_logits = torch.full_like(exp_sums, float("nan"))
-    tmp_out = torch.zeros((num_seqs, num_heads, max_parts, head), dtype=query.dtype)
+    tmp_out = torch.zeros((num_tokens, num_heads, max_parts, head), dtype=query.dtype)
     out = torch.full_like(query, float("nan"))
     query = query.contiguous()
     rc = lib.tq_sim_paged_attention(
         int(query.dtype == torch.bfloat16), head, block_size, num_heads // num_kv_heads, int(native),
         _ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(key_scales), _ptr(value_scales),
-        _ptr(block_tables), _ptr(seq_lens), _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out),
-        _ptr(out), ctypes.c_float(scale), ctypes.c_float(soft_cap), num_seqs, num_kv_heads,
-        block_tables.shape[1], max_parts, query.stride(0), ctypes.c_long(key_cache.stride(0)),
-        key_cache.stride(1), key_cache.stride(2), _ptr(rotation_signs), _ptr(seq_state),
-        _ptr(state_ids), 0 if seq_state is None else seq_state.shape[0], int(sink))
+        _ptr(block_tables), _ptr(seq_lens), _ptr(cu_query_lens), _ptr(exp_sums), _ptr(max_logits),
+        _ptr(tmp_out), _ptr(out), ctypes.c_float(scale), ctypes.c_float(soft_cap),
+        int(sliding_window), num_seqs, num_tokens, num_kv_heads, block_tables.shape[1], max_parts,
+        query.stride(0), ctypes.c_long(key_cache.stride(0)), key_cache.stride(1),
+        key_cache.stride(2), _ptr(rotation_signs), _ptr(seq_state), _ptr(state_ids),
+        0 if seq_state is None else seq_state.shape[0], int(sink))
     assert rc == 0, f"lane simulation failed (rc={rc}: -1 barrier deadlock, -2 no instantiation)"
     return out
 
 
-def reference(query, cache, block_tables, seq_lens, scale, soft_cap=0.0):
-    call = make_attention_call(query, *cache, block_tables, seq_lens, scale, None, 0, soft_cap,
-                               None)
+def reference(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, cu_query_lens=None,
+              sliding_window=0):
+    call = make_attention_call(query, *cache, block_tables, seq_lens, scale, cu_query_lens,
+                               sliding_window, soft_cap, None)
     out = torch.empty_like(query)
     attention_reference(call, out)
     return out
@@ -120,28 +131,37 @@ def _q_scale_byte(amax):
 
 
 def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_signs=None,
-            seq_state=None, state_ids=None, sink=False):
+            seq_state=None, state_ids=None, sink=False, cu_query_lens=None, sliding_window=0):
     """The kernel's arithmetic in float64 without any lane layout; the transforms in fp32 as
     the kernel does them (q' = rotate(q * lam); the sink as one more fp32 key of partition 0,
-    merged by log-sum-exp; each partition's output un-rotated before its rounding)."""
+    merged by log-sum-exp for the rows that see position 0; each partition's output un-rotated
+    before its rounding). Rows are (query token, head); a row at position p sees keys
+    max(0, p - W + 1) .. p (W = sliding_window, 0: from 0), each partition that holds some of
+    them gives a partial, the others none."""
     key_cache, value_cache, key_scales, value_scales = cache
-    num_seqs, num_heads, head = query.shape
+    num_tokens, num_heads, head = query.shape
+    num_seqs = seq_lens.shape[0]
     hkv, bs = key_cache.shape[1], key_cache.shape[2]
     gqa = num_heads // hkv
+    starts = list(range(num_seqs + 1)) if cu_query_lens is None else cu_query_lens.tolist()
     out = torch.zeros(query.shape, dtype=torch.float64)
     first = 1 if sink else 0  # the FP4 stream serves positions first .. n-1
     for s in range(num_seqs):
-        n = int(seq_lens[s])
-        if n == 0:
+        n, q0, q1 = int(seq_lens[s]), starts[s], starts[s + 1]
+        nq = q1 - q0
+        if n == 0 or nq == 0:
             continue
         record = None
         if seq_state is not None:
             r = int(state_ids[s])
             if not 0 <= r < seq_state.shape[0]:
-                out[s] = float("nan")
+                out[q0:q1] = float("nan")
                 continue
             record = seq_state[r]  # [Hkv, 5, D]
         pos = torch.arange(n)
+        qpos = torch.arange(n - nq, n).repeat_interleave(gqa)  # row (token j, head i) -> position
+        lo = (qpos - sliding_window + 1).clamp_min(0) if sliding_window > 0 else torch.zeros_like(qpos)
+        visible = (pos[None] <= qpos[:, None]) & (pos[None] >= lo[:, None])  # [rows, n]
         blk = block_tables[s, pos // bs].long()
         slot = pos % bs
         for h in range(hkv):
@@ -152,8 +172,8 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             ks[:first], vs[:first] = 127, 127  # removed by selection
             k4[:first], v4[:first] = 0, 0
             kdeq = k4 * decode_e8m0(ks.to(torch.uint8)).double()[:, None]
-            q = query[s, h * gqa:(h + 1) * gqa].float()  # [g, D]
-            qdm = torch.zeros(gqa, dtype=torch.float64)
+            q = query[q0:q1, h * gqa:(h + 1) * gqa].float().reshape(nq * gqa, head)  # token-major rows
+            qdm = torch.zeros(nq * gqa, dtype=torch.float64)
             if record is not None:
                 if soft_cap > 0:
                     qdm = (q.double() * record[h, KEY_CENTER].double()).sum(-1)
@@ -163,10 +183,11 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             q = q.double()
             qs = torch.tensor([_q_scale_byte(float(r.abs().max())) for r in q])
             q8 = _e4m3_pair(q * torch.exp2(127.0 - qs.double())[:, None]) * torch.exp2(qs.double() - 127)[:, None]
-            x = scale * (q8 @ kdeq.T + qdm[:, None])  # [g, n]
+            x = scale * (q8 @ kdeq.T + qdm[:, None])  # [rows, n]
             if soft_cap > 0:
                 x = soft_cap * torch.tanh(x / soft_cap)
             x[:, :first] = float("-inf")
+            x = torch.where(visible, x, float("-inf"))
             parts = []
             for p0 in range(0, n, PARTITION):
                 xs = x[:, p0:p0 + PARTITION]
@@ -175,9 +196,9 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
                 l = torch.exp(xs - m_safe[:, None]).sum(dim=1)
                 y = xs * LOG2E + (vs[p0:p0 + PARTITION].double() - 127)[None]
                 ytop = torch.ceil(y.max(dim=1).values)
-                p8 = _e4m3_pair(torch.exp2(y - ytop[:, None]))
+                p8 = _e4m3_pair(torch.exp2(y - torch.where(ytop == float("-inf"), 0.0, ytop)[:, None]))
                 tpow = ytop - m * LOG2E
-                ip = torch.floor(tpow).clamp(-127, 127)
+                ip = torch.floor(tpow).nan_to_num(0.0).clamp(-127, 127)
                 acc = (p8 @ v4[p0:p0 + PARTITION]) * torch.exp2(ip)[:, None]
                 live = ~(l == 0)  # a NaN l stays NaN, as in the kernel
                 o = torch.where(live[:, None], acc * (torch.exp2(tpow - ip) / l)[:, None], 0.0)
@@ -189,18 +210,32 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
                     alpha = torch.where(live, torch.exp(m - m2), 0.0)
                     beta = torch.exp(x0 - m2)
                     l2 = l * alpha + beta
-                    o = (o * (l * alpha)[:, None] + beta[:, None] * record[h, SINK_VALUE].double()) / l2[:, None]
-                    m, l = m2, l2
+                    o2 = (o * (l * alpha)[:, None] + beta[:, None] * record[h, SINK_VALUE].double()) / l2[:, None]
+                    sees0 = lo == 0  # the rows whose window holds position 0
+                    o = torch.where(sees0[:, None], o2, o)
+                    m, l = torch.where(sees0, m2, m), torch.where(sees0, l2, l)
                 if rotation_signs is not None:
                     o = unrotate(o.float(), rotation_signs).double()
                 tmp = o.to(query.dtype).double()
-                if bool((vs[p0:p0 + PARTITION] == 255).any()):
-                    tmp[:] = float("nan")
-                parts.append((m, l, tmp))
-            mg = torch.stack([m for m, _, _ in parts]).max(dim=0).values
-            num = sum(l[:, None] * torch.exp(m - mg)[:, None] * t for m, l, t in parts)
-            den = sum(l * torch.exp(m - mg) for m, l, _ in parts)
-            out[s, h * gqa:(h + 1) * gqa] = num / den[:, None]
+                vnan = (visible[:, p0:p0 + PARTITION] & (vs[p0:p0 + PARTITION] == 255)[None]).any(1)
+                tmp[vnan] = float("nan")
+                # the partition holds some of the row's keys (the sink counts as position 0)
+                has = (visible[:, p0:p0 + PARTITION].any(1) |
+                       ((lo == 0) & torch.tensor(p0 == 0)))
+                parts.append((has, m, l, tmp))
+            rows = torch.zeros(nq * gqa, head, dtype=torch.float64)
+            inc = torch.stack([hs for hs, _, _, _ in parts])  # [P, rows]
+            ms = torch.stack([m for _, m, _, _ in parts])
+            mg = torch.where(inc, ms, float("-inf")).max(dim=0).values
+            num = torch.zeros_like(rows)
+            den = torch.zeros(nq * gqa, dtype=torch.float64)
+            for hs, m, l, t in parts:
+                w = l * torch.exp(m - mg)
+                num = num + torch.where(hs[:, None], w[:, None] * t, 0.0)
+                den = den + torch.where(hs, w, 0.0)
+            anyp = inc.any(0)
+            rows = torch.where(anyp[:, None], num / torch.where(anyp, den, 1.0)[:, None], 0.0)
+            out[q0:q1, h * gqa:(h + 1) * gqa] = rows.view(nq, gqa, head)
     return out.to(query.dtype)
 
 
@@ -367,10 +402,11 @@ def test_e4m3_conversion_model(sim_lib):
 
 # --------------------------------------------------------------------------- accuracy transforms
 
-def _transform_call(prob, query, scale, soft_cap=0.0):
+def _transform_call(prob, query, scale, soft_cap=0.0, cu_query_lens=None, sliding_window=0):
     """The AttentionCall the public API builds for ``prob`` (its config, state and slots)."""
     return prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, scale,
-                             logits_soft_cap=soft_cap, **prob.kwargs)
+                             logits_soft_cap=soft_cap, cu_query_lens=cu_query_lens,
+                             sliding_window=sliding_window, **prob.kwargs)
 
 
 def _sim_call(lib, call, native):
@@ -378,14 +414,15 @@ def _sim_call(lib, call, native):
                                      call.value_scales), call.block_tables, call.seq_lens,
                    call.scale, native=native, soft_cap=call.logits_soft_cap,
                    rotation_signs=call.rotation_signs, seq_state=call.seq_state,
-                   state_ids=call.state_ids, sink=call.sink)
+                   state_ids=call.state_ids, sink=call.sink, cu_query_lens=call.cu_query_lens,
+                   sliding_window=call.sliding_window)
 
 
 def _emulate_call(call):
     return emulate(call.query, (call.key_cache, call.value_cache, call.key_scales,
                                 call.value_scales), call.block_tables, call.seq_lens, call.scale,
                    call.logits_soft_cap, call.rotation_signs, call.seq_state, call.state_ids,
-                   call.sink)
+                   call.sink, call.cu_query_lens, call.sliding_window)
 
 
 def _reference_call(call):
@@ -550,3 +587,193 @@ def test_lane_sim_sink_ignores_position_zero_bytes(sim_lib, native):
                               key_scales=poisoned[2], value_scales=poisoned[3])
     assert torch.equal(_sim_call(sim_lib, bad, native), base)
     assert torch.equal(_reference_call(bad), _reference_call(call))
+
+
+# --------------------------------------------------------------------------- multi-token, window
+
+def _cu(q_lens):
+    return torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+
+
+def _multi_problem(seq_lens, q_lens, hkv, head, bs, gqa, dtype=torch.bfloat16, seed=0,
+                   config=PLAIN, kv_factory=None):
+    """A paged problem (shuffled blocks, 0xFF-poisoned unused slots) with q_lens[s] query tokens
+    for sequence s: -> (problem, query [sum(q_lens), hkv * gqa, head], cu_query_lens)."""
+    prob, gen = _problem(seq_lens, hkv, head, bs, dtype, seed=seed, config=config,
+                         kv_factory=kv_factory)
+    query = torch.randn((sum(q_lens), hkv * gqa, head), generator=gen).to(dtype)
+    return prob, query, _cu(q_lens)
+
+
+def _check(lib, call, native, *, emu_tol=1e-3, ref_tol=1e-2, label=""):
+    """The simulated kernel against the emulation and the reference: -> (out, ref)."""
+    out = _sim_call(lib, call, native)
+    ref = _reference_call(call)
+    e_emu, e_ref = _rel_err(out, _emulate_call(call)), _rel_err(out, ref)
+    print(f"{label} {'native' if native else 'lut'}: rel err vs emulation {e_emu:.2e}, vs "
+          f"reference {e_ref:.2e}")
+    assert e_emu < emu_tol
+    assert e_ref < ref_tol
+    return out, ref
+
+
+MULTI_SHAPES = [  # (dtype, head, block, gqa, num_kv_heads, seq_lens, q_lens, windows)
+    # rows 4 .. 80 per sequence (q = 20: 5 tiles), chunks crossing block boundaries (77 .. 96),
+    # two partitions (300); windows 1, the block size, across the partition boundary, > seq_len
+    pytest.param((torch.bfloat16, 128, 16, 4, 2, [1, 54, 97, 300], [1, 5, 20, 7],
+                  [0, 1, 16, 60, 1000]), marks=pytest.mark.slow),
+    # one query token per tile (GQA 16); a sequence that is all query tokens (prefill from 0)
+    (torch.float16, 128, 16, 16, 1, [54, 17], [3, 17], [0, 13]),
+    # GQA 3 does not divide 16: a token's heads straddle tiles
+    (torch.bfloat16, 64, 16, 3, 2, [97, 40, 1], [9, 1, 1], [0, 33]),
+    # GQA 1, 256-token blocks: 18 rows (2 tiles) of one sequence, an empty sequence
+    (torch.bfloat16, 128, 256, 1, 3, [300, 1, 0], [18, 1, 0], [0, 257]),
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+@pytest.mark.parametrize("shape", MULTI_SHAPES, ids=["bf16-d128-bs16-g4", "fp16-d128-bs16-g16",
+                                                    "bf16-d64-bs16-g3", "bf16-d128-bs256-g1"])
+def test_lane_sim_multi_token_and_window(sim_lib, shape, native):
+    """Ragged query lengths (1 up to more rows than a tile), causal among a sequence's query
+    tokens, sliding windows at their edges, shuffled blocks and NaN-poisoned unused slots,
+    plain and with the default transforms (rotation, key smoothing, sink)."""
+    dtype, head, bs, gqa, hkv, seq_lens, q_lens, windows = shape
+    for name in ("plain", "default"):
+        prob, query, cu = _multi_problem(seq_lens, q_lens, hkv, head, bs, gqa, dtype, seed=21,
+                                         config=TRANSFORM_CONFIGS[name])
+        for w in windows:
+            call = _transform_call(prob, query, head ** -0.5, cu_query_lens=cu, sliding_window=w)
+            out, ref = _check(sim_lib, call, native, label=f"{name} W={w} {shape[:4]}")
+            assert torch.isfinite(out).all(), "masked or poisoned bytes reached the output"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_decode_through_multi_token_kernel(sim_lib, native):
+    """cu_query_lens of one token per sequence runs the multi-token instantiation: the same
+    bits as the decode one, with and without a window and the transforms."""
+    prob, query, cu = _multi_problem([1, 54, 300], [1, 1, 1], 2, 128, 16, 4, seed=23,
+                                     config=QuantConfig())
+    for w in (0, 40):
+        decode = _transform_call(prob, query, 128 ** -0.5, soft_cap=6.0, sliding_window=w)
+        multi = dataclasses.replace(decode, cu_query_lens=cu)
+        assert torch.equal(_sim_call(sim_lib, decode, native), _sim_call(sim_lib, multi, native))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_one_visible_key_probe(sim_lib, native):
+    """W = 1: every row sees exactly one key, its own position's. Its output is that key's
+    value (softmax of one logit is 1), up to the rounding of P (two E4M3 terms) and of the
+    output. With the sink, the row at position 0 sees the sink alone: exactly v0 R^T."""
+    seq_lens, q_lens = [54, 17], [20, 17]
+    for name in ("plain", "default"):
+        prob, query, cu = _multi_problem(seq_lens, q_lens, 2, 64, 16, 4, seed=25,
+                                         config=TRANSFORM_CONFIGS[name])
+        call = _transform_call(prob, query, 0.125, cu_query_lens=cu, sliding_window=1)
+        out, ref = _check(sim_lib, call, native, label=f"one key {name}")
+        # the reference's output of a one-key row is the dequantized value itself (rotated back)
+        err = ((out.double() - ref.double()).abs() / ref.double().abs().clamp_min(0.5)).max()
+        assert err < 2 ** -6, err
+        if name == "default":
+            row0 = cu[1]  # sequence 1: 17 query tokens, 17 keys: its first row is position 0
+            assert torch.equal(out[row0], ref[row0]), "position 0 alone: exactly v0 R^T"
+        else:
+            for s, q0 in ((0, 0), (1, 20)):
+                for j in (0, 7):
+                    p = seq_lens[s] - q_lens[s] + j
+                    blk, slot = int(prob.block_tables[s, p // 16]), p % 16
+                    v = decode_e2m1(unpack_fp4(prob.cache.value_cache[blk, :, slot])).double() * \
+                        decode_e8m0(prob.cache.value_scales[blk, slot]).double()[:, None]  # [Hkv, D]
+                    assert torch.equal(ref[q0 + j].double(),
+                                       v.repeat_interleave(4, 0).to(torch.bfloat16).double())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_masked_nan_reaches_exactly_the_rows_that_see_it(sim_lib, native):
+    """A NaN scale (255) on one key gives NaN in exactly the rows whose range holds it: later
+    query tokens of the sequence (causal) inside their window; earlier tokens and rows whose
+    window has passed it stay finite and keep their bits. Keys that no row sees (in a
+    partition that runs, 256, or in one that is skipped, 100) change nothing."""
+    seq_lens, q_lens, w = [97, 300], [20, 12], 5
+    prob, query, cu = _multi_problem(seq_lens, q_lens, 2, 64, 16, 4, seed=27)
+    call = _transform_call(prob, query, 0.125, cu_query_lens=cu, sliding_window=w)
+    base = _sim_call(sim_lib, call, native)
+    for s, key in ((0, 80), (1, 290), (1, 256), (1, 100)):
+        for idx in (2, 3):  # key scale, value scale
+            bad = [t.clone() for t in prob.cache]
+            blk, slot = int(prob.block_tables[s, key // 16]), key % 16
+            bad[idx][blk, slot, 1] = 255
+            call_bad = dataclasses.replace(call, key_cache=bad[0], value_cache=bad[1],
+                                           key_scales=bad[2], value_scales=bad[3])
+            out = _sim_call(sim_lib, call_bad, native)
+            ref = _reference_call(call_bad)
+            q0 = int(cu[s])
+            pos = torch.arange(seq_lens[s] - q_lens[s], seq_lens[s])
+            sees = (pos >= key) & (pos - w < key)
+            assert bool(sees.any()) != (key in (256, 100)) and not bool(sees.all())
+            for j in range(q_lens[s]):
+                kv1 = out[q0 + j, 4:]
+                if sees[j]:
+                    assert torch.isnan(kv1).all() and torch.isnan(ref[q0 + j, 4:]).all()
+                else:
+                    assert torch.equal(kv1, base[q0 + j, 4:]), (s, key, j)
+                assert torch.equal(out[q0 + j, :4], base[q0 + j, :4])  # the other kv head
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_window_edges(sim_lib, native):
+    """A window wider than every sequence is no window (same bits); a window of the block
+    size and one crossing the partition boundary leave out whole partitions of long sequences
+    (the skipped workgroups write nothing the reduce reads: their partials stay NaN)."""
+    prob, query, cu = _multi_problem([600, 97], [3, 2], 2, 64, 16, 4, seed=29)
+    call = _transform_call(prob, query, 0.125, cu_query_lens=cu)
+    full = _sim_call(sim_lib, call, native)
+    wide = _sim_call(sim_lib, dataclasses.replace(call, sliding_window=600), native)
+    assert torch.equal(full, wide)
+    for w in (16, 90, 345):  # 597 - 89 .. 599 crosses 512; 345: partitions 1 and 2 of 600
+        _check(sim_lib, dataclasses.replace(call, sliding_window=w), native, label=f"W={w}")
+    # decode with a window: the first partitions of the 600-token sequence are never read
+    dec = _transform_call(prob, query[[2, 4]], 0.125, sliding_window=16)
+    _check(sim_lib, dec, native, label="decode W=16")
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_soft_cap_saturating_with_window(sim_lib, native):
+    """A soft cap far below the logits (cap 2, |logit| up to ~100): tanh saturates and many
+    keys share the top logit; with multi-token rows and a window, plain and transformed."""
+    for name in ("plain", "default"):
+        prob, query, cu = _multi_problem([54, 300], [6, 9], 2, 128, 16, 4, seed=31,
+                                         config=TRANSFORM_CONFIGS[name])
+        call = _transform_call(prob, 30 * query, 128 ** -0.5, soft_cap=2.0, cu_query_lens=cu,
+                               sliding_window=100)
+        out, ref = _check(sim_lib, call, native, label=f"saturating cap {name}")
+        uncapped = _reference_call(dataclasses.replace(call, logits_soft_cap=0.0))
+        assert _rel_err(uncapped, ref) > 0.1, "the cap changes the result"
+
+
+def test_lane_sim_multi_token_does_not_depend_on_thread_order(sim_lib):
+    prob, query, cu = _multi_problem([97, 300], [20, 3], 2, 64, 16, 4, seed=33,
+                                     config=QuantConfig())
+    call = _transform_call(prob, query, 0.125, soft_cap=4.0, cu_query_lens=cu, sliding_window=50)
+    outs = []
+    for mode, seed in ((0, 1), (1, 1), (2, 7)):
+        sim_lib.tq_sim_set_schedule(mode, seed)
+        outs.append(_sim_call(sim_lib, call, False))
+    sim_lib.tq_sim_set_schedule(0, 1)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_gqa_above_16(sim_lib, native):
+    """GQA 32: a query token's heads take two row tiles. Decode runs as the launcher runs it
+    (the multi-token kernel with cu_query_lens 0, 1, .., num_seqs), then multi-token with a
+    window and a soft cap; default transforms."""
+    prob, query, cu = _multi_problem([54, 300], [1, 1], 1, 64, 16, 32, seed=35,
+                                     config=QuantConfig())
+    decode = _transform_call(prob, query, 0.125)
+    _check(sim_lib, dataclasses.replace(decode, cu_query_lens=cu), native, label="gqa 32 decode")
+    prob, query, cu = _multi_problem([97, 300], [3, 2], 1, 64, 16, 32, seed=37,
+                                     config=QuantConfig())
+    call = _transform_call(prob, query, 0.125, soft_cap=5.0, cu_query_lens=cu, sliding_window=40)
+    out, _ = _check(sim_lib, call, native, label="gqa 32 multi-token W=40")
+    assert torch.isfinite(out).all()

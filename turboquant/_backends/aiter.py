@@ -5,12 +5,16 @@ Importing this module is cheap and works anywhere: it defines the op schema and 
 implementation and registers the backend; AITER is looked for (and its patch state read) on
 the first ``unavailable()`` call, and imported only on a machine with a gfx950 GPU.
 
-Supported: decode (one query token per sequence), query bf16/fp16, head_dim 64/128/256,
-block_size 16..256 (powers of two), GQA ratio up to 16, one scale per (token, kv head), soft
-cap, and the accuracy transforms of the default QuantConfig fused into the kernel (rotation,
-key smoothing's q * lam and q.m under a soft cap, the sink token). Declined with a reason (the
-dispatcher then falls back): multi-token queries (cu_query_lens), sliding window, per-32
-scales. No cache writer.
+Supported: decode (one query token per sequence) and several query tokens per sequence
+(cu_query_lens: speculative decoding, chunked prefill; causal among a sequence's tokens),
+sliding window, soft cap, query bf16/fp16, head_dim 64/128/256, block_size 16..256 (powers of
+two), any GQA ratio (above 16, decode runs the multi-token kernel), one scale per (token, kv
+head), and the accuracy transforms of the default QuantConfig fused into the kernel (rotation,
+key smoothing's q * lam and q.m under a soft cap, the sink token, masked by causality and the
+window like any key). Declined with a reason (the dispatcher then falls back): per-32 scales,
+a K8V4 cache, learned sinks and return_lse (not in the kernel yet), head dims and block sizes
+other than those above, tensors off the GPU or in layouts the kernel does not address. No
+cache writer.
 The native FP4 MFMA path runs by default; AITER_FP4_KV_LUT=1 selects the LUT path.
 """
 from __future__ import annotations
@@ -30,7 +34,6 @@ from ..registry import (AttentionCall, Backend, CacheWrite, key_format_reason, r
 ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-MAX_GQA = 16
 PATCH_COMMAND = "python -m turboquant.integration.aiter.patch --aiter-root {root}"
 
 
@@ -46,7 +49,8 @@ def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_ta
     if sinks is not None or lse is not None:  # check_attention declines these calls
         raise ValueError("sinks/lse: not in the aiter kernel yet")
     aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
-                              block_tables, seq_lens, scale, out=out,
+                              block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
+                              out=out, sliding_window=sliding_window,
                               logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len,
                               rotation_signs=rotation_signs, seq_state=seq_state,
                               state_ids=state_ids, sink=sink)
@@ -123,11 +127,6 @@ class AiterBackend(Backend):
                   or transform_tensors_reason(call))
         if reason is not None:
             return reason
-        if call.cu_query_lens is not None:
-            return ("multi-token queries (cu_query_lens) are not implemented by the aiter "
-                    "kernel (decode only: one query token per sequence)")
-        if call.sliding_window > 0:
-            return "sliding window is not implemented by the aiter kernel"
         if call.scale_group != call.head_dim:
             return (f"per-{call.scale_group} scales are not supported by the aiter kernel (one "
                     "scale per (token, head) only)")
@@ -135,14 +134,9 @@ class AiterBackend(Backend):
             return f"head_dim {call.head_dim} not in {HEAD_DIMS}"
         if call.block_size not in BLOCK_SIZES:
             return f"block_size {call.block_size} not in {BLOCK_SIZES}"
-        gqa = call.num_heads // call.num_kv_heads
-        if gqa > MAX_GQA:
-            return f"GQA ratio {gqa} > {MAX_GQA} (one MFMA column per query head of a group)"
         q = call.query
         if q.dtype not in (torch.float16, torch.bfloat16):
             return f"query dtype {q.dtype} (expected float16 or bfloat16)"
-        if q.shape[0] != call.num_seqs:
-            return "one query token per sequence is expected (decode)"
         if not q.is_cuda:
             return f"tensors are on {q.device}, not on a ROCm GPU"
         if q.stride(2) != 1 or q.stride(1) != call.head_dim:
@@ -156,6 +150,8 @@ class AiterBackend(Backend):
             return "key_scales/value_scales must be contiguous"
         if not (call.block_tables.is_contiguous() and call.seq_lens.is_contiguous()):
             return "block_tables and seq_lens must be contiguous"
+        if call.cu_query_lens is not None and not call.cu_query_lens.is_contiguous():
+            return "cu_query_lens must be contiguous"
         return None
 
     def check_cache_write(self, write: CacheWrite) -> Optional[str]:

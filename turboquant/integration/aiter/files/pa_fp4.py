@@ -5,8 +5,13 @@
 # Cache, HND only: key/value uint8 [num_blocks, num_kv_heads, block_size, head_size // 2],
 # two E2M1 codes per byte (even element in the low nibble); key/value scales uint8
 # [num_blocks, block_size, num_kv_heads], one E8M0 byte per (token, kv head).
+# Queries: decode (one token per sequence, cu_query_lens None) or several tokens per sequence,
+# causal among themselves (cu_query_lens int32 [num_seqs + 1]: query token j of a sequence with
+# q tokens and seq_len keys is at position seq_len - q + j); sliding_window W > 0: a query at
+# position p sees keys p - W + 1 .. p. Decode and multi-token are two instantiations of the
+# kernel (compile(..., multi_token=)); the window is a runtime argument of both.
 # turboquant's accuracy transforms (optional, fused into the kernel): rotation_signs float32
-# [head_size] of +-1 (Hadamard rotation), seq_state float32 [num_slots, num_kv_heads, 4,
+# [head_size] of +-1 (Hadamard rotation), seq_state float32 [num_slots, num_kv_heads, 5,
 # head_size] with state_ids int32 [num_seqs] (key smoothing), sink (position 0 from seq_state).
 import ctypes
 import hashlib
@@ -20,6 +25,7 @@ from csrc.cpp_itfs.utils import AITER_CORE_DIR, compile_template_op
 MD_NAME = "pa_v1_fp4"
 FP4_KV_CACHE_DTYPES = ("fp4", "fp4_e2m1")
 PARTITION_SIZE = 256
+MAX_DECODE_GQA = 16  # the decode kernel's GQA limit (one MFMA column per head of the group)
 # LUT path instead of the native FP4 MFMA: argument use_native=False, or this variable = 1.
 LUT_ENV = "AITER_FP4_KV_LUT"
 
@@ -42,7 +48,10 @@ def _kernel_digest() -> str:
 KERNEL_DIGEST = _kernel_digest()
 
 
-def compile(gqa_ratio: int, head_size: int, block_size: int, scalar: str, folder: str = None):
+def compile(gqa_ratio: int, head_size: int, block_size: int, scalar: str,
+            multi_token: bool = False, folder: str = None):
+    """The launcher library of one (GQA, head size, block size, query dtype) class; multi_token:
+    the instantiation for cu_query_lens (several query tokens per sequence), else decode."""
     return compile_template_op(
         src_template,
         MD_NAME,
@@ -51,6 +60,7 @@ def compile(gqa_ratio: int, head_size: int, block_size: int, scalar: str, folder
         head_size=head_size,
         block_size=block_size,
         scalar=scalar,
+        multi_token=bool(multi_token),
         kv_fp4="e2m1_e8m0",
         kernel_digest=KERNEL_DIGEST,
         folder=folder,
@@ -65,16 +75,43 @@ def _fail(name, expected, got):
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def workspace_size(num_seqs: int, num_heads: int, max_seq_len: int, head_size: int) -> int:
-    """Bytes of workspace: exp_sums and max_logits (fp32), tmp_out (2-byte query dtype)."""
+def workspace_size(num_tokens: int, num_heads: int, max_seq_len: int, head_size: int) -> int:
+    """Bytes of workspace: exp_sums and max_logits (fp32), tmp_out (2-byte query dtype), per
+    query token (decode: per sequence), head and partition."""
     parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
-    return num_seqs * num_heads * parts * (2 * 4 + head_size * 2)
+    return num_tokens * num_heads * parts * (2 * 4 + head_size * 2)
 
 
-def _check_transforms(query, num_kv_heads, rotation_signs, seq_state, state_ids, sink):
+def _check_queries(query, seq_lens, block_tables, cu_query_lens, sliding_window):
+    """The query layout arguments: -> num_seqs (decode: one query token per sequence)."""
     import torch
 
-    num_seqs, _, head_size = query.shape
+    num_tokens = query.size(0)
+    for name, t in (("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype != torch.int32 or not t.is_contiguous() or t.device != query.device:
+            _fail(name, f"a contiguous int32 tensor on {query.device}", f"{t.dtype} on {t.device}")
+    num_seqs = seq_lens.size(0)
+    if block_tables.dim() != 2 or block_tables.size(0) != num_seqs:
+        _fail("block_tables", f"int32 [{num_seqs}, max_blocks_per_seq]", tuple(block_tables.shape))
+    if cu_query_lens is None:
+        if num_seqs != num_tokens:
+            _fail("seq_lens", f"one length per query token ({num_tokens}) without cu_query_lens",
+                  num_seqs)
+    elif cu_query_lens.dtype != torch.int32 or tuple(cu_query_lens.shape) != (num_seqs + 1,) \
+            or not cu_query_lens.is_contiguous() or cu_query_lens.device != query.device:
+        _fail("cu_query_lens", f"a contiguous int32 [{num_seqs + 1}] tensor on {query.device} "
+              "(None: decode)", f"{cu_query_lens.dtype} {tuple(cu_query_lens.shape)} on "
+              f"{cu_query_lens.device}")
+    if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) \
+            or not 0 <= sliding_window < 2 ** 31:
+        _fail("sliding_window", "an int >= 0 (0: off)", repr(sliding_window))
+    return num_seqs
+
+
+def _check_transforms(query, num_seqs, num_kv_heads, rotation_signs, seq_state, state_ids, sink):
+    import torch
+
+    head_size = query.size(2)
     if rotation_signs is not None:
         if rotation_signs.dtype != torch.float32 or tuple(rotation_signs.shape) != (head_size,) \
                 or not rotation_signs.is_contiguous() or rotation_signs.device != query.device:
@@ -101,9 +138,11 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
                                value_scales, block_tables, seq_lens, max_seq_len: int,
                                scale: float, logits_soft_cap: float = 0.0, use_native=None,
                                rotation_signs=None, seq_state=None, state_ids=None,
-                               sink: bool = False):
-    """Decode attention (one query token per sequence) over the FP4 paged cache into out.
-    rotation_signs / seq_state + state_ids / sink: turboquant's transforms (None / False: off)."""
+                               sink: bool = False, cu_query_lens=None, sliding_window: int = 0):
+    """Attention over the FP4 paged cache into out: decode (cu_query_lens None: one query
+    token per sequence) or cu_query_lens int32 [num_seqs + 1] (several, causal among
+    themselves); sliding_window W > 0: keys p - W + 1 .. p. rotation_signs / seq_state +
+    state_ids / sink: turboquant's transforms (None / False: off)."""
     import torch
 
     if use_native is None:
@@ -116,7 +155,7 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
     if out.dtype != query.dtype or out.shape != query.shape or not out.is_contiguous():
         _fail("out", f"a contiguous {query.dtype} tensor of shape {tuple(query.shape)}",
               f"{out.dtype} {tuple(out.shape)}")
-    num_seqs, num_heads, head_size = query.shape
+    num_tokens, num_heads, head_size = query.shape
     if head_size not in (64, 128, 256):
         _fail("head_size", "64, 128 or 256", head_size)
     if query.stride(2) != 1 or query.stride(1) != head_size:
@@ -132,29 +171,38 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
     num_blocks, num_kv_heads, block_size, _ = key_cache.shape
     if block_size not in (16, 32, 64, 128, 256):
         _fail("block_size", "16, 32, 64, 128 or 256", block_size)
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
-        _fail("num_heads", f"a multiple of num_kv_heads={num_kv_heads}, at most 16 times it",
-              num_heads)
+    if num_heads % num_kv_heads:
+        _fail("num_heads", f"a multiple of num_kv_heads={num_kv_heads}", num_heads)
     for name, t in (("key_scales", key_scales), ("value_scales", value_scales)):
         if t.dtype != torch.uint8 or tuple(t.shape) != (num_blocks, block_size, num_kv_heads) \
                 or not t.is_contiguous():
             _fail(name, f"contiguous uint8 [{num_blocks}, {block_size}, {num_kv_heads}] "
                   "(one E8M0 byte per token and kv head)", f"{t.dtype} {tuple(t.shape)}")
-    num_slots = _check_transforms(query, num_kv_heads, rotation_signs, seq_state, state_ids, sink)
+    num_seqs = _check_queries(query, seq_lens, block_tables, cu_query_lens, sliding_window)
+    num_slots = _check_transforms(query, num_seqs, num_kv_heads, rotation_signs, seq_state,
+                                  state_ids, sink)
     max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
-    need = workspace_size(num_seqs, num_heads, max_seq_len, head_size)
+    need = workspace_size(num_tokens, num_heads, max_seq_len, head_size)
     if workspace_buffer.numel() * workspace_buffer.element_size() < need:
         _fail("workspace_buffer", f"at least {need} bytes",
               workspace_buffer.numel() * workspace_buffer.element_size())
     scalar = "Bf16" if query.dtype == torch.bfloat16 else "Fp16"
-    func = compile(num_heads // num_kv_heads, head_size, block_size, scalar)
+    gqa_ratio = num_heads // num_kv_heads
+    if cu_query_lens is None and gqa_ratio > MAX_DECODE_GQA:
+        # A decode workgroup holds one GQA group in the MFMA's 16 columns: a larger group runs
+        # the multi-token kernel, one query token per sequence.
+        cu_query_lens = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+    func = compile(gqa_ratio, head_size, block_size, scalar,
+                   multi_token=cu_query_lens is not None)
     ptr = lambda t: ctypes.c_void_p(None if t is None else t.data_ptr())  # noqa: E731
     func(ptr(out), ptr(workspace_buffer), ptr(query), ptr(key_cache), ptr(value_cache),
          ptr(key_scales), ptr(value_scales),
          ctypes.cast(block_tables.data_ptr(), ctypes.POINTER(ctypes.c_int)),
          ctypes.cast(seq_lens.data_ptr(), ctypes.POINTER(ctypes.c_int)),
-         ctypes.c_float(scale), ctypes.c_float(logits_soft_cap), ctypes.c_int(block_tables.size(1)),
-         ctypes.c_int(max_parts), ctypes.c_int(num_seqs), ctypes.c_int(num_kv_heads),
+         ptr(cu_query_lens), ctypes.c_float(scale), ctypes.c_float(logits_soft_cap),
+         ctypes.c_int(sliding_window), ctypes.c_int(block_tables.size(1)),
+         ctypes.c_int(max_parts), ctypes.c_int(num_seqs), ctypes.c_int(num_tokens),
+         ctypes.c_int(num_kv_heads),
          ctypes.c_int(query.stride(0)), ctypes.c_long(key_cache.stride(0)),
          ctypes.c_int(key_cache.stride(1)), ctypes.c_int(key_cache.stride(2)),
          ptr(rotation_signs), ptr(seq_state), ptr(state_ids), ctypes.c_int(num_slots),
@@ -167,20 +215,23 @@ def paged_attention_v1_fp4(out, workspace_buffer, query, key_cache, value_cache,
                            block_tables, cu_query_lens, context_lens, max_context_len,
                            alibi_slopes, kv_cache_layout, logits_soft_cap, k_scale, v_scale,
                            fp8_out_scale, partition_size, mtp, q_scale, sliding_window):
-    """pa_v1 with kv_cache_dtype 'fp4_e2m1': k_scale / v_scale are the E8M0 scale tensors."""
+    """pa_v1 with kv_cache_dtype 'fp4_e2m1': k_scale / v_scale are the E8M0 scale tensors.
+    cu_query_lens (int32 [num_seqs + 1], or None: decode) and sliding_window go to the kernel;
+    with cu_query_lens, mtp (pa_v1's bound on the query tokens of a sequence) is not needed."""
     unsupported = {
         "kv_cache_layout": (kv_cache_layout, "HND"),
         "alibi_slopes": (alibi_slopes, None),
-        "cu_query_lens": (cu_query_lens, None),
         "fp8_out_scale": (fp8_out_scale, None),
         "q_scale": (q_scale, None),
         "partition_size": (partition_size, PARTITION_SIZE),
-        "mtp": (mtp, 1),
-        "sliding_window": (sliding_window, 0),
     }
+    if cu_query_lens is None:
+        unsupported["mtp"] = (mtp, 1)
     for name, (got, expected) in unsupported.items():
         if (got is not None) if expected is None else (got != expected):
             _fail(name, f"{expected!r} with an FP4 KV cache", "a tensor" if hasattr(got, "shape") else got)
     return paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_cache,
                                       k_scale, v_scale, block_tables, context_lens,
-                                      max_context_len, scale, logits_soft_cap)
+                                      max_context_len, scale, logits_soft_cap,
+                                      cu_query_lens=cu_query_lens,
+                                      sliding_window=0 if sliding_window is None else sliding_window)

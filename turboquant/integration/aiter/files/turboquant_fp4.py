@@ -27,12 +27,15 @@ def paged_attention_fp4_out(
     seq_state: Optional[torch.Tensor] = None,
     state_ids: Optional[torch.Tensor] = None,
     sink: bool = False,
+    cu_query_lens: Optional[torch.Tensor] = None,
+    sliding_window: int = 0,
 ) -> None:
     """use_native: 1 native FP4 MFMA, 0 LUT, -1 the default (native unless AITER_FP4_KV_LUT=1)."""
     paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_cache, key_scales,
                                value_scales, block_tables, seq_lens, max_seq_len, scale,
                                logits_soft_cap, None if use_native < 0 else bool(use_native),
-                               rotation_signs, seq_state, state_ids, sink)
+                               rotation_signs, seq_state, state_ids, sink,
+                               cu_query_lens=cu_query_lens, sliding_window=sliding_window)
 
 
 direct_register_custom_op(
@@ -52,7 +55,9 @@ def paged_attention_fp4(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    cu_query_lens: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    sliding_window: int = 0,
     logits_soft_cap: float = 0.0,
     max_seq_len: Optional[int] = None,
     use_native: Optional[bool] = None,
@@ -62,16 +67,22 @@ def paged_attention_fp4(
     state_ids: Optional[torch.Tensor] = None,
     sink: bool = False,
 ) -> torch.Tensor:
-    """turboquant.paged_attention_fp4 on AITER (decode: one query token per sequence).
+    """turboquant.paged_attention_fp4 on AITER.
 
-    query [num_seqs, num_heads, D] bf16/fp16; key_cache, value_cache uint8
+    query [num_tokens, num_heads, D] bf16/fp16; key_cache, value_cache uint8
     [num_blocks, num_kv_heads, block_size, D/2]; key_scales, value_scales uint8
     [num_blocks, block_size, num_kv_heads]; block_tables int32 [num_seqs, max_blocks];
-    seq_lens int32 [num_seqs]. max_seq_len: host-side bound on seq_lens (default: the block
-    table's capacity). turboquant's accuracy transforms, each off when None / False:
-    rotation_signs float32 [D] of +-1 (Q rotated, output rotated back); seq_state float32
-    [num_slots, num_kv_heads, 5, D] with state_ids int32 [num_seqs] (q scaled by the key scale
-    of its slot; q.m added back under a soft cap); sink: position 0 from seq_state.
+    seq_lens int32 [num_seqs]. cu_query_lens: None (decode: one query token per sequence,
+    num_tokens = num_seqs) or int32 [num_seqs + 1], the query tokens of sequence s being
+    cu_query_lens[s] .. cu_query_lens[s + 1] - 1; query token j of a sequence with q of them
+    and seq_len keys is at position seq_len - q + j and sees keys up to it (causal).
+    sliding_window W > 0: a query at position p sees keys p - W + 1 .. p (0: off).
+    max_seq_len: host-side bound on seq_lens (default: the block table's capacity).
+    turboquant's accuracy transforms, each off when None / False: rotation_signs float32 [D]
+    of +-1 (Q rotated, output rotated back); seq_state float32 [num_slots, num_kv_heads, 5, D]
+    with state_ids int32 [num_seqs] (q scaled by the key scale of its slot; q.m added back
+    under a soft cap); sink: position 0 from seq_state (a key like any other for the causal
+    and window ranges).
     """
     if max_seq_len is None:
         max_seq_len = block_tables.size(1) * key_cache.size(2)
@@ -85,5 +96,5 @@ def paged_attention_fp4(
         out, workspace_buffer, query, key_cache, value_cache, key_scales, value_scales,
         block_tables, seq_lens, max_seq_len, scale, logits_soft_cap,
         -1 if use_native is None else int(use_native), rotation_signs, seq_state, state_ids,
-        bool(sink))
+        bool(sink), cu_query_lens, sliding_window)
     return out
