@@ -301,18 +301,27 @@ struct LaneCopy {
   uint32_t k_dst[NK], v_dst[NV], s_dst;  // byte offsets inside a ring slot
 };
 
+// One ring slot of a warp's cp.async pipeline (both kernels): a 16-token K tile, a V tile and
+// 32 scale words.
 template <int D, bool kE4m3>
-struct AttnLayout {
-  static constexpr int W = tuning::ATTN_WARPS;
-  static constexpr int ST = tuning::AttnStages<D>::value;
+struct KVSlot {
   static constexpr int ROW = D / 2;             // bytes of one V row
   static constexpr int CPR = ROW / 16;          // 16-byte chunks per V row
   static constexpr int KROW = KeyRow<D, kE4m3>::BYTES;  // bytes of one K row (D/2, or D: E4M3)
   static constexpr int KCPR = KROW / 16;
   static constexpr int K_TILE = 16 * KROW;      // bytes of one 16-token K tile
   static constexpr int V_TILE = 16 * ROW;
-  static constexpr int STAGE = K_TILE + V_TILE + 128;  // K tile, V tile, 32 scale words
-  static constexpr int PIPE = W * ST * STAGE;
+  static constexpr int STAGE = K_TILE + V_TILE + 128;
+  static constexpr int NI_K = 16 * KCPR / 32;   // 16-byte chunks per lane per K tile
+  static constexpr int NI_V = 16 * CPR / 32;    // per V tile
+};
+
+template <int D, bool kE4m3>
+struct AttnLayout : KVSlot<D, kE4m3> {
+  using S = KVSlot<D, kE4m3>;
+  static constexpr int W = tuning::ATTN_WARPS;
+  static constexpr int ST = tuning::AttnStages<D>::value;
+  static constexpr int PIPE = W * ST * S::STAGE;
   static constexpr int MROW = D + 8;            // merge row pitch (floats): conflict-free
   static constexpr int MERGE = W * 16 * MROW * 4;  // per-warp O in fp32
   static constexpr int QRAW = 16 * D * 4;       // Q rows in fp32, after the transforms
@@ -325,13 +334,11 @@ struct AttnLayout {
   static constexpr int OFF_M = OFF_QFRAG + QFRAG;
   static constexpr int OFF_L = OFF_M + W * 16 * 4;
   static constexpr int OFF_MISC = OFF_L + W * 16 * 4;
-  static constexpr int NI_K = 16 * KCPR / 32;  // 16-byte chunks per lane per K tile
-  static constexpr int NI_V = 16 * CPR / 32;   // per V tile
   // Rows of <= 64 bytes: chunk i of a lane is chunk 0 moved by 8*i token rows in global memory
   // and in the ring (logical K rows; V rows), so one address each plus immediates; longer rows
   // keep per-chunk addresses (their logical K rows are not a shift of each other).
-  static constexpr bool LINEAR_K = KROW <= 64, LINEAR_V = ROW <= 64;
-  static constexpr int NIO_K = LINEAR_K ? 1 : NI_K, NIO_V = LINEAR_V ? 1 : NI_V;
+  static constexpr bool LINEAR_K = S::KROW <= 64, LINEAR_V = S::ROW <= 64;
+  static constexpr int NIO_K = LINEAR_K ? 1 : S::NI_K, NIO_V = LINEAR_V ? 1 : S::NI_V;
   static constexpr int OFF_SINK = OFF_MISC + 16;  // 16 floats: q'.k0' of each row (sink)
   static constexpr int OFF_QM = OFF_SINK + 16 * 4;  // 16 floats: scale * q.m of each row (soft cap)
   static constexpr int OFF_LANE = (OFF_QM + 16 * 4 + 15) / 16 * 16;

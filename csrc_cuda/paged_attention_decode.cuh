@@ -61,19 +61,10 @@ namespace turboquant {
 namespace cuda_fp4 {
 
 template <int D, bool kE4m3>
-struct DecodeLayout {
+struct DecodeLayout : KVSlot<D, kE4m3> {
   static constexpr int W = tuning::DECODE_WARPS;
   static constexpr int ST = tuning::DecodeStages<D>::value;
-  static constexpr int ROW = D / 2;             // bytes of one V row
-  static constexpr int CPR = ROW / 16;          // 16-byte chunks per V row
-  static constexpr int KROW = KeyRow<D, kE4m3>::BYTES;  // bytes of one K row (D/2, or D: E4M3)
-  static constexpr int KCPR = KROW / 16;
-  static constexpr int K_TILE = 16 * KROW;      // bytes of one 16-token K tile
-  static constexpr int V_TILE = 16 * ROW;
-  static constexpr int STAGE = K_TILE + V_TILE + 128;  // K tile, V tile, 32 scale words
-  static constexpr int PIPE = W * ST * STAGE;
-  static constexpr int NI_K = 16 * KCPR / 32;   // 16-byte chunks per lane per K tile
-  static constexpr int NI_V = 16 * CPR / 32;    // per V tile
+  static constexpr int PIPE = W * ST * KVSlot<D, kE4m3>::STAGE;
   static constexpr int QRAW = 8 * D * 4;        // Q rows in fp32, after the transforms
   static constexpr int MROW = D + 4;            // merge row pitch (floats)
   static constexpr int MERGE = W * 8 * MROW * 4;
