@@ -13,6 +13,13 @@
 //   key -> rotate((k - m) * r) with m, r = 1 / lam from the token's state record (key smoothing),
 //   value -> rotate(v); rotate(x) = fwht(x * s) * D^-0.5 in the stage order of
 //   turboquant.rotation.fwht, so the codes are the reference's bit for bit.
+//
+// AMD: turboquant/hip_writer.py runs hipify-torch over this file and fp4_portable.cuh (it
+// includes nothing with PTX) and compiles the result for gfx950 / gfx942. What hipify cannot
+// map is written so it needs no mapping: lane shuffles go through lane_xor (fp4_portable.cuh,
+// width 32 inside AMD's 64-lane wavefronts), the round-to-nearest helpers below take the
+// intrinsic on HIP's device pass too, and the E4M3 encode has a software path (cvt_e4m3x2's
+// PTX is for SM89+ only; gfx942's FP8 is the FNUZ variant, so no AMD conversion is used).
 #pragma once
 
 #include <climits>
@@ -21,7 +28,7 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
-#include "fp4_common.cuh"
+#include "fp4_portable.cuh"
 #include "tuning.cuh"
 
 namespace turboquant {
@@ -51,15 +58,16 @@ struct CacheWriteParams {
 };
 
 // fp32 arithmetic with round to nearest, for the device and for the host check of the encode.
+// Device passes: NVIDIA's (__CUDA_ARCH__) and, after hipify, AMD's (__HIP_DEVICE_COMPILE__).
 __host__ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
   return __fmaf_rn(a, b, c);
 #else
   return std::fma(a, b, c);
 #endif
 }
 __host__ __device__ __forceinline__ float add_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
   return __fadd_rn(a, b);
 #else
   return a + b;
@@ -165,7 +173,7 @@ __device__ __forceinline__ void quantize_store(const float (&f)[E], bool active,
                                                uint8_t* scale_dst) {
   uint32_t amax = abs_max_bits<E>(f);
 #pragma unroll
-  for (int o = 1; o < GROUP / E; o <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 1; o < GROUP / E; o <<= 1) amax = max(amax, lane_xor(amax, o));
   if (!active) return;
   const uint32_t b = e8m0_for_amax<E2m1Max>(__uint_as_float(amax), amax < 0x7f800000u);
   uint32_t word[E / 8];
@@ -220,7 +228,7 @@ __device__ __forceinline__ void quantize_store_e4m3(const float (&f)[E], bool ac
                                                     uint8_t* scale_dst) {
   uint32_t amax = abs_max_bits<E>(f);
 #pragma unroll
-  for (int o = 1; o < D / E; o <<= 1) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  for (int o = 1; o < D / E; o <<= 1) amax = max(amax, lane_xor(amax, o));
   if (!active) return;
   const uint32_t b = e8m0_for_amax<E4m3Max>(__uint_as_float(amax), amax < 0x7f800000u);
   uint32_t word[E / 4];
@@ -332,13 +340,18 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
   quantize_store<E, GROUP>(fv, active, vcodes + sub * (E / 2), first ? p.value_scales + srow + sg : nullptr);
 }
 
+// One launch statement with the variant picked beforehand: hipify-torch rewrites each
+// kernel<<<...>>> into hipLaunchKernelGGL and eats the blank before it ("else kernel<<<" became
+// "elsehipLaunchKernelGGL"), so no launch follows a keyword.
 template <typename T, int D, int GROUP, bool kKeyE4m3>
 void launch_writer_variant(const CacheWriteParams& p, int blocks, bool smooth, bool rotate, cudaStream_t stream) {
   constexpr int threads = tuning::WRITER_THREADS;
-  if (smooth && rotate) reshape_and_cache_fp4_kernel<T, D, GROUP, true, true, kKeyE4m3><<<blocks, threads, 0, stream>>>(p);
-  else if (smooth) reshape_and_cache_fp4_kernel<T, D, GROUP, true, false, kKeyE4m3><<<blocks, threads, 0, stream>>>(p);
-  else if (rotate) reshape_and_cache_fp4_kernel<T, D, GROUP, false, true, kKeyE4m3><<<blocks, threads, 0, stream>>>(p);
-  else reshape_and_cache_fp4_kernel<T, D, GROUP, false, false, kKeyE4m3><<<blocks, threads, 0, stream>>>(p);
+  void (*const kernel)(const CacheWriteParams) =
+      smooth ? (rotate ? reshape_and_cache_fp4_kernel<T, D, GROUP, true, true, kKeyE4m3>
+                       : reshape_and_cache_fp4_kernel<T, D, GROUP, true, false, kKeyE4m3>)
+             : (rotate ? reshape_and_cache_fp4_kernel<T, D, GROUP, false, true, kKeyE4m3>
+                       : reshape_and_cache_fp4_kernel<T, D, GROUP, false, false, kKeyE4m3>);
+  kernel<<<blocks, threads, 0, stream>>>(p);
 }
 
 template <typename T, int D>

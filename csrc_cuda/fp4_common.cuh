@@ -1,11 +1,14 @@
 // turboquant cuda backend: PTX wrappers and FP4/E8M0 register helpers (torch-free).
 //
-// One small named wrapper per PTX instruction, each with its lane layout.
+// One small named wrapper per PTX instruction, each with its lane layout. The PTX-free helpers
+// (element loads and conversions, the state record's rows, the rotation's FWHT, lane shuffles)
+// live in fp4_portable.cuh, which the cache writer includes alone so that hipify-torch can
+// translate it for AMD (turboquant/hip_writer.py).
 #pragma once
 
 #include <cstdint>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+
+#include "fp4_portable.cuh"
 
 namespace turboquant {
 namespace cuda_fp4 {
@@ -99,87 +102,6 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 // scale is 2^-127 contributes below 1e-37: treated as 0). Branch-free: 2 integer ops + 1 select.
 __device__ __forceinline__ float e8m0_to_float(uint32_t b) {
   return b == 255u ? __int_as_float(0x7fc00000) : __int_as_float(b << 23);
-}
-
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(float x) { return x; }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-// Load 8 consecutive elements (16-byte aligned for 2-byte types, 32-byte for float) as float.
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, float (&f)[8]) {
-  if constexpr (sizeof(T) == 2) {
-    uint4 v = *reinterpret_cast<const uint4*>(p);
-    const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = to_float(e[i]);
-  } else {
-    float4 a = reinterpret_cast<const float4*>(p)[0];
-    float4 b = reinterpret_cast<const float4*>(p)[1];
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
-    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-  }
-}
-
-// N consecutive floats from a 16-byte aligned address (N a multiple of 4).
-template <int N>
-__device__ __forceinline__ void load_floats(const float* src, float (&v)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; i += 4) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(src + i));
-    v[i] = a.x; v[i + 1] = a.y; v[i + 2] = a.z; v[i + 3] = a.w;
-  }
-}
-
-// Rows of a per-sequence state record, seq_state [num_slots, Hkv, STATE_ROWS, D] fp32
-// (turboquant/smoothing.py): key center m, key scale lam (attention: q * lam), the sink's key
-// and value, and 1 / lam (the writer: (k - m) * (1 / lam), a multiply where a division is a
-// dozen instructions).
-constexpr int STATE_CENTER = 0, STATE_SCALE = 1, STATE_SINK_K = 2, STATE_SINK_V = 3, STATE_INV_SCALE = 4;
-constexpr int STATE_ROWS = 5;
-
-// ---- the rotation of turboquant/rotation.py (writer and attention kernels) ----
-// Unnormalized Walsh-Hadamard transform of one row of N * LANES elements, held as N consecutive
-// elements per lane by LANES consecutive, aligned lanes: stages h = 1, 2, .., N * LANES / 2 in
-// the order of turboquant.rotation.fwht (in-lane stages first, then one shuffle per element and
-// stage), so the fp32 results equal the reference's bit for bit. Every lane of the warp calls it.
-template <int N, int LANES>
-__device__ __forceinline__ void fwht_row(float (&x)[N], int lane) {
-#pragma unroll
-  for (int h = 1; h < N; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      if (!(i & h)) {
-        const float a = x[i], b = x[i + h];
-        x[i] = a + b;
-        x[i + h] = a - b;
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < LANES; m <<= 1) {
-    // lower lane: x + y; upper lane: y - x, as one FFMA with x * (+-1) exact (no select)
-    const float sg = (lane & m) ? -1.f : 1.f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const float y = __shfl_xor_sync(0xffffffffu, x[i], m);
-      x[i] = __fmaf_rn(x[i], sg, y);
-    }
-  }
-}
-
-// Sum of v over the LANES consecutive, aligned lanes of a row (every lane of the warp calls it).
-template <int LANES>
-__device__ __forceinline__ float row_sum(float v) {
-#pragma unroll
-  for (int m = 1; m < LANES; m <<= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
 }
 
 }  // namespace cuda_fp4
