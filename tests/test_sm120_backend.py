@@ -1,7 +1,8 @@
 """The sm120 backend on a machine without an SM120 GPU: importing builds nothing, the backend
 says why it cannot run, its ops carry the shared schema, auto dispatch never picks it, the
-transforms are taken, not declined; and the attention kernel's source runs on the host
-(coroutine threads, the MMA software model) against the reference."""
+transforms and K8V4 caches are taken, not declined (the log-sum-exp output and learned sinks
+still are); and the attention kernel's source runs on the host (coroutine threads, the MMA
+software model) against the reference, for FP4 and K8V4 keys."""
 from __future__ import annotations
 
 import ctypes
@@ -101,6 +102,37 @@ def test_transforms_are_fused_not_declined():
         assert reason is not None and word in reason, (word, reason)
 
 
+def test_k8v4_is_taken_and_what_is_not_still_declined():
+    """A K8V4 cache (E4M3 keys) is no reason to decline (on this CPU-only call the reason is the
+    device); the log-sum-exp output and learned sinks still are, with their reason."""
+    import dataclasses
+
+    from turboquant.api import prepare_attention
+    from turboquant.cache import allocate_cache
+
+    cache = allocate_cache(2, 2, 16, 128, key_format="fp8_e4m3")
+    call = prepare_attention(torch.zeros(1, 4, 128, dtype=torch.bfloat16), *cache, torch.zeros(1, 2, dtype=torch.int32),
+                             torch.tensor([3], dtype=torch.int32), 0.1, config=PLAIN)
+    assert call.key_format == "fp8_e4m3"
+    reason = sm120.BACKEND.check_attention(call)
+    assert "not on a CUDA device" in reason and "fp8_e4m3" not in reason
+    lse = sm120.BACKEND.check_attention(dataclasses.replace(call, return_lse=True))
+    assert "log-sum-exp" in lse and "sm120" in lse
+    sinks = sm120.BACKEND.check_attention(dataclasses.replace(call, sinks=torch.zeros(4)))
+    assert "learned sinks" in sinks and "sm120" in sinks
+
+
+def test_binding_checks_the_k8v4_key_cache():
+    """The binding takes float8_e4m3fn keys with rows of D bytes (the kernel's K8V4 instantiation)
+    and names key_cache / key_scales when the layout does not fit."""
+    text = (ROOT / "csrc_cuda" / "sm120" / "torch_binding_sm120.cu").read_text()
+    assert "at::kFloat8_e4m3fn" in text and "key_e4m3, plan.tile_stride" in text
+    for message in ('"key_cache: expected a contiguous uint8 (FP4) or float8_e4m3fn (K8V4) CUDA tensor',
+                    '"key_cache: expected last dim "', '"value_cache: expected ["',
+                    '"key_scales: a K8V4 cache (float8_e4m3fn keys) has one scale per (token, kv head)'):
+        assert message in text, message
+
+
 def test_binding_passes_the_transforms_to_the_kernel():
     text = (ROOT / "csrc_cuda" / "sm120" / "torch_binding_sm120.cu").read_text()
     assert "not implemented by the sm120 kernel" not in text
@@ -133,7 +165,7 @@ def _host_sim(tmp_path):
     for old, new in SIM_PATCHES:
         assert text.count(old) == 1, f"host simulation: kernel text changed: {old[:60]!r}"
         text = text.replace(old, new)
-    start = text.index("template <typename T, int D, bool kPer32>\ninline cudaError_t launch_with")
+    start = text.index("template <typename T, int D, bool kPer32, bool kKeyE4m3>\ninline cudaError_t launch_with")
     text = text[:start] + text[text.index("}  // namespace sm120", start):]  # launches: <<<>>>
     (tmp_path / "paged_attention_sm120.cuh").write_text(text)
     for name in ("cuda_bf16.h", "cuda_fp16.h", "cuda_runtime.h"):
@@ -144,7 +176,7 @@ def _host_sim(tmp_path):
                     "-o", str(lib)], check=True)
     so = ctypes.CDLL(str(lib))
     ptr, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    so.sim_attention.argtypes = [ptr] * 9 + [i32] * 9 + [f32, f32, i32, i32, ptr, ptr, ptr, i32, i32, i32]
+    so.sim_attention.argtypes = [ptr] * 9 + [i32] * 10 + [f32, f32, i32, i32, ptr, ptr, ptr, i32, i32, i32]
     so.sim_attention.restype = i32
 
     def op(out, query, kc, vc, ks, vs, bt, sl, cu, scale, window, cap, max_seq_len, signs, state, ids, sink,
@@ -155,11 +187,49 @@ def _host_sim(tmp_path):
         assert out.dtype == torch.bfloat16 and query.is_contiguous() and out.is_contiguous()
         nt, nh, d = query.shape
         n = so.sim_attention(p(out), p(query), p(kc), p(vc), p(ks), p(vs), p(bt), p(sl), p(cu), sl.shape[0], nt, nh,
-                             kc.shape[1], kc.shape[2], bt.shape[1], kc.shape[0], d, int(ks.dim() == 4), scale, cap,
-                             window, max_seq_len, p(signs), p(state), p(ids),
+                             kc.shape[1], kc.shape[2], bt.shape[1], kc.shape[0], d, int(ks.dim() == 4),
+                             int(kc.dtype == torch.float8_e4m3fn), scale, cap, window, max_seq_len, p(signs), p(state), p(ids),
                              0 if state is None else state.shape[0], int(sink), 4)
         assert n > 0
     return op
+
+
+def test_k8v4_kernel_source_on_host(tmp_path):
+    """K8V4 (E4M3 keys through the e4m3 x e4m3 model) with the default transforms, decode and
+    multi-token rows, with and without a soft cap: close to the reference (E4M3 Q and P: the same
+    smoke tolerance as FP4 keys); position 0's poisoned key bytes never count; a one-token
+    sequence gives exactly the un-rotated sink value."""
+    from turboquant import QuantConfig
+    from turboquant.api import attention_op_args, prepare_attention
+    from turboquant.cache import build_paged_problem
+    from turboquant.reference import attention_reference
+    from turboquant.rotation import unrotate
+    from turboquant.smoothing import SINK_VALUE
+
+    op = _host_sim(tmp_path)
+    gen = torch.Generator().manual_seed(6)
+    prob = build_paged_problem([1, 40, 70], 2, 64, 16, generator=gen, write_backend="reference",
+                               config=QuantConfig(), spare_blocks=1, key_format="fp8_e4m3")
+    kc, vc, ks, vs = prob.cache
+    assert kc.dtype == torch.float8_e4m3fn and kc.shape[-1] == 64
+    for s in range(3):  # position 0's bytes and scales poisoned: NaN if they were read
+        blk = int(prob.block_tables[s, 0])
+        kc.view(torch.uint8)[blk, :, 0], vc[blk, :, 0], ks[blk, 0], vs[blk, 0] = 0xFF, 0xFF, 0xFF, 0xFF
+    query = torch.randn(7, 8, 64, generator=gen).to(torch.bfloat16)
+    cu = torch.tensor([0, 1, 3, 7], dtype=torch.int32)
+    for cap in (0.0, 3.0):
+        call = prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, 64 ** -0.5, cu_query_lens=cu,
+                                 logits_soft_cap=cap, **prob.kwargs)
+        assert call.key_format == "fp8_e4m3"
+        out = torch.empty_like(query)
+        op(*attention_op_args(call, out))
+        ref = torch.empty(query.shape)
+        attention_reference(call, ref)
+        err = (out.float() - ref).abs().max().item()
+        print(f"host simulation K8V4, soft cap {cap}: max|out-ref| {err:.3e}, max|ref| {ref.abs().max().item():.3e}")
+        assert torch.isfinite(out).all() and err < 0.1
+    sink = unrotate(call.seq_state[int(call.state_ids[0]), :, SINK_VALUE], call.rotation_signs)
+    assert torch.equal(out[0], sink.repeat_interleave(4, 0).to(out.dtype))
 
 
 def test_kernel_source_on_host_with_transforms(tmp_path):

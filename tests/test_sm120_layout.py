@@ -2,7 +2,8 @@
 lanes through the very model the emulation build runs on the GPU (csrc_cuda/sm120/mma_sm120.cuh),
 with registers filled from the documented fragment / scale layouts, and compares with a plain
 matrix product (identity A and B, one lane's scale byte changed, exact random values, for
-kind::mxf8f6f4 e4m3 x e2m1 k32 and kind::mxf4 k64 with several selector values)."""
+kind::mxf8f6f4 k32 e4m3 x e2m1 and e4m3 x e4m3 (K8V4 keys), and kind::mxf4 k64, with several
+selector values)."""
 from __future__ import annotations
 
 import shutil
@@ -23,4 +24,4 @@ def test_mma_model_layout_probes_on_host(tmp_path):
     res = subprocess.run([str(exe)], capture_output=True, text=True)
     print(res.stdout)
     assert res.returncode == 0 and res.stdout.strip().endswith("ALL OK"), res.stdout + res.stderr
-    assert res.stdout.count(" ok\n") == 36  # 5 selector sets x 7 probes + decoders
+    assert res.stdout.count(" ok\n") == 57  # 8 (kind, selector set) pairs x 7 probes + decoders

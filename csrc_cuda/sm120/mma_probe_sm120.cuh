@@ -13,7 +13,7 @@
 namespace tq {
 namespace sm120 {
 
-enum ProbeKind : int { kProbeMxf8f6f4E4m3E2m1 = 0, kProbeMxf4E2m1E2m1 = 1 };
+enum ProbeKind : int { kProbeMxf8f6f4E4m3E2m1 = 0, kProbeMxf4E2m1E2m1 = 1, kProbeMxf8f6f4E4m3E4m3 = 2 };
 
 // grid 1 block 32
 template <int kKind, int kBidA, int kTidA, int kBidB, int kTidB>
@@ -33,6 +33,8 @@ __global__ void mma_probe_sm120_kernel(const uint32_t* a,    // [32 lanes][4] A 
   for (int i = 0; i < 2; ++i) br[i] = b[2 * lane + i];
   if constexpr (kKind == kProbeMxf8f6f4E4m3E2m1) {
     mma_mxf8f6f4_e4m3_e2m1_m16n8k32<kBidA, kTidA, kBidB, kTidB>(dr, ar, br, cr, sfa[lane], sfb[lane]);
+  } else if constexpr (kKind == kProbeMxf8f6f4E4m3E4m3) {
+    mma_mxf8f6f4_e4m3_e4m3_m16n8k32<kBidA, kTidA, kBidB, kTidB>(dr, ar, br, cr, sfa[lane], sfb[lane]);
   } else {
     mma_mxf4_e2m1_e2m1_m16n8k64<kBidA, kTidA, kBidB, kTidB>(dr, ar, br, cr, sfa[lane], sfb[lane]);
   }
@@ -40,7 +42,7 @@ __global__ void mma_probe_sm120_kernel(const uint32_t* a,    // [32 lanes][4] A 
 }
 
 // Selector sets a probe can use: 0 = {byte-id-a, thread-id-a, byte-id-b, thread-id-b}
-// {0,0,0,0}; 1 = {3,1,2,3} for k32 (1X) and {2,1,2,3} for k64 (2X).
+// {0,0,0,0}; 1 = {3,1,2,3} for the k32 kinds (1X) and {2,1,2,3} for k64 (2X).
 inline cudaError_t launch_mma_probe_sm120(int kind, int selectors, const uint32_t* a, const uint32_t* b,
                                           const uint32_t* sfa, const uint32_t* sfb, const float* c, float* d,
                                           cudaStream_t stream) {
@@ -49,6 +51,8 @@ inline cudaError_t launch_mma_probe_sm120(int kind, int selectors, const uint32_
     case 1: mma_probe_sm120_kernel<kProbeMxf8f6f4E4m3E2m1, 3, 1, 2, 3><<<1, 32, 0, stream>>>(a, b, sfa, sfb, c, d); break;
     case 2: mma_probe_sm120_kernel<kProbeMxf4E2m1E2m1, 0, 0, 0, 0><<<1, 32, 0, stream>>>(a, b, sfa, sfb, c, d); break;
     case 3: mma_probe_sm120_kernel<kProbeMxf4E2m1E2m1, 2, 1, 2, 3><<<1, 32, 0, stream>>>(a, b, sfa, sfb, c, d); break;
+    case 4: mma_probe_sm120_kernel<kProbeMxf8f6f4E4m3E4m3, 0, 0, 0, 0><<<1, 32, 0, stream>>>(a, b, sfa, sfb, c, d); break;
+    case 5: mma_probe_sm120_kernel<kProbeMxf8f6f4E4m3E4m3, 3, 1, 2, 3><<<1, 32, 0, stream>>>(a, b, sfa, sfb, c, d); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

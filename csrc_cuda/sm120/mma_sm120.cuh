@@ -41,8 +41,9 @@ namespace sm120 {
 // ---------------------------------------------------------------------------------------
 // Lane layouts (PTX ISA 9.7.14.5.10 / 9.7.14.5.11).
 //
-// m16n8k32, kind::mxf8f6f4 (every A/B type sits in one 8-bit container per element; e2m1 in
-// bits 5..2, the rest zero):
+// m16n8k32, kind::mxf8f6f4 (every A/B type sits in one 8-bit container per element; e4m3
+// fills the byte, e2m1 sits in bits 5..2 with the rest zero; the layout is the same whatever
+// the types of A and B):
 //   A (16x32, row-major): register r (0..3), byte j (0..3) of lane (g,t) holds
 //       row g + 8*(r & 1), k = 4*t + j + 16*(r >> 1).
 //   B (32x8, each column K-major): register r (0..1), byte j holds column g, k = 4*t + j + 16*r.
@@ -106,10 +107,19 @@ TQ_HD uint32_t byte_of(uint32_t word, int index) { return (word >> (8 * index)) 
 // by the two E8M0 factors, and added to c.
 // ---------------------------------------------------------------------------------------
 
-// mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.e2m1.f32.ue8m0
-template <class Fetch>
-TQ_HD void model_mxf8f6f4_e4m3_e2m1(int lane, const Fetch& f, int bid_a, int tid_a, int bid_b,
-                                    int tid_b, const float c[4], float d[4]) {
+// The B element types of kind::mxf8f6f4 the kernels use (A is always e4m3).
+enum class BType { kE2m1, kE4m3 };
+
+// The value of one B container byte: e2m1 in bits 5..2, or e4m3 (the whole byte).
+TQ_HD float b_container_value(BType type, uint32_t byte) {
+  return type == BType::kE4m3 ? e4m3_value(byte) : e2m1_value(byte >> 2);
+}
+
+// mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.<b>.f32.ue8m0
+// with <b> = e2m1 or e4m3 (kB): the two forms differ only in how a B byte is decoded.
+template <BType kB, class Fetch>
+TQ_HD void model_mxf8f6f4_e4m3(int lane, const Fetch& f, int bid_a, int tid_a, int bid_b, int tid_b,
+                               const float c[4], float d[4]) {
   const int g = lane >> 2, t = lane & 3;
   float a_rows[2][32];  // rows g and g+8
   float b_cols[2][32];  // columns 2t and 2t+1
@@ -125,7 +135,7 @@ TQ_HD void model_mxf8f6f4_e4m3_e2m1(int lane, const Fetch& f, int bid_a, int tid
       for (int src_t = 0; src_t < 4; ++src_t) {
         const int src = 4 * (2 * t + col) + src_t;
         const uint32_t w = f.b(r, src);
-        for (int j = 0; j < 4; ++j) b_cols[col][k32_b_k(src, r, j)] = e2m1_value(byte_of(w, j) >> 2);
+        for (int j = 0; j < 4; ++j) b_cols[col][k32_b_k(src, r, j)] = b_container_value(kB, byte_of(w, j));
       }
     }
   }
@@ -194,7 +204,15 @@ struct ShuffleFetch {
 static __device__ __noinline__ void emulate_mxf8f6f4_e4m3_e2m1(float d[4], const uint32_t a[4], const uint32_t b[2],
                                                       const float c[4], uint32_t sfa, uint32_t sfb, int bid_a,
                                                       int tid_a, int bid_b, int tid_b) {
-  model_mxf8f6f4_e4m3_e2m1(int(threadIdx.x & 31u), ShuffleFetch{a, b, sfa, sfb}, bid_a, tid_a, bid_b, tid_b, c, d);
+  model_mxf8f6f4_e4m3<BType::kE2m1>(int(threadIdx.x & 31u), ShuffleFetch{a, b, sfa, sfb}, bid_a, tid_a, bid_b, tid_b,
+                                    c, d);
+}
+
+static __device__ __noinline__ void emulate_mxf8f6f4_e4m3_e4m3(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                                      const float c[4], uint32_t sfa, uint32_t sfb, int bid_a,
+                                                      int tid_a, int bid_b, int tid_b) {
+  model_mxf8f6f4_e4m3<BType::kE4m3>(int(threadIdx.x & 31u), ShuffleFetch{a, b, sfa, sfb}, bid_a, tid_a, bid_b, tid_b,
+                                    c, d);
 }
 
 static __device__ __noinline__ void emulate_mxf4_e2m1_e2m1(float d[4], const uint32_t a[4], const uint32_t b[2],
@@ -228,6 +246,30 @@ __device__ __forceinline__ void mma_mxf8f6f4_e4m3_e2m1_m16n8k32(float d[4], cons
 #else
   float out[4];  // d may alias c
   emulate_mxf8f6f4_e4m3_e2m1(out, a, b, c, sfa, sfb, kBidA, kTidA, kBidB, kTidB);
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+#endif
+}
+
+// d = c + (A * SF_A) x (B * SF_B): A 16x32 e4m3, B 32x8 e4m3 (one element per byte), one ue8m0
+// scale per row of A and per column of B (scale_vec::1X). Same lane layouts as the e2m1-B form
+// above (k32_a_*, k32_b_*, sfa_lane, sfb_lane); only B's element type differs.
+// SASS: QMMA.SF.16832.F32.E4M3.E4M3.E8
+template <int kBidA, int kTidA, int kBidB, int kTidB>
+__device__ __forceinline__ void mma_mxf8f6f4_e4m3_e4m3_m16n8k32(float d[4], const uint32_t a[4], const uint32_t b[2],
+                                                                const float c[4], uint32_t sfa, uint32_t sfb) {
+  static_assert(kBidA >= 0 && kBidA < 4 && kTidA >= 0 && kTidA < 2, "1X: byte-id-a 0..3, thread-id-a 0..1");
+  static_assert(kBidB >= 0 && kBidB < 4 && kTidB >= 0 && kTidB < 4, "1X: byte-id-b 0..3, thread-id-b 0..3");
+#if defined(TQ_SM120_PTX)
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.e4m3.f32.ue8m0 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13}, "
+      "%14, {%16, %17}, %15, {%18, %19};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]), "r"(sfa), "r"(sfb), "n"(kBidA), "n"(kTidA), "n"(kBidB), "n"(kTidB));
+#else
+  float out[4];  // d may alias c
+  emulate_mxf8f6f4_e4m3_e4m3(out, a, b, c, sfa, sfb, kBidA, kTidA, kBidB, kTidB);
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 #endif
 }

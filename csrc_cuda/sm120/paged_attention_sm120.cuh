@@ -1,4 +1,5 @@
-// FP4 KV-cache paged attention for the SM120 family on block-scaled warp MMAs. Torch-free.
+// FP4 KV-cache paged attention for the SM120 family on block-scaled warp MMAs, for both key
+// formats (FP4 keys, and K8V4's E4M3 keys; values are FP4 in both). Torch-free.
 //
 // Design (one CTA = one (sequence, kv head, KV split); 4 warps; each warp owns 32-key chunks):
 //
@@ -21,6 +22,14 @@
 //   so one register holds the scales of all 32 keys of a chunk. Q's scale of row m, step s
 //   sits in byte s % 4 of lane sfa_lane(m, s / 4) (thread-id-a = s / 4, byte-id-a = s % 4),
 //   so one register holds the Q scales for head dims up to 256. All selectors are immediates.
+//   K8V4 (kKeyE4m3): B = K as E4M3, the e4m3 x e4m3 form of the same instruction (same
+//   fragment and scale layouts). A key row is D bytes, one element per byte, which is already
+//   the instruction's 8-bit container: lane (g,t) loads 8 bytes per k32 step, bytes (= head-dim
+//   elements) 32s+8t..32s+8t+7 of key g, and feeds the low 4 as MMA k 4t..4t+3 and the high 4
+//   as k 16+4t..16+4t+3: the same element order as the FP4 path, so Q's fragments and scales
+//   are gathered exactly as there. K8V4 keeps one E8M0 scale per (token, kv head), replicated
+//   into SF_B as the FP4 per-head scale is; V, PV, softmax and the transforms are unchanged
+//   (they act on Q and on the records; the key bytes only decode differently).
 // Softmax: fp32, base 2, online over chunks (running max / sum per row), soft-cap and the
 //   causal / sliding-window masks applied by selection on the fp32 logits.
 // PV: mma m16n8k32 kind::mxf8f6f4 e4m3 x e2m1 again, k = 32 keys of the chunk.
@@ -42,6 +51,7 @@
 //   through an explicit flag; it never depends on how the tensor core treats NaN scales. A key
 //   whose block id lies outside the block table row or the cache is never read and counts as
 //   NaN. Keys past the split / sequence are never loaded (zeros) and are masked by selection.
+//   K8V4's E4M3 NaN bytes are not cache content (a NaN group gets scale 255 and zero bytes).
 // Split-KV: each split writes an unnormalized partial (fp32 O, base-2 max, sum); a second
 //   kernel combines the splits and writes the output dtype.
 // Transforms (CONTRACT.md section 2; turboquant/reference.py is the definition), all in fp32:
@@ -86,7 +96,8 @@ constexpr int kRows = 16;   // (query token, head) rows per tile (M of the MMAs)
 struct AttentionParams {
   void* out;                      // [num_tokens, num_heads, D] bf16/fp16
   const void* query;              // [num_tokens, num_heads, D] bf16/fp16
-  const uint8_t* key_cache;       // [num_blocks, num_kv_heads, block_size, D/2]
+  const uint8_t* key_cache;       // [num_blocks, num_kv_heads, block_size, D/2] FP4 codes;
+                                  // K8V4: [num_blocks, num_kv_heads, block_size, D] E4M3 bytes
   const uint8_t* value_cache;     // [num_blocks, num_kv_heads, block_size, D/2]
   const uint8_t* key_scales;      // [num_blocks, block_size, num_kv_heads(, D/32)]
   const uint8_t* value_scales;    // [num_blocks, block_size, num_kv_heads(, D/32)]
@@ -277,15 +288,19 @@ template <int D>
 constexpr int min_ctas_per_sm() { return D <= 128 ? 3 : 1; }
 
 // grid (num_seqs * num_kv_heads, num_splits, tile_stride) block kThreads
-template <typename T, int D, bool kPer32>
+// kPer32: one scale per 32 elements (else per (token, head)); kKeyE4m3: K8V4 (E4M3 keys).
+template <typename T, int D, bool kPer32, bool kKeyE4m3>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D>()) paged_attention_sm120_kernel(const AttentionParams p) {
   static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
+  static_assert(!(kPer32 && kKeyE4m3), "K8V4 has one key scale per (token, head)");
   constexpr int kSteps = D / 32;                   // k32 steps of QK^T
   constexpr int kScaleWords = (kSteps + 3) / 4;    // per-key scale words (byte s % 4 of word s / 4)
   constexpr int kGroups = kPer32 ? D / 32 : 1;     // V scale groups along the head dim
   constexpr int kTiles = D / 8;                    // n8 tiles of the output
   constexpr int kTilesPerGroup = kTiles / kGroups;
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int kKeyRowBytes = kKeyE4m3 ? D : D / 2;  // bytes per (token, kv head) key row
+  constexpr int kKeyLaneBytes = kKeyE4m3 ? 8 : 4;     // key bytes one lane loads per k32 step
 
   constexpr int kQStride = D + 4;                 // floats per row of the staged Q tile
   constexpr int kPerThread = D / 8;               // Q prologue: elements of one row per thread
@@ -478,14 +493,21 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D>()) paged_attentio
         constexpr int j = decltype(J)::value;
         const long long row_j = shfl_i64(cache_row, 8 * j + g);
         const bool ok_j = __shfl_sync(0xffffffffu, int(key_in_cache), 8 * j + g) != 0;
-        const uint8_t* kp = p.key_cache + row_j * (D / 2) + 4 * t;
+        const uint8_t* kp = p.key_cache + row_j * kKeyRowBytes + kKeyLaneBytes * t;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         static_for<kSteps>([&](auto S) {
           constexpr int s = decltype(S)::value;
-          const uint32_t packed = ok_j ? __ldg(reinterpret_cast<const unsigned int*>(kp + 16 * s)) : 0u;
           uint32_t b[2];
-          expand_e2m1x8(packed, b[0], b[1]);
-          mma_mxf8f6f4_e4m3_e2m1_m16n8k32<s % 4, s / 4, s % 4, j>(acc, qa[s], b, acc, q_sf, k_sfb[s / 4]);
+          if constexpr (kKeyE4m3) {  // elements 32s+8t..+7: E4M3 bytes are the MMA's containers
+            const uint2 raw = ok_j ? __ldg(reinterpret_cast<const uint2*>(kp + 32 * s)) : make_uint2(0u, 0u);
+            b[0] = raw.x;
+            b[1] = raw.y;
+            mma_mxf8f6f4_e4m3_e4m3_m16n8k32<s % 4, s / 4, s % 4, j>(acc, qa[s], b, acc, q_sf, k_sfb[s / 4]);
+          } else {  // elements 32s+8t..+7: 8 packed FP4 codes, expanded to containers
+            const uint32_t packed = ok_j ? __ldg(reinterpret_cast<const unsigned int*>(kp + 16 * s)) : 0u;
+            expand_e2m1x8(packed, b[0], b[1]);
+            mma_mxf8f6f4_e4m3_e2m1_m16n8k32<s % 4, s / 4, s % 4, j>(acc, qa[s], b, acc, q_sf, k_sfb[s / 4]);
+          }
         });
         for (int i = 0; i < 4; ++i) sc[j][i] = acc[i];
       });
@@ -706,28 +728,38 @@ __global__ void __launch_bounds__(kThreads) combine_splits_sm120_kernel(const At
   }
 }
 
-template <typename T, int D, bool kPer32>
+template <typename T, int D, bool kPer32, bool kKeyE4m3>
 inline cudaError_t launch_with(const AttentionParams& p, int tile_stride, cudaStream_t stream) {
   if (p.num_seqs > 0 && p.num_tokens > 0) {
-    paged_attention_sm120_kernel<T, D, kPer32>
+    paged_attention_sm120_kernel<T, D, kPer32, kKeyE4m3>
         <<<dim3(p.num_seqs * p.num_kv_heads, p.num_splits, tile_stride), kThreads, 0, stream>>>(p);
     combine_splits_sm120_kernel<T, D><<<dim3(p.num_tokens, p.num_heads), kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
 
-// Launches the attention and combine kernels. T: __nv_bfloat16 or __half. The workspace
+// Launches the attention and combine kernels. T: __nv_bfloat16 or __half. key_e4m3: a K8V4
+// cache (E4M3 keys; one scale per (token, head), so never with per32_scales). The workspace
 // pointers in p must hold p.num_splits partials (see plan_attention).
 template <typename T>
-inline cudaError_t launch_paged_attention_sm120(const AttentionParams& p, int head_dim, bool per32_scales, int tile_stride,
-                                                cudaStream_t stream) {
+inline cudaError_t launch_paged_attention_sm120(const AttentionParams& p, int head_dim, bool per32_scales, bool key_e4m3,
+                                                int tile_stride, cudaStream_t stream) {
+  if (key_e4m3) {
+    if (per32_scales) return cudaErrorInvalidValue;
+    switch (head_dim) {
+      case 64: return launch_with<T, 64, false, true>(p, tile_stride, stream);
+      case 128: return launch_with<T, 128, false, true>(p, tile_stride, stream);
+      case 256: return launch_with<T, 256, false, true>(p, tile_stride, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (head_dim * 2 + (per32_scales ? 1 : 0)) {
-    case 128: return launch_with<T, 64, false>(p, tile_stride, stream);
-    case 129: return launch_with<T, 64, true>(p, tile_stride, stream);
-    case 256: return launch_with<T, 128, false>(p, tile_stride, stream);
-    case 257: return launch_with<T, 128, true>(p, tile_stride, stream);
-    case 512: return launch_with<T, 256, false>(p, tile_stride, stream);
-    case 513: return launch_with<T, 256, true>(p, tile_stride, stream);
+    case 128: return launch_with<T, 64, false, false>(p, tile_stride, stream);
+    case 129: return launch_with<T, 64, true, false>(p, tile_stride, stream);
+    case 256: return launch_with<T, 128, false, false>(p, tile_stride, stream);
+    case 257: return launch_with<T, 128, true, false>(p, tile_stride, stream);
+    case 512: return launch_with<T, 256, false, false>(p, tile_stride, stream);
+    case 513: return launch_with<T, 256, true, false>(p, tile_stride, stream);
     default: return cudaErrorInvalidValue;
   }
 }

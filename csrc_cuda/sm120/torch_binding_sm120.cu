@@ -34,7 +34,9 @@ void check_contiguous_uint8(const at::Tensor& t, const char* name) {
 
 void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, num_heads, D] bf16/fp16
                                const at::Tensor& query,       // [num_tokens, num_heads, D] bf16/fp16
-                               const at::Tensor& key_cache,   // uint8 [num_blocks, num_kv_heads, block_size, D/2]
+                               // uint8 [num_blocks, num_kv_heads, block_size, D/2] FP4 codes, or
+                               // float8_e4m3fn [num_blocks, num_kv_heads, block_size, D] (K8V4)
+                               const at::Tensor& key_cache,
                                const at::Tensor& value_cache, // uint8 [num_blocks, num_kv_heads, block_size, D/2]
                                const at::Tensor& key_scales,  // uint8 [num_blocks, block_size, num_kv_heads(, D/32)]
                                const at::Tensor& value_scales,  // same shape as key_scales
@@ -55,7 +57,10 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
               "query: expected bfloat16 or float16, got ", query.scalar_type());
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.device() == query.device(),
               "out: expected the query's shape, dtype and device");
-  check_contiguous_uint8(key_cache, "key_cache");
+  const bool key_e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;  // K8V4: E4M3 key bytes
+  TORCH_CHECK(key_cache.is_cuda() && (key_e4m3 || key_cache.scalar_type() == at::kByte) && key_cache.is_contiguous(),
+              "key_cache: expected a contiguous uint8 (FP4) or float8_e4m3fn (K8V4) CUDA tensor, got ",
+              key_cache.scalar_type(), " on ", key_cache.device());
   check_contiguous_uint8(value_cache, "value_cache");
   check_contiguous_uint8(key_scales, "key_scales");
   check_contiguous_uint8(value_scales, "value_scales");
@@ -63,14 +68,26 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
               "block_tables: expected a contiguous int32 [num_seqs, max_blocks_per_seq] tensor");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: expected contiguous int32");
   const int num_tokens = int(query.size(0)), num_heads = int(query.size(1)), head_dim = int(query.size(2));
+  TORCH_CHECK(key_cache.dim() == 4, "key_cache: expected 4 dims [num_blocks, num_kv_heads, block_size, row]");
   const int num_kv_heads = int(key_cache.size(1)), block_size = int(key_cache.size(2));
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) * 2 == head_dim, "key_cache: expected last dim D/2 = ",
-              head_dim / 2);
+  const int key_row = key_e4m3 ? head_dim : head_dim / 2;  // bytes per (token, kv head)
+  TORCH_CHECK(key_cache.size(3) == key_row, "key_cache: expected last dim ", key_row,
+              key_e4m3 ? " (D: one E4M3 byte per element)" : " (D/2: two FP4 codes per byte)", ", got ",
+              key_cache.size(3));
+  TORCH_CHECK(value_cache.dim() == 4 && value_cache.size(0) == key_cache.size(0) && value_cache.size(1) == num_kv_heads &&
+                  value_cache.size(2) == block_size && value_cache.size(3) * 2 == head_dim,
+              "value_cache: expected [", key_cache.size(0), ", ", num_kv_heads, ", ", block_size, ", ", head_dim / 2,
+              "] (key_cache's blocks, D/2 bytes per row), got ", value_cache.sizes());
+  // Both contiguous with these shapes: the kernel addresses both caches by one row index
+  // (block, kv head, offset), and key_cache's block stride is value_cache's (K8V4: twice it).
   TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "query: head dim must be 64, 128 or 256, got ",
               head_dim);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query: num_heads must be a multiple of num_kv_heads");
   const bool per32 = key_scales.dim() == 4;
   TORCH_CHECK(!per32 || key_scales.size(3) == head_dim / 32, "key_scales: expected last dim D/32");
+  TORCH_CHECK(!(per32 && key_e4m3),
+              "key_scales: a K8V4 cache (float8_e4m3fn keys) has one scale per (token, kv head), "
+              "[num_blocks, block_size, num_kv_heads]");
   const int num_seqs = int(seq_lens.size(0));
   const int32_t* cu = nullptr;
   if (cu_query_lens.has_value()) {
@@ -119,7 +136,7 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
   tq::sm120::AttentionParams p;
   p.out = dst.data_ptr();
   p.query = q.data_ptr();
-  p.key_cache = key_cache.data_ptr<uint8_t>();
+  p.key_cache = static_cast<const uint8_t*>(key_cache.data_ptr());  // FP4 codes or E4M3 bytes
   p.value_cache = value_cache.data_ptr<uint8_t>();
   p.key_scales = key_scales.data_ptr<uint8_t>();
   p.value_scales = value_scales.data_ptr<uint8_t>();
@@ -151,8 +168,9 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t err =
       query.scalar_type() == at::kBFloat16
-          ? tq::sm120::launch_paged_attention_sm120<__nv_bfloat16>(p, head_dim, per32, plan.tile_stride, stream)
-          : tq::sm120::launch_paged_attention_sm120<__half>(p, head_dim, per32, plan.tile_stride, stream);
+          ? tq::sm120::launch_paged_attention_sm120<__nv_bfloat16>(p, head_dim, per32, key_e4m3, plan.tile_stride,
+                                                                   stream)
+          : tq::sm120::launch_paged_attention_sm120<__half>(p, head_dim, per32, key_e4m3, plan.tile_stride, stream);
   TORCH_CHECK(err == cudaSuccess, "paged_attention_fp4_sm120: launch failed: ", cudaGetErrorString(err));
   if (!dst.is_same(out)) out.copy_(dst);
 }
@@ -163,7 +181,8 @@ at::Tensor sm120_mma_probe(const at::Tensor& a,    // int32 [32, 4]
                            const at::Tensor& sfa,  // int32 [32]
                            const at::Tensor& sfb,  // int32 [32]
                            const at::Tensor& c,    // float32 [32, 4]
-                           int64_t kind, int64_t selectors) {
+                           int64_t kind,  // tq::sm120::ProbeKind
+                           int64_t selectors) {
   TORCH_CHECK(a.is_cuda() && a.scalar_type() == at::kInt && a.numel() == 128, "a: expected int32 [32, 4] on CUDA");
   TORCH_CHECK(b.is_cuda() && b.scalar_type() == at::kInt && b.numel() == 64, "b: expected int32 [32, 2] on CUDA");
   TORCH_CHECK(sfa.scalar_type() == at::kInt && sfa.numel() == 32, "sfa: expected int32 [32]");

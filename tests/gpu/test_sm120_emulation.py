@@ -8,7 +8,8 @@ reference, in two builds of the same source:
   layout assumption (fragments, scale lanes and bytes, encodings) in one command.
 
 The probes' expected results come from an independent Python transcription of the PTX ISA's
-fragment layouts (below), not from the C++ layout functions.
+fragment layouts (below), not from the C++ layout functions; the probes cover kind::mxf8f6f4
+e4m3 x e2m1 and e4m3 x e4m3 (K8V4's QK^T: B holds E4M3 bytes as they are) and kind::mxf4.
 
 Attention tolerance, per output element (derived, not tuned): the kernel rounds Q to E4M3
 with one E8M0 scale per 32 elements and P*sV to E4M3 with one scale per (row, 32 keys);
@@ -24,6 +25,8 @@ to fp32 rounding. So
                  + 2^-8 * (|ref| + the above)            the kernel's bf16/fp16 output rounding
                  + 1e-5 * sum_k w_k |v_k| + 1e-6         fp32 exp2 / accumulation order
 ``sum_k w_k |v_k|`` is the reference run on the same cache with V's sign bits cleared.
+K8V4 caches (E4M3 keys, ``test_k8v4_*``) take the same bound: E4M3 key bytes times a power of
+two decode exactly in fp32, as FP4 codes do.
 
 With the transforms (rotation, key smoothing, sink: ``check_transformed``) the kernel rounds q'
 = rotate(q * lam) to E4M3 and accumulates in the rotated space, so the same bound is taken
@@ -91,10 +94,17 @@ def e4m3(byte):
     return -v if byte & 0x80 else v
 
 
+def e4m3_any(gen):
+    """Any E4M3 byte but the two NaNs (0x7F, 0xFF): subnormals, both signs, +-448."""
+    b = torch.randint(0, 256, (1,), generator=gen).item()
+    return b ^ 1 if b & 0x7F == 0x7F else b
+
+
 KINDS = {
-    # kind id, K, selector sets {0: (0,0,0,0), 1: ...} as built into the probe kernel
-    "mxf8f6f4_e4m3_e2m1_k32": (0, 32, {0: (0, 0, 0, 0), 1: (3, 1, 2, 3)}),
-    "mxf4_e2m1_e2m1_k64": (1, 64, {0: (0, 0, 0, 0), 1: (2, 1, 2, 3)}),
+    # kind id, K, B's element type, selector sets {0: (0,0,0,0), 1: ...} as built into the probe kernel
+    "mxf8f6f4_e4m3_e2m1_k32": (0, 32, "e2m1", {0: (0, 0, 0, 0), 1: (3, 1, 2, 3)}),
+    "mxf4_e2m1_e2m1_k64": (1, 64, "e2m1", {0: (0, 0, 0, 0), 1: (2, 1, 2, 3)}),
+    "mxf8f6f4_e4m3_e4m3_k32": (2, 32, "e4m3", {0: (0, 0, 0, 0), 1: (3, 1, 2, 3)}),  # K8V4's QK^T
 }
 
 
@@ -112,8 +122,10 @@ def b_slot(kind_k, lane, r, e):
     return per * t + e + (kind_k // 2) * r, g
 
 
-def pack(kind_k, A, B, sa, sb, sel):
-    """Matrices (codes) and scale bytes [rows/cols][k/32] -> per-lane registers."""
+def pack(kind_k, b_type, A, B, sa, sb, sel):
+    """Matrices (codes) and scale bytes [rows/cols][k/32] -> per-lane registers. k32
+    (kind::mxf8f6f4): one 8-bit container per element, an e2m1 code in bits 5..2 or an e4m3
+    byte as it is; k64 (kind::mxf4): packed nibbles, the lower k in the low nibble."""
     bid_a, tid_a, bid_b, tid_b = sel
     a = [[0] * 4 for _ in range(32)]
     b = [[0] * 2 for _ in range(32)]
@@ -127,8 +139,12 @@ def pack(kind_k, A, B, sa, sb, sel):
         for r in range(2):
             for e in range(4 if kind_k == 32 else 8):
                 k, col = b_slot(kind_k, lane, r, e)
-                # k32: e2m1 in bits 5..2 of its byte; k64: packed nibbles
-                b[lane][r] |= (B[k][col] << (8 * e + 2)) if kind_k == 32 else B[k][col] << (4 * e)
+                if kind_k == 64:
+                    b[lane][r] |= B[k][col] << (4 * e)
+                elif b_type == "e4m3":
+                    b[lane][r] |= B[k][col] << (8 * e)
+                else:
+                    b[lane][r] |= B[k][col] << (8 * e + 2)
     for row in range(16):
         lane = 4 * (row % 8) + 2 * tid_a + row // 8
         for ch in range(kind_k // 32):
@@ -147,18 +163,19 @@ def pack(kind_k, A, B, sa, sb, sel):
             i32(sfb).cuda())
 
 
-def expected(kind_k, A, B, sa, sb):
+def expected(kind_k, b_type, A, B, sa, sb):
     decode_a = e4m3 if kind_k == 32 else e2m1
+    decode_b = e4m3 if b_type == "e4m3" else e2m1
     D = [[0.0] * 8 for _ in range(16)]
     for r in range(16):
         for n in range(8):
-            D[r][n] = sum(decode_a(A[r][k]) * e2m1(B[k][n]) * 2.0 ** (sa[r][k // 32] - 127)
+            D[r][n] = sum(decode_a(A[r][k]) * decode_b(B[k][n]) * 2.0 ** (sa[r][k // 32] - 127)
                           * 2.0 ** (sb[n][k // 32] - 127) for k in range(kind_k))
     return torch.tensor(D, dtype=torch.float64)
 
 
-def run_probe(probe, kind, kind_k, sel_id, sel, A, B, sa, sb):
-    a, b, sfa, sfb = pack(kind_k, A, B, sa, sb, sel)
+def run_probe(probe, kind, kind_k, b_type, sel_id, sel, A, B, sa, sb):
+    a, b, sfa, sfb = pack(kind_k, b_type, A, B, sa, sb, sel)
     d = probe(a, b, sfa, sfb, torch.zeros(32, 4, device="cuda"), kind, sel_id).cpu().double()
     out = torch.empty(16, 8, dtype=torch.float64)
     for lane in range(32):
@@ -167,14 +184,20 @@ def run_probe(probe, kind, kind_k, sel_id, sel, A, B, sa, sb):
     return out
 
 
-def random_operands(kind_k, gen):
+def random_operands(kind_k, b_type, gen):
     def rnd(n):
         return torch.randint(0, n, (1,), generator=gen).item()
-    if kind_k == 32:  # e4m3 with exponent field 5..9 keeps every sum exact in fp32
-        A = [[(rnd(2) << 7) | ((5 + rnd(5)) << 3) | rnd(8) for _ in range(32)] for _ in range(16)]
+
+    def e4m3_in_range():  # exponent field 5..9: e4m3 x e4m3 products are multiples of 2^-10
+        return (rnd(2) << 7) | ((5 + rnd(5)) << 3) | rnd(8)  # below 2^6, so sums stay exact in fp32
+    if kind_k == 32:
+        A = [[e4m3_in_range() for _ in range(32)] for _ in range(16)]
     else:
         A = [[rnd(16) for _ in range(64)] for _ in range(16)]
-    B = [[rnd(16) for _ in range(8)] for _ in range(kind_k)]
+    if b_type == "e4m3":
+        B = [[e4m3_in_range() for _ in range(8)] for _ in range(kind_k)]
+    else:
+        B = [[rnd(16) for _ in range(8)] for _ in range(kind_k)]
     return A, B
 
 
@@ -182,30 +205,35 @@ def random_operands(kind_k, gen):
 @pytest.mark.parametrize("name", sorted(KINDS))
 def test_probe_identity_and_exact_values(ops, name, sel_id):
     _, probe = ops
-    kind, kind_k, sels = KINDS[name]
+    kind, kind_k, b_type, sels = KINDS[name]
     gen = torch.Generator().manual_seed(17 + sel_id)
     chunks = kind_k // 32
-    # identity A: D = B's first 16 rows, each element where the layout says
+    one_b = 0x38 if b_type == "e4m3" else 2  # 1.0
+    # identity A: D = B's first 16 rows, each element where the layout says (e4m3 B: every
+    # byte value but NaN, subnormals included)
     A = [[0] * kind_k for _ in range(16)]
     for r in range(16):
         A[r][r] = 0x38 if kind_k == 32 else 2  # 1.0
-    _, B = random_operands(kind_k, gen)
+    if b_type == "e4m3":
+        B = [[e4m3_any(gen) for _ in range(8)] for _ in range(kind_k)]
+    else:
+        _, B = random_operands(kind_k, b_type, gen)
     ones_a, ones_b = [[127] * chunks for _ in range(16)], [[127] * chunks for _ in range(8)]
-    got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, ones_a, ones_b)
-    assert torch.equal(got, expected(kind_k, A, B, ones_a, ones_b)), "identity A"
+    got = run_probe(probe, kind, kind_k, b_type, sel_id, sels[sel_id], A, B, ones_a, ones_b)
+    assert torch.equal(got, expected(kind_k, b_type, A, B, ones_a, ones_b)), "identity A"
     # identity B: D = A's first 8 columns
-    A, _ = random_operands(kind_k, gen)
-    B = [[2 if k == n else 0 for n in range(8)] for k in range(kind_k)]
-    got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, ones_a, ones_b)
-    assert torch.equal(got, expected(kind_k, A, B, ones_a, ones_b)), "identity B"
+    A, _ = random_operands(kind_k, b_type, gen)
+    B = [[one_b if k == n else 0 for n in range(8)] for k in range(kind_k)]
+    got = run_probe(probe, kind, kind_k, b_type, sel_id, sels[sel_id], A, B, ones_a, ones_b)
+    assert torch.equal(got, expected(kind_k, b_type, A, B, ones_a, ones_b)), "identity B"
     # exactly representable random values and scales: exact results
     for _ in range(3):
-        A, B = random_operands(kind_k, gen)
+        A, B = random_operands(kind_k, b_type, gen)
         lo, span = (125, 5) if kind_k == 64 else (120, 15)
         sa = [[lo + torch.randint(0, span, (1,), generator=gen).item() for _ in range(chunks)] for _ in range(16)]
         sb = [[lo + torch.randint(0, span, (1,), generator=gen).item() for _ in range(chunks)] for _ in range(8)]
-        got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, sa, sb)
-        assert torch.equal(got, expected(kind_k, A, B, sa, sb)), "random exact"
+        got = run_probe(probe, kind, kind_k, b_type, sel_id, sels[sel_id], A, B, sa, sb)
+        assert torch.equal(got, expected(kind_k, b_type, A, B, sa, sb)), "random exact"
 
 
 @pytest.mark.parametrize("sel_id", [0, 1])
@@ -214,38 +242,42 @@ def test_probe_one_lanes_scale_byte(ops, name, sel_id):
     """Scale byte 128 (x2) for one row of A (one column of B) at a time: only that row (column)
     of D doubles, which pins which lane and byte carry each row's (column's) scale."""
     _, probe = ops
-    kind, kind_k, sels = KINDS[name]
+    kind, kind_k, b_type, sels = KINDS[name]
     gen = torch.Generator().manual_seed(5)
-    A, B = random_operands(kind_k, gen)
+    A, B = random_operands(kind_k, b_type, gen)
     chunks = kind_k // 32
     base_a, base_b = [[127] * chunks for _ in range(16)], [[127] * chunks for _ in range(8)]
     for row in range(16):
         for ch in range(chunks):
             sa = [list(x) for x in base_a]
             sa[row][ch] = 128
-            got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, sa, base_b)
-            assert torch.equal(got, expected(kind_k, A, B, sa, base_b)), f"A row {row} chunk {ch}"
+            got = run_probe(probe, kind, kind_k, b_type, sel_id, sels[sel_id], A, B, sa, base_b)
+            assert torch.equal(got, expected(kind_k, b_type, A, B, sa, base_b)), f"A row {row} chunk {ch}"
     for col in range(8):
         for ch in range(chunks):
             sb = [list(x) for x in base_b]
             sb[col][ch] = 128
-            got = run_probe(probe, kind, kind_k, sel_id, sels[sel_id], A, B, base_a, sb)
-            assert torch.equal(got, expected(kind_k, A, B, base_a, sb)), f"B column {col} chunk {ch}"
+            got = run_probe(probe, kind, kind_k, b_type, sel_id, sels[sel_id], A, B, base_a, sb)
+            assert torch.equal(got, expected(kind_k, b_type, A, B, base_a, sb)), f"B column {col} chunk {ch}"
 
 
 # ------------------------------------------------------------------------------------------
 # Attention against the reference.
 # ------------------------------------------------------------------------------------------
 def make_problem(lens, hq, hkv, d, bs, *, qlens=None, per32=False, dtype=torch.bfloat16, seed=0,
-                 k_scales=(123, 128), v_scales=(118, 133)):
+                 k_scales=(123, 128), v_scales=(118, 133), k8v4=False):
     """Random codes and scale bytes straight into a paged cache; every slot no sequence owns
-    (tails of last blocks, spare blocks) is poisoned with 0xFF (codes -6, scales NaN)."""
+    (tails of last blocks, spare blocks) is poisoned with 0xFF (codes -6, scales NaN).
+    ``k8v4``: a K8V4 cache, random E4M3 key bytes (every byte but the two NaNs, which the
+    writer never stores; poisoned slots hold 0xFF, NaN) as float8_e4m3fn [.., D]."""
     gen = torch.Generator().manual_seed(seed)
     nblk = [math.ceil(n / bs) for n in lens]
     total = sum(nblk) + 2
     ids = torch.randperm(total, generator=gen)
     shape = (total, hkv, bs, d // 2)
-    kc = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    kc = torch.randint(0, 256, shape[:3] + ((d,) if k8v4 else (d // 2,)), generator=gen, dtype=torch.uint8)
+    if k8v4:
+        kc = torch.where(kc & 0x7F == 0x7F, kc ^ 1, kc)
     vc = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     sshape = (total, bs, hkv) + ((d // 32,) if per32 else ())
     ks = torch.randint(k_scales[0], k_scales[1] + 1, sshape, generator=gen, dtype=torch.uint8)
@@ -268,6 +300,8 @@ def make_problem(lens, hq, hkv, d, bs, *, qlens=None, per32=False, dtype=torch.b
     q = torch.randn(ntok, hq, d, generator=gen).to(dtype)
     cu = None if qlens is None else torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if k8v4:
+        kc = kc.view(torch.float8_e4m3fn)
     return dict(query=q.cuda(), key_cache=kc.cuda(), value_cache=vc.cuda(), key_scales=ks.cuda(),
                 value_scales=vs.cuda(), block_tables=tables.cuda(), seq_lens=seq_lens.cuda(),
                 cu_query_lens=None if cu is None else cu.cuda())
@@ -485,10 +519,11 @@ def check_transformed(op, call, label):
 
 
 def transformed_problem(lens, config, *, qlens=None, hq=8, hkv=2, d=128, bs=16, scale_group=None, seed=0,
-                        key_offset=0.0, **kw):
+                        key_offset=0.0, key_format="fp4", **kw):
     """A cache written by the reference writer with ``config`` (Gaussian K/V; keys shifted by
-    ``key_offset`` times a fixed Gaussian vector, so the key center m is far from 0) and the
-    validated call that reads it (transforms included: ``prepare_attention``)."""
+    ``key_offset`` times a fixed Gaussian vector, so the key center m is far from 0; ``key_format``
+    as for ``allocate_cache``) and the validated call that reads it (transforms included:
+    ``prepare_attention``)."""
     from turboquant.cache import build_paged_problem
 
     gen = torch.Generator().manual_seed(seed)
@@ -499,7 +534,7 @@ def transformed_problem(lens, config, *, qlens=None, hq=8, hkv=2, d=128, bs=16, 
 
     prob = build_paged_problem(lens, hkv, d, bs, device="cuda", scale_group=scale_group, spare_blocks=2,
                                generator=gen, write_backend="reference", config=config,
-                               kv_factory=kv_factory if key_offset else None)
+                               kv_factory=kv_factory if key_offset else None, key_format=key_format)
     ntok = len(lens) if qlens is None else sum(qlens)
     query = torch.randn(ntok, hq, d, generator=gen).to(torch.bfloat16).cuda()
     cu = None if qlens is None else torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(),
@@ -643,6 +678,165 @@ def test_attention_op_in_cuda_graph_and_torch_compile(ops):
     compiled = torch.compile(fn, fullgraph=True)
     assert torch.equal(compiled(pr["query"]), eager)
 
+
+# ------------------------------------------------------------------------------------------
+# K8V4 (key_format "fp8_e4m3"): E4M3 keys through the e4m3 x e4m3 MMA, FP4 values. The key
+# bytes decode exactly (E4M3 times a power of two), so the derived tolerance is the FP4 one.
+# ------------------------------------------------------------------------------------------
+K8V4_SCALES = (115, 121)  # key scale bytes for random E4M3 bytes (up to 448): logits of order 1
+
+
+def batch17(pattern):
+    return [pattern[i % len(pattern)] for i in range(17)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_k8v4_batch17_head_dims(ops, d, dtype):
+    """17 sequences of 1 / 54 / 97 keys, shuffled block tables, poisoned unused slots, GQA 4,
+    random E4M3 key bytes (subnormals, negatives, +-448), one KV split and several."""
+    pr = make_problem(batch17([1, 54, 97]), 8, 2, d, 16, dtype=dtype, seed=d + 1, k_scales=K8V4_SCALES, k8v4=True)
+    assert pr["key_cache"].dtype == torch.float8_e4m3fn and pr["key_cache"].shape[-1] == d
+    check_against_reference(ops[0], pr, f"k8v4 batch 17 d{d} {dtype}")
+    pr = make_problem([1, 54, 97, 2000], 32, 8, d, 32, dtype=dtype, seed=d + 2, k_scales=K8V4_SCALES, k8v4=True)
+    check_against_reference(ops[0], pr, f"k8v4 8B heads d{d} {dtype}, block 32")
+
+
+def test_k8v4_multi_token_window_softcap(ops):
+    lens, qlens = batch17([1, 54, 97]), batch17([1, 5, 7])
+    pr = make_problem(lens, 16, 4, 128, 16, qlens=qlens, seed=91, k_scales=K8V4_SCALES, k8v4=True)
+    check_against_reference(ops[0], pr, "k8v4 multi-token")
+    check_against_reference(ops[0], pr, "k8v4 multi-token window 40", sliding_window=40)
+    check_against_reference(ops[0], pr, "k8v4 multi-token softcap 5", logits_soft_cap=5.0)
+    # GQA group 16 with 7 query tokens: 112 rows, 7 tiles; head dim 64, block 64
+    pr = make_problem([500, 77], 32, 2, 64, 64, qlens=[7, 2], seed=92, k_scales=K8V4_SCALES, k8v4=True)
+    check_against_reference(ops[0], pr, "k8v4 multi-token group 16")
+
+
+def test_k8v4_cache_written_from_gaussian_kv(ops):
+    """Realistic data: Gaussian K/V written by the reference cache writer (Llama-3-8B heads)."""
+    from turboquant.cache import build_paged_problem
+
+    gen = torch.Generator().manual_seed(93)
+    lens = [2048, 1000, 17, 3000]
+    prob = build_paged_problem(lens, 8, 128, 16, device="cuda", spare_blocks=2, generator=gen,
+                               write_backend="reference", config=PLAIN, key_format="fp8_e4m3")
+    kc, vc, ks, vs = prob.cache
+    pr = dict(query=torch.randn(len(lens), 32, 128, generator=gen).to(torch.bfloat16).cuda(), key_cache=kc,
+              value_cache=vc, key_scales=ks, value_scales=vs, block_tables=prob.block_tables,
+              seq_lens=prob.seq_lens, cu_query_lens=None)
+    check_against_reference(ops[0], pr, "k8v4 gaussian kv")
+
+
+@pytest.mark.parametrize("multi_token", [False, True], ids=["decode", "multi-token"])
+@pytest.mark.parametrize("config", [QuantConfig(), QuantConfig.parse("rotation"), QuantConfig.parse("plain")],
+                         ids=["default", "rotation", "plain"])
+def test_k8v4_transforms(ops, config, multi_token):
+    """K8V4 caches written by the reference writer with the transforms: rotation, key smoothing
+    and the sink act on Q and on the records exactly as with FP4 keys."""
+    lens = batch17([1, 54, 97])
+    qlens = batch17([1, 5, 7]) if multi_token else None
+    _, call = transformed_problem(lens, config, qlens=qlens, seed=94, key_format="fp8_e4m3")
+    assert call.key_format == "fp8_e4m3" and sm120.BACKEND.check_attention(call) is None
+    check_transformed(ops[0], call, f"k8v4 {config.name} {'multi-token' if multi_token else 'decode'}")
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_k8v4_transforms_head_dims_window_softcap(ops, d):
+    """The default transforms at head dims 64 / 256 (the rotation's register / lane split), a
+    window that hides the sink from some rows, and q.m under a soft cap with off-center keys."""
+    lens, qlens = [1, 54, 97, 1000], [1, 4, 6, 5]
+    cfg = QuantConfig()
+    _, call = transformed_problem(lens, cfg, qlens=qlens, d=d, seed=95, key_format="fp8_e4m3")
+    check_transformed(ops[0], call, f"k8v4 default d{d}")
+    _, call = transformed_problem(lens, cfg, qlens=qlens, d=d, seed=95, sliding_window=50, key_format="fp8_e4m3")
+    check_transformed(ops[0], call, f"k8v4 default d{d} window 50")
+    _, call = transformed_problem(lens, cfg, qlens=qlens, d=d, seed=96, key_offset=2.0, logits_soft_cap=3.0,
+                                  key_format="fp8_e4m3")
+    assert call.seq_state[:, :, KEY_CENTER].abs().mean() > 0.5
+    check_transformed(ops[0], call, f"k8v4 default d{d} softcap 3, keys off-center")
+
+
+def test_k8v4_sink_and_nan(ops):
+    """Position 0's E4M3 bytes are never read with the sink (poisoned here: NaN bytes and scale);
+    a one-token sequence returns exactly the un-rotated sink value; a NaN key scale a row sees
+    makes that row NaN, and only those rows."""
+    op = ops[0]
+    prob, call = transformed_problem([1, 40, 1, 200], QuantConfig(), seed=97, key_format="fp8_e4m3")
+    kc, vc, ks, vs = prob.cache
+    for s in range(4):
+        blk = int(prob.block_tables[s, 0])
+        kc.view(torch.uint8)[blk, :, 0], vc[blk, :, 0], ks[blk, 0], vs[blk, 0] = 0xFF, 0xFF, 0xFF, 0xFF
+    out, _ = check_transformed(op, call, "k8v4 sink, position 0 poisoned")
+    assert torch.isfinite(out).all()
+    g = call.num_heads // call.num_kv_heads
+    for s in (0, 2):
+        slot = int(call.state_ids[s])
+        want = unrotate(call.seq_state[slot, :, SINK_VALUE], call.rotation_signs).repeat_interleave(g, 0)
+        assert torch.equal(out[s], want.to(out.dtype)), f"sequence {s}: not the sink value"
+    pr = make_problem([200, 200, 0], 8, 2, 128, 16, seed=98, k_scales=K8V4_SCALES, k8v4=True)
+    blk = int(pr["block_tables"][0, 3])
+    pr["key_scales"][blk, 5, 1] = 255  # key 53 of sequence 0, kv head 1: visible, NaN scale
+    out, _ = check_against_reference(op, pr, "k8v4 NaN key scale")
+    assert torch.isnan(out[0, 4:]).all() and not torch.isnan(out[0, :4]).any()
+    assert (out[2] == 0).all()  # seq_len 0 gives zeros
+
+
+def one_hot_k8v4_problem(d, *, hkv=2, group=8, bs=16, seed=0):
+    """The structured K8V4 probe: key n of kv head h holds one nonzero E4M3 byte, 1.0 at channel
+    perm[h][n] (a random permutation of the D channels), value n is one-hot at channel n (FP4
+    1.0, scale 1). The D / group sequences share one shuffled block table (D + 5 keys; keys D..
+    D + 4 are zero; the unused slots of the last block and a spare block are poisoned: NaN bytes
+    and scales); query (sequence s, head h * group + i) is 30 at channel group * s + i, so every
+    channel is asked once per kv head. With scale 1 the logit of the key whose byte sits at that
+    channel is 30, every other is 0: the output is 1.0 at channel perm[h]^-1(c) and at most
+    about e^-30 elsewhere. A key byte read from the wrong place, or B's e4m3 layout wrong, moves
+    the peak. Returns (problem, expected one-hot outputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    n_keys, n_seqs = d + 5, d // group
+    nblk = math.ceil(n_keys / bs)
+    ids = torch.randperm(nblk + 1, generator=gen)  # the last id: a spare block
+    perm = torch.stack([torch.randperm(d, generator=gen) for _ in range(hkv)])  # [hkv, D]
+    kc = torch.full((nblk + 1, hkv, bs, d), 0xFF, dtype=torch.uint8)
+    vc = torch.full((nblk + 1, hkv, bs, d // 2), 0xFF, dtype=torch.uint8)
+    ks = torch.full((nblk + 1, bs, hkv), 0xFF, dtype=torch.uint8)
+    vs = torch.full((nblk + 1, bs, hkv), 0xFF, dtype=torch.uint8)
+    for n in range(n_keys):
+        blk, off = int(ids[n // bs]), n % bs
+        kc[blk, :, off] = 0
+        vc[blk, :, off] = 0
+        ks[blk, off] = vs[blk, off] = 127
+        if n < d:
+            for h in range(hkv):
+                kc[blk, h, off, perm[h, n]] = 0x38  # E4M3 1.0
+            vc[blk, :, off, n // 2] = 2 << (4 * (n % 2))  # FP4 1.0 at channel n
+    q = torch.zeros(n_seqs, hkv * group, d)
+    want = torch.zeros(n_seqs, hkv * group, d)
+    inverse = perm.argsort(dim=1)
+    for s in range(n_seqs):
+        for h in range(hkv):
+            for i in range(group):
+                c = group * s + i
+                q[s, h * group + i, c] = 30.0
+                want[s, h * group + i, inverse[h, c]] = 1.0
+    table = ids[:nblk].to(torch.int32).repeat(n_seqs, 1)
+    pr = dict(query=q.to(torch.bfloat16).cuda(), key_cache=kc.view(torch.float8_e4m3fn).cuda(), value_cache=vc.cuda(),
+              key_scales=ks.cuda(), value_scales=vs.cuda(), block_tables=table.cuda(),
+              seq_lens=torch.full((n_seqs,), n_keys, dtype=torch.int32).cuda(), cu_query_lens=None)
+    return pr, want
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_k8v4_one_hot_keys_structured_probe(ops, d):
+    pr, want = one_hot_k8v4_problem(d, seed=d)
+    ref = reference_f32(pr, scale=1.0).cpu()
+    torch.testing.assert_close(ref, want, rtol=0, atol=1e-6)  # the probe's premise, on the reference
+    out = run_kernel(ops[0], pr, scale=1.0).float().cpu()
+    wrong = (out.argmax(-1) != want.argmax(-1)).nonzero().tolist()
+    assert not wrong, f"d{d}: (sequence, head) rows whose peak moved: {wrong[:8]}"
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.sm120
 @pytest.mark.skipif(_capability()[0] != 12, reason="needs an SM120-family GPU (compute capability 12.x)")
 def test_dispatcher_picks_sm120_on_compute_capability_12():
@@ -654,6 +848,8 @@ def test_dispatcher_picks_sm120_on_compute_capability_12():
     assert registry.select("auto", "attention", call).name == "sm120"
     _, call = transformed_problem([300, 5], QuantConfig(), hq=32, hkv=8, seed=31)
     assert registry.select("auto", "attention", call).name == "sm120"  # transforms fused
+    _, call = transformed_problem([300, 5], QuantConfig(), hq=32, hkv=8, seed=31, key_format="fp8_e4m3")
+    assert registry.select("auto", "attention", call).name == "sm120"  # K8V4
     out = turboquant.paged_attention_fp4(pr["query"], pr["key_cache"], pr["value_cache"], pr["key_scales"],
                                          pr["value_scales"], pr["block_tables"], pr["seq_lens"],
                                          128 ** -0.5, backend="sm120", config=PLAIN)

@@ -17,10 +17,13 @@ under ``$TURBOQUANT_BUILD_DIR`` or ``~/.cache/turboquant``, named by a hash of t
 
 Supported: query fp16/bf16 on a CUDA device of compute capability 12.x; head_dim 64/128/256;
 one scale per (token, head) or per 32 elements; any block size; any GQA ratio; multi-token
-queries; sliding window; soft cap; the transforms of CONTRACT.md section 2 (rotation, key
+queries; sliding window; soft cap; both key formats: FP4 keys (e4m3 x e2m1 MMAs) and K8V4's
+E4M3 keys (``key_format="fp8_e4m3"``: the e4m3 x e4m3 form of the same instruction, key rows
+of D bytes loaded as they are); the transforms of CONTRACT.md section 2 (rotation, key
 smoothing state records, the sink token, q.m under a soft cap), fused into the kernel's Q
-prologue, a sink merge in split 0 and the un-rotation in the split combiner. The cache writer
-is left to the other backends.
+prologue, a sink merge in split 0 and the un-rotation in the split combiner. Declined with a
+reason: the log-sum-exp output and learned sinks (not in the kernel yet). The cache writer is
+left to the other backends.
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ import torch
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
 from ._jit import load, sources_hash
-from ..registry import (AttentionCall, Backend, key_format_reason, register,
-                        state_outputs_reason, transform_tensors_reason)
+from ..registry import (AttentionCall, Backend, register, state_outputs_reason,
+                        transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_sm120"
 PROBE_SCHEMA = "(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int kind, int selectors) -> Tensor"
@@ -96,8 +99,9 @@ def load_extension(emulate: bool = False) -> Optional[str]:
 class Sm120Backend(Backend):
     name = "sm120"
     priority = 70
-    description = ("block-scaled mma.sync e4m3 x e2m1 (kind::mxf8f6f4) on NVIDIA SM120 "
-                   "(compiled, SASS-checked, emulated on H100; not run on SM120 hardware)")
+    description = ("block-scaled mma.sync e4m3 x e2m1 / e4m3 x e4m3 (kind::mxf8f6f4, FP4 or K8V4 "
+                   "keys) on NVIDIA SM120 (compiled, SASS-checked, emulated on H100; not run on "
+                   "SM120 hardware)")
 
     def unavailable(self) -> Optional[str]:
         if getattr(torch.version, "hip", None) or torch.version.cuda is None:
@@ -111,7 +115,7 @@ class Sm120Backend(Backend):
         return load_extension()
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = key_format_reason(call, "sm120") or state_outputs_reason(call, "sm120")
+        reason = state_outputs_reason(call, "sm120")
         if reason is not None:
             return reason
         q = call.query

@@ -60,8 +60,10 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 using std::isfinite;
+struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct __nv_bfloat16 { uint16_t b; };
@@ -126,7 +128,7 @@ template <class K> static void run_block(int n, K& kernel) {
 }
 
 using namespace tq::sm120;
-template <int D, bool P32>
+template <int D, bool P32, bool K8>
 static void run_grid(const AttentionParams& p, int tile_stride) {
   g_gridDim = {unsigned(p.num_seqs * p.num_kv_heads), unsigned(p.num_splits), unsigned(tile_stride)};
   g_blockDim = {128, 1, 1};
@@ -134,7 +136,7 @@ static void run_grid(const AttentionParams& p, int tile_stride) {
     for (unsigned y = 0; y < g_gridDim.y; ++y)
       for (unsigned x = 0; x < g_gridDim.x; ++x) {
         g_blockIdx = {x, y, z};
-        auto k = [&]() { paged_attention_sm120_kernel<__nv_bfloat16, D, P32>(p); };
+        auto k = [&]() { paged_attention_sm120_kernel<__nv_bfloat16, D, P32, K8>(p); };
         run_block(128, k);
       }
   g_gridDim = {unsigned(p.num_tokens), unsigned(p.num_heads), 1};
@@ -149,9 +151,9 @@ static void run_grid(const AttentionParams& p, int tile_stride) {
 extern "C" int sim_attention(void* out, const void* query, const uint8_t* kc, const uint8_t* vc, const uint8_t* ks,
                              const uint8_t* vs, const int32_t* bt, const int32_t* sl, const int32_t* cu, int num_seqs,
                              int num_tokens, int num_heads, int num_kv_heads, int block_size, int max_blocks,
-                             int num_blocks, int head_dim, int per32, float scale, float cap, int window,
-                             int max_seq_len, const float* signs, const float* state, const int32_t* ids,
-                             int num_slots, int sink, int sm_count) {
+                             int num_blocks, int head_dim, int per32, int key_e4m3, float scale, float cap,
+                             int window, int max_seq_len, const float* signs, const float* state,
+                             const int32_t* ids, int num_slots, int sink, int sm_count) {
   LaunchPlan plan = plan_attention(num_seqs, num_kv_heads, num_heads, num_tokens, cu != nullptr, max_seq_len, sm_count);
   const long long rows = (long long)plan.num_splits * num_tokens * num_heads;
   std::vector<float> ws(rows * (head_dim + 2), std::nanf(""));
@@ -166,13 +168,16 @@ extern "C" int sim_attention(void* out, const void* query, const uint8_t* kc, co
   p.rotation_signs = signs; p.seq_state = state; p.state_ids = ids; p.num_slots = num_slots;
   p.rotation_norm = float(std::pow(double(head_dim), -0.5)); p.sink = sink != 0;
   if (num_seqs == 0 || num_tokens == 0) return plan.num_splits;
-  switch (head_dim * 2 + per32) {
-    case 128: run_grid<64, false>(p, plan.tile_stride); break;
-    case 129: run_grid<64, true>(p, plan.tile_stride); break;
-    case 256: run_grid<128, false>(p, plan.tile_stride); break;
-    case 257: run_grid<128, true>(p, plan.tile_stride); break;
-    case 512: run_grid<256, false>(p, plan.tile_stride); break;
-    case 513: run_grid<256, true>(p, plan.tile_stride); break;
+  switch (head_dim * 4 + per32 * 2 + key_e4m3) {  // K8V4 (key_e4m3): one scale per (token, head)
+    case 256: run_grid<64, false, false>(p, plan.tile_stride); break;
+    case 257: run_grid<64, false, true>(p, plan.tile_stride); break;
+    case 258: run_grid<64, true, false>(p, plan.tile_stride); break;
+    case 512: run_grid<128, false, false>(p, plan.tile_stride); break;
+    case 513: run_grid<128, false, true>(p, plan.tile_stride); break;
+    case 514: run_grid<128, true, false>(p, plan.tile_stride); break;
+    case 1024: run_grid<256, false, false>(p, plan.tile_stride); break;
+    case 1025: run_grid<256, false, true>(p, plan.tile_stride); break;
+    case 1026: run_grid<256, true, false>(p, plan.tile_stride); break;
     default: return -1;
   }
   return plan.num_splits;

@@ -2,6 +2,7 @@
 // simulated lanes get their registers from the documented fragment and scale layouts, run the
 // model (the same code the emulation build runs on the GPU, with a host operand fetch instead
 // of shuffles), and the 16x8 result is compared with a plain matrix product.
+// Kinds: mxf8f6f4 m16n8k32 e4m3 x e2m1 and e4m3 x e4m3, mxf4 m16n8k64 e2m1 x e2m1.
 // Probes: identity A; one lane's scale byte changed; exactly representable random values;
 // every unused scale byte and lane is filled with 0xFF (NaN), so reading a wrong one shows.
 // Build: g++ -std=c++17 -O1 -I csrc_cuda/sm120 csrc_cuda/sm120/tests/layout_host_test.cpp
@@ -32,10 +33,11 @@ struct HostFetch {
 
 // One instruction's operands as matrices: codes, scale bytes per (row or column, 32-k chunk).
 struct Problem {
-  bool k64;            // kind::mxf4 m16n8k64 (e2m1 x e2m1), else mxf8f6f4 m16n8k32 (e4m3 x e2m1)
+  bool k64;            // kind::mxf4 m16n8k64 (e2m1 x e2m1), else mxf8f6f4 m16n8k32 (e4m3 x b_type)
+  BType b_type;        // k32: B is e2m1 (in bits 5..2 of its byte) or e4m3
   int bid_a, tid_a, bid_b, tid_b;
   uint8_t A[16][64];   // e4m3 bytes (k32) or e2m1 codes (k64)
-  uint8_t B[64][8];    // e2m1 codes
+  uint8_t B[64][8];    // e2m1 codes, or e4m3 bytes (k32 with b_type e4m3)
   uint8_t sa[16][2];   // E8M0 per row and 32-k chunk
   uint8_t sb[8][2];
   float C[16][8];
@@ -43,6 +45,15 @@ struct Problem {
 
 int kdim(const Problem& p) { return p.k64 ? 64 : 32; }
 float a_value(const Problem& p, int r, int k) { return p.k64 ? e2m1_value(p.A[r][k]) : e4m3_value(p.A[r][k]); }
+bool b_e4m3(const Problem& p) { return !p.k64 && p.b_type == BType::kE4m3; }
+float b_value(const Problem& p, int k, int n) { return b_e4m3(p) ? e4m3_value(p.B[k][n]) : e2m1_value(p.B[k][n]); }
+uint8_t e4m3_in_range(std::mt19937& rng) {  // exponent field 5..9: values in [0.25, 7.5], either sign
+  return uint8_t((rng() & 0x80) | ((5 + rng() % 5) << 3) | (rng() & 7));
+}
+uint8_t e4m3_any(std::mt19937& rng) {  // any byte but the two NaNs (subnormals, +-448 included)
+  const uint8_t b = uint8_t(rng());
+  return (b & 0x7Fu) == 0x7Fu ? uint8_t(b ^ 1u) : b;
+}
 
 void distribute(const Problem& p, Regs& regs) {
   std::memset(regs.a, 0, sizeof regs.a);
@@ -62,6 +73,8 @@ void distribute(const Problem& p, Regs& regs) {
       if (p.k64) {
         for (int i = 0; i < 8; ++i)
           regs.b[lane][r] |= uint32_t(p.B[k64_b_k(lane, r, i)][k64_b_col(lane)] & 15u) << (4 * i);
+      } else if (b_e4m3(p)) {  // one e4m3 byte per element
+        for (int j = 0; j < 4; ++j) regs.b[lane][r] |= uint32_t(p.B[k32_b_k(lane, r, j)][k32_b_col(lane)]) << (8 * j);
       } else {  // e2m1 in bits 5..2 of each byte
         for (int j = 0; j < 4; ++j) regs.b[lane][r] |= uint32_t(p.B[k32_b_k(lane, r, j)][k32_b_col(lane)] & 15u) << (8 * j + 2);
       }
@@ -91,8 +104,10 @@ void run_model(const Problem& p, const Regs& regs, float D[16][8]) {
     float d[4];
     if (p.k64) {
       model_mxf4_e2m1_e2m1(lane, f, p.bid_a, p.tid_a, p.bid_b, p.tid_b, regs.c[lane], d);
+    } else if (b_e4m3(p)) {
+      model_mxf8f6f4_e4m3<BType::kE4m3>(lane, f, p.bid_a, p.tid_a, p.bid_b, p.tid_b, regs.c[lane], d);
     } else {
-      model_mxf8f6f4_e4m3_e2m1(lane, f, p.bid_a, p.tid_a, p.bid_b, p.tid_b, regs.c[lane], d);
+      model_mxf8f6f4_e4m3<BType::kE2m1>(lane, f, p.bid_a, p.tid_a, p.bid_b, p.tid_b, regs.c[lane], d);
     }
     for (int i = 0; i < 4; ++i) D[cd_row(lane, i)][cd_col(lane, i)] = d[i];
   }
@@ -103,7 +118,7 @@ void reference(const Problem& p, double D[16][8]) {
     for (int n = 0; n < 8; ++n) {
       double acc = p.C[r][n];
       for (int k = 0; k < kdim(p); ++k)
-        acc += double(a_value(p, r, k)) * e2m1_value(p.B[k][n]) * ue8m0_value(p.sa[r][k / 32]) * ue8m0_value(p.sb[n][k / 32]);
+        acc += double(a_value(p, r, k)) * b_value(p, k, n) * ue8m0_value(p.sa[r][k / 32]) * ue8m0_value(p.sb[n][k / 32]);
       D[r][n] = acc;
     }
   }
@@ -128,10 +143,11 @@ void expect_exact(const char* name, const Problem& p) {
   failures += bad != 0;
 }
 
-Problem blank(bool k64, int bid_a, int tid_a, int bid_b, int tid_b) {
+Problem blank(bool k64, BType b_type, int bid_a, int tid_a, int bid_b, int tid_b) {
   Problem p;
   std::memset(&p, 0, sizeof p);
   p.k64 = k64;
+  p.b_type = b_type;
   p.bid_a = bid_a;
   p.tid_a = tid_a;
   p.bid_b = bid_b;
@@ -142,11 +158,11 @@ Problem blank(bool k64, int bid_a, int tid_a, int bid_b, int tid_b) {
 }
 
 void fill_random(Problem& p, std::mt19937& rng, bool random_scales, bool random_c) {
+  // e4m3 x e4m3: products are multiples of 2^-10 below 2^6, so 32-term sums stay exact in fp32
   for (int r = 0; r < 16; ++r)
-    for (int k = 0; k < kdim(p); ++k)  // e4m3 exponent field 5..9: values in [0.25, 7.5]
-      p.A[r][k] = p.k64 ? uint8_t(rng() % 16) : uint8_t((rng() & 0x80) | ((5 + rng() % 5) << 3) | (rng() & 7));
+    for (int k = 0; k < kdim(p); ++k) p.A[r][k] = p.k64 ? uint8_t(rng() % 16) : e4m3_in_range(rng);
   for (int k = 0; k < kdim(p); ++k)
-    for (int n = 0; n < 8; ++n) p.B[k][n] = uint8_t(rng() % 16);
+    for (int n = 0; n < 8; ++n) p.B[k][n] = b_e4m3(p) ? e4m3_in_range(rng) : uint8_t(rng() % 16);
   if (random_scales) {  // k64 sums two scaled chunks: a narrower range keeps the result exact in fp32
     const int lo = p.k64 ? 125 : 120, span = p.k64 ? 5 : 15;
     for (auto& row : p.sa) for (auto& s : row) s = uint8_t(lo + rng() % span);
@@ -156,32 +172,32 @@ void fill_random(Problem& p, std::mt19937& rng, bool random_scales, bool random_
     for (auto& row : p.C) for (auto& c : row) c = float(int(rng() % 8193) - 4096) / 64.0f;
 }
 
-void run_kind(bool k64, int bid_a, int tid_a, int bid_b, int tid_b, std::mt19937& rng) {
+void run_kind(bool k64, BType b_type, int bid_a, int tid_a, int bid_b, int tid_b, std::mt19937& rng) {
   char name[128];
-  const char* kind = k64 ? "mxf4 m16n8k64" : "mxf8f6f4 e4m3xe2m1 m16n8k32";
+  const char* kind = k64 ? "mxf4 m16n8k64" : b_type == BType::kE4m3 ? "mxf8f6f4 e4m3xe4m3 m16n8k32" : "mxf8f6f4 e4m3xe2m1 m16n8k32";
   // Identity A: D = the top 16 rows of B, element for element.
-  Problem p = blank(k64, bid_a, tid_a, bid_b, tid_b);
+  Problem p = blank(k64, b_type, bid_a, tid_a, bid_b, tid_b);
   for (int r = 0; r < 16; ++r) p.A[r][r] = k64 ? 2 : 0x38;  // 1.0
   for (int k = 0; k < kdim(p); ++k)
-    for (int n = 0; n < 8; ++n) p.B[k][n] = uint8_t(rng() % 16);
+    for (int n = 0; n < 8; ++n) p.B[k][n] = b_e4m3(p) ? e4m3_any(rng) : uint8_t(rng() % 16);
   std::snprintf(name, sizeof name, "%s sel{%d,%d,%d,%d} identity A", kind, bid_a, tid_a, bid_b, tid_b);
   expect_exact(name, p);
   // Identity B (its top 8 rows): D = A's columns 0..7.
-  Problem q = blank(k64, bid_a, tid_a, bid_b, tid_b);
+  Problem q = blank(k64, b_type, bid_a, tid_a, bid_b, tid_b);
   fill_random(q, rng, false, false);
   std::memset(q.B, 0, sizeof q.B);
-  for (int n = 0; n < 8; ++n) q.B[n][n] = 2;
+  for (int n = 0; n < 8; ++n) q.B[n][n] = b_e4m3(q) ? 0x38 : 2;  // 1.0
   std::snprintf(name, sizeof name, "%s sel{%d,%d,%d,%d} identity B", kind, bid_a, tid_a, bid_b, tid_b);
   expect_exact(name, q);
   // Random exactly representable values, random scales / random C.
   for (int trial = 0; trial < 4; ++trial) {
-    Problem r = blank(k64, bid_a, tid_a, bid_b, tid_b);
+    Problem r = blank(k64, b_type, bid_a, tid_a, bid_b, tid_b);
     fill_random(r, rng, trial % 2 == 0, trial % 2 == 1);
     std::snprintf(name, sizeof name, "%s sel{%d,%d,%d,%d} random exact #%d", kind, bid_a, tid_a, bid_b, tid_b, trial);
     expect_exact(name, r);
   }
   // One lane's scale byte changed: only the rows / columns that lane carries double.
-  Problem base = blank(k64, bid_a, tid_a, bid_b, tid_b);
+  Problem base = blank(k64, b_type, bid_a, tid_a, bid_b, tid_b);
   fill_random(base, rng, false, false);
   Regs regs;
   distribute(base, regs);
@@ -203,7 +219,7 @@ void run_kind(bool k64, int bid_a, int tid_a, int bid_b, int tid_b, std::mt19937
           double want = d0[r][n];
           if (mine) {  // only the first 32-k chunk's scale changed
             double first = 0.0;
-            for (int k = 0; k < 32; ++k) first += double(a_value(base, r, k)) * e2m1_value(base.B[k][n]);
+            for (int k = 0; k < 32; ++k) first += double(a_value(base, r, k)) * b_value(base, k, n);
             want += first;
           }
           if (!(double(d1[r][n]) == want)) ++bad;
@@ -220,11 +236,14 @@ void run_kind(bool k64, int bid_a, int tid_a, int bid_b, int tid_b, std::mt19937
 
 int main() {
   std::mt19937 rng(120);
-  run_kind(false, 0, 0, 0, 0, rng);
-  run_kind(false, 3, 1, 2, 3, rng);
-  run_kind(false, 1, 0, 3, 1, rng);
-  run_kind(true, 0, 0, 0, 0, rng);
-  run_kind(true, 2, 1, 2, 3, rng);
+  run_kind(false, BType::kE2m1, 0, 0, 0, 0, rng);
+  run_kind(false, BType::kE2m1, 3, 1, 2, 3, rng);
+  run_kind(false, BType::kE2m1, 1, 0, 3, 1, rng);
+  run_kind(false, BType::kE4m3, 0, 0, 0, 0, rng);
+  run_kind(false, BType::kE4m3, 3, 1, 2, 3, rng);
+  run_kind(false, BType::kE4m3, 1, 0, 3, 1, rng);
+  run_kind(true, BType::kE2m1, 0, 0, 0, 0, rng);
+  run_kind(true, BType::kE2m1, 2, 1, 2, 3, rng);
   // Decoders against their definitions.
   int bad = 0;
   const float fp4[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
