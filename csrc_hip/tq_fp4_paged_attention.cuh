@@ -29,6 +29,9 @@
 // Cache (DESIGN.md section 1): key/value uint8 [num_blocks, num_kv_heads, block_size, HEAD/2]
 // of packed E2M1 codes (even element in the low nibble), scales uint8
 // [num_blocks, block_size, num_kv_heads] of E8M0 bytes, one per (token, kv head).
+// K8V4 (KEY_E4M3, DESIGN.md section 1b): the key rows are HEAD E4M3 bytes instead, one E8M0
+// scale per (token, kv head) as before, values unchanged. The kernel gets the value cache's
+// strides; the key cache's are twice those (the same layout with rows twice as long).
 //
 // QK^T: v_mfma_scale_f32_16x16x128_f8f6f4 with A = K (16 tokens) and B = Q (the 16 rows of
 // the tile) in FP8 E4M3, so a lane's accumulator holds logits of one row.
@@ -36,6 +39,12 @@
 //     token's E8M0 byte from the cache: the instruction applies the cache scale itself.
 //   LUT: the FP4 codes are decoded to E4M3 through a 16-entry table (cbsz = 0); scale_a is
 //     still the cache byte, exact because one scale covers the whole row.
+//   KEY_E4M3 (both specializations alike): A is the cache's E4M3 bytes as they are (cbsz = 0,
+//     no table), each lane loading the 2 x 16 bytes of its K group in the FP8 operand order
+//     (row bytes 16g.. and 64 + 16g.. of each 128), scale_a the token's E8M0 byte. A key byte
+//     past HEAD (HEAD 64) or of a token not loaded is the constant 0; a loaded token outside
+//     every row's range may hold any byte, NaN (0x7F) included, but it is alone in its row of
+//     A, so only its own logits see it and those are replaced by -inf.
 //   Q is scaled by one E8M0 power of two per row (largest |q| <= 448) and split into
 //   two E4M3 terms, q = hi + lo / 16, each its own MFMA with scale_b = the row's byte (hi)
 //   or that byte - 4 (lo): about 8 significant bits instead of E4M3's 4. With P split the
@@ -59,7 +68,10 @@
 //   - state record (seq_state [num_slots, num_kv_heads, 5, HEAD], slot r = state_ids[seq]):
 //     q' = q * lam_r in the prologue. A slot outside [0, num_slots) is never read: the
 //     sequence's partials are NaN, so its output rows are. With a soft cap the logit is
-//     scale * (q'.k' + q.m_r): q.m_r is one more row_sum in the prologue.
+//     scale * (q'.k' + q.m_r): q.m_r is one more row_sum in the prologue. A call that wants
+//     the lse output or learned sinks (true_logits) adds q.m_r without a cap too, so that
+//     the partials' max logits, and with them the lse and the sinks' weights, are the true
+//     logits' (softmax itself does not depend on it).
 //   - rotation (rotation_signs [HEAD] of +-1): q' = fwht(q' * s) * HEAD^-0.5 in the prologue,
 //     in registers, in the Q operand's own layout: register qv[c][16b + j] of the lane in K
 //     group g = lane / 16 holds element 128c + 64b + 16g + j, so butterfly stages h = 1, 2,
@@ -76,6 +88,10 @@
 //     m' = max(m, x0), l' = l e^(m - m') + e^(x0 - m'), o' = (o l e^(m - m') + e^(x0 - m') v0) / l'.
 //     x0 = q'.k0 uses the fp32 q' (not its E4M3 terms); v0 is added in fp32 in the epilogue.
 //     A sequence of one token is the sink alone: o' = v0 exactly.
+// Learned sinks and the lse output (CONTRACT.md; turboquant/states.py) live in the reduce:
+// a learned sink is one more logit of its head with no value (not capped, whatever the
+// window), so it joins the max and the denominator of the partials' combination, and the
+// row's lse = m + ln(sum of the weights) comes out of the same numbers.
 // The epilogue stages the partition's fp32 output o'[row][element] in LDS (over the V tile,
 // which is dead by then) so that one wave holds whole rows for the sink term, the NaN of a
 // bad slot and the un-rotation, and stores each row as consecutive elements.
@@ -304,10 +320,11 @@ TQ_HD int token_sequence(const int* cu_query_lens, int num_seqs, int token) {
 
 // grid (row tiles: num_seqs in decode, num_seqs + ceil(num_tokens * GQA / 16) with MULTI_TOKEN;
 //       max_num_partitions, num_kv_heads)  block (256)
-template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool USE_NATIVE_FP4_MFMA, bool MULTI_TOKEN>
+template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool USE_NATIVE_FP4_MFMA, bool MULTI_TOKEN,
+          bool KEY_E4M3>
 TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     const uint16_t* __restrict__ query,       // [num_tokens, num_kv_heads * GQA, HEAD] Scalar, row stride q_stride
-    const uint8_t* __restrict__ key_cache,    // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
+    const uint8_t* __restrict__ key_cache,    // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2] (KEY_E4M3: HEAD)
     const uint8_t* __restrict__ value_cache,  // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
     const uint8_t* __restrict__ key_scales,   // [num_blocks, BLOCK_SIZE, num_kv_heads]
     const uint8_t* __restrict__ value_scales, // [num_blocks, BLOCK_SIZE, num_kv_heads]
@@ -320,17 +337,22 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     float scale, float logits_soft_cap,
     int sliding_window,                       // W > 0: position p sees keys p - W + 1 .. p; 0: off
     int max_blocks_per_seq, int max_num_partitions, int num_seqs, int num_tokens,
-    int num_kv_heads, int q_stride, int64_t kv_block_stride, int kv_head_stride,
-    int kv_seq_stride,
+    int num_kv_heads, int q_stride,
+    int64_t kv_block_stride, int kv_head_stride, int kv_seq_stride,  // value_cache's byte strides
     const float* __restrict__ rotation_signs, // [HEAD] of +-1, or nullptr: no rotation
     const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr: no record
     const int* __restrict__ state_ids,        // [num_seqs]: each sequence's slot (read with seq_state)
-    int num_slots, int sink) {                // sink != 0: position 0 from the record (needs seq_state)
+    int num_slots, int sink,                  // sink != 0: position 0 from the record (needs seq_state)
+    int true_logits) {                        // != 0: logits carry q.m without a soft cap too (lse, learned sinks)
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
   static_assert(GQA >= 1 && (MULTI_TOKEN || GQA <= kTile), "a decode tile holds the whole GQA group");
   static_assert(BLOCK_SIZE >= 16 && BLOCK_SIZE <= kPartition && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0,
                 "block size a power of two in [16, 256]");
-  constexpr int kRowBytes = HEAD / 2;                         // packed FP4 bytes per token row
+  constexpr int kRowBytes = HEAD / 2;                         // packed FP4 bytes per value row
+  // A key row: HEAD / 2 FP4 bytes, or HEAD E4M3 bytes; the key cache's strides are the value
+  // cache's times kKeyStrideScale (the same layout with rows twice as long).
+  constexpr int kKeyRowBytes = KEY_E4M3 ? HEAD : kRowBytes;
+  constexpr int64_t kKeyStrideScale = KEY_E4M3 ? 2 : 1;
   constexpr int kQkSteps = (HEAD + kMfmaK - 1) / kMfmaK;      // MFMAs per 16-token tile
   constexpr int kNTilesPerWave = HEAD / kTile / kWaves;       // PV output tiles per wave
   constexpr int kVDwordsPerRow = kRowBytes / 4;               // V decode: 8 codes per dword
@@ -370,7 +392,9 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   const bool state_bad = has_state && (state_slot < 0 || state_slot >= num_slots);
   const float* record = (has_state && !state_bad)
       ? seq_state + (int64_t(state_slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
-  const bool smooth_cap = has_state && logits_soft_cap > 0.0f;  // logit gets q.m back
+  // The logit gets q.m back: under a soft cap, and when the call wants the true logits
+  // (the lse output, learned sinks: both are in the true logits' terms).
+  const bool add_qm = has_state && (logits_soft_cap > 0.0f || true_logits != 0);
   const bool sink_here = sink != 0 && part == 0 && tile_keys.lo == 0;  // some row sees position 0
   // Row n sees position 0 (in decode every row has the tile's keys: sink_here says it).
   auto sees_sink = [&](int n) { return sink_here && (!MULTI_TOKEN || row_keys(n).lo == 0); };
@@ -416,20 +440,20 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   const uint16_t* qrow = query + int64_t(q0 + row_token(qcol)) * q_stride + int64_t(row_head(qcol)) * HEAD;
   float qv[kQkSteps][32];
   constexpr int kQRegs = HEAD < kMfmaK ? 16 : 32;  // registers j of qv that hold head elements
-  float qdm = 0.0f;  // q.m of the original q (soft cap with a record only), this lane's part
+  float qdm = 0.0f;  // q.m of the original q (add_qm only), this lane's part
   for (int c = 0; c < kQkSteps; ++c)
     for (int j = 0; j < 32; ++j) {
       const int e = c * kMfmaK + mfma_fp8_k(qg, j);
       const bool in = e < HEAD;
       float x = (row_live && in) ? Scalar::to_float(qrow[e]) : 0.0f;
       if (has_state && in) {
-        if (smooth_cap) qdm += x * record_at<HEAD>(record, kKeyCenter, e);
+        if (add_qm) qdm += x * record_at<HEAD>(record, kKeyCenter, e);
         x *= record_at<HEAD>(record, kKeyScale, e);  // q' = q * lam
       }
       if (rotation_signs != nullptr && in) x *= rotation_signs[e];
       qv[c][j] = x;
     }
-  if (smooth_cap) qdm = row_sum(qdm);
+  if (add_qm) qdm = row_sum(qdm);
   if (rotation_signs != nullptr) {
     // q' = fwht(q' * s) * HEAD^-0.5, stages h = 1 .. HEAD/2 in order (see the design note).
     for (int h = 1; h < 16 && h < HEAD; h *= 2)
@@ -482,15 +506,26 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   for (int t = 0; t < kTilesPerWave; ++t) {
     const int ktok = wave * kTokensPerWave + t * kTile + kr;
     const bool klive = loaded(part_start + ktok);
-    const uint8_t* krow = key_cache + lds->row_offset[ktok];
+    const uint8_t* krow = key_cache + kKeyStrideScale * lds->row_offset[ktok];
     const int kscale = lds->kscale[ktok];
+    const u32x4 zero = {0u, 0u, 0u, 0u};
     f32x4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int c = 0; c < kQkSteps; ++c) {
       const int base = c * kFp4BytesPerK;
-      if constexpr (USE_NATIVE_FP4_MFMA) {
+      if constexpr (KEY_E4M3) {
+        // The E4M3 bytes as they are: operand bytes 16h .. 16h + 15 are row bytes
+        // 128c + mfma_fp8_k(g, 16h) onwards (16g, then 64 + 16g), two 16-byte loads.
+        i32x8 a;
+        for (int h = 0; h < 2; ++h) {
+          const int off = c * kMfmaK + mfma_fp8_k(kg, 16 * h);
+          const u32x4 w = (klive && off < kKeyRowBytes) ? load_u32x4(krow + off) : zero;
+          for (int i = 0; i < 4; ++i) a[4 * h + i] = int(w[i]);
+        }
+        acc = mfma_fp8_fp8(a, q8[c], acc, kscale, qscale);
+        acc = mfma_fp8_fp8(a, q8lo[c], acc, kscale, qscale_lo);
+      } else if constexpr (USE_NATIVE_FP4_MFMA) {
         const int off = base + mfma_fp4_first_byte(kg);
-        const u32x4 zero = {0u, 0u, 0u, 0u};
-        const u32x4 a = (klive && off < kRowBytes) ? load_u32x4(krow + off) : zero;
+        const u32x4 a = (klive && off < kKeyRowBytes) ? load_u32x4(krow + off) : zero;
         acc = mfma_qk_fp4_fp8(a, q8[c], acc, kscale, qscale);
         acc = mfma_qk_fp4_fp8(a, q8lo[c], acc, kscale, qscale_lo);
       } else {
@@ -499,7 +534,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
         i32x8 a = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int h = 0; h < 2; ++h) {
           const int off = base + 32 * h + 8 * kg;
-          const uint64_t codes = (klive && off < kRowBytes) ? load_u64(krow + off) : 0u;
+          const uint64_t codes = (klive && off < kKeyRowBytes) ? load_u64(krow + off) : 0u;
           const E4m3x8 d0 = fp4x8_to_e4m3x8(uint32_t(codes));
           const E4m3x8 d1 = fp4x8_to_e4m3x8(uint32_t(codes >> 32));
           a[4 * h + 0] = int(d0.lo);
@@ -697,20 +732,28 @@ TQ_HD PartRange row_partitions(int seq_len, int qn, int qi, int sliding_window, 
 }
 
 // One output element of the reduce: combine the partitions [parts.begin, parts.end) of row
-// `row` of [num_tokens, num_heads] for element d (no partition: 0).
+// `row` of [num_tokens, num_heads] for element d (no partition: 0), with the head's learned
+// sink as one more logit without a value (sink = -inf: none): its weight joins the
+// denominator only. Element 0's thread also writes the row's lse (lse != nullptr): natural-log
+// log-sum-exp of the row's logits, m + ln(den) (-inf for a row that sees nothing, the sink's
+// logit when it has one); NaN when the row's output is NaN (a NaN value scale or state slot
+// makes the partials' outputs NaN, not their sums).
 template <class Scalar, int HEAD>
 TQ_HD void reduce_one(int64_t row, int d, PartRange parts, int max_num_partitions,
                       const float* exp_sums, const float* max_logits, const uint16_t* tmp_out,
-                      uint16_t* out) {
-  float m = -__builtin_inff();
+                      float sink, uint16_t* out, float* lse) {
+  float m = sink;
   for (int p = parts.begin; p < parts.end; ++p) m = fmax_f32(m, max_logits[row * max_num_partitions + p]);
-  float num = 0.0f, den = 0.0f;
+  float num = 0.0f;
+  float den = sink > -__builtin_inff() ? exp2_f32((sink - m) * kLog2e) : 0.0f;
   for (int p = parts.begin; p < parts.end; ++p) {
     const float w = exp_sums[row * max_num_partitions + p] * exp2_f32((max_logits[row * max_num_partitions + p] - m) * kLog2e);
     den += w;
     num += w * Scalar::to_float(tmp_out[(row * max_num_partitions + p) * HEAD + d]);
   }
-  out[row * HEAD + d] = Scalar::from_float(parts.begin < parts.end ? num / den : 0.0f);
+  const float o = parts.begin < parts.end ? num / den : 0.0f;
+  out[row * HEAD + d] = Scalar::from_float(o);
+  if (lse != nullptr && d == 0) lse[row] = o == o ? m + log2_f32(den) * (1.0f / kLog2e) : o;
 }
 
 // The partitions of query token `token` (MULTI_TOKEN: the token's sequence
@@ -732,18 +775,21 @@ TQ_HD PartRange token_partitions(int token, const int* seq_lens, const int* cu_q
 template <class Scalar, int HEAD, bool MULTI_TOKEN>
 TQ_KERNEL(HEAD, HEAD) void tq_fp4_pa_reduce_kernel(
     uint16_t* __restrict__ out,               // [num_tokens, num_heads, HEAD] Scalar
+    float* __restrict__ lse,                  // [num_tokens, num_heads], or nullptr: not wanted
     const float* __restrict__ exp_sums,       // [num_tokens, num_heads, max_num_partitions]
     const float* __restrict__ max_logits,     // [num_tokens, num_heads, max_num_partitions]
     const uint16_t* __restrict__ tmp_out,     // [num_tokens, num_heads, max_num_partitions, HEAD] Scalar
     const int* __restrict__ seq_lens,         // [num_seqs]
     const int* __restrict__ cu_query_lens,    // [num_seqs + 1] with MULTI_TOKEN (decode: unused)
+    const float* __restrict__ sinks,          // [num_heads] learned sink logits, or nullptr: none
     int num_seqs, int num_heads, int max_num_partitions, int sliding_window) {
   const int token = block_id_x();
   const int head = block_id_y();
   const PartRange parts = token_partitions<MULTI_TOKEN>(token, seq_lens, cu_query_lens, num_seqs,
                                                         sliding_window, max_num_partitions);
+  const float sink = sinks != nullptr ? sinks[head] : -__builtin_inff();
   reduce_one<Scalar, HEAD>(int64_t(token) * num_heads + head, thread_id(), parts,
-                           max_num_partitions, exp_sums, max_logits, tmp_out, out);
+                           max_num_partitions, exp_sums, max_logits, tmp_out, sink, out, lse);
 }
 
 }  // namespace tq

@@ -115,6 +115,7 @@ inline void unpack_e4m3x4(uint32_t w, float out[4]) {
 }
 
 inline float exp2_f32(float x) { return exp2f(x); }
+inline float log2_f32(float x) { return log2f(x); }
 inline float ldexp_f32(float x, int e) { return ldexpf(x, e); }
 inline float floor_f32(float x) { return floorf(x); }
 inline float ceil_f32(float x) { return ceilf(x); }
@@ -193,6 +194,7 @@ TQ_HD void unpack_e4m3x4(uint32_t w, float out[4]) {
 }
 
 TQ_HD float exp2_f32(float x) { return __builtin_exp2f(x); }
+TQ_HD float log2_f32(float x) { return __builtin_log2f(x); }
 TQ_HD float ldexp_f32(float x, int e) { return __builtin_ldexpf(x, e); }
 TQ_HD float floor_f32(float x) { return __builtin_floorf(x); }
 TQ_HD float ceil_f32(float x) { return __builtin_ceilf(x); }

@@ -80,11 +80,12 @@ def test_unpatched_aiter_names_the_command(fake_gfx950, monkeypatch, tmp_path):
     assert reason is None or "import aiter" in reason or "lacks paged_attention_fp4" in reason
 
 
-def _call(seq_lens=(20, 33), hkv=2, gqa=4, d=128, bs=16, q_lens=None, scale_group=None, **kw):
+def _call(seq_lens=(20, 33), hkv=2, gqa=4, d=128, bs=16, q_lens=None, scale_group=None,
+          key_format="fp4", **kw):
     """A call over a small cache; q_lens: query tokens per sequence (with cu_query_lens)."""
     prob = build_paged_problem(list(seq_lens), hkv, d, bs, write_backend="reference",
                                generator=torch.Generator().manual_seed(0), config=PLAIN,
-                               scale_group=scale_group)
+                               scale_group=scale_group, key_format=key_format)
     num_tokens = len(seq_lens) if q_lens is None else sum(q_lens)
     q = torch.randn(num_tokens, hkv * gqa, d).to(torch.bfloat16)
     args = dict(cu_query_lens=None, sliding_window=0, logits_soft_cap=0.0, max_seq_len=None)
@@ -107,10 +108,25 @@ def test_declines_with_reasons():
     assert "per-32 scales" in b.check_attention(_call(scale_group=32))
     assert "head_dim 96" in b.check_attention(_call(d=96))
     call = _call()
-    assert "aiter" in b.check_attention(dataclasses.replace(call, sinks=torch.zeros(8)))
-    assert "aiter" in b.check_attention(dataclasses.replace(call, return_lse=True))
+    # learned sinks and the lse output are in the kernel: only the device stops them here
+    for other in (dataclasses.replace(call, sinks=torch.zeros(8)),
+                  dataclasses.replace(call, return_lse=True),
+                  dataclasses.replace(call, sinks=torch.zeros(8), return_lse=True)):
+        assert DEVICE in b.check_attention(other)
     assert DEVICE in b.check_attention(call)
     assert "no cache writer" in b.check_cache_write(None)
+
+
+def test_k8v4_is_not_declined():
+    """A K8V4 cache (E4M3 keys, rows of D bytes) gets past every kernel check, decode and
+    multi-token, all head dims (here it stops at the device; the launcher's key_cache
+    checks are in tests/test_aiter_routing.py)."""
+    b = tq_aiter.BACKEND
+    for kw in (dict(), dict(d=64, gqa=8), dict(d=256, q_lens=(3, 5), sliding_window=4)):
+        call = _call(key_format="fp8_e4m3", **kw)
+        assert call.key_format == "fp8_e4m3"
+        reason = b.check_attention(call)
+        assert DEVICE in reason and "fp8_e4m3" not in reason, reason
 
 
 @pytest.mark.parametrize("kw", [dict(q_lens=(5, 17)), dict(q_lens=(1, 1)), dict(sliding_window=8),
@@ -237,3 +253,37 @@ def test_on_gfx950_multi_token_and_window_match_reference(config, lut, monkeypat
         assert torch.isfinite(out).all()
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < 1e-2, (window, cap, rel)  # the lane simulation: about 1e-3 on such data
+
+
+@pytest.mark.gfx950
+@pytest.mark.parametrize("lut", [False, True], ids=["native", "lut"])
+@pytest.mark.parametrize("config", ["default", "plain"])
+def test_on_gfx950_k8v4_matches_reference(config, lut, monkeypatch):
+    """On an MI355X with a patched AITER: a K8V4 cache (E4M3 keys), decode and multi-token
+    with a window and a soft cap, against the reference."""
+    from turboquant.config import QuantConfig
+
+    reason = tq_aiter.BACKEND.unavailable()
+    if reason is not None:
+        pytest.skip(f"aiter backend: {reason}")
+    monkeypatch.setenv("AITER_FP4_KV_LUT", "1" if lut else "0")
+    lens, q_lens = [1, 54, 97, 300, 1000, 40], [1, 5, 20, 7, 33, 40]
+    for d in (64, 128, 256):
+        prob = build_paged_problem(lens, 8, d, 16, device="cuda", spare_blocks=3,
+                                   generator=torch.Generator().manual_seed(1),
+                                   config=QuantConfig.parse(config), key_format="fp8_e4m3")
+        gen = torch.Generator().manual_seed(2)
+        for cu_lens in (None, q_lens):
+            n = len(lens) if cu_lens is None else sum(cu_lens)
+            q = torch.randn(n, 32, d, generator=gen).to("cuda", torch.bfloat16)
+            kw = dict(prob.kwargs, logits_soft_cap=5.0)
+            if cu_lens is not None:
+                kw.update(cu_query_lens=torch.tensor([0, *itertools.accumulate(cu_lens)],
+                                                     dtype=torch.int32, device="cuda"),
+                          sliding_window=16)
+            args = (q, *prob.cache, prob.block_tables, prob.seq_lens, d ** -0.5)
+            out = turboquant.paged_attention_fp4(*args, backend="aiter", **kw)
+            ref = turboquant.paged_attention_fp4(*args, backend="reference", **kw)
+            assert torch.isfinite(out).all()
+            rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert rel < 1e-2, (d, cu_lens is None, rel)

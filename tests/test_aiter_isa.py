@@ -56,9 +56,10 @@ def isa(tmp_path_factory):
     return kernels(compile_to_asm(ISA_TU, tmp_path_factory.mktemp("isa") / "isa.s"))
 
 
-def _one(isa, native: bool, multi: bool = False):
-    """The partition kernel <..., USE_NATIVE_FP4_MFMA = native, MULTI_TOKEN = multi>."""
-    tag = f"ELb{int(native)}ELb{int(multi)}EEEv"
+def _one(isa, native: bool, multi: bool = False, key_e4m3: bool = False):
+    """The partition kernel <..., USE_NATIVE_FP4_MFMA = native, MULTI_TOKEN = multi,
+    KEY_E4M3 = key_e4m3>."""
+    tag = f"ELb{int(native)}ELb{int(multi)}ELb{int(key_e4m3)}EEEv"
     names = [n for n in isa if "partition_kernel" in n and tag in n]
     assert len(names) == 1, names
     return isa[names[0]]
@@ -134,6 +135,28 @@ def test_multi_token_kernel_same_forms_and_occupancy(isa, native):
     assert multi["stats"]["Occupancy"] >= decode["stats"]["Occupancy"]
 
 
+@pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi-token"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_k8v4_keys_use_the_fp8_operand(isa, native, multi):
+    """K8V4 (KEY_E4M3): the key operand of QK is the E4M3 bytes as they are, i.e. format 0
+    (no cbsz:4, no table) in both specializations; the same 16 MFMAs per wave and partition as
+    the FP4 kernels, no spills, and the native FP4 decode kernel's occupancy."""
+    k = _one(isa, native, multi, key_e4m3=True)
+    lines = [ln.strip() for ln in k["body"].splitlines() if MFMA in ln]
+    for ln in lines:
+        print(ln)
+    assert len(lines) == 16
+    assert not [ln for ln in lines if "cbsz" in ln or "blgp" in ln]
+    # every operand pair is 8 + 8 VGPRs (FP8 x FP8): QK's A is 32 key bytes per lane
+    for ln in lines:
+        a0, a1, b0, b1 = map(int, re.search(r"v\[\d+:\d+\], v\[(\d+):(\d+)\], v\[(\d+):(\d+)\]",
+                                            ln).groups())
+        assert (a1 - a0, b1 - b0) == (7, 7), ln
+    _no_spills(k)
+    _report(f"k8v4 {'native' if native else 'lut'} {'multi-token' if multi else 'decode'}", k)
+    assert k["stats"]["Occupancy"] >= DECODE_OCCUPANCY[True]
+
+
 def test_reduce_kernels(isa):
     names = [n for n in isa if "reduce_kernel" in n]
     assert len(names) == 2  # decode, multi-token
@@ -151,21 +174,23 @@ SHAPES = [  # (scalar, head, block, gqa)
 
 def test_shape_matrix_compiles_without_spills(tmp_path):
     """Every (head, block, GQA, dtype) class the backend can launch, both paths, decode and
-    multi-token: no spills."""
+    multi-token, FP4 and E4M3 (K8V4) keys: no spills."""
     args = ("const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, "
             "const int*, const int*, const int*, float*, float*, uint16_t*, float, float, int, "
             "int, int, int, int, int, int, int64_t, int, int, const float*, const float*, "
-            "const int*, int, int")
+            "const int*, int, int, int")
     lines = ['#include "tq_fp4_paged_attention.cuh"']
     for scalar, head, block, gqa in SHAPES:
         for native in ("true", "false"):
             for multi in ("false", "true") if gqa <= 16 else ("true",):
-                lines.append(f"template __attribute__((global)) void tq::tq_fp4_pa_partition_kernel"
-                             f"<tq::{scalar}, {head}, {block}, {gqa}, {native}, {multi}>({args});")
+                for key8 in ("false", "true"):
+                    lines.append(f"template __attribute__((global)) void "
+                                 f"tq::tq_fp4_pa_partition_kernel<tq::{scalar}, {head}, {block}, "
+                                 f"{gqa}, {native}, {multi}, {key8}>({args});")
     src = tmp_path / "matrix.hip"
     src.write_text("\n".join(lines) + "\n")
     ks = kernels(compile_to_asm(src, tmp_path / "matrix.s"))
-    assert len(ks) == sum(4 if gqa <= 16 else 2 for _, _, _, gqa in SHAPES)
+    assert len(ks) == sum(8 if gqa <= 16 else 4 for _, _, _, gqa in SHAPES)
     for name, k in sorted(ks.items()):
         _no_spills(k)
         assert MFMA in k["body"]

@@ -20,6 +20,10 @@ Multi-token queries (cu_query_lens: the kernel's multi-token instantiation, rows
 token, head) in row tiles), sliding windows and soft cap run through the same comparison, with
 structured probes: rows that see exactly one key, a NaN scale that must reach exactly the rows
 whose range holds it, window edges, a saturating cap.
+
+K8V4 caches (E4M3 keys, ``key_format="fp8_e4m3"``) run the KEY_E4M3 instantiations through the
+same comparisons, plus a one-hot key probe whose output peak moves under any byte-order or
+lane error in the FP8 key operand.
 """
 from __future__ import annotations
 
@@ -71,10 +75,12 @@ def _ptr(t):
 
 def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_cap=0.0,
             rotation_signs=None, seq_state=None, state_ids=None, sink=False, cu_query_lens=None,
-            sliding_window=0):
+            sliding_window=0, sinks=None, return_lse=False):
     """The simulated kernel pair (partition + reduce): -> out like query. The transforms'
     tensors as in an AttentionCall (None: off); cu_query_lens None: decode (the decode
-    instantiation), else the multi-token one."""
+    instantiation), else the multi-token one; a float8_e4m3fn key cache runs the K8V4
+    instantiation (E4M3 keys), which takes the value cache's strides. sinks: learned sink
+    logits float32 [num_heads]; return_lse: -> (out, lse float32 [num_tokens, num_heads])."""
     key_cache, value_cache, key_scales, value_scales = cache
     num_tokens, num_heads, head = query.shape
     num_seqs = seq_lens.shape[0]
@@ -84,18 +90,20 @@ def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_ca
     max_logits = torch.full_like(exp_sums, float("nan"))
     tmp_out = torch.zeros((num_tokens, num_heads, max_parts, head), dtype=query.dtype)
     out = torch.full_like(query, float("nan"))
+    lse = torch.full((num_tokens, num_heads), 12345.0) if return_lse else None  # must be written
     query = query.contiguous()
     rc = lib.tq_sim_paged_attention(
         int(query.dtype == torch.bfloat16), head, block_size, num_heads // num_kv_heads, int(native),
+        int(key_cache.dtype == torch.float8_e4m3fn),
         _ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(key_scales), _ptr(value_scales),
         _ptr(block_tables), _ptr(seq_lens), _ptr(cu_query_lens), _ptr(exp_sums), _ptr(max_logits),
         _ptr(tmp_out), _ptr(out), ctypes.c_float(scale), ctypes.c_float(soft_cap),
         int(sliding_window), num_seqs, num_tokens, num_kv_heads, block_tables.shape[1], max_parts,
-        query.stride(0), ctypes.c_long(key_cache.stride(0)), key_cache.stride(1),
-        key_cache.stride(2), _ptr(rotation_signs), _ptr(seq_state), _ptr(state_ids),
-        0 if seq_state is None else seq_state.shape[0], int(sink))
+        query.stride(0), ctypes.c_long(value_cache.stride(0)), value_cache.stride(1),
+        value_cache.stride(2), _ptr(rotation_signs), _ptr(seq_state), _ptr(state_ids),
+        0 if seq_state is None else seq_state.shape[0], int(sink), _ptr(sinks), _ptr(lse))
     assert rc == 0, f"lane simulation failed (rc={rc}: -1 barrier deadlock, -2 no instantiation)"
-    return out
+    return (out, lse) if return_lse else out
 
 
 def reference(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, cu_query_lens=None,
@@ -131,13 +139,17 @@ def _q_scale_byte(amax):
 
 
 def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_signs=None,
-            seq_state=None, state_ids=None, sink=False, cu_query_lens=None, sliding_window=0):
-    """The kernel's arithmetic in float64 without any lane layout; the transforms in fp32 as
+            seq_state=None, state_ids=None, sink=False, cu_query_lens=None, sliding_window=0,
+            sinks=None, return_lse=False):
+    """The kernel's arithmetic in float64 without any lane layout (FP4 or E4M3 keys times
+    their scale); the transforms in fp32 as
     the kernel does them (q' = rotate(q * lam); the sink as one more fp32 key of partition 0,
     merged by log-sum-exp for the rows that see position 0; each partition's output un-rotated
     before its rounding). Rows are (query token, head); a row at position p sees keys
     max(0, p - W + 1) .. p (W = sliding_window, 0: from 0), each partition that holds some of
-    them gives a partial, the others none."""
+    them gives a partial, the others none. Learned sinks (sinks [num_heads]) join the combine as
+    one more logit without a value; with sinks or return_lse the logits carry q.m (a record)
+    without a soft cap too; return_lse: -> (out, lse)."""
     key_cache, value_cache, key_scales, value_scales = cache
     num_tokens, num_heads, head = query.shape
     num_seqs = seq_lens.shape[0]
@@ -145,6 +157,10 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
     gqa = num_heads // hkv
     starts = list(range(num_seqs + 1)) if cu_query_lens is None else cu_query_lens.tolist()
     out = torch.zeros(query.shape, dtype=torch.float64)
+    lse_out = torch.full(query.shape[:2], float("-inf"), dtype=torch.float64)
+    if sinks is not None:
+        lse_out[:] = sinks.double()[None]  # a row that sees nothing: the sink's logit
+    true_logits = sinks is not None or return_lse
     first = 1 if sink else 0  # the FP4 stream serves positions first .. n-1
     for s in range(num_seqs):
         n, q0, q1 = int(seq_lens[s]), starts[s], starts[s + 1]
@@ -156,6 +172,7 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             r = int(state_ids[s])
             if not 0 <= r < seq_state.shape[0]:
                 out[q0:q1] = float("nan")
+                lse_out[q0:q1] = float("nan")
                 continue
             record = seq_state[r]  # [Hkv, 5, D]
         pos = torch.arange(n)
@@ -165,7 +182,10 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
         blk = block_tables[s, pos // bs].long()
         slot = pos % bs
         for h in range(hkv):
-            k4 = decode_e2m1(unpack_fp4(key_cache[blk, h, slot])).double()  # [n, D]
+            if key_cache.dtype == torch.float8_e4m3fn:  # K8V4: the E4M3 bytes' values
+                k4 = key_cache[blk, h, slot].double()  # [n, D]
+            else:
+                k4 = decode_e2m1(unpack_fp4(key_cache[blk, h, slot])).double()
             v4 = decode_e2m1(unpack_fp4(value_cache[blk, h, slot])).double()
             ks = key_scales[blk, slot, h].long()
             vs = value_scales[blk, slot, h].long()
@@ -175,7 +195,7 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             q = query[q0:q1, h * gqa:(h + 1) * gqa].float().reshape(nq * gqa, head)  # token-major rows
             qdm = torch.zeros(nq * gqa, dtype=torch.float64)
             if record is not None:
-                if soft_cap > 0:
+                if soft_cap > 0 or true_logits:
                     qdm = (q.double() * record[h, KEY_CENTER].double()).sum(-1)
                 q = q * record[h, KEY_SCALE]
             if rotation_signs is not None:
@@ -229,6 +249,10 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             mg = torch.where(inc, ms, float("-inf")).max(dim=0).values
             num = torch.zeros_like(rows)
             den = torch.zeros(nq * gqa, dtype=torch.float64)
+            if sinks is not None:  # one more logit per head, no value
+                sk = sinks[h * gqa:(h + 1) * gqa].double().repeat(nq)  # token-major rows
+                mg = torch.maximum(mg, sk)
+                den = torch.exp(sk - mg)
             for hs, m, l, t in parts:
                 w = l * torch.exp(m - mg)
                 num = num + torch.where(hs[:, None], w[:, None] * t, 0.0)
@@ -236,7 +260,10 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             anyp = inc.any(0)
             rows = torch.where(anyp[:, None], num / torch.where(anyp, den, 1.0)[:, None], 0.0)
             out[q0:q1, h * gqa:(h + 1) * gqa] = rows.view(nq, gqa, head)
-    return out.to(query.dtype)
+            row_lse = torch.where(torch.isnan(rows[:, 0]), float("nan"), mg + torch.log(den))
+            lse_out[q0:q1, h * gqa:(h + 1) * gqa] = row_lse.view(nq, gqa)
+    out = out.to(query.dtype)
+    return (out, lse_out.float()) if return_lse else out
 
 
 def _rel_err(a, b):
@@ -245,11 +272,11 @@ def _rel_err(a, b):
 
 
 def _problem(seq_lens, hkv, head, bs, dtype=torch.bfloat16, seed=0, kv_factory=None,
-             config=PLAIN):
+             config=PLAIN, key_format="fp4"):
     gen = torch.Generator().manual_seed(seed)
     return build_paged_problem(seq_lens, hkv, head, bs, dtype=dtype, generator=gen,
                                spare_blocks=2, poison=True, write_backend="reference",
-                               kv_factory=kv_factory, config=config), gen
+                               kv_factory=kv_factory, config=config, key_format=key_format), gen
 
 
 CONFIGS = [  # (dtype, head, block_size, gqa, num_kv_heads, seq_lens)
@@ -596,11 +623,11 @@ def _cu(q_lens):
 
 
 def _multi_problem(seq_lens, q_lens, hkv, head, bs, gqa, dtype=torch.bfloat16, seed=0,
-                   config=PLAIN, kv_factory=None):
+                   config=PLAIN, kv_factory=None, key_format="fp4"):
     """A paged problem (shuffled blocks, 0xFF-poisoned unused slots) with q_lens[s] query tokens
     for sequence s: -> (problem, query [sum(q_lens), hkv * gqa, head], cu_query_lens)."""
     prob, gen = _problem(seq_lens, hkv, head, bs, dtype, seed=seed, config=config,
-                         kv_factory=kv_factory)
+                         kv_factory=kv_factory, key_format=key_format)
     query = torch.randn((sum(q_lens), hkv * gqa, head), generator=gen).to(dtype)
     return prob, query, _cu(q_lens)
 
@@ -777,3 +804,271 @@ def test_lane_sim_gqa_above_16(sim_lib, native):
     call = _transform_call(prob, query, 0.125, soft_cap=5.0, cu_query_lens=cu, sliding_window=40)
     out, _ = _check(sim_lib, call, native, label="gqa 32 multi-token W=40")
     assert torch.isfinite(out).all()
+
+
+# --------------------------------------------------------------------------- K8V4 (E4M3 keys)
+
+K8V4_LENS = [1, 54, 97] * 5 + [300, 0]  # a batch of 17: one token, odd lengths, 2 partitions, empty
+K8V4_SHAPES = [  # (dtype, head, block_size, gqa, num_kv_heads): the lane simulation's K8V4 list
+    (torch.bfloat16, 128, 16, 4, 2),
+    (torch.bfloat16, 64, 16, 8, 1),
+    (torch.bfloat16, 256, 32, 2, 1),
+    (torch.float16, 128, 16, 16, 1),
+]
+K8V4_IDS = ["bf16-d128-bs16-g4", "bf16-d64-bs16-g8", "bf16-d256-bs32-g2", "fp16-d128-bs16-g16"]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+@pytest.mark.parametrize("shape", K8V4_SHAPES, ids=K8V4_IDS)
+def test_lane_sim_k8v4_decode(sim_lib, shape, native):
+    """E4M3 keys (K8V4, the E4M3 bytes straight into the MFMA's FP8 operand), a batch of 17
+    (lengths 1 / 54 / 97 / 300 / 0), shuffled blocks and 0xFF-poisoned unused slots (0xFF is an
+    E4M3 NaN as well as a NaN scale), plain and with the default transforms."""
+    dtype, head, bs, gqa, hkv = shape
+    for name in ("plain", "default"):
+        prob, gen = _problem(K8V4_LENS, hkv, head, bs, dtype, seed=41,
+                             config=TRANSFORM_CONFIGS[name], key_format="fp8_e4m3")
+        assert prob.cache.key_cache.dtype == torch.float8_e4m3fn
+        assert prob.cache.key_cache.shape[-1] == head
+        query = torch.randn((len(K8V4_LENS), hkv * gqa, head), generator=gen).to(dtype)
+        call = _transform_call(prob, query, head ** -0.5)
+        out, ref = _check(sim_lib, call, native, label=f"k8v4 {name} {shape}")
+        assert torch.isfinite(out).all(), "poisoned slots reached the output"
+        assert (out[torch.tensor(K8V4_LENS) == 0] == 0).all(), "seq_len 0 must give zeros"
+        if name == "default":
+            one = K8V4_LENS.index(1)
+            assert torch.equal(out[one], ref[one]), "one token: exactly the un-rotated sink value"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+@pytest.mark.parametrize("shape", [
+    # rows 4 .. 80 per sequence, windows across the partition boundary, a soft cap
+    pytest.param((torch.bfloat16, 128, 16, 4, 2, [1, 54, 97, 300], [1, 5, 20, 7], [0, 16, 60]),
+                 marks=pytest.mark.slow),
+    (torch.bfloat16, 64, 16, 8, 1, [97, 17, 1], [9, 17, 1], [0, 13]),
+    (torch.bfloat16, 256, 32, 2, 1, [54, 300], [3, 2], [0, 257]),
+    (torch.float16, 128, 16, 16, 1, [54, 17], [3, 17], [0, 13]),
+], ids=K8V4_IDS)
+def test_lane_sim_k8v4_multi_token_window_cap(sim_lib, shape, native):
+    """K8V4 with several query tokens per sequence, sliding windows (a soft cap with every
+    other one), plain and with the default transforms (rotation, key smoothing with q.m under
+    the cap, sink)."""
+    dtype, head, bs, gqa, hkv, seq_lens, q_lens, windows = shape
+    for name in ("plain", "default"):
+        prob, query, cu = _multi_problem(seq_lens, q_lens, hkv, head, bs, gqa, dtype, seed=45,
+                                         config=TRANSFORM_CONFIGS[name], key_format="fp8_e4m3")
+        for i, w in enumerate(windows):  # the soft cap on every other window
+            cap = 4.0 if i % 2 else 0.0
+            call = _transform_call(prob, 4 * query, head ** -0.5, soft_cap=cap,
+                                   cu_query_lens=cu, sliding_window=w)
+            out, _ = _check(sim_lib, call, native, label=f"k8v4 {name} W={w} cap={cap}")
+            assert torch.isfinite(out).all()
+
+
+def _one_hot_keys(seq, shape):
+    """K row t = 1.5 at element t % D (else 0); V row t = 1.0 at element (3 t + 1) % D."""
+    n, hkv, d = shape
+    k = torch.zeros(shape)
+    v = torch.zeros(shape)
+    t = torch.arange(n)
+    k[t, :, t % d] = 1.5
+    v[t, :, (3 * t + 1) % d] = 1.0
+    return k.to(torch.bfloat16), v.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+@pytest.mark.parametrize("shape", K8V4_SHAPES, ids=K8V4_IDS)
+def test_lane_sim_k8v4_one_hot_probe(sim_lib, shape, native):
+    """One-hot E4M3 keys (token t at element t % D) and one query element e per head far above
+    the rest: token e has the only large logit, and its one-hot value puts the output's peak
+    at element 3e + 1. A key byte read from the wrong place of the row, a lane in the wrong K
+    group or a wrong token-row mapping moves (or flattens) the peak."""
+    dtype, head, bs, gqa, hkv = shape
+    n = head - 3  # every token's key element is distinct
+    prob, gen = _problem([n, 54], hkv, head, bs, dtype, kv_factory=_one_hot_keys,
+                         key_format="fp8_e4m3")
+    nh = hkv * gqa
+    query = 0.05 * torch.randn((2, nh, head), generator=gen)
+    peaks = torch.tensor([[(7 * h + 11 * s + 5) % [n, 54][s] for h in range(nh)] for s in range(2)])
+    for s in range(2):
+        query[s, torch.arange(nh), peaks[s]] = 20.0
+    query = query.to(dtype)
+    args = (query, prob.cache, prob.block_tables, prob.seq_lens, 1.0)
+    out = run_sim(sim_lib, *args, native=native)
+    assert _rel_err(out, emulate(*args)) < 1e-3
+    assert _rel_err(out, reference(*args)) < 1e-2
+    for s in range(2):
+        assert torch.equal(out[s].float().argmax(-1), (3 * peaks[s] + 1) % head), s
+        assert (out[s].float().amax(-1) > 0.99).all()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_k8v4_nan_and_position_zero(sim_lib, native):
+    """A NaN E4M3 key byte (0x7F) or a NaN key scale on a visible token makes its kv head's
+    rows NaN (the reference too) and leaves the other kv head's bits alone; with the sink,
+    position 0's key bytes and scales poisoned to 0xFF change nothing."""
+    prob, gen = _problem([300], 2, 128, 16, seed=47, key_format="fp8_e4m3")
+    query = torch.randn((1, 8, 128), generator=gen).to(torch.bfloat16)
+    rest = (prob.block_tables, prob.seq_lens, 128 ** -0.5)
+    base = run_sim(sim_lib, query, prob.cache, *rest, native=native)
+    blk, slot = int(prob.block_tables[0, 290 // 16]), 290 % 16
+    for what in ("byte", "scale"):
+        bad = [t.clone() for t in prob.cache]
+        if what == "byte":
+            bad[0].view(torch.uint8)[blk, 0, slot, 77] = 0x7F
+        else:
+            bad[2][blk, slot, 0] = 255
+        out = run_sim(sim_lib, query, bad, *rest, native=native)
+        assert torch.isnan(out[0, :4]).all(), what
+        assert torch.equal(out[0, 4:], base[0, 4:]), what
+        assert torch.isnan(reference(query, bad, *rest)[0, :4]).all(), what
+    prob, gen = _problem([1, 54, 300], 2, 128, 16, seed=49, config=QuantConfig(),
+                         key_format="fp8_e4m3")
+    query = torch.randn((3, 8, 128), generator=gen).to(torch.bfloat16)
+    call = _transform_call(prob, query, 128 ** -0.5, soft_cap=6.0)
+    good = _sim_call(sim_lib, call, native)
+    keys, scales = prob.cache.key_cache.clone(), prob.cache.key_scales.clone()
+    for s in range(3):
+        blk = int(prob.block_tables[s, 0])
+        keys.view(torch.uint8)[blk, :, 0] = 0xFF
+        scales[blk, 0] = 0xFF
+    poisoned = dataclasses.replace(call, key_cache=keys, key_scales=scales)
+    assert torch.equal(_sim_call(sim_lib, poisoned, native), good)
+
+
+def test_lane_sim_k8v4_does_not_depend_on_thread_order(sim_lib):
+    prob, query, cu = _multi_problem([97, 300], [5, 2], 2, 64, 16, 8, seed=51,
+                                     config=QuantConfig(), key_format="fp8_e4m3")
+    call = _transform_call(prob, query, 0.125, soft_cap=4.0, cu_query_lens=cu, sliding_window=50)
+    outs = []
+    for mode, seed in ((0, 1), (1, 1), (2, 7)):
+        sim_lib.tq_sim_set_schedule(mode, seed)
+        outs.append(_sim_call(sim_lib, call, True))
+    sim_lib.tq_sim_set_schedule(0, 1)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+# --------------------------------------------------------------------------- learned sinks, lse
+
+def _state_outputs(lib, call, native, sinks):
+    """(out, lse) of the simulated kernel, the emulation and the reference for ``call`` with
+    learned sinks (or None) and the lse output."""
+    kw = dict(cu_query_lens=call.cu_query_lens, sliding_window=call.sliding_window)
+    tensors = (call.query, (call.key_cache, call.value_cache, call.key_scales, call.value_scales),
+               call.block_tables, call.seq_lens, call.scale)
+    transforms = dict(rotation_signs=call.rotation_signs, seq_state=call.seq_state,
+                      state_ids=call.state_ids, sink=call.sink)
+    sim = run_sim(lib, *tensors, native=native, soft_cap=call.logits_soft_cap, sinks=sinks,
+                  return_lse=True, **transforms, **kw)
+    emu = emulate(*tensors, call.logits_soft_cap, sinks=sinks, return_lse=True, **transforms, **kw)
+    ref_call = dataclasses.replace(call, sinks=sinks, return_lse=True)
+    out = torch.empty_like(call.query)
+    lse = torch.empty(call.query.shape[:2])
+    attention_reference(ref_call, out, lse)
+    return sim, emu, (out, lse)
+
+
+def _lse_close(got, want, tol):
+    """Equal non-finite entries (NaN, -inf), finite ones within tol."""
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin) and torch.equal(got[~fin & ~torch.isnan(want)],
+                                                               want[~fin & ~torch.isnan(want)])
+    err = float((got[fin] - want[fin]).abs().max()) if fin.any() else 0.0
+    assert err < tol, err
+    return err
+
+
+STATE_CASES = [  # (key_format, config, dtype, head, bs, gqa, hkv, seq_lens, q_lens or None, window, cap)
+    ("fp4", "plain", torch.bfloat16, 128, 16, 4, 2, [0, 1, 54, 97, 300], None, 0, 0.0),
+    ("fp4", "default", torch.bfloat16, 128, 16, 4, 2, [0, 1, 54, 97, 300], None, 0, 0.0),
+    ("fp8_e4m3", "default", torch.bfloat16, 64, 16, 8, 1, [97, 0, 1, 300], [9, 0, 1, 2], 40, 0.0),
+    ("fp4", "smooth", torch.bfloat16, 64, 16, 4, 2, [300, 54, 0], [3, 5, 0], 0, 5.0),
+    ("fp8_e4m3", "plain", torch.float16, 128, 16, 16, 1, [54, 17, 0], [3, 17, 0], 13, 0.0),
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+@pytest.mark.parametrize("case", STATE_CASES, ids=["fp4-plain", "fp4-default", "k8v4-default-multi-w40",
+                                                  "fp4-smooth-multi-cap", "k8v4-plain-fp16-w13"])
+def test_lane_sim_learned_sinks_and_lse(sim_lib, case, native):
+    """Learned sinks (one more logit per head, no value, not capped, whatever the window) and
+    the lse output (natural log, of the true logits: q.m of key smoothing included), with and
+    without sinks, against the emulation and the reference; seq_len 0 rows give out 0 and lse
+    -inf (the sink's logit with sinks); windows leave whole partitions out."""
+    key_format, name, dtype, head, bs, gqa, hkv, seq_lens, q_lens, w, cap = case
+    if q_lens is None:
+        prob, gen = _problem(seq_lens, hkv, head, bs, dtype, seed=61,
+                             config=TRANSFORM_CONFIGS[name], key_format=key_format)
+        query, cu = torch.randn((len(seq_lens), hkv * gqa, head), generator=gen).to(dtype), None
+    else:
+        prob, query, cu = _multi_problem(seq_lens, q_lens, hkv, head, bs, gqa, dtype, seed=61,
+                                         config=TRANSFORM_CONFIGS[name], key_format=key_format)
+    call = _transform_call(prob, 2 * query, head ** -0.5, soft_cap=cap, cu_query_lens=cu,
+                           sliding_window=w)
+    plain_out = _sim_call(sim_lib, call, native)
+    empty_rows = (torch.tensor(seq_lens) == 0) if cu is None else torch.zeros(len(query), dtype=torch.bool)
+    for sinks in (None, 3.0 * torch.randn(hkv * gqa, generator=torch.Generator().manual_seed(5))):
+        (out, lse), (eo, el), (ro, rl) = _state_outputs(sim_lib, call, native, sinks)
+        assert _rel_err(out, eo) < 1e-3 and _rel_err(out, ro) < 1e-2
+        e_emu, e_ref = _lse_close(lse, el, 1e-3), _lse_close(lse, rl, 2e-2)
+        print(f"{case[:2]} sinks={sinks is not None}: lse max abs err vs emulation {e_emu:.2e}, "
+              f"vs reference {e_ref:.2e}")
+        if sinks is None:
+            # the same output; with a record the logits carry q.m now (other fp32 roundings)
+            if call.seq_state is None:
+                assert torch.equal(out, plain_out), "asking for the lse changes the output"
+            assert _rel_err(out, plain_out) < 1e-2
+            assert (lse[empty_rows] == float("-inf")).all()
+        else:
+            assert torch.equal(lse[empty_rows], sinks.expand(int(empty_rows.sum()), -1))
+        assert (out[empty_rows] == 0).all()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_lse_nan_rows_and_merge(sim_lib, native):
+    """NaN rows: a visible NaN value scale or key scale, or a state slot outside the tensor,
+    give NaN out and lse for exactly their rows. Merging the states of a split sequence
+    (turboquant.merge_attention_states) gives the unsplit call's output and lse."""
+    from turboquant.states import merge_attention_states
+
+    prob, gen = _problem([300, 97], 2, 64, 16, seed=63, config=QuantConfig())
+    query = torch.randn((2, 8, 64), generator=gen).to(torch.bfloat16)
+    call = _transform_call(prob, query, 0.125)
+    sinks = torch.randn(8, generator=gen)
+    base, _, _ = _state_outputs(sim_lib, call, native, sinks)
+    blk, slot = int(prob.block_tables[0, 290 // 16]), 290 % 16
+    for idx in (2, 3):
+        bad = [t.clone() for t in prob.cache]
+        bad[idx][blk, slot, 1] = 255
+        bcall = dataclasses.replace(call, key_cache=bad[0], value_cache=bad[1], key_scales=bad[2],
+                                    value_scales=bad[3])
+        (out, lse), _, (_, rl) = _state_outputs(sim_lib, bcall, native, sinks)
+        assert torch.isnan(lse[0, 4:]).all() and torch.isnan(rl[0, 4:]).all()
+        assert torch.equal(lse[0, :4], base[1][0, :4]) and torch.equal(lse[1], base[1][1])
+        assert torch.isnan(out[0, 4:]).all()
+    ids = call.state_ids.clone()
+    ids[1] = 99
+    (out, lse), _, (_, rl) = _state_outputs(sim_lib, dataclasses.replace(call, state_ids=ids),
+                                            native, sinks)
+    assert torch.isnan(lse[1]).all() and torch.isnan(rl[1]).all() and torch.isnan(out[1]).all()
+    assert torch.equal(lse[0], base[1][0])
+    # split sequence 0 (300 keys) into keys [0, 200) and [200, 300) through the window-free
+    # multi-token path: a part's keys as their own sequence; sinks in the first part only
+    plain, gen = _problem([300], 2, 64, 16, seed=65)
+    q = torch.randn((1, 8, 64), generator=gen).to(torch.bfloat16)
+    whole = _transform_call(plain, q, 0.125)
+    (wo, wl), _, _ = _state_outputs(sim_lib, whole, native, sinks)
+    tables = plain.block_tables
+    first = dataclasses.replace(whole, seq_lens=torch.tensor([200], dtype=torch.int32))
+    (ao, al), _, _ = _state_outputs(sim_lib, first, native, sinks)
+    assert _rel_err(ao, wo) > 1e-2  # the parts differ from the whole
+    # the second part as seen by a query at position 299: drop the first 192 keys (12 blocks)
+    # and mask 192 .. 199 by a window of 100 keys
+    second = dataclasses.replace(whole, block_tables=tables[:, 12:].contiguous(),
+                                 seq_lens=torch.tensor([108], dtype=torch.int32),
+                                 sliding_window=100)
+    (bo, bl), _, _ = _state_outputs(sim_lib, second, native, None)
+    mo, ml = merge_attention_states(ao, al, bo, bl)
+    assert (ml - wl).abs().max() < 1e-3
+    assert _rel_err(mo, wo) < 1e-2

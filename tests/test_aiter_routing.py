@@ -188,6 +188,13 @@ def _cases():
     multi = _problem([20, 33], tokens=5)
     multi["cu_query_lens"] = torch.tensor([0, 3, 5], dtype=torch.int32)
     window = _problem([20, 33, 1])
+    states = _problem([20, 33, 1])
+    states.update(sinks=torch.zeros(8), lse=torch.zeros(3, 8))
+    k8v4 = _problem([20, 33, 1])  # E4M3 keys: rows of D bytes
+    k8v4["key_cache"] = torch.zeros(9, 2, 16, 128, dtype=torch.float8_e4m3fn)
+    k8v4_u8 = dict(k8v4, key_cache=k8v4["key_cache"].view(torch.uint8))
+    k8v4_strided = dict(k8v4, key_cache=torch.zeros(9, 2, 16, 256, dtype=torch.float8_e4m3fn)[..., :128])
+    k8v4_narrow = dict(k8v4, key_cache=torch.zeros(9, 2, 16, 64, dtype=torch.float8_e4m3fn))
     bf16_cache = _problem([20, 33, 1])
     bf16_cache["key_cache"] = torch.zeros(6, 2, 16, 128, dtype=torch.bfloat16)
     bf16_cache["value_cache"] = torch.zeros(6, 2, 16, 128, dtype=torch.bfloat16)
@@ -213,6 +220,14 @@ def _cases():
         "pa_v1 fp4 multi-token": ({}, multi, _pa_v1_call(
             multi, cu_query_lens=multi["cu_query_lens"])),
         "pa_v1 fp4 sliding window": ({}, window, _pa_v1_call(window, sliding_window=8)),
+        "op k8v4": ({}, k8v4, _op_call(k8v4)),
+        "op sinks and lse": ({}, states, _op_call(states, sinks=states["sinks"], lse=states["lse"])),
+        "op lse of the wrong shape": ({}, states, _op_call(states, lse=states["lse"][:2])),
+        "op k8v4 uint8 view": ({}, k8v4_u8, _op_call(k8v4_u8)),
+        "op k8v4 LUT by env": (lut, k8v4, _op_call(k8v4)),
+        "pa_v1 fp4 k8v4": ({}, k8v4, _pa_v1_call(k8v4)),
+        "op k8v4 key strides": ({}, k8v4_strided, _op_call(k8v4_strided)),
+        "op k8v4 narrow rows": ({}, k8v4_narrow, _op_call(k8v4_narrow)),
     }
 
 
@@ -289,9 +304,10 @@ def _reached(records, case, module="pa_v1_fp4"):
     return rec
 
 
-def _template(gqa, d, bs, scalar, digest, multi_token=False):
+def _template(gqa, d, bs, scalar, digest, multi_token=False, key_format="fp4"):
     return {"gqa_ratio": gqa, "head_size": d, "block_size": bs, "scalar": scalar,
-            "kv_fp4": "e2m1_e8m0", "multi_token": multi_token, "kernel_digest": digest}
+            "multi_token": multi_token, "key_format": key_format, "kv_fp4": "e2m1_e8m0",
+            "kernel_digest": digest}
 
 
 def _decode_args(rec, **expect):
@@ -371,11 +387,13 @@ def test_pa_v1_fp4_nhd_is_refused(routes):
     assert "module" not in routes["pa_v1 fp4 NHD"]
 
 
-def test_rendered_source_compiles_for_gfx950(routes, tmp_path):
+@pytest.mark.parametrize("case", ["op decode", "op k8v4"])
+def test_rendered_source_compiles_for_gfx950(routes, tmp_path, case):
     """The translation unit AITER would build, with the injected headers, compiles for gfx950
     (host launch code and device code; csrc_hip/shims stands in for <hip/hip_runtime.h>), with
-    both specializations of the partition kernel and the scaled FP4 MFMA."""
-    src = routes["op decode"]["src"]
+    both specializations of the partition kernel and the scaled MFMA: FP4 keys (cbsz:4 in the
+    native path) or, for K8V4, E4M3 keys (the FP8 operand form only, no cbsz/blgp)."""
+    src = routes[case]["src"]
     assert "TQ_LAUNCH_PARTITION(true)" in src and "TQ_LAUNCH_PARTITION(false)" in src
     clang = find_clang()
     if clang is None:
@@ -391,9 +409,13 @@ def test_rendered_source_compiles_for_gfx950(routes, tmp_path):
     asm = (tmp_path / "dev.s").read_text()
     kernels = [ln for ln in asm.splitlines() if ln.startswith("_ZN2tq26tq_fp4_pa_partition_kernel")]
     # <Bf16, 128, 16, gqa 4, USE_NATIVE_FP4_MFMA, ...>: both values of the bool after gqa 4
+    # the last bool: KEY_E4M3
+    key8 = case == "op k8v4"
     for native in ("ELi4ELb1E", "ELi4ELb0E"):
-        assert any(native in k for k in kernels), (native, kernels)
-    assert MFMA in asm
+        assert any(native in k and f"ELb{int(key8)}EEEv" in k for k in kernels), (native, kernels)
+    mfma = [ln for ln in asm.splitlines() if MFMA in ln]
+    assert mfma
+    assert any("cbsz:4" in ln for ln in mfma) != key8
 
 
 # Multi-token (cu_query_lens) and sliding-window calls: the launcher files (files/pa_fp4.py,
@@ -435,3 +457,47 @@ def test_sliding_window_reaches_the_kernel(routes, case):
     assert len(names) == 1 and rec["args"][names[0]] == 8, rec["args"]
     assert decode["args"][names[0]] == 0
     assert rec["args"]["num_seqs"] == 3
+
+
+# K8V4 (E4M3 keys, rows of D bytes): the key format is told by key_cache's dtype and row width;
+# the kernel gets the value cache's strides (the key cache's are twice those).
+@pytest.mark.parametrize("case", ["op k8v4", "op k8v4 uint8 view", "pa_v1 fp4 k8v4"])
+def test_k8v4_reaches_its_instantiation(routes, case):
+    rec = _reached(routes, case)
+    fp4 = _reached(routes, "op decode")
+    assert rec["template"] == _template(4, 128, 16, "Bf16", routes["digest"], key_format="fp8_e4m3")
+    assert rec["func_name"] != fp4["func_name"]
+    assert rec["args"] == fp4["args"]  # the same runtime arguments: value_cache's strides
+    _decode_args(rec, key_cache_ptr="<key_cache>", kv_block_stride=2 * 16 * 64,
+                 kv_head_stride=16 * 64, kv_seq_stride=64, use_native_fp4_mfma=1)
+    assert 'key_format == "fp8_e4m3"' not in rec["src"] and "key_e4m3 = true" in rec["src"]
+
+
+def test_k8v4_lut_by_env(routes):
+    rec = _reached(routes, "op k8v4 LUT by env")
+    assert rec["args"]["use_native_fp4_mfma"] == 0
+    assert rec["func_name"] == routes["op k8v4"]["func_name"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("op k8v4 key strides", "ValueError: key_cache: expected strides (4096, 2048, 128, 1)"),
+    ("op k8v4 narrow rows", "ValueError: key_cache: expected float8_e4m3fn (or uint8) [9, 2, 16, 128]"),
+])
+def test_k8v4_bad_key_cache_is_refused(routes, case, message):
+    rec = routes[case]
+    assert rec["error"] is not None and rec["error"].startswith(message), rec["error"]
+    assert "module" not in rec
+
+
+def test_sinks_and_lse_reach_the_reduce(routes):
+    """Learned sinks and the lse output: two more pointers of the entry point (null when off),
+    the same library; a wrong lse shape is refused naming the argument."""
+    rec = _reached(routes, "op sinks and lse")
+    decode = _reached(routes, "op decode")
+    assert rec["func_name"] == decode["func_name"]
+    sinks, lse = _param_of(rec, "<sinks>"), _param_of(rec, "<lse>")
+    assert decode["args"][sinks] is None and decode["args"][lse] is None
+    assert {k: v for k, v in rec["args"].items() if k not in (sinks, lse)} == \
+        {k: v for k, v in decode["args"].items() if k not in (sinks, lse)}
+    bad = routes["op lse of the wrong shape"]
+    assert bad["error"].startswith("ValueError: lse: expected a contiguous float32 [3, 8]"), bad

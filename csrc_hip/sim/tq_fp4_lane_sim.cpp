@@ -225,33 +225,36 @@ struct Args {
   float scale, soft_cap;
   int sliding_window, num_seqs, num_tokens, num_kv_heads, max_blocks_per_seq, max_num_partitions,
       q_stride;
-  long kv_block_stride;
+  long kv_block_stride;  // value_cache's byte strides (the key cache's: times 2 with E4M3 keys)
   int kv_head_stride, kv_seq_stride;
   const float *rotation_signs, *seq_state;  // nullptr: transform off
   const int* state_ids;
   int num_slots, sink;
+  const float* sinks;  // [num_heads] learned sink logits, or nullptr
+  float* lse;          // [num_tokens, num_heads], or nullptr
 };
 
-template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI>
+template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI, bool KEY8>
 void partition_body(void* p) {
   const Args& a = *static_cast<const Args*>(p);
-  tq::tq_fp4_pa_partition_kernel<Scalar, HEAD, BS, GQA, NATIVE, MULTI>(
+  tq::tq_fp4_pa_partition_kernel<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>(
       a.query, a.key_cache, a.value_cache, a.key_scales, a.value_scales, a.block_tables,
       a.seq_lens, a.cu_query_lens, a.exp_sums, a.max_logits, a.tmp_out, a.scale, a.soft_cap,
       a.sliding_window, a.max_blocks_per_seq, a.max_num_partitions, a.num_seqs, a.num_tokens,
       a.num_kv_heads, a.q_stride, a.kv_block_stride, a.kv_head_stride, a.kv_seq_stride,
-      a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink);
+      a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink,
+      a.sinks != nullptr || a.lse != nullptr);
 }
 
 // The grid of the launcher (pa_fp4.cpp.jinja), one workgroup at a time, then the reduce.
-template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI>
+template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI, bool KEY8>
 int run_all(const Args& a) {
   const int row_tiles = MULTI ? a.num_seqs + (a.num_tokens * GQA + tq::kTile - 1) / tq::kTile
                               : a.num_seqs;
   for (int tile = 0; tile < row_tiles; ++tile)
     for (int part = 0; part < a.max_num_partitions; ++part)
       for (int kvh = 0; kvh < a.num_kv_heads; ++kvh)
-        if (run_workgroup(tile, part, kvh, partition_body<Scalar, HEAD, BS, GQA, NATIVE, MULTI>,
+        if (run_workgroup(tile, part, kvh, partition_body<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>,
                           const_cast<Args*>(&a)) != 0)
           return -1;
   const int num_heads = a.num_kv_heads * GQA;
@@ -262,14 +265,15 @@ int run_all(const Args& a) {
       for (int d = 0; d < HEAD; ++d)
         tq::reduce_one<Scalar, HEAD>(int64_t(token) * num_heads + h, d, parts,
                                      a.max_num_partitions, a.exp_sums, a.max_logits, a.tmp_out,
-                                     a.out);
+                                     a.sinks != nullptr ? a.sinks[h] : -INFINITY, a.out, a.lse);
   }
   return 0;
 }
 
 }  // namespace
 
-// The instantiations the tests use: (dtype, head, block, gqa) x {LUT, native} x {decode, multi-token}.
+// The instantiations the tests use: (dtype, head, block, gqa) x {LUT, native} x {decode,
+// multi-token}, with FP4 keys, and for the K8V4 list with E4M3 keys.
 #define TQ_SIM_CONFIGS(X)      \
   X(tq::Bf16, 1, 128, 16, 4)   \
   X(tq::Bf16, 1, 128, 16, 8)   \
@@ -284,9 +288,15 @@ int run_all(const Args& a) {
 // GQA above 16: the multi-token instantiation only (decode calls pass cu_query_lens 0, 1, ..).
 #define TQ_SIM_MULTI_ONLY_CONFIGS(X) \
   X(tq::Bf16, 1, 64, 16, 32)
+// K8V4 (E4M3 keys): head sizes 64, 128, 256, both query dtypes, GQA 2 .. 16.
+#define TQ_SIM_KEY8_CONFIGS(X) \
+  X(tq::Bf16, 1, 128, 16, 4)    \
+  X(tq::Bf16, 1, 64, 16, 8)     \
+  X(tq::Bf16, 1, 256, 32, 2)    \
+  X(tq::Fp16, 0, 128, 16, 16)
 
 extern "C" int tq_sim_paged_attention(
-    int is_bf16, int head, int block_size, int gqa, int native,
+    int is_bf16, int head, int block_size, int gqa, int native, int key_e4m3,
     const uint16_t* query, const uint8_t* key_cache, const uint8_t* value_cache,
     const uint8_t* key_scales, const uint8_t* value_scales, const int* block_tables,
     const int* seq_lens, const int* cu_query_lens, float* exp_sums, float* max_logits,
@@ -294,7 +304,7 @@ extern "C" int tq_sim_paged_attention(
     int num_seqs, int num_tokens, int num_kv_heads, int max_blocks_per_seq,
     int max_num_partitions, int q_stride, long kv_block_stride, int kv_head_stride,
     int kv_seq_stride, const float* rotation_signs, const float* seq_state, const int* state_ids,
-    int num_slots, int sink) {
+    int num_slots, int sink, const float* sinks, float* lse) {
   Sim sim;
   sim.lds.resize(160 * 1024);  // gfx950 LDS per workgroup
   g_sim = &sim;
@@ -302,21 +312,27 @@ extern "C" int tq_sim_paged_attention(
                   cu_query_lens, exp_sums, max_logits, tmp_out, out, scale, soft_cap,
                   sliding_window, num_seqs, num_tokens, num_kv_heads, max_blocks_per_seq,
                   max_num_partitions, q_stride, kv_block_stride, kv_head_stride, kv_seq_stride,
-                  rotation_signs, seq_state, state_ids, num_slots, sink};
+                  rotation_signs, seq_state, state_ids, num_slots, sink, sinks, lse};
   const bool multi = cu_query_lens != nullptr;
   int rc = -2;  // no such instantiation
-#define TQ_SIM_RUN(S, H, BS, G, N) \
-  (multi ? run_all<S, H, BS, G, N, true>(a) : run_all<S, H, BS, G, N, false>(a))
-#define TQ_SIM_DISPATCH(S, BF, H, BS, G)                          \
-  if (is_bf16 == BF && head == H && block_size == BS && gqa == G) \
-    rc = native ? TQ_SIM_RUN(S, H, BS, G, true) : TQ_SIM_RUN(S, H, BS, G, false);
+#define TQ_SIM_RUN(S, H, BS, G, N, K8) \
+  (multi ? run_all<S, H, BS, G, N, true, K8>(a) : run_all<S, H, BS, G, N, false, K8>(a))
+#define TQ_SIM_DISPATCH(S, BF, H, BS, G)                                         \
+  if (!key_e4m3 && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
+    rc = native ? TQ_SIM_RUN(S, H, BS, G, true, false) : TQ_SIM_RUN(S, H, BS, G, false, false);
   TQ_SIM_CONFIGS(TQ_SIM_DISPATCH)
 #undef TQ_SIM_DISPATCH
-#define TQ_SIM_DISPATCH_MULTI(S, BF, H, BS, G)                               \
-  if (multi && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
-    rc = native ? run_all<S, H, BS, G, true, true>(a) : run_all<S, H, BS, G, false, true>(a);
+#define TQ_SIM_DISPATCH_MULTI(S, BF, H, BS, G)                                            \
+  if (!key_e4m3 && multi && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
+    rc = native ? run_all<S, H, BS, G, true, true, false>(a)                              \
+                : run_all<S, H, BS, G, false, true, false>(a);
   TQ_SIM_MULTI_ONLY_CONFIGS(TQ_SIM_DISPATCH_MULTI)
 #undef TQ_SIM_DISPATCH_MULTI
+#define TQ_SIM_DISPATCH_KEY8(S, BF, H, BS, G)                                   \
+  if (key_e4m3 && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
+    rc = native ? TQ_SIM_RUN(S, H, BS, G, true, true) : TQ_SIM_RUN(S, H, BS, G, false, true);
+  TQ_SIM_KEY8_CONFIGS(TQ_SIM_DISPATCH_KEY8)
+#undef TQ_SIM_DISPATCH_KEY8
 #undef TQ_SIM_RUN
   g_sim = nullptr;
   return rc;

@@ -9,10 +9,11 @@ Supported: decode (one query token per sequence) and several query tokens per se
 (cu_query_lens: speculative decoding, chunked prefill; causal among a sequence's tokens),
 sliding window, soft cap, query bf16/fp16, head_dim 64/128/256, block_size 16..256 (powers of
 two), any GQA ratio (above 16, decode runs the multi-token kernel), one scale per (token, kv
-head), and the accuracy transforms of the default QuantConfig fused into the kernel (rotation,
+head), FP4 keys or K8V4 caches (E4M3 keys straight into the MFMA's FP8 operand), and the
+accuracy transforms of the default QuantConfig fused into the kernel (rotation,
 key smoothing's q * lam and q.m under a soft cap, the sink token, masked by causality and the
-window like any key). Declined with a reason (the dispatcher then falls back): per-32 scales,
-a K8V4 cache, learned sinks and return_lse (not in the kernel yet), head dims and block sizes
+window like any key), learned sinks and the lse output (return_lse) in the reduce. Declined
+with a reason (the dispatcher then falls back): per-32 scales, head dims and block sizes
 other than those above, tensors off the GPU or in layouts the kernel does not address. No
 cache writer.
 The native FP4 MFMA path runs by default; AITER_FP4_KV_LUT=1 selects the LUT path.
@@ -28,8 +29,7 @@ import torch
 
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
-from ..registry import (AttentionCall, Backend, CacheWrite, key_format_reason, register,
-                        state_outputs_reason, transform_tensors_reason)
+from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
 HEAD_DIMS = (64, 128, 256)
@@ -46,14 +46,12 @@ def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_ta
           rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None):
     import aiter
 
-    if sinks is not None or lse is not None:  # check_attention declines these calls
-        raise ValueError("sinks/lse: not in the aiter kernel yet")
     aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                               block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
                               out=out, sliding_window=sliding_window,
                               logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len,
                               rotation_signs=rotation_signs, seq_state=seq_state,
-                              state_ids=state_ids, sink=sink)
+                              state_ids=state_ids, sink=sink, sinks=sinks, lse=lse)
 
 
 _lock = threading.Lock()
@@ -123,8 +121,7 @@ class AiterBackend(Backend):
             return _state["reason"]
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
-        reason = (key_format_reason(call, "aiter") or state_outputs_reason(call, "aiter")
-                  or transform_tensors_reason(call))
+        reason = transform_tensors_reason(call)
         if reason is not None:
             return reason
         if call.scale_group != call.head_dim:
@@ -141,11 +138,15 @@ class AiterBackend(Backend):
             return f"tensors are on {q.device}, not on a ROCm GPU"
         if q.stride(2) != 1 or q.stride(1) != call.head_dim:
             return "query must have contiguous heads"
-        for nm in ("key_cache", "value_cache"):
-            c = getattr(call, nm)
-            if c.stride() != call.key_cache.stride() or c.stride(3) != 1 or c.stride(2) % 16 \
-                    or c.data_ptr() % 16:
-                return f"{nm} must have contiguous, 16-byte aligned rows, with key_cache's strides"
+        v = call.value_cache
+        if v.stride(3) != 1 or v.stride(2) % 16 or v.data_ptr() % 16:
+            return "value_cache must have contiguous, 16-byte aligned rows"
+        # the kernel addresses keys with value_cache's strides (twice them for E4M3 rows)
+        wide = 2 if call.key_format == "fp8_e4m3" else 1
+        if call.key_cache.stride() != tuple(wide * s for s in v.stride()[:3]) + (1,) \
+                or call.key_cache.data_ptr() % 16:
+            return ("key_cache must be 16-byte aligned with value_cache's strides"
+                    + (" times 2 (E4M3 rows of D bytes)" if wide == 2 else ""))
         if not (call.key_scales.is_contiguous() and call.value_scales.is_contiguous()):
             return "key_scales/value_scales must be contiguous"
         if not (call.block_tables.is_contiguous() and call.seq_lens.is_contiguous()):

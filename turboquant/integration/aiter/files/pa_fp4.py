@@ -4,7 +4,10 @@
 #
 # Cache, HND only: key/value uint8 [num_blocks, num_kv_heads, block_size, head_size // 2],
 # two E2M1 codes per byte (even element in the low nibble); key/value scales uint8
-# [num_blocks, block_size, num_kv_heads], one E8M0 byte per (token, kv head).
+# [num_blocks, block_size, num_kv_heads], one E8M0 byte per (token, kv head). K8V4 (the second
+# key format): key_cache float8_e4m3fn (or its uint8 view) [num_blocks, num_kv_heads,
+# block_size, head_size], E4M3 bytes with the same one E8M0 scale per (token, kv head), its
+# strides twice value_cache's; values unchanged (compile(..., key_format="fp8_e4m3")).
 # Queries: decode (one token per sequence, cu_query_lens None) or several tokens per sequence,
 # causal among themselves (cu_query_lens int32 [num_seqs + 1]: query token j of a sequence with
 # q tokens and seq_len keys is at position seq_len - q + j); sliding_window W > 0: a query at
@@ -48,10 +51,16 @@ def _kernel_digest() -> str:
 KERNEL_DIGEST = _kernel_digest()
 
 
+KEY_FORMATS = ("fp4", "fp8_e4m3")
+
+
 def compile(gqa_ratio: int, head_size: int, block_size: int, scalar: str,
-            multi_token: bool = False, folder: str = None):
+            multi_token: bool = False, key_format: str = "fp4", folder: str = None):
     """The launcher library of one (GQA, head size, block size, query dtype) class; multi_token:
-    the instantiation for cu_query_lens (several query tokens per sequence), else decode."""
+    the instantiation for cu_query_lens (several query tokens per sequence), else decode;
+    key_format: "fp4" (E2M1 keys) or "fp8_e4m3" (K8V4: E4M3 keys)."""
+    if key_format not in KEY_FORMATS:
+        _fail("key_format", f"one of {KEY_FORMATS}", repr(key_format))
     return compile_template_op(
         src_template,
         MD_NAME,
@@ -61,6 +70,7 @@ def compile(gqa_ratio: int, head_size: int, block_size: int, scalar: str,
         block_size=block_size,
         scalar=scalar,
         multi_token=bool(multi_token),
+        key_format=key_format,
         kv_fp4="e2m1_e8m0",
         kernel_digest=KERNEL_DIGEST,
         folder=folder,
@@ -138,11 +148,14 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
                                value_scales, block_tables, seq_lens, max_seq_len: int,
                                scale: float, logits_soft_cap: float = 0.0, use_native=None,
                                rotation_signs=None, seq_state=None, state_ids=None,
-                               sink: bool = False, cu_query_lens=None, sliding_window: int = 0):
-    """Attention over the FP4 paged cache into out: decode (cu_query_lens None: one query
+                               sink: bool = False, cu_query_lens=None, sliding_window: int = 0,
+                               sinks=None, lse=None):
+    """Attention over the FP4 (or K8V4) paged cache into out: decode (cu_query_lens None: one query
     token per sequence) or cu_query_lens int32 [num_seqs + 1] (several, causal among
     themselves); sliding_window W > 0: keys p - W + 1 .. p. rotation_signs / seq_state +
-    state_ids / sink: turboquant's transforms (None / False: off)."""
+    state_ids / sink: turboquant's transforms (None / False: off). sinks: learned sink logits
+    float32 [num_heads] (one more logit per head, no value); lse: float32 [num_tokens,
+    num_heads], written with each row's natural-log log-sum-exp (None: not wanted)."""
     import torch
 
     if use_native is None:
@@ -160,15 +173,30 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
         _fail("head_size", "64, 128 or 256", head_size)
     if query.stride(2) != 1 or query.stride(1) != head_size:
         _fail("query", "contiguous heads and head elements", tuple(query.stride()))
+    # The key format from key_cache: rows of head_size // 2 FP4 bytes (uint8), or of head_size
+    # E4M3 bytes (K8V4: float8_e4m3fn, or its uint8 view).
+    key_e4m3 = key_cache.dim() == 4 and (key_cache.dtype == torch.float8_e4m3fn or (
+        key_cache.dtype == torch.uint8 and key_cache.size(3) == head_size))
+    key_width, key_dtype = (head_size, "float8_e4m3fn (or uint8)") if key_e4m3 else (head_size // 2, "uint8")
+    if value_cache.dtype != torch.uint8 or value_cache.dim() != 4 \
+            or value_cache.size(3) != head_size // 2:
+        _fail("value_cache", f"uint8 [num_blocks, num_kv_heads, block_size, {head_size // 2}] (HND)",
+              f"{value_cache.dtype} {tuple(value_cache.shape)}")
+    if key_cache.dim() != 4 or key_cache.size(3) != key_width \
+            or tuple(key_cache.shape[:3]) != tuple(value_cache.shape[:3]):
+        _fail("key_cache", f"{key_dtype} [{', '.join(map(str, value_cache.shape[:3]))}, {key_width}] "
+              f"(value_cache's blocks, heads and slots; {head_size // 2} FP4 bytes or {head_size} "
+              "E4M3 bytes per row)", f"{key_cache.dtype} {tuple(key_cache.shape)}")
+    if value_cache.stride(3) != 1 or value_cache.stride(2) % 16:
+        _fail("value_cache", "rows contiguous and 16-byte aligned", tuple(value_cache.stride()))
+    key_strides = tuple((2 if key_e4m3 else 1) * st for st in value_cache.stride()[:3]) + (1,)
+    if key_cache.stride() != key_strides:
+        _fail("key_cache", f"strides {key_strides} (value_cache's, times 2 for E4M3 rows)"
+              if key_e4m3 else f"value_cache's strides {key_strides}", tuple(key_cache.stride()))
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.dtype != torch.uint8 or t.dim() != 4 or t.size(3) != head_size // 2:
-            _fail(name, f"uint8 [num_blocks, num_kv_heads, block_size, {head_size // 2}] (HND)",
-                  f"{t.dtype} {tuple(t.shape)}")
-        if t.stride() != key_cache.stride() or t.stride(3) != 1 or t.stride(2) % 16:
-            _fail(name, "the key_cache strides, rows contiguous and 16-byte aligned", tuple(t.stride()))
         if t.data_ptr() % 16:
             _fail(name, "a 16-byte aligned data pointer", hex(t.data_ptr()))
-    num_blocks, num_kv_heads, block_size, _ = key_cache.shape
+    num_blocks, num_kv_heads, block_size, _ = value_cache.shape
     if block_size not in (16, 32, 64, 128, 256):
         _fail("block_size", "16, 32, 64, 128 or 256", block_size)
     if num_heads % num_kv_heads:
@@ -181,6 +209,11 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
     num_seqs = _check_queries(query, seq_lens, block_tables, cu_query_lens, sliding_window)
     num_slots = _check_transforms(query, num_seqs, num_kv_heads, rotation_signs, seq_state,
                                   state_ids, sink)
+    for name, t, shape in (("sinks", sinks, (num_heads,)), ("lse", lse, (num_tokens, num_heads))):
+        if t is not None and (t.dtype != torch.float32 or tuple(t.shape) != shape
+                              or not t.is_contiguous() or t.device != query.device):
+            _fail(name, f"a contiguous float32 {list(shape)} tensor on {query.device}",
+                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
     max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
     need = workspace_size(num_tokens, num_heads, max_seq_len, head_size)
     if workspace_buffer.numel() * workspace_buffer.element_size() < need:
@@ -193,7 +226,8 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
         # the multi-token kernel, one query token per sequence.
         cu_query_lens = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     func = compile(gqa_ratio, head_size, block_size, scalar,
-                   multi_token=cu_query_lens is not None)
+                   multi_token=cu_query_lens is not None,
+                   key_format="fp8_e4m3" if key_e4m3 else "fp4")
     ptr = lambda t: ctypes.c_void_p(None if t is None else t.data_ptr())  # noqa: E731
     func(ptr(out), ptr(workspace_buffer), ptr(query), ptr(key_cache), ptr(value_cache),
          ptr(key_scales), ptr(value_scales),
@@ -203,10 +237,10 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
          ctypes.c_int(sliding_window), ctypes.c_int(block_tables.size(1)),
          ctypes.c_int(max_parts), ctypes.c_int(num_seqs), ctypes.c_int(num_tokens),
          ctypes.c_int(num_kv_heads),
-         ctypes.c_int(query.stride(0)), ctypes.c_long(key_cache.stride(0)),
-         ctypes.c_int(key_cache.stride(1)), ctypes.c_int(key_cache.stride(2)),
+         ctypes.c_int(query.stride(0)), ctypes.c_long(value_cache.stride(0)),
+         ctypes.c_int(value_cache.stride(1)), ctypes.c_int(value_cache.stride(2)),
          ptr(rotation_signs), ptr(seq_state), ptr(state_ids), ctypes.c_int(num_slots),
-         ctypes.c_int(1 if sink else 0), ctypes.c_int(1 if use_native else 0),
+         ctypes.c_int(1 if sink else 0), ptr(sinks), ptr(lse), ctypes.c_int(1 if use_native else 0),
          ctypes.c_void_p(torch.cuda.current_stream(query.device).cuda_stream))
     return out
 

@@ -29,19 +29,22 @@ def paged_attention_fp4_out(
     sink: bool = False,
     cu_query_lens: Optional[torch.Tensor] = None,
     sliding_window: int = 0,
+    sinks: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> None:
     """use_native: 1 native FP4 MFMA, 0 LUT, -1 the default (native unless AITER_FP4_KV_LUT=1)."""
     paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_cache, key_scales,
                                value_scales, block_tables, seq_lens, max_seq_len, scale,
                                logits_soft_cap, None if use_native < 0 else bool(use_native),
                                rotation_signs, seq_state, state_ids, sink,
-                               cu_query_lens=cu_query_lens, sliding_window=sliding_window)
+                               cu_query_lens=cu_query_lens, sliding_window=sliding_window,
+                               sinks=sinks, lse=lse)
 
 
 direct_register_custom_op(
     "paged_attention_fp4_out",
     paged_attention_fp4_out,
-    ["out", "workspace_buffer"],
+    ["out", "workspace_buffer", "lse"],
 )
 
 
@@ -66,11 +69,14 @@ def paged_attention_fp4(
     seq_state: Optional[torch.Tensor] = None,
     state_ids: Optional[torch.Tensor] = None,
     sink: bool = False,
+    sinks: Optional[torch.Tensor] = None,
+    lse: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """turboquant.paged_attention_fp4 on AITER.
 
     query [num_tokens, num_heads, D] bf16/fp16; key_cache, value_cache uint8
-    [num_blocks, num_kv_heads, block_size, D/2]; key_scales, value_scales uint8
+    [num_blocks, num_kv_heads, block_size, D/2] (K8V4: key_cache float8_e4m3fn
+    [num_blocks, num_kv_heads, block_size, D], E4M3 key bytes); key_scales, value_scales uint8
     [num_blocks, block_size, num_kv_heads]; block_tables int32 [num_seqs, max_blocks];
     seq_lens int32 [num_seqs]. cu_query_lens: None (decode: one query token per sequence,
     num_tokens = num_seqs) or int32 [num_seqs + 1], the query tokens of sequence s being
@@ -82,7 +88,9 @@ def paged_attention_fp4(
     of +-1 (Q rotated, output rotated back); seq_state float32 [num_slots, num_kv_heads, 5, D]
     with state_ids int32 [num_seqs] (q scaled by the key scale of its slot; q.m added back
     under a soft cap); sink: position 0 from seq_state (a key like any other for the causal
-    and window ranges).
+    and window ranges). sinks: learned sink logits float32 [num_heads] (one more logit per
+    head, no value); lse: float32 [num_tokens, num_heads], filled with each row's natural-log
+    log-sum-exp of its true logits (None: not computed).
     """
     if max_seq_len is None:
         max_seq_len = block_tables.size(1) * key_cache.size(2)
@@ -96,5 +104,5 @@ def paged_attention_fp4(
         out, workspace_buffer, query, key_cache, value_cache, key_scales, value_scales,
         block_tables, seq_lens, max_seq_len, scale, logits_soft_cap,
         -1 if use_native is None else int(use_native), rotation_signs, seq_state, state_ids,
-        bool(sink), cu_query_lens, sliding_window)
+        bool(sink), cu_query_lens, sliding_window, sinks, lse)
     return out
