@@ -76,6 +76,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from . import peers
 from .config import parse_cache_format
 from .rotation import rotation_signs
 
@@ -124,7 +125,7 @@ ATTENTION_FIELDS = [
     "fp4_kernels",
     "sdpa_kernels",
     "note",
-]
+] + peers.peer_fields()
 
 WRITER_FIELDS = [
     "num_tokens",
@@ -270,6 +271,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16",
                    help="query / dense cache / writer input dtype (default bf16)")
     g.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA baseline")
+    g.add_argument("--peers", action="store_true",
+                   help="FlashInfer paged decode over BF16, FP8 and NVFP4 caches of the same "
+                        "K/V and pages, each checked against fp32 over its own bytes first "
+                        "(turboquant.peers; skipped with the reason when flashinfer is absent)")
     g.add_argument("--no-writer", action="store_true", help="skip the cache-writer row")
     g.add_argument("--writer-tokens", type=_parse_int, default=64 * 1024,
                    help="tokens per cache-writer call (default 64k)")
@@ -760,6 +765,19 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
         with checks_off(tq):
             rec["fp4_kernels"] = kernel_names(fp4_call(0), device)
 
+    if getattr(args, "peers", False) and device.type == "cuda":
+        why = peers.flashinfer_unavailable()
+        if why is not None:
+            rec["peer_note"] = why
+        else:
+            with checks_off(tq):
+                rec.update(peers.time_peers(
+                    lambda calls: time_calls(calls, device, args.repeats, args.warmup,
+                                             args.timing, args.min_calls),
+                    dense_k, dense_v, query, block_tables, seq_lens, bs, scale,
+                    2 * B * hq * d * elem))
+            peers.finish(rec, fp4_us, bw_ref, GB)
+
     if not args.no_sdpa:
         sdpa = torch.nn.functional.scaled_dot_product_attention
         if gqa:
@@ -1123,6 +1141,8 @@ def main(args: argparse.Namespace) -> int:
                         torch.cuda.empty_cache()
                     rows.append(rec)
                     print(format_row(rec), flush=True)
+                    for line in peers.format_table([rec])[2:]:
+                        print("  peers:" + line, flush=True)
 
     writers = []
     for name in ([] if args.no_writer else configs):
@@ -1180,6 +1200,8 @@ def main(args: argparse.Namespace) -> int:
         print(format_row(r))
     for writer in writers:
         print(format_writer(writer))
+    for line in peers.format_table(rows):
+        print(line)
     if ceiling_note:
         print(ceiling_note)
     written = ["bench.json", "bench.csv"] + (["bench_writer.csv"] if writers else [])
