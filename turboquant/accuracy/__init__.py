@@ -36,7 +36,7 @@ from ..smoothing import load_calibration, save_calibration
 from .models import (CALIBRATION_TEXT_PATH, MODEL_PIP, MODELS, ModelUnavailable,
                      calibrate_model, find_model_path, load_model, load_text, run_model)
 
-OPTIONS = ("fp8", "fp8/token", "k8v4", "plain", "rotation", "rotation+per32+mse",
+OPTIONS = ("fp8", "fp8/token", "k8v4", "k8v4/plain", "plain", "rotation", "rotation+per32+mse",
            "rotation+sink",
            "rotation+smooth", "default", "default@32", "default+mse", "default+per32",
            "default+per32+mse", "rotation+calibrated", "rotation+calibrated+sink",
