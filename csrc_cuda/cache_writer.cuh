@@ -165,33 +165,6 @@ __device__ __forceinline__ uint32_t abs_max_bits(const float* f) {
   return max((uint32_t)smax & 0x7fffffffu, umax & 0x7fffffffu);
 }
 
-// Quantize the E (8 or 16) elements f of one thread (a scale group spans GROUP / E consecutive
-// lanes) and store E/2 bytes of codes (one 4- or 8-byte store) and, from the group's first
-// lane, the scale.
-template <int E, int GROUP>
-__device__ __forceinline__ void quantize_store(const float (&f)[E], bool active, uint8_t* code_dst,
-                                               uint8_t* scale_dst) {
-  uint32_t amax = abs_max_bits<E>(f);
-#pragma unroll
-  for (int o = 1; o < GROUP / E; o <<= 1) amax = max(amax, lane_xor(amax, o));
-  if (!active) return;
-  const uint32_t b = e8m0_for_amax<E2m1Max>(__uint_as_float(amax), amax < 0x7f800000u);
-  uint32_t word[E / 8];
-#pragma unroll
-  for (int w = 0; w < E / 8; ++w) word[w] = 0;
-  if (b != 255u) {
-    const float inv = inv_scale(b);
-#pragma unroll
-    for (int w = 0; w < E / 8; ++w) word[w] = encode_e2m1x8(f + 8 * w, inv);
-  }
-  if constexpr (E == 8) {
-    *reinterpret_cast<uint32_t*>(code_dst) = word[0];
-  } else {
-    *reinterpret_cast<uint2*>(code_dst) = make_uint2(word[0], word[1]);
-  }
-  if (scale_dst) *scale_dst = (uint8_t)b;
-}
-
 // E4M3 byte of q, |q| <= 448 (the scale rule guarantees it; NaN never comes here): the sign bit
 // and the magnitude rounded to nearest, ties to even, as torch's float8_e4m3fn conversion.
 // Normal range (|q| >= 2^-6): the fp32 mantissa rounded to 3 bits by adding 2^19 - 1 plus the
@@ -221,27 +194,42 @@ __device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
 #endif
 }
 
-// K8V4 keys: the E (8 or 16) elements of one thread (a row of D spans D / E lanes, one scale
-// per row) as E4M3 bytes, one E-byte store, and from the row's first lane the scale.
-template <int E, int D>
-__device__ __forceinline__ void quantize_store_e4m3(const float (&f)[E], bool active, uint8_t* code_dst,
-                                                    uint8_t* scale_dst) {
+// The writer's two code formats: elements per 32-bit word of codes and the word's encode
+// (x * inv for each element; inv = 2^(127 - b)).
+struct E2m1Codes : E2m1Max {
+  static constexpr int PER_WORD = 8;
+  static __device__ __forceinline__ uint32_t encode(const float* f, float inv) { return encode_e2m1x8(f, inv); }
+};
+struct E4m3Codes : E4m3Max {  // K8V4 keys
+  static constexpr int PER_WORD = 4;
+  static __device__ __forceinline__ uint32_t encode(const float* f, float inv) {
+    return cvt_e4m3x2(f[0] * inv, f[1] * inv) | (cvt_e4m3x2(f[2] * inv, f[3] * inv) << 16);
+  }
+};
+
+// Quantize the E (8 or 16) elements f of one thread (a scale group spans GROUP / E consecutive
+// lanes) and store their codes (one 4-, 8- or 16-byte store: E/2 bytes of E2M1, E of E4M3)
+// and, from the group's first lane, the scale.
+template <typename Codes, int E, int GROUP>
+__device__ __forceinline__ void quantize_store(const float (&f)[E], bool active, uint8_t* code_dst,
+                                               uint8_t* scale_dst) {
+  constexpr int W = E / Codes::PER_WORD;
   uint32_t amax = abs_max_bits<E>(f);
 #pragma unroll
-  for (int o = 1; o < D / E; o <<= 1) amax = max(amax, lane_xor(amax, o));
+  for (int o = 1; o < GROUP / E; o <<= 1) amax = max(amax, lane_xor(amax, o));
   if (!active) return;
-  const uint32_t b = e8m0_for_amax<E4m3Max>(__uint_as_float(amax), amax < 0x7f800000u);
-  uint32_t word[E / 4];
+  const uint32_t b = e8m0_for_amax<Codes>(__uint_as_float(amax), amax < 0x7f800000u);
+  uint32_t word[W];
 #pragma unroll
-  for (int w = 0; w < E / 4; ++w) word[w] = 0;
+  for (int w = 0; w < W; ++w) word[w] = 0;
   if (b != 255u) {
     const float inv = inv_scale(b);
 #pragma unroll
-    for (int w = 0; w < E / 4; ++w)
-      word[w] = cvt_e4m3x2(f[4 * w] * inv, f[4 * w + 1] * inv) |
-                (cvt_e4m3x2(f[4 * w + 2] * inv, f[4 * w + 3] * inv) << 16);
+    for (int w = 0; w < W; ++w) word[w] = Codes::encode(f + Codes::PER_WORD * w, inv);
   }
-  if constexpr (E == 8) {
+  if constexpr (W == 1) {
+    *reinterpret_cast<uint32_t*>(code_dst) = word[0];
+  } else if constexpr (W == 2) {
     *reinterpret_cast<uint2*>(code_dst) = make_uint2(word[0], word[1]);
   } else {
     *reinterpret_cast<uint4*>(code_dst) = make_uint4(word[0], word[1], word[2], word[3]);
@@ -333,11 +321,11 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
   const bool first = (sub * E) % GROUP == 0;
   const int sg = (sub * E) / GROUP;
   if constexpr (kKeyE4m3) {
-    quantize_store_e4m3<E, D>(fk, active, kcodes + sub * E, first ? p.key_scales + srow : nullptr);
+    quantize_store<E4m3Codes, E, D>(fk, active, kcodes + sub * E, first ? p.key_scales + srow : nullptr);
   } else {
-    quantize_store<E, GROUP>(fk, active, kcodes + sub * (E / 2), first ? p.key_scales + srow + sg : nullptr);
+    quantize_store<E2m1Codes, E, GROUP>(fk, active, kcodes + sub * (E / 2), first ? p.key_scales + srow + sg : nullptr);
   }
-  quantize_store<E, GROUP>(fv, active, vcodes + sub * (E / 2), first ? p.value_scales + srow + sg : nullptr);
+  quantize_store<E2m1Codes, E, GROUP>(fv, active, vcodes + sub * (E / 2), first ? p.value_scales + srow + sg : nullptr);
 }
 
 // One launch statement with the variant picked beforehand: hipify-torch rewrites each
