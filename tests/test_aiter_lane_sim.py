@@ -320,13 +320,13 @@ def test_lane_sim_soft_cap(sim_lib):
         assert _rel_err(out, reference(*args, soft_cap=5.0)) < 1e-2
 
 
-def _identity_kv(seq, shape):
-    """K row t = 2.0 at element t % D (else 0); V row t = 1.0 at element (3 t + 1) % D."""
+def _identity_kv(seq, shape, key=2.0):
+    """K row t = ``key`` at element t % D (else 0); V row t = 1.0 at element (3 t + 1) % D."""
     n, hkv, d = shape
     k = torch.zeros(shape)
     v = torch.zeros(shape)
     t = torch.arange(n)
-    k[t, :, t % d] = 2.0
+    k[t, :, t % d] = key
     v[t, :, (3 * t + 1) % d] = 1.0
     return k.to(torch.bfloat16), v.to(torch.bfloat16)
 
@@ -865,17 +865,6 @@ def test_lane_sim_k8v4_multi_token_window_cap(sim_lib, shape, native):
             assert torch.isfinite(out).all()
 
 
-def _one_hot_keys(seq, shape):
-    """K row t = 1.5 at element t % D (else 0); V row t = 1.0 at element (3 t + 1) % D."""
-    n, hkv, d = shape
-    k = torch.zeros(shape)
-    v = torch.zeros(shape)
-    t = torch.arange(n)
-    k[t, :, t % d] = 1.5
-    v[t, :, (3 * t + 1) % d] = 1.0
-    return k.to(torch.bfloat16), v.to(torch.bfloat16)
-
-
 @pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
 @pytest.mark.parametrize("shape", K8V4_SHAPES, ids=K8V4_IDS)
 def test_lane_sim_k8v4_one_hot_probe(sim_lib, shape, native):
@@ -885,7 +874,7 @@ def test_lane_sim_k8v4_one_hot_probe(sim_lib, shape, native):
     group or a wrong token-row mapping moves (or flattens) the peak."""
     dtype, head, bs, gqa, hkv = shape
     n = head - 3  # every token's key element is distinct
-    prob, gen = _problem([n, 54], hkv, head, bs, dtype, kv_factory=_one_hot_keys,
+    prob, gen = _problem([n, 54], hkv, head, bs, dtype, kv_factory=lambda seq, shape: _identity_kv(seq, shape, key=1.5),
                          key_format="fp8_e4m3")
     nh = hkv * gqa
     query = 0.05 * torch.randn((2, nh, head), generator=gen)
