@@ -72,21 +72,11 @@ __device__ inline T __shfl_xor(T var, int lane_mask, int width = 64) {
 
 // Host side of a launch: the error codes and calls the launcher uses, and what clang lowers
 // kernel<<<grid, block, shared, stream>>>(args) to.
-typedef int hipError_t;
+// (dim3, hipStream_t, hipError_t and the launch entry points: the compile-test shim's)
+#include "../../hip/hip_runtime.h"
 constexpr hipError_t hipSuccess = 0;
 constexpr hipError_t hipErrorInvalidValue = 1;
-typedef struct ihipStream_t* hipStream_t;
-struct dim3 {
-  unsigned x, y, z;
-  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
-};
 hipError_t hipGetLastError();
-extern "C" hipError_t __hipPushCallConfiguration(dim3 grid, dim3 block, size_t shared_mem,
-                                                 hipStream_t stream);
-extern "C" hipError_t __hipPopCallConfiguration(dim3* grid, dim3* block, size_t* shared_mem,
-                                                hipStream_t* stream);
-extern "C" hipError_t hipLaunchKernel(const void* function, dim3 grid, dim3 block, void** args,
-                                      size_t shared_mem, hipStream_t stream);
 #define hipLaunchKernelGGL(kernel, grid, block, shared_mem, stream, ...) \
   do {                                                                   \
     kernel<<<(grid), (block), (shared_mem), (stream)>>>(__VA_ARGS__);    \
