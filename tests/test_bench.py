@@ -148,3 +148,16 @@ def test_max_observed_note():
     assert "103.3%" in note and "52%" in note
     bw = {"reference_GBps": 3200.0}
     assert bench.note_max_observed(rows, bw) == "" and bw["max_observed_GBps"] == 3200.0
+
+
+def test_multi_token_rows_parse_and_count_causal_flops():
+    from turboquant import bench_multitoken as M
+
+    assert M.parse_multi("1x2048@16k, 64x4@4k") == [M.MultiRow(1, 2048, 16384),
+                                                    M.MultiRow(64, 4, 4096)]
+    for bad in ("1x2048", "0x4@4k", "1x5000@4k", "ax4@4k"):
+        with pytest.raises(ValueError):
+            M.parse_multi(bad)
+    # query j of Q sees L - Q + j + 1 keys: Q = L is the full causal triangle L (L + 1) / 2
+    assert M.causal_flops(1, 4, 4, 1, 1) == 4 * (1 + 2 + 3 + 4)
+    assert M.causal_flops(2, 2, 10, 32, 128) == 2 * 4 * 32 * 128 * (9 + 10)

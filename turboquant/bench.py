@@ -276,6 +276,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "K/V and pages, each checked against fp32 over its own bytes first "
                         "(turboquant.peers; skipped with the reason when flashinfer is absent)")
     g.add_argument("--no-writer", action="store_true", help="skip the cache-writer row")
+    g.add_argument("--multi-token", default="",
+                   help="multi-token rows BxQ@L (B sequences of L tokens, the last Q of each "
+                        "its causal queries: chunked prefill, speculative decoding), e.g. "
+                        "'1x2048@16k,64x4@4k' (turboquant.bench_multitoken)")
+    g.add_argument("--no-decode", action="store_true",
+                   help="skip the decode rows (e.g. with --multi-token)")
     g.add_argument("--writer-tokens", type=_parse_int, default=64 * 1024,
                    help="tokens per cache-writer call (default 64k)")
     g.add_argument("--allow-cpu", action="store_true",
@@ -653,6 +659,35 @@ def state_bytes(batch: int, num_kv_heads: int, head_dim: int, config) -> int:
     return batch * num_kv_heads * head_dim * 4 * (1 + 2 * config.sink)
 
 
+def fill_cache(tq, cache, config, dense_k: torch.Tensor, dense_v: torch.Tensor,
+               tables: torch.Tensor, block_size: int, chunk_bytes: int):
+    """Write the dense K/V [num_seqs, Hkv, L, D] into ``cache`` through ``tables``
+    [num_seqs, L / block_size] with the "auto" writer, a chunk of sequences at a time; sequence i
+    keeps its state record (if ``config`` has one) in slot i. -> the state tensor or None."""
+    nseq, hkv, length, d = dense_k.shape
+    device = dense_k.device
+    per_seq = 2 * length * hkv * d * dense_k.element_size()
+    spc = max(1, chunk_bytes // per_seq)
+    pos = torch.arange(length, device=device)
+    state = tq.allocate_state(nseq, hkv, d, device) if config.uses_state else None
+    with checks_off(tq):
+        for i0 in range(0, nseq, spc):
+            i1 = min(nseq, i0 + spc)
+            k = dense_k[i0:i1].permute(0, 2, 1, 3).reshape(-1, hkv, d)
+            v = dense_v[i0:i1].permute(0, 2, 1, 3).reshape(-1, hkv, d)
+            slots = (tables[i0:i1][:, pos // block_size].long() * block_size
+                     + pos % block_size).reshape(-1)
+            extra = {}
+            if state is not None:
+                ids = torch.arange(i0, i1, device=device, dtype=torch.int32)
+                extra = dict(seq_state=state, state_ids=ids.repeat_interleave(length),
+                             positions=pos.repeat(i1 - i0))
+            tq.reshape_and_cache_fp4(k, v, *cache, slots, config=config, **extra)
+            del k, v, slots, extra
+    _sync(device)
+    return state
+
+
 def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: int,
             gqa: bool, config_name: str = "default") -> dict:
     config, key_format = _config(config_name, args)
@@ -711,27 +746,8 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     seq_lens = torch.full((B,), L, device=device, dtype=torch.int32)
     scale = 1.0 / math.sqrt(d)
 
-    # write the FP4 cache from the dense cache, a chunk of sequences at a time ("auto" writer)
-    per_seq = 2 * L * hkv * d * elem
-    spc = max(1, chunk_bytes // per_seq)
-    pos = torch.arange(L, device=device)
-    flat_tables = block_tables.view(nseq, nblk)
-    # sequence i keeps its state record (if the config has one) in slot i
-    state = tq.allocate_state(nseq, hkv, d, device) if config.uses_state else None
-    with checks_off(tq):
-        for i0 in range(0, nseq, spc):
-            i1 = min(nseq, i0 + spc)
-            k = dense_k[i0:i1].permute(0, 2, 1, 3).reshape(-1, hkv, d)
-            v = dense_v[i0:i1].permute(0, 2, 1, 3).reshape(-1, hkv, d)
-            slots = (flat_tables[i0:i1][:, pos // bs].long() * bs + pos % bs).reshape(-1)
-            extra = {}
-            if state is not None:
-                ids = torch.arange(i0, i1, device=device, dtype=torch.int32)
-                extra = dict(seq_state=state, state_ids=ids.repeat_interleave(L),
-                             positions=pos.repeat(i1 - i0))
-            tq.reshape_and_cache_fp4(k, v, *cache, slots, config=config, **extra)
-            del k, v, slots, extra
-    _sync(device)
+    state = fill_cache(tq, cache, config, dense_k, dense_v, block_tables.view(nseq, nblk), bs,
+                       chunk_bytes)
 
     def attn_kwargs(s):
         if state is None:
@@ -1036,6 +1052,8 @@ def note_max_observed(rows: list, bandwidth: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    from . import bench_multitoken  # it imports this module
+
     cuda = torch.cuda.is_available()
     if not cuda and not getattr(args, "allow_cpu", False):
         print("turboquant bench: needs a CUDA GPU (torch.cuda.is_available() is False here). "
@@ -1057,6 +1075,7 @@ def main(args: argparse.Namespace) -> int:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
         for c in configs:
             _config(c, args)
+        multi_rows = bench_multitoken.parse_multi(args.multi_token)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         print(f"turboquant bench: {exc}", file=sys.stderr)
         return 2
@@ -1123,7 +1142,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     failed = 0
     print(HEADER, flush=True)
-    for (hq, hkv, d) in shapes:
+    for (hq, hkv, d) in ([] if args.no_decode else shapes):
         for B in batches:
             for L in contexts:
                 for name in configs:
@@ -1143,6 +1162,9 @@ def main(args: argparse.Namespace) -> int:
                     print(format_row(rec), flush=True)
                     for line in peers.format_table([rec])[2:]:
                         print("  peers:" + line, flush=True)
+
+    multi = bench_multitoken.run_all(tq, shapes, multi_rows, configs, args, device, bw) \
+        if multi_rows else []
 
     writers = []
     for name in ([] if args.no_writer else configs):
@@ -1170,6 +1192,7 @@ def main(args: argparse.Namespace) -> int:
             "GB": GB,
         },
         "rows": rows,
+        "multi_token_rows": multi,
         "writers": writers,
     }
     json_path = os.path.join(args.out, "bench.json")
@@ -1202,6 +1225,11 @@ def main(args: argparse.Namespace) -> int:
         print(format_writer(writer))
     for line in peers.format_table(rows):
         print(line)
+    if multi:
+        print("multi-token rows:")
+        print(bench_multitoken.HEADER)
+        for r in multi:
+            print(bench_multitoken.format_row(r))
     if ceiling_note:
         print(ceiling_note)
     written = ["bench.json", "bench.csv"] + (["bench_writer.csv"] if writers else [])

@@ -1,0 +1,173 @@
+"""Multi-token rows of ``python -m turboquant bench --multi-token BxQ@L,...``: chunked prefill
+(a chunk of Q new tokens per sequence attending to everything in the cache) and speculative
+decoding (Q = 2-8), causal, each sequence L tokens long of which the last Q are its queries.
+
+Per row: turboquant (``paged_attention_fp4`` with ``cu_query_lens``) on an FP4 (or K8V4) cache
+written from dense BF16 K/V, and PyTorch SDPA on the dense BF16 K/V [B, Hkv, L, D] with
+``enable_gqa`` and the causal offset given as an explicit boolean mask [Q, L] (query j sees
+keys 0 .. L - Q + j; ``is_causal`` would align the diagonal top-left, which is wrong for
+Q < L); the SDPA kernel torch picked is named in the row. FLOPs are counted exactly for the
+causal shape: 4 * Hq * D * (keys each query token sees, summed); bytes as for decode (codes +
+scales + records read once, Q read, O written), so the table gives both TFLOP/s and % of the
+measured read bandwidth. One input set per row (the caches of these rows exceed L2 except the
+smallest, which the row notes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+
+from . import bench as B
+
+FIELDS = ["shape", "batch", "query_len", "context", "config", "status", "fp4_us", "tflops",
+          "pct_bw", "bytes", "flops", "sdpa_us", "sdpa_tflops", "sdpa_kernels", "speedup",
+          "rel_err_vs_sdpa", "note"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiRow:
+    batch: int
+    query_len: int
+    context: int
+
+
+def parse_multi(text: str) -> list:
+    """'1x2048@16k,64x4@4k' -> [MultiRow(1, 2048, 16384), MultiRow(64, 4, 4096)]."""
+    rows = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        m = re.fullmatch(r"(\d+)x(\d+)@(\w+)", part)
+        if not m:
+            raise ValueError(f"--multi-token: expected BxQ@L (e.g. 1x2048@16k), got {part!r}")
+        b, q, length = int(m.group(1)), int(m.group(2)), B.parse_int_list(m.group(3))[0]
+        if not (b >= 1 and 1 <= q <= length):
+            raise ValueError(f"--multi-token {part}: need batch >= 1 and 1 <= Q <= L")
+        rows.append(MultiRow(b, q, length))
+    return rows
+
+
+def causal_flops(batch: int, query_len: int, context: int, num_heads: int, head_dim: int) -> int:
+    """Q.K^T and P.V multiply-adds (2 FLOPs each) of causal attention where query j of a
+    sequence sees context - query_len + j + 1 keys."""
+    keys = query_len * (context - query_len) + query_len * (query_len + 1) // 2
+    return 4 * num_heads * head_dim * keys * batch
+
+
+def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, device,
+                  bw_ref: float) -> dict:
+    hq, hkv, d = shape
+    b, q, length = row.batch, row.query_len, row.context
+    bs = args.block_size
+    config, key_format = B._config(config_name, args)
+    dtype = B._dtype(args.dtype)
+    elem = torch.finfo(dtype).bits // 8
+    rec = {f: "" for f in FIELDS}
+    rec.update(shape=f"{hq}/{hkv}/{d}", batch=b, query_len=q, context=length, config=config_name)
+    if length % bs:
+        rec.update(status="skipped", note=f"context {length} is not a multiple of the block")
+        return rec
+    nblk = length // bs
+    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + b * 131 + q * 17 + length)
+    dense_k = torch.randn(b, hkv, length, d, device=device, dtype=dtype, generator=gen)
+    dense_v = torch.randn(b, hkv, length, d, device=device, dtype=dtype, generator=gen)
+    query = torch.randn(b * q, hq, d, device=device, dtype=dtype, generator=gen)
+    out = torch.empty_like(query)
+    cache = tq.allocate_cache(b * nblk, hkv, bs, d, scale_group=args.scale_group or None,
+                              device=device, key_format=key_format)
+    tables = torch.randperm(b * nblk, device=device, generator=gen).to(torch.int32).view(b, nblk)
+    state = B.fill_cache(tq, cache, config, dense_k, dense_v, tables, bs, 512 * 2**20)
+    seq_lens = torch.full((b,), length, device=device, dtype=torch.int32)
+    cu = torch.arange(b + 1, device=device, dtype=torch.int32) * q
+    scale = 1.0 / math.sqrt(d)
+    kw = {"config": config}
+    if state is not None:
+        kw.update(seq_state=state, state_ids=torch.arange(b, device=device, dtype=torch.int32))
+
+    def fp4():
+        tq.paged_attention_fp4(query, *cache, tables, seq_lens, scale, cu_query_lens=cu,
+                               out=out, backend=args.backend, max_seq_len=length, **kw)
+
+    flops = causal_flops(b, q, length, hq, d)
+    nbytes = (B.fp4_attention_bytes(b, length, hq, hkv, d, args.scale_group, elem, q,
+                                    key_format) + B.state_bytes(b, hkv, d, config))
+    notes = []
+    with B.checks_off(tq):
+        us, used, _n, note = B.time_calls([fp4], device, args.repeats, args.warmup,
+                                          args.timing, args.min_calls)
+    if note:
+        notes.append("fp4: " + note)
+    rec.update(status="ok", fp4_us=us, flops=flops, bytes=nbytes, tflops=flops / us * 1e-6,
+               pct_bw=100.0 * nbytes / (us * 1e-6) / B.GB / bw_ref if bw_ref > 0 else "")
+    if nbytes * 4 < 50 * 2**20:
+        notes.append("one input set: its cache may sit in L2")
+
+    if not args.no_sdpa:
+        q4 = query.view(b, q, hq, d).transpose(1, 2)  # [B, Hq, Q, D]
+        pos = torch.arange(length, device=device)
+        mask = pos[None, :] <= (length - q + torch.arange(q, device=device))[:, None]
+
+        def sdpa():
+            return torch.nn.functional.scaled_dot_product_attention(
+                q4, dense_k, dense_v, attn_mask=mask, scale=scale, enable_gqa=True)
+        try:
+            s_us, _u, _n, s_note = B.time_calls([sdpa], device, args.repeats, args.warmup,
+                                                args.timing, args.min_calls)
+            ref = sdpa().transpose(1, 2).reshape(b * q, hq, d).float()
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            notes.append(f"SDPA failed: {type(exc).__name__}: {str(exc).strip()[:120]}")
+        else:
+            if s_note:
+                notes.append("sdpa: " + s_note)
+            with B.checks_off(tq):
+                fp4()
+            err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+            rec.update(sdpa_us=s_us, sdpa_tflops=flops / s_us * 1e-6, speedup=s_us / us,
+                       rel_err_vs_sdpa=err, sdpa_kernels=B.kernel_names(sdpa, device, top=1))
+            if not math.isfinite(err) or err > 0.5:
+                notes.append("CHECK: FP4 output far from SDPA (quantization alone gives ~0.1)")
+    rec["note"] = "; ".join(notes)
+    return rec
+
+
+HEADER = (f"{'shape':>9} {'batch':>5} {'q':>5} {'ctx':>6} {'fp4_us':>9} {'TFLOP/s':>7} "
+          f"{'%bw':>5} {'sdpa_us':>9} {'TFLOP/s':>7} {'speedup':>7} {'rel_err':>7} config")
+
+
+def format_row(r: dict) -> str:
+    if r.get("status") != "ok":
+        return (f"{r['shape']:>9} {r['batch']:>5} {r['query_len']:>5} {r['context']:>6}  "
+                f"{r.get('status')}: {r.get('note', '')}")
+    f = B._fmt
+    line = (f"{r['shape']:>9} {r['batch']:>5} {r['query_len']:>5} {r['context']:>6} "
+            f"{f(r['fp4_us'], '9.1f'):>9} {f(r['tflops'], '7.1f'):>7} {f(r['pct_bw'], '5.1f'):>5} "
+            f"{f(r['sdpa_us'], '9.1f'):>9} {f(r['sdpa_tflops'], '7.1f'):>7} "
+            f"{f(r['speedup'], '7.2f'):>7} {f(r['rel_err_vs_sdpa'], '7.3f'):>7} {r['config']}")
+    if r.get("sdpa_kernels"):
+        line += f"  sdpa: {r['sdpa_kernels'][:60]}"
+    if r.get("note"):
+        line += "  # " + r["note"]
+    return line
+
+
+def run_all(tq, shapes, rows, configs, args, device, bw_ref) -> list:
+    """Every (shape, row, config): the records, printed as they come."""
+    out = []
+    print("\nmulti-token rows (causal; SDPA on dense BF16 with an explicit [Q, L] mask):")
+    print(HEADER, flush=True)
+    for shape in shapes:
+        for row in rows:
+            for name in configs:
+                try:
+                    rec = run_multi_row(tq, shape, row, name, args, device, bw_ref)
+                except Exception as exc:  # noqa: BLE001 - a failed row is reported
+                    rec = {f: "" for f in FIELDS}
+                    rec.update(shape="/".join(map(str, shape)), batch=row.batch,
+                               query_len=row.query_len, context=row.context, config=name,
+                               status="error", note=f"{type(exc).__name__}: {str(exc)[:200]}")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                out.append(rec)
+                print(format_row(rec), flush=True)
+    return out
