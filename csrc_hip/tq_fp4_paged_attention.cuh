@@ -171,6 +171,28 @@ TQ_HD f32x4 mfma_fp8_fp8(i32x8 a_fp8, i32x8 b_fp8, f32x4 c, int scale_a, int sca
 #endif
 }
 
+// gfx942 (no scale operand, FNUZ FP8): one 128-K step of two FP8 operands built in the
+// 16x16x128 FP8 operand order above, as four v_mfma_f32_16x16x32_fp8_fp8, instruction i
+// taking bytes 8i .. 8i + 7 of every lane of A and of B. That maps (lane, byte) pairs to K
+// differently from the gfx950 instruction, but identically for A and B (lane (r, g) of A and
+// lane (c, g) of B hold the same logical K at the same byte), so the four instructions sum
+// the same 128 products: the result is the unscaled dot product; the caller applies the
+// E8M0 scales in fp32.
+TQ_HD f32x4 mfma_fp8_fp8_k128_unscaled(i32x8 a, i32x8 b, f32x4 c) {
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t a64 = uint64_t(uint32_t(a[2 * i])) | uint64_t(uint32_t(a[2 * i + 1])) << 32;
+    const uint64_t b64 = uint64_t(uint32_t(b[2 * i])) | uint64_t(uint32_t(b[2 * i + 1])) << 32;
+    c = mfma_16x16x32_fp8_fnuz(a64, b64, c);
+  }
+  return c;
+}
+
+// x * 2^(sa - 127) * 2^(sb - 127) for two E8M0 bytes, as one ldexp (exact unless the result
+// leaves fp32's range); a NaN byte (255) gives NaN, as the gfx950 scale operand does.
+TQ_HD float scale_e8m0_pair(float x, int sa, int sb) {
+  return (sa == 255 || sb == 255) ? __builtin_nanf("") : ldexp_f32(x, sa + sb - 2 * kE8m0One);
+}
+
 // ---------------------------------------------------------------------------------------
 // Element types of the query and output (raw 16-bit storage).
 struct Bf16 {
@@ -188,22 +210,28 @@ struct Fp16 {
 
 // 8 packed FP4 codes (4 bytes, element 0 in the low nibble) -> 8 E4M3 bytes in element order
 // (lo: elements 0..3, hi: elements 4..7): kFp4ToE4m3 as one v_perm_b32 on the magnitudes
-// (codes & 7) plus the sign bit (code & 8 -> bit 7) per 4 codes.
+// (codes & 7) plus the sign bit (code & 8 -> bit 7) per 4 codes. gfx942: kFp4ToE4m3Fnuz, the
+// sign bit only where the magnitude is not 0 (m + 7 has bit 3 set iff m >= 1), so -0 is 0x00.
 struct E4m3x8 { uint32_t lo, hi; };
 TQ_HD uint32_t fp4x4_to_e4m3x4(uint32_t four_codes_in_16_bits) {
   const uint32_t x = four_codes_in_16_bits;
   const uint32_t spread = (x & 0xFu) | ((x & 0xF0u) << 4) | ((x & 0xF00u) << 8) | ((x & 0xF000u) << 12);
+  if constexpr (kGfx942) {
+    const uint32_t mag = spread & 0x07070707u;
+    return perm_b32(kFnuzMagHi, kFnuzMagLo, mag) | ((spread & (mag + 0x07070707u) & 0x08080808u) << 4);
+  }
   return perm_b32(kE4m3MagHi, kE4m3MagLo, spread & 0x07070707u) | ((spread & 0x08080808u) << 4);
 }
 TQ_HD E4m3x8 fp4x8_to_e4m3x8(uint32_t w) {
   return {fp4x4_to_e4m3x4(w & 0xFFFFu), fp4x4_to_e4m3x4(w >> 16)};
 }
 
-// Smallest E8M0 exponent byte s with amax / 2^(s-127) <= 448 (the largest E4M3): Q's scale.
+// Smallest E8M0 exponent byte s with amax / 2^(s-127) <= kFp8Max (the largest E4M3: 448, or
+// 240 for gfx942's FNUZ): Q's scale.
 TQ_HD int q_scale_byte(float amax) {
   if (amax == 0.0f) return kE8m0One;
   if (!(amax <= 3.0e38f)) return 255;                 // Inf or NaN in the query row
-  const float r = amax * (1.0f / 448.0f);
+  const float r = amax * (1.0f / kFp8Max);
   int e = frexp_exp_f32(r);                           // r = m * 2^e, m in [0.5, 1)
   if (ldexp_f32(1.0f, e - 1) >= r) e -= 1;            // r a power of two: 2^(e-1) suffices
   e += kE8m0One;
@@ -510,6 +538,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     const int kscale = lds->kscale[ktok];
     const u32x4 zero = {0u, 0u, 0u, 0u};
     f32x4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+    f32x4 acc_lo = {0.0f, 0.0f, 0.0f, 0.0f};  // gfx942: the lo terms' own (unscaled) sum
     for (int c = 0; c < kQkSteps; ++c) {
       const int base = c * kFp4BytesPerK;
       if constexpr (KEY_E4M3) {
@@ -542,11 +571,26 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
           a[4 * h + 2] = int(d1.lo);
           a[4 * h + 3] = int(d1.hi);
         }
-        acc = mfma_fp8_fp8(a, q8[c], acc, kscale, qscale);
-        acc = mfma_fp8_fp8(a, q8lo[c], acc, kscale, qscale_lo);
+        if constexpr (kGfx942) {
+          acc = mfma_fp8_fp8_k128_unscaled(a, q8[c], acc);
+          acc_lo = mfma_fp8_fp8_k128_unscaled(a, q8lo[c], acc_lo);
+        } else {
+          acc = mfma_fp8_fp8(a, q8[c], acc, kscale, qscale);
+          acc = mfma_fp8_fp8(a, q8lo[c], acc, kscale, qscale_lo);
+        }
       }
     }
-    for (int i = 0; i < 4; ++i) logit[t][i] = acc[i];
+    if constexpr (kGfx942) {
+      // The scales the gfx950 instruction applies, in fp32: K's byte belongs to the output
+      // row's token (tokens 4 (lane / 16) + i of the tile, one aligned dword of kscale), Q's
+      // to the lane's own row; the lo terms weigh 1/16.
+      const uint32_t ks4 = *reinterpret_cast<const uint32_t*>(
+          &lds->kscale[wave * kTokensPerWave + t * kTile + mfma_out_row(lane, 0)]);
+      for (int i = 0; i < 4; ++i)
+        logit[t][i] = scale_e8m0_pair(acc[i] + acc_lo[i] * 0.0625f, int((ks4 >> (8 * i)) & 0xFFu), qscale);
+    } else {
+      for (int i = 0; i < 4; ++i) logit[t][i] = acc[i];
+    }
   }
 
   // Softmax statistics. Lane holds row my_row, tokens 64w + 16t + mfma_out_row(lane, i).
@@ -635,13 +679,16 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       exp_sums[idx] = l_out;
       max_logits[idx] = m_out;
     }
+    // gfx942: the PV MFMA applies no scale; P's power of two (lane = row here) joins post.
+    if constexpr (kGfx942) post = scale_e8m0_pair(post, pscale, kE8m0One);
     lds->post[lane] = post;
     lds->sinkw[lane] = sinkw;
   }
 
   // PV: A = P (row = row of the tile, K = 128 tokens of step s), B = V (column = head element).
   f32x4 out_acc[kNTilesPerWave];
-  for (int n = 0; n < kNTilesPerWave; ++n) out_acc[n] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  f32x4 out_lo[kNTilesPerWave];  // gfx942: the lo terms' own (unscaled) sum
+  for (int n = 0; n < kNTilesPerWave; ++n) out_acc[n] = out_lo[n] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
   for (int s = 0; s < kPvSteps; ++s) {
     block_barrier();  // previous step's vt fully read; post written
     // Decode V of tokens [128s, 128s + 128) into vt[element][token]: a unit is one dword
@@ -681,8 +728,13 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       i32x8 b;
       for (int w = 0; w < 8; ++w)
         b[w] = *reinterpret_cast<const int*>(&lds->vt[elem][mfma_fp8_k(pg, 4 * w)]);
-      out_acc[n] = mfma_fp8_fp8(a, b, out_acc[n], pscale, kE8m0One);
-      out_acc[n] = mfma_fp8_fp8(a_lo, b, out_acc[n], pscale_lo, kE8m0One);
+      if constexpr (kGfx942) {
+        out_acc[n] = mfma_fp8_fp8_k128_unscaled(a, b, out_acc[n]);
+        out_lo[n] = mfma_fp8_fp8_k128_unscaled(a_lo, b, out_lo[n]);
+      } else {
+        out_acc[n] = mfma_fp8_fp8(a, b, out_acc[n], pscale, kE8m0One);
+        out_acc[n] = mfma_fp8_fp8(a_lo, b, out_acc[n], pscale_lo, kE8m0One);
+      }
     }
   }
 
@@ -693,7 +745,8 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   for (int n = 0; n < kNTilesPerWave; ++n)
     for (int i = 0; i < 4; ++i) {
       const int h = mfma_out_row(lane, i);
-      lds->obuf[h][(wave + kWaves * n) * kTile + mfma_out_col(lane)] = out_acc[n][i] * lds->post[h];
+      const float o = kGfx942 ? out_acc[n][i] + out_lo[n][i] * 0.0625f : out_acc[n][i];
+      lds->obuf[h][(wave + kWaves * n) * kTile + mfma_out_col(lane)] = o * lds->post[h];
     }
   block_barrier();
   // Wave w finishes rows w, w + 4, ..: lane l holds elements 64j + l of the row.

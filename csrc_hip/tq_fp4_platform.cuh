@@ -11,7 +11,23 @@
 
 #include <stdint.h>
 
+// The target architecture, at compile time (one template source, one instruction set per
+// target; the gfx950 code is the same whether or not the gfx942 path exists):
+//   TQ_GFX942 1: MI300X (gfx942). FP8 MFMA without a scale operand
+//     (v_mfma_f32_16x16x32_fp8_fp8) and FP8 = E4M3FNUZ (bias 8, no negative zero, 0x80 is
+//     NaN): the kernel's LUT path, with the E8M0 scales applied in fp32. The device build for
+//     gfx942, or the lane simulation built with -DTQ_SIM_GFX942.
+//   TQ_GFX942 0: gfx950 (MI350X/MI355X; OCP E4M3, the scaled MFMA), and every other build.
+#if (defined(TQ_HOST_SIM) && defined(TQ_SIM_GFX942)) || \
+    (!defined(TQ_HOST_SIM) && defined(__HIP_DEVICE_COMPILE__) && defined(__gfx942__))
+#define TQ_GFX942 1
+#else
+#define TQ_GFX942 0
+#endif
+
 namespace tq {
+
+constexpr bool kGfx942 = TQ_GFX942 != 0;
 
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 typedef int i32x8 __attribute__((vector_size(32)));
@@ -22,19 +38,32 @@ constexpr uint8_t kFp4ToE4m3[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x
                                     0x80, 0xB0, 0xB8, 0xBC, 0xC0, 0xC4, 0xC8, 0xCC};
 // The table's positive half as the two v_perm_b32 sources (codes 0..3 and 4..7); the
 // negative half is the same bytes with bit 7 set.
-constexpr uint32_t table_word(int first) {
-  return uint32_t(kFp4ToE4m3[first]) | uint32_t(kFp4ToE4m3[first + 1]) << 8 |
-         uint32_t(kFp4ToE4m3[first + 2]) << 16 | uint32_t(kFp4ToE4m3[first + 3]) << 24;
+// The same codes as E4M3FNUZ (gfx942: bias 8, so each nonzero byte is the OCP byte + 0x08),
+// with code 8 (-0) as 0x00: FNUZ has no negative zero and 0x80 is its NaN.
+constexpr uint8_t kFp4ToE4m3Fnuz[16] = {0x00, 0x38, 0x40, 0x44, 0x48, 0x4C, 0x50, 0x54,
+                                        0x00, 0xB8, 0xC0, 0xC4, 0xC8, 0xCC, 0xD0, 0xD4};
+constexpr uint32_t table_word(const uint8_t (&table)[16], int first) {
+  return uint32_t(table[first]) | uint32_t(table[first + 1]) << 8 |
+         uint32_t(table[first + 2]) << 16 | uint32_t(table[first + 3]) << 24;
 }
-constexpr uint32_t kE4m3MagLo = table_word(0);
-constexpr uint32_t kE4m3MagHi = table_word(4);
+constexpr uint32_t kE4m3MagLo = table_word(kFp4ToE4m3, 0);
+constexpr uint32_t kE4m3MagHi = table_word(kFp4ToE4m3, 4);
 static_assert(kE4m3MagLo == 0x3C383000u && kE4m3MagHi == 0x4C484440u, "E4M3 of 0..1.5, 2..6");
-constexpr bool negatives_are_sign_bit() {
-  for (int i = 0; i < 8; ++i)
-    if (kFp4ToE4m3[i + 8] != (kFp4ToE4m3[i] | 0x80)) return false;
+constexpr uint32_t kFnuzMagLo = table_word(kFp4ToE4m3Fnuz, 0);
+constexpr uint32_t kFnuzMagHi = table_word(kFp4ToE4m3Fnuz, 4);
+static_assert(kFnuzMagLo == 0x44403800u && kFnuzMagHi == 0x54504C48u, "FNUZ of 0..1.5, 2..6");
+constexpr bool negatives_are_sign_bit(const uint8_t (&table)[16], bool fnuz) {
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t neg = (fnuz && table[i] == 0) ? 0x00 : uint8_t(table[i] | 0x80);
+    if (table[i + 8] != neg) return false;
+  }
   return true;
 }
-static_assert(negatives_are_sign_bit(), "codes 8..15 are codes 0..7 with the sign bit");
+static_assert(negatives_are_sign_bit(kFp4ToE4m3, false), "codes 8..15 are codes 0..7 with the sign bit");
+static_assert(negatives_are_sign_bit(kFp4ToE4m3Fnuz, true),
+              "FNUZ: codes 9..15 are codes 1..7 with the sign bit, code 8 is +0");
+// The largest finite FP8 E4M3 magnitude of the target: 448 (OCP), 240 (FNUZ).
+constexpr float kFp8Max = kGfx942 ? 240.0f : 448.0f;
 
 }  // namespace tq
 
@@ -57,6 +86,7 @@ float shfl_xor(float v, int mask);
 void* lds(unsigned long bytes);
 f32x4 mfma_scale_16x16x128(int fmt_a, int fmt_b, i32x8 a, i32x8 b, f32x4 c, int scale_a,
                            int scale_b);
+f32x4 mfma_16x16x32_fp8_fnuz(uint64_t a, uint64_t b, f32x4 c);
 }  // namespace sim
 
 inline int thread_id() { return sim::thread_id(); }
@@ -98,9 +128,31 @@ inline uint32_t f32_to_e4m3(float x) {
   return sign | (uint32_t(qe + 7) << 3) | mant;
 }
 
-// v_cvt_pk_fp8_f32 twice: four floats -> four E4M3 bytes, first in the low byte.
+// float -> E4M3FNUZ (gfx942's v_cvt_pk_fp8_f32), round to nearest even: bias 8, largest
+// finite 240, subnormals in units of 2^-10, zero of either sign -> 0x00 (FNUZ has no -0;
+// 0x80 is its only NaN). NaN and values that round beyond 240 give 0x80 (the kernel's
+// operands are scaled to stay within 240).
+inline uint32_t f32_to_e4m3fnuz(float x) {
+  uint32_t bits; memcpy(&bits, &x, 4);
+  const uint32_t sign = (bits >> 24) & 0x80;
+  const float a = fabsf(x);
+  if (!(a == a) || a >= 248.0f) return 0x80;
+  int e; frexpf(a, &e); e -= 1;
+  if (e < -7) e = -7;
+  const float step = ldexpf(1.0f, e - 3);
+  const float q = nearbyintf(a / step) * step;
+  if (q == 0.0f) return 0x00;
+  int qe; frexpf(q, &qe); qe -= 1;
+  if (qe < -7) return sign | uint32_t(q / ldexpf(1.0f, -10));
+  const uint32_t mant = uint32_t(q / ldexpf(1.0f, qe) * 8.0f) - 8;
+  return sign | (uint32_t(qe + 8) << 3) | mant;
+}
+
+// v_cvt_pk_fp8_f32 twice: four floats -> four FP8 bytes of the target (OCP E4M3, or FNUZ on
+// gfx942), first in the low byte.
 inline uint32_t pack_e4m3x4(float a, float b, float c, float d) {
-  return f32_to_e4m3(a) | (f32_to_e4m3(b) << 8) | (f32_to_e4m3(c) << 16) | (f32_to_e4m3(d) << 24);
+  uint32_t (*cvt)(float) = kGfx942 ? f32_to_e4m3fnuz : f32_to_e4m3;
+  return cvt(a) | (cvt(b) << 8) | (cvt(c) << 16) | (cvt(d) << 24);
 }
 
 // v_cvt_f32_fp8: E4M3 byte -> float (exact).
@@ -110,8 +162,16 @@ inline float e4m3_to_f32(uint32_t byte) {
   const float mag = e == 0 ? ldexpf(float(m), -9) : ldexpf(float(8 + m), int(e) - 10);
   return (byte & 0x80) ? -mag : mag;
 }
+// The same for E4M3FNUZ (gfx942): 0x80 is NaN, no infinities.
+inline float e4m3fnuz_to_f32(uint32_t byte) {
+  if ((byte & 0xFF) == 0x80) return NAN;
+  const uint32_t e = (byte >> 3) & 15, m = byte & 7;
+  const float mag = e == 0 ? ldexpf(float(m), -10) : ldexpf(float(8 + m), int(e) - 11);
+  return (byte & 0x80) ? -mag : mag;
+}
 inline void unpack_e4m3x4(uint32_t w, float out[4]) {
-  for (int i = 0; i < 4; ++i) out[i] = e4m3_to_f32((w >> (8 * i)) & 0xFF);
+  for (int i = 0; i < 4; ++i)
+    out[i] = kGfx942 ? e4m3fnuz_to_f32((w >> (8 * i)) & 0xFF) : e4m3_to_f32((w >> (8 * i)) & 0xFF);
 }
 
 inline float exp2_f32(float x) { return exp2f(x); }
@@ -172,8 +232,14 @@ TQ_HD uint32_t perm_b32(uint32_t src0, uint32_t src1, uint32_t sel) {
   return __builtin_amdgcn_perm(src0, src1, sel);
 }
 
+// FP8 bytes of the target: OCP E4M3 on gfx950, E4M3FNUZ on gfx942 (the same instruction;
+// gfx942 adds +0.0f first so that a -0 input can never become 0x80, FNUZ's NaN).
 TQ_HD uint32_t pack_e4m3x4(float a, float b, float c, float d) {
-#if TQ_GFX950
+#if TQ_GFX942
+  int w = __builtin_amdgcn_cvt_pk_fp8_f32(a + 0.0f, b + 0.0f, 0, false);
+  w = __builtin_amdgcn_cvt_pk_fp8_f32(c + 0.0f, d + 0.0f, w, true);
+  return uint32_t(w);
+#elif TQ_GFX950
   int w = __builtin_amdgcn_cvt_pk_fp8_f32(a, b, 0, false);
   w = __builtin_amdgcn_cvt_pk_fp8_f32(c, d, w, true);
   return uint32_t(w);
@@ -183,7 +249,7 @@ TQ_HD uint32_t pack_e4m3x4(float a, float b, float c, float d) {
 }
 
 TQ_HD void unpack_e4m3x4(uint32_t w, float out[4]) {
-#if TQ_GFX950
+#if TQ_GFX950 || TQ_GFX942
   out[0] = __builtin_amdgcn_cvt_f32_fp8(int(w), 0);
   out[1] = __builtin_amdgcn_cvt_f32_fp8(int(w), 1);
   out[2] = __builtin_amdgcn_cvt_f32_fp8(int(w), 2);
@@ -205,3 +271,23 @@ TQ_HD int frexp_exp_f32(float x) { int e; __builtin_frexpf(x, &e); return e; }
 }  // namespace tq
 
 #endif
+
+namespace tq {
+
+// v_mfma_f32_16x16x32_fp8_fp8 on gfx942 (the only caller: the gfx942 LUT path). No scale
+// operand; FP8 is E4M3FNUZ there. Lane l supplies 8 bytes of row (A) / column (B) l % 16,
+// K [8 (l / 16), 8 (l / 16) + 8), byte j = K 8 (l / 16) + j; the accumulator is laid out as
+// the 16x16x128 one: element i is D[row 4 (l / 16) + i][column l % 16]. Builtin (clang-22):
+// v4f32 (i64 a, i64 b, v4f32 c, cbsz, abid, blgp), all three immediates 0 here.
+TQ_HD f32x4 mfma_16x16x32_fp8_fnuz(uint64_t a, uint64_t b, f32x4 c) {
+#if defined(TQ_HOST_SIM)
+  return sim::mfma_16x16x32_fp8_fnuz(a, b, c);
+#elif TQ_GFX942
+  return __builtin_amdgcn_mfma_f32_16x16x32_fp8_fp8(static_cast<long>(a), static_cast<long>(b), c,
+                                                    0, 0, 0);
+#else
+  __builtin_trap();
+#endif
+}
+
+}  // namespace tq

@@ -54,8 +54,35 @@ def test_missing_aiter_names_the_command(fake_gfx950, monkeypatch):
 
 def test_other_gpu_is_refused(fake_gfx950, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: types.SimpleNamespace(gcnArchName="gfx942:sramecc+:xnack-"))
-    assert "gfx942" in tq_aiter.BACKEND.unavailable()
+                        lambda d: types.SimpleNamespace(gcnArchName="gfx90a:sramecc+:xnack-"))
+    reason = tq_aiter.BACKEND.unavailable()
+    assert "gfx90a" in reason and "gfx950" in reason and "gfx942" in reason
+
+
+def _fake_arch(monkeypatch, arch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-"))
+
+
+def test_gfx942_is_accepted(fake_gfx950, monkeypatch):
+    """MI300X (gfx942) passes the device check (the LUT path on v_mfma_f32_16x16x32_fp8_fp8);
+    what remains is AITER itself."""
+    _fake_arch(monkeypatch, "gfx942")
+    assert tq_aiter._device_reason() is None
+    monkeypatch.setattr(tq_aiter, "aiter_root", lambda: None)
+    assert "AITER is not installed" in tq_aiter.BACKEND.unavailable()
+
+
+def test_gfx942_declines_k8v4_with_a_reason(fake_gfx950, monkeypatch):
+    """On gfx942 a K8V4 cache (OCP E4M3 key bytes; gfx942's FP8 is FNUZ) is declined with its
+    reason; FP4 keys go on (here they stop at the device: CPU tensors); on gfx950 K8V4 goes on."""
+    b = tq_aiter.BACKEND
+    _fake_arch(monkeypatch, "gfx942")
+    reason = b.check_attention(_call(key_format="fp8_e4m3"))
+    assert "gfx942" in reason and "fp8_e4m3" in reason and "FNUZ" in reason
+    assert DEVICE in b.check_attention(_call())
+    _fake_arch(monkeypatch, "gfx950")
+    assert DEVICE in b.check_attention(_call(key_format="fp8_e4m3"))
 
 
 def test_unpatched_aiter_names_the_command(fake_gfx950, monkeypatch, tmp_path):

@@ -3,6 +3,11 @@
 clang-22 comes from Debian's packages (``apt-get install clang-22``); no ROCm, no HIP
 headers: ``-nogpulib -nogpuinc`` and the kernel uses clang builtins only. The tests read the
 assembly and check the instruction forms, spills, registers and occupancy of each kernel.
+
+gfx942 (MI300X): the same translation unit compiled with ``--offload-arch=gfx942`` gives the
+LUT path on ``v_mfma_f32_16x16x32_fp8_fp8`` (FP8 = E4M3FNUZ, no scale operand: four
+instructions per 128-element K step, the E8M0 scales applied in fp32); the native FP4 and the
+K8V4 instantiations are trap stubs there (the launcher never picks them on gfx942).
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ def _clang():
     return clang
 
 
-def compile_to_asm(src: Path, out: Path) -> str:
-    subprocess.run([_clang(), *FLAGS, f"-I{CSRC}", "-o", str(out), str(src)], check=True)
+def compile_to_asm(src: Path, out: Path, arch: str = "gfx950") -> str:
+    flags = [f if f != "--offload-arch=gfx950" else f"--offload-arch={arch}" for f in FLAGS]
+    subprocess.run([_clang(), *flags, f"-I{CSRC}", "-o", str(out), str(src)], check=True)
     return out.read_text()
 
 
@@ -195,3 +201,84 @@ def test_shape_matrix_compiles_without_spills(tmp_path):
         _no_spills(k)
         assert MFMA in k["body"]
         _report(name, k)
+
+
+# --------------------------------------------------------------------------- gfx942 (MI300X)
+
+MFMA_942 = "v_mfma_f32_16x16x32_fp8_fp8"
+FNUZ_TABLE_WORDS = ("0x44403800", "0x54504c48")  # v_perm_b32 sources: FNUZ of codes 0..3, 4..7
+OCP_TABLE_WORDS = ("0x3c383000", "0x4c484440")
+# LDS per workgroup (28288 B at head 128) against gfx942's 64 KiB per CU: 2 workgroups of 4
+# waves per CU, i.e. 2 waves per SIMD; the VGPRs (83) would allow 5.
+GFX942_OCCUPANCY = 2
+
+
+@pytest.fixture(scope="module")
+def isa942(tmp_path_factory):
+    return kernels(compile_to_asm(ISA_TU, tmp_path_factory.mktemp("isa942") / "isa.s", "gfx942"))
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi-token"])
+def test_gfx942_lut_path_on_fp8_fp8_mfma(isa942, multi):
+    """The LUT kernels for gfx942: no trap, no scaled MFMA; QK 4 tiles x (Q hi, Q lo) and PV
+    2 K-steps x 2 output tiles x (P hi, P lo) per wave, each 128-element K step as four
+    16x16x32 instructions on 2 + 2 VGPRs (8 FP8 bytes per lane): 64 in all; the FP4 -> FP8
+    table is the FNUZ one; no spills."""
+    k = _one(isa942, native=False, multi=multi)
+    body = k["body"]
+    assert "s_trap" not in body
+    assert "v_mfma_scale" not in body
+    lines = [ln.strip() for ln in body.splitlines() if MFMA_942 in ln]
+    assert len(lines) == 64
+    for ln in lines:
+        a0, a1, b0, b1 = map(int, re.search(r"v\[\d+:\d+\], v\[(\d+):(\d+)\], v\[(\d+):(\d+)\]",
+                                            ln).groups())
+        assert (a1 - a0, b1 - b0) == (1, 1), ln
+    assert "v_perm_b32" in body and "v_cvt_pk_fp8_f32" in body
+    assert all(w in body for w in FNUZ_TABLE_WORDS)
+    assert not any(w in body for w in OCP_TABLE_WORDS)
+    assert "v_ldexp_f32" in body  # the E8M0 scales, in fp32
+    _no_spills(k)
+    _report(f"gfx942 lut {'multi-token' if multi else 'decode'}", k)
+    assert k["stats"]["Occupancy"] >= GFX942_OCCUPANCY
+
+
+@pytest.mark.parametrize("key_e4m3", [False, True], ids=["fp4", "k8v4"])
+def test_gfx942_native_and_k8v4_are_stubs(isa942, key_e4m3):
+    """No scaled MFMA on gfx942: the native FP4 kernels and the K8V4 kernels (whose OCP E4M3
+    key bytes the FNUZ MFMA would misread) trap; the launcher declines them on gfx942."""
+    for native, multi in ((True, False), (True, True)) + (((False, False), (False, True)) if key_e4m3 else ()):
+        k = _one(isa942, native, multi, key_e4m3)
+        assert "s_trap" in k["body"] and MFMA_942 not in k["body"]
+
+
+def test_gfx942_reduce_kernels(isa942):
+    names = [n for n in isa942 if "reduce_kernel" in n]
+    assert len(names) == 2
+    for name in names:
+        assert "s_trap" not in isa942[name]["body"]
+        _no_spills(isa942[name])
+        _report(f"gfx942 {name}", isa942[name])
+
+
+def test_gfx942_shape_matrix_compiles_without_spills(tmp_path):
+    """Every (head, block, GQA, dtype) class, LUT path with FP4 keys, decode and multi-token,
+    for gfx942: the 16x16x32 FP8 MFMA, no trap, no spills."""
+    args = ("const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, "
+            "const int*, const int*, const int*, float*, float*, uint16_t*, float, float, int, "
+            "int, int, int, int, int, int, int64_t, int, int, const float*, const float*, "
+            "const int*, int, int, int")
+    lines = ['#include "tq_fp4_paged_attention.cuh"']
+    for scalar, head, block, gqa in SHAPES:
+        for multi in ("false", "true") if gqa <= 16 else ("true",):
+            lines.append(f"template __attribute__((global)) void "
+                         f"tq::tq_fp4_pa_partition_kernel<tq::{scalar}, {head}, {block}, "
+                         f"{gqa}, false, {multi}, false>({args});")
+    src = tmp_path / "matrix942.hip"
+    src.write_text("\n".join(lines) + "\n")
+    ks = kernels(compile_to_asm(src, tmp_path / "matrix942.s", "gfx942"))
+    assert len(ks) == sum(2 if gqa <= 16 else 1 for _, _, _, gqa in SHAPES)
+    for name, k in sorted(ks.items()):
+        _no_spills(k)
+        assert MFMA_942 in k["body"] and "s_trap" not in k["body"]
+        _report(f"gfx942 {name}", k)

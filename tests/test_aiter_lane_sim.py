@@ -24,6 +24,13 @@ whose range holds it, window edges, a saturating cap.
 K8V4 caches (E4M3 keys, ``key_format="fp8_e4m3"``) run the KEY_E4M3 instantiations through the
 same comparisons, plus a one-hot key probe whose output peak moves under any byte-order or
 lane error in the FP8 key operand.
+
+gfx942 (MI300X): the same source built with ``-DTQ_SIM_GFX942`` is the gfx942 build's LUT
+path, FP8 = E4M3FNUZ (bias 8, 0x80 NaN) on ``v_mfma_f32_16x16x32_fp8_fp8`` (no scale operand:
+the kernel applies the E8M0 scales in fp32), modelled from that instruction's documented
+layout. Its cases (the ``gfx942`` section at the end) compare with the same emulation in FNUZ
+terms (``emulate(..., fnuz=True)``: Q's scale for 240 instead of 448, FNUZ rounding) and the
+reference.
 """
 from __future__ import annotations
 
@@ -53,20 +60,34 @@ PARTITION = 256
 LOG2E = 1.4426950408889634
 
 
-@pytest.fixture(scope="session")
-def sim_lib(tmp_path_factory):
+def _build_sim(tmp_path_factory, *defines):
     cxx = shutil.which("g++") or shutil.which("clang++") or shutil.which("clang++-22")
     if cxx is None:
         pytest.skip("no host C++ compiler (g++ or clang++) to build the lane simulation")
     lib = tmp_path_factory.mktemp("lane_sim") / "libtq_fp4_lane_sim.so"
     subprocess.run([cxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-Wno-psabi", "-DTQ_HOST_SIM",
-                    "-o", str(lib), str(SIM_SRC)], check=True)
+                    *defines, "-o", str(lib), str(SIM_SRC)], check=True)
     dll = ctypes.CDLL(str(lib))
     dll.tq_sim_paged_attention.restype = ctypes.c_int
     dll.tq_sim_f32_to_e4m3.restype = ctypes.c_uint32
     dll.tq_sim_f32_to_e4m3.argtypes = [ctypes.c_float]
     dll.tq_sim_rotation_norm.restype = ctypes.c_float
+    for name in ("tq_sim_f32_to_e4m3fnuz", "tq_sim_f32_to_fp8"):
+        getattr(dll, name).restype = ctypes.c_uint32
+        getattr(dll, name).argtypes = [ctypes.c_float]
     return dll
+
+
+@pytest.fixture(scope="session")
+def sim_lib(tmp_path_factory):
+    """The gfx950 build of the kernel (native FP4 and LUT paths)."""
+    return _build_sim(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def sim_lib_942(tmp_path_factory):
+    """The gfx942 build (-DTQ_SIM_GFX942): the LUT path in FNUZ on v_mfma_f32_16x16x32_fp8_fp8."""
+    return _build_sim(tmp_path_factory, "-DTQ_SIM_GFX942")
 
 
 def _ptr(t):
@@ -115,33 +136,33 @@ def reference(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, cu_quer
     return out
 
 
-def _e4m3(x):
-    return x.float().to(torch.float8_e4m3fn).to(torch.float64)
+def _e4m3(x, fnuz=False):
+    return x.float().to(torch.float8_e4m3fnuz if fnuz else torch.float8_e4m3fn).to(torch.float64)
 
 
-def _e4m3_pair(x):
-    """x as the kernel's two E4M3 terms: hi + lo / 16."""
-    hi = _e4m3(x)
-    return hi + _e4m3((x.float().double() - hi) * 16) / 16
+def _e4m3_pair(x, fnuz=False):
+    """x as the kernel's two E4M3 (fnuz: E4M3FNUZ, gfx942) terms: hi + lo / 16."""
+    hi = _e4m3(x, fnuz)
+    return hi + _e4m3((x.float().double() - hi) * 16, fnuz) / 16
 
 
-def _q_scale_byte(amax):
+def _q_scale_byte(amax, fp8_max=448.0):
     if amax == 0:
         return 127
     if not math.isfinite(amax):
         return 255
-    e = math.ceil(math.log2(amax / 448.0))
-    while 2.0 ** (e - 1) * 448.0 >= amax:
+    e = math.ceil(math.log2(amax / fp8_max))
+    while 2.0 ** (e - 1) * fp8_max >= amax:
         e -= 1
-    while 2.0 ** e * 448.0 < amax:
+    while 2.0 ** e * fp8_max < amax:
         e += 1
     return min(254, max(1, e + 127))
 
 
 def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_signs=None,
             seq_state=None, state_ids=None, sink=False, cu_query_lens=None, sliding_window=0,
-            sinks=None, return_lse=False):
-    """The kernel's arithmetic in float64 without any lane layout (FP4 or E4M3 keys times
+            sinks=None, return_lse=False, fnuz=False):
+    """fnuz: the gfx942 build's FP8 (E4M3FNUZ, Q scaled to 240). The kernel's arithmetic in float64 without any lane layout (FP4 or E4M3 keys times
     their scale); the transforms in fp32 as
     the kernel does them (q' = rotate(q * lam); the sink as one more fp32 key of partition 0,
     merged by log-sum-exp for the rows that see position 0; each partition's output un-rotated
@@ -201,8 +222,8 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             if rotation_signs is not None:
                 q = rotate(q, rotation_signs)
             q = q.double()
-            qs = torch.tensor([_q_scale_byte(float(r.abs().max())) for r in q])
-            q8 = _e4m3_pair(q * torch.exp2(127.0 - qs.double())[:, None]) * torch.exp2(qs.double() - 127)[:, None]
+            qs = torch.tensor([_q_scale_byte(float(r.abs().max()), 240.0 if fnuz else 448.0) for r in q])
+            q8 = _e4m3_pair(q * torch.exp2(127.0 - qs.double())[:, None], fnuz) * torch.exp2(qs.double() - 127)[:, None]
             x = scale * (q8 @ kdeq.T + qdm[:, None])  # [rows, n]
             if soft_cap > 0:
                 x = soft_cap * torch.tanh(x / soft_cap)
@@ -216,7 +237,7 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
                 l = torch.exp(xs - m_safe[:, None]).sum(dim=1)
                 y = xs * LOG2E + (vs[p0:p0 + PARTITION].double() - 127)[None]
                 ytop = torch.ceil(y.max(dim=1).values)
-                p8 = _e4m3_pair(torch.exp2(y - torch.where(ytop == float("-inf"), 0.0, ytop)[:, None]))
+                p8 = _e4m3_pair(torch.exp2(y - torch.where(ytop == float("-inf"), 0.0, ytop)[:, None]), fnuz)
                 tpow = ytop - m * LOG2E
                 ip = torch.floor(tpow).nan_to_num(0.0).clamp(-127, 127)
                 acc = (p8 @ v4[p0:p0 + PARTITION]) * torch.exp2(ip)[:, None]
@@ -445,11 +466,11 @@ def _sim_call(lib, call, native):
                    sliding_window=call.sliding_window)
 
 
-def _emulate_call(call):
+def _emulate_call(call, fnuz=False):
     return emulate(call.query, (call.key_cache, call.value_cache, call.key_scales,
                                 call.value_scales), call.block_tables, call.seq_lens, call.scale,
                    call.logits_soft_cap, call.rotation_signs, call.seq_state, call.state_ids,
-                   call.sink, call.cu_query_lens, call.sliding_window)
+                   call.sink, call.cu_query_lens, call.sliding_window, fnuz=fnuz)
 
 
 def _reference_call(call):
@@ -632,11 +653,11 @@ def _multi_problem(seq_lens, q_lens, hkv, head, bs, gqa, dtype=torch.bfloat16, s
     return prob, query, _cu(q_lens)
 
 
-def _check(lib, call, native, *, emu_tol=1e-3, ref_tol=1e-2, label=""):
+def _check(lib, call, native, *, emu_tol=1e-3, ref_tol=1e-2, label="", fnuz=False):
     """The simulated kernel against the emulation and the reference: -> (out, ref)."""
     out = _sim_call(lib, call, native)
     ref = _reference_call(call)
-    e_emu, e_ref = _rel_err(out, _emulate_call(call)), _rel_err(out, ref)
+    e_emu, e_ref = _rel_err(out, _emulate_call(call, fnuz)), _rel_err(out, ref)
     print(f"{label} {'native' if native else 'lut'}: rel err vs emulation {e_emu:.2e}, vs "
           f"reference {e_ref:.2e}")
     assert e_emu < emu_tol
@@ -1061,3 +1082,109 @@ def test_lane_sim_lse_nan_rows_and_merge(sim_lib, native):
     mo, ml = merge_attention_states(ao, al, bo, bl)
     assert (ml - wl).abs().max() < 1e-3
     assert _rel_err(mo, wo) < 1e-2
+
+
+# --------------------------------------------------------------------------- gfx942 (MI300X)
+
+# The FNUZ emulation follows the gfx942 build to ~1e-4; the OCP (gfx950) emulation of the same
+# data is ~1e-3 away, so this bound also says the FNUZ encodes are what runs.
+GFX942_EMU_TOL = 5e-4
+
+FNUZ_TABLE = [0x00, 0x38, 0x40, 0x44, 0x48, 0x4C, 0x50, 0x54,
+              0x00, 0xB8, 0xC0, 0xC4, 0xC8, 0xCC, 0xD0, 0xD4]
+
+
+def test_gfx942_fnuz_table_and_conversion(sim_lib_942):
+    """The gfx942 build's FP4 decode is the 16-entry E4M3FNUZ table (code 8, -0, is 0x00: 0x80
+    is FNUZ's NaN), and its model of v_cvt_pk_fp8_f32 rounds like torch's float8_e4m3fnuz."""
+    lib = sim_lib_942
+    assert lib.tq_sim_is_gfx942() == 1
+    table = torch.tensor(FNUZ_TABLE, dtype=torch.uint8)
+    assert torch.equal(table.view(torch.float8_e4m3fnuz).float(),
+                       decode_e2m1(torch.arange(16, dtype=torch.uint8)))
+    lo, hi = ctypes.c_uint32(), ctypes.c_uint32()
+    for word in (0x76543210, 0xFEDCBA98, 0x0F1E2D3C, 0x89ABCDEF, 0x88888888):
+        lib.tq_sim_decode_fp4x8(ctypes.c_uint32(word), ctypes.byref(lo), ctypes.byref(hi))
+        got = [(lo.value >> (8 * i)) & 0xFF for i in range(4)] + [(hi.value >> (8 * i)) & 0xFF for i in range(4)]
+        assert got == [FNUZ_TABLE[(word >> (4 * i)) & 0xF] for i in range(8)]
+    xs = torch.cat([torch.randn(2000) * 30, torch.randn(500) * 1e-2, torch.randn(200) * 1e-3,
+                    torch.tensor([0.0, -0.0, 240.0, -240.0, 2.0 ** -10, -(2.0 ** -11)])])
+    want = xs.to(torch.float8_e4m3fnuz).view(torch.uint8)
+    for fn in (lib.tq_sim_f32_to_e4m3fnuz, lib.tq_sim_f32_to_fp8):
+        got = torch.tensor([fn(float(x)) for x in xs], dtype=torch.uint8)
+        assert torch.equal(got, want)
+    assert 0x80 not in want.tolist()  # no -0 byte
+    assert lib.tq_sim_q_scale_byte(ctypes.c_float(240.0)) == 127  # Q scaled to FNUZ's 240
+    assert lib.tq_sim_q_scale_byte(ctypes.c_float(241.0)) == 128
+
+
+GFX942_CONFIGS = [  # (dtype, head, block_size, gqa, num_kv_heads, seq_lens)
+    (torch.bfloat16, 128, 16, 4, 2, [1, 300, 517]),
+    (torch.bfloat16, 256, 32, 2, 2, [129, 380]),
+    (torch.float16, 128, 16, 16, 1, [513]),
+]
+
+
+@pytest.mark.parametrize("cfg", GFX942_CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-bs{c[2]}-g{c[3]}")
+def test_gfx942_lane_sim_decode(sim_lib_942, cfg):
+    """Decode on the gfx942 build against the FNUZ emulation and the reference."""
+    dtype, head, bs, gqa, hkv, seq_lens = cfg
+    prob, gen = _problem(seq_lens, hkv, head, bs, dtype)
+    query = torch.randn((len(seq_lens), hkv * gqa, head), generator=gen).to(dtype)
+    args = (query, prob.cache, prob.block_tables, prob.seq_lens, head ** -0.5)
+    out = run_sim(sim_lib_942, *args, native=False)
+    assert torch.isfinite(out).all(), "poisoned (0xFF) slots past seq_len reached the output"
+    assert (out[torch.tensor(seq_lens) == 0] == 0).all()
+    e_emu, e_ref = _rel_err(out, emulate(*args, fnuz=True)), _rel_err(out, reference(*args))
+    print(f"gfx942 {cfg[:4]}: rel err vs FNUZ emulation {e_emu:.2e}, vs reference {e_ref:.2e}")
+    assert e_emu < GFX942_EMU_TOL
+    assert e_ref < 1e-2
+
+
+def test_gfx942_lane_sim_probes(sim_lib_942):
+    """The one-hot probe (any lane or byte permutation of Q, K, V moves mass), one token's K
+    and V scale changed (each applied in fp32 to its own token: a column of S, a row of P), a
+    NaN scale reaching exactly its kv head."""
+    prob, gen = _problem([300, 140], 2, 128, 16, kv_factory=_identity_kv)
+    query = torch.randn((2, 8, 128), generator=gen).to(torch.bfloat16)
+    args = (query, prob.cache, prob.block_tables, prob.seq_lens, 0.5)
+    out = run_sim(sim_lib_942, *args, native=False)
+    assert _rel_err(out, emulate(*args, fnuz=True)) < GFX942_EMU_TOL
+    assert _rel_err(out, reference(*args)) < 1e-2
+    prob, gen = _problem([300], 2, 128, 16)
+    query = torch.randn((1, 8, 128), generator=gen).to(torch.bfloat16)
+    rest = (prob.block_tables, prob.seq_lens, 128 ** -0.5)
+    base = run_sim(sim_lib_942, query, prob.cache, *rest, native=False)
+    tok = 37
+    blk, slot = int(prob.block_tables[0, tok // 16]), tok % 16
+    for idx, delta in ((2, 3), (3, 4), (2, None), (3, None)):  # key / value scale; None: NaN
+        changed = [t.clone() for t in prob.cache]
+        changed[idx][blk, slot, 1] = 255 if delta is None else changed[idx][blk, slot, 1] + delta
+        out = run_sim(sim_lib_942, query, changed, *rest, native=False)
+        assert torch.equal(out[:, :4], base[:, :4]), "kv head 1's scale moved kv head 0"
+        if delta is None:
+            assert torch.isnan(out[0, 4:]).all()
+        else:
+            assert not torch.equal(out[:, 4:], base[:, 4:])
+            assert _rel_err(out, emulate(query, changed, *rest, fnuz=True)) < GFX942_EMU_TOL
+
+
+def test_gfx942_lane_sim_multi_token_transforms(sim_lib_942):
+    """Multi-token rows (GQA 4, rows straddling tiles), windows, a soft cap, plain and with the
+    default transforms (rotation, key smoothing, sink) on the gfx942 build."""
+    for name in ("plain", "default"):
+        prob, query, cu = _multi_problem([54, 300], [20, 3], 2, 64, 16, 4, seed=41,
+                                         config=TRANSFORM_CONFIGS[name])
+        for w, cap in ((0, 0.0), (40, 4.0)):
+            call = _transform_call(prob, query, 0.125, soft_cap=cap, cu_query_lens=cu,
+                                   sliding_window=w)
+            out, _ = _check(sim_lib_942, call, False, fnuz=True, emu_tol=GFX942_EMU_TOL, label=f"gfx942 {name} W={w}")
+            assert torch.isfinite(out).all()
+
+
+def test_gfx942_has_no_native_or_k8v4_instantiation(sim_lib_942):
+    """gfx942 has no scaled MFMA: the native FP4 and the K8V4 kernels are not built (rc -3)."""
+    prob, gen = _problem([40], 2, 128, 16)
+    query = torch.randn((1, 8, 128), generator=gen).to(torch.bfloat16)
+    with pytest.raises(AssertionError, match="rc=-3"):
+        run_sim(sim_lib_942, query, prob.cache, prob.block_tables, prob.seq_lens, 0.1, native=True)

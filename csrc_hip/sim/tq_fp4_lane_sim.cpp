@@ -8,6 +8,11 @@
 // documented operand layouts (not from the kernel's layout helpers), so a lane that loads the
 // wrong bytes or scale gives a wrong result here.
 //
+// Built with -DTQ_SIM_GFX942 it simulates the gfx942 (MI300X) build instead: the kernel's LUT
+// path with FP8 = E4M3FNUZ (table, conversions) on v_mfma_f32_16x16x32_fp8_fp8, modelled here
+// from that instruction's documented layout (8 bytes per lane, K 8 (l / 16) + j, FNUZ decode,
+// no scale operand). The native FP4 and K8V4 instantiations do not exist on gfx942 (rc -3).
+//
 // Built as a shared library by tests/test_aiter_lane_sim.py and driven through ctypes.
 #include <ucontext.h>
 
@@ -42,6 +47,7 @@ struct Sim {
   long generation[5] = {0, 0, 0, 0, 0};
   float shfl_slot[tq::kThreads];
   struct MfmaSlot { int fmt_a, fmt_b; tq::i32x8 a, b; int sa, sb; } mfma_slot[tq::kThreads];
+  struct Mfma8Slot { uint64_t a, b; } mfma8_slot[tq::kThreads];  // v_mfma_f32_16x16x32_fp8_fp8
   std::vector<unsigned char> lds;
   void (*body)(void*) = nullptr;
   void* body_arg = nullptr;
@@ -134,6 +140,13 @@ double e2m1_value(unsigned c) {
   static const double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
   return (c & 8) ? -mag[c & 7] : mag[c & 7];
 }
+// E4M3FNUZ (gfx942): bias 8, no infinities, no -0, 0x80 the only NaN.
+double e4m3fnuz_value(unsigned b) {
+  if (b == 0x80) return NAN;
+  const int sign = (b >> 7) & 1, exp = (b >> 3) & 15, man = b & 7;
+  const double mag = exp == 0 ? std::ldexp(man, -10) : std::ldexp(8 + man, exp - 11);
+  return sign ? -mag : mag;
+}
 double e8m0_value(int b) { return (b & 0xFF) == 255 ? NAN : std::ldexp(1.0, (b & 0xFF) - 127); }
 
 unsigned byte_of(const tq::i32x8& v, int j) { return (unsigned(v[j / 4]) >> (8 * (j % 4))) & 0xFF; }
@@ -211,6 +224,31 @@ f32x4 mfma_scale_16x16x128(int fmt_a, int fmt_b, i32x8 a, i32x8 b, f32x4 c, int 
   return d;
 }
 
+// v_mfma_f32_16x16x32_fp8_fp8 (gfx942, wave64, both operands E4M3FNUZ, no scale):
+// D = C + A B with A 16 x 32 and B 32 x 16. Lane l supplies 8 bytes of row (A) / column (B)
+// l % 16 for K 8 (l / 16) .. + 7, byte j of the 64-bit operand = K 8 (l / 16) + j.
+// Lane l returns D[4 * (l / 16) + i][l % 16], i = 0..3 (the 16x16 accumulator layout).
+f32x4 mfma_16x16x32_fp8_fnuz(uint64_t a, uint64_t b, f32x4 c) {
+  const int t = g_sim->current, wave = t / kWaveSize, lane = t % kWaveSize;
+  g_sim->mfma8_slot[t] = {a, b};
+  rendezvous(wave);
+  const Sim::Mfma8Slot* w = &g_sim->mfma8_slot[wave * kWaveSize];
+  auto elem = [&](bool is_a, int rc, int k) {
+    const uint64_t v = is_a ? w[rc + 16 * (k / 8)].a : w[rc + 16 * (k / 8)].b;
+    return e4m3fnuz_value(unsigned(v >> (8 * (k % 8))) & 0xFF);
+  };
+  f32x4 d;
+  const int col = lane % 16;
+  for (int i = 0; i < 4; ++i) {
+    const int row = 4 * (lane / 16) + i;
+    double dot = 0.0;
+    for (int k = 0; k < 32; ++k) dot += elem(true, row, k) * elem(false, col, k);
+    d[i] = float(double(c[i]) + dot);
+  }
+  rendezvous(wave);
+  return d;
+}
+
 }  // namespace sim
 }  // namespace tq
 
@@ -273,7 +311,19 @@ int run_all(const Args& a) {
 }  // namespace
 
 // The instantiations the tests use: (dtype, head, block, gqa) x {LUT, native} x {decode,
-// multi-token}, with FP4 keys, and for the K8V4 list with E4M3 keys.
+// multi-token}, with FP4 keys, and for the K8V4 list with E4M3 keys. The gfx942 build: the LUT
+// path with FP4 keys only, for a few shapes.
+#if TQ_GFX942
+#define TQ_SIM_CONFIGS(X)      \
+  X(tq::Bf16, 1, 128, 16, 4)   \
+  X(tq::Bf16, 1, 64, 16, 4)    \
+  X(tq::Bf16, 1, 64, 16, 8)    \
+  X(tq::Bf16, 1, 256, 32, 2)   \
+  X(tq::Fp16, 0, 128, 16, 16)  \
+  X(tq::Bf16, 1, 64, 16, 3)
+#define TQ_SIM_MULTI_ONLY_CONFIGS(X)
+#define TQ_SIM_KEY8_CONFIGS(X)
+#else
 #define TQ_SIM_CONFIGS(X)      \
   X(tq::Bf16, 1, 128, 16, 4)   \
   X(tq::Bf16, 1, 128, 16, 8)   \
@@ -294,6 +344,7 @@ int run_all(const Args& a) {
   X(tq::Bf16, 1, 64, 16, 8)     \
   X(tq::Bf16, 1, 256, 32, 2)    \
   X(tq::Fp16, 0, 128, 16, 16)
+#endif
 
 extern "C" int tq_sim_paged_attention(
     int is_bf16, int head, int block_size, int gqa, int native, int key_e4m3,
@@ -314,12 +365,19 @@ extern "C" int tq_sim_paged_attention(
                   max_num_partitions, q_stride, kv_block_stride, kv_head_stride, kv_seq_stride,
                   rotation_signs, seq_state, state_ids, num_slots, sink, sinks, lse};
   const bool multi = cu_query_lens != nullptr;
+  if (tq::kGfx942 && (native || key_e4m3)) return -3;  // not on gfx942 (no scaled MFMA)
   int rc = -2;  // no such instantiation
 #define TQ_SIM_RUN(S, H, BS, G, N, K8) \
   (multi ? run_all<S, H, BS, G, N, true, K8>(a) : run_all<S, H, BS, G, N, false, K8>(a))
+#if TQ_GFX942
+#define TQ_SIM_DISPATCH(S, BF, H, BS, G)                                         \
+  if (!key_e4m3 && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
+    rc = TQ_SIM_RUN(S, H, BS, G, false, false);
+#else
 #define TQ_SIM_DISPATCH(S, BF, H, BS, G)                                         \
   if (!key_e4m3 && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
     rc = native ? TQ_SIM_RUN(S, H, BS, G, true, false) : TQ_SIM_RUN(S, H, BS, G, false, false);
+#endif
   TQ_SIM_CONFIGS(TQ_SIM_DISPATCH)
 #undef TQ_SIM_DISPATCH
 #define TQ_SIM_DISPATCH_MULTI(S, BF, H, BS, G)                                            \
@@ -351,6 +409,10 @@ extern "C" void tq_sim_decode_fp4x8(uint32_t codes, uint32_t* lo, uint32_t* hi) 
   *hi = d.hi;
 }
 extern "C" uint32_t tq_sim_f32_to_e4m3(float x) { return tq::f32_to_e4m3(x); }
+extern "C" uint32_t tq_sim_f32_to_e4m3fnuz(float x) { return tq::f32_to_e4m3fnuz(x); }
+// The kernel's conversion of this build (pack_e4m3x4's first byte): OCP, or FNUZ for gfx942.
+extern "C" uint32_t tq_sim_f32_to_fp8(float x) { return tq::pack_e4m3x4(x, 0.0f, 0.0f, 0.0f) & 0xFF; }
+extern "C" int tq_sim_is_gfx942() { return tq::kGfx942 ? 1 : 0; }
 extern "C" int tq_sim_q_scale_byte(float amax) { return tq::q_scale_byte(amax); }
 // The kernel's rotation constant HEAD^-0.5, for the test against turboquant.rotation_norm.
 extern "C" float tq_sim_rotation_norm(int head) {

@@ -1,9 +1,19 @@
-"""The ``aiter`` backend: turboquant's gfx950 FP4 paged attention (csrc_hip/) run through a
-patched AITER (``python -m turboquant.integration.aiter.patch --aiter-root PATH``).
+"""The ``aiter`` backend: turboquant's gfx950 / gfx942 FP4 paged attention (csrc_hip/) run
+through a patched AITER (``python -m turboquant.integration.aiter.patch --aiter-root PATH``).
 
 Importing this module is cheap and works anywhere: it defines the op schema and its fake
 implementation and registers the backend; AITER is looked for (and its patch state read) on
-the first ``unavailable()`` call, and imported only on a machine with a gfx950 GPU.
+the first ``unavailable()`` call, and imported only on a machine with a gfx950 or gfx942 GPU.
+
+Architectures (the kernel source picks its instructions at compile time):
+- gfx950 (MI350X/MI355X): ``v_mfma_scale_f32_16x16x128_f8f6f4``, native FP4 (default) or the
+  LUT path. Rung: compiled + ISA-checked + lane-simulated; not run on hardware.
+- gfx942 (MI300X): the LUT path only (FP4 decoded through a 16-entry table to FP8 E4M3FNUZ,
+  gfx942's FP8) on ``v_mfma_f32_16x16x32_fp8_fp8``, which has no scale operand: the E8M0
+  scales are applied in fp32 (K's per token on the logits, Q's and P's powers of two on the
+  accumulators). Rung: compiled + ISA-checked + lane-simulated; not run on hardware. K8V4
+  caches are declined there: their OCP E4M3 key bytes would need converting to FNUZ (0x80 is
+  FNUZ's NaN, every other byte means half its OCP value), which the kernel does not do.
 
 Supported: decode (one query token per sequence) and several query tokens per sequence
 (cu_query_lens: speculative decoding, chunked prefill; causal among a sequence's tokens),
@@ -16,7 +26,7 @@ window like any key), learned sinks and the lse output (return_lse) in the reduc
 with a reason (the dispatcher then falls back): per-32 scales, head dims and block sizes
 other than those above, tensors off the GPU or in layouts the kernel does not address. No
 cache writer.
-The native FP4 MFMA path runs by default; AITER_FP4_KV_LUT=1 selects the LUT path.
+On gfx950 the native FP4 MFMA path runs by default; AITER_FP4_KV_LUT=1 selects the LUT path.
 """
 from __future__ import annotations
 
@@ -35,6 +45,11 @@ ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
 HEAD_DIMS = (64, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 PATCH_COMMAND = "python -m turboquant.integration.aiter.patch --aiter-root {root}"
+# The architectures the kernel is built for: gfx950 (native FP4 or LUT), gfx942 (LUT only).
+ARCHS = ("gfx950", "gfx942")
+K8V4_GFX942_REASON = ("K8V4 (fp8_e4m3 keys) is not supported on gfx942: its FP8 is E4M3FNUZ, "
+                      "and the cache's OCP E4M3 key bytes would need converting (the LUT path "
+                      "runs FP4 keys on gfx942)")
 
 
 define(ATTENTION_OP, ATTENTION_SCHEMA)
@@ -93,22 +108,34 @@ def _aiter_reason() -> Optional[str]:
     return None
 
 
+def _arch(device=None) -> Optional[str]:
+    """The gfx name of ``device`` (None: the current one), or None without a ROCm GPU."""
+    if not getattr(torch.version, "hip", None) or not torch.cuda.is_available():
+        return None
+    if device is None or getattr(device, "type", "cuda") != "cuda":
+        device = torch.cuda.current_device()
+    return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+
+
 def _device_reason() -> Optional[str]:
     if not getattr(torch.version, "hip", None):
-        return "not a ROCm build of PyTorch (the aiter backend needs an AMD gfx950 GPU)"
+        return ("not a ROCm build of PyTorch (the aiter backend needs an AMD gfx950 or gfx942 "
+                "GPU)")
     if not torch.cuda.is_available():
         return "no ROCm GPU is available"
-    arch = torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName.split(":")[0]
-    if arch != "gfx950":
-        return f"GPU architecture {arch} (the FP4 kernel needs gfx950, MI350X/MI355X)"
+    arch = _arch()
+    if arch not in ARCHS:
+        return (f"GPU architecture {arch} (the FP4 kernel is built for gfx950, MI350X/MI355X, "
+                "and gfx942, MI300X)")
     return None
 
 
 class AiterBackend(Backend):
     name = "aiter"
     priority = 60
-    description = ("turboquant gfx950 FP4 paged attention in a patched AITER: scaled MFMA "
-                   "(v_mfma_scale_f32_16x16x128_f8f6f4), native FP4 or LUT (AMD MI355X)")
+    description = ("turboquant FP4 paged attention in a patched AITER: gfx950 scaled MFMA "
+                   "(v_mfma_scale_f32_16x16x128_f8f6f4), native FP4 or LUT (AMD MI355X); "
+                   "gfx942 LUT on v_mfma_f32_16x16x32_fp8_fp8 (AMD MI300X)")
 
     def unavailable(self) -> Optional[str]:
         reason = _device_reason()
@@ -132,6 +159,8 @@ class AiterBackend(Backend):
         if call.block_size not in BLOCK_SIZES:
             return f"block_size {call.block_size} not in {BLOCK_SIZES}"
         q = call.query
+        if call.key_format == "fp8_e4m3" and _arch(q.device) == "gfx942":
+            return K8V4_GFX942_REASON
         if q.dtype not in (torch.float16, torch.bfloat16):
             return f"query dtype {q.dtype} (expected float16 or bfloat16)"
         if not q.is_cuda:

@@ -16,6 +16,10 @@
 # turboquant's accuracy transforms (optional, fused into the kernel): rotation_signs float32
 # [head_size] of +-1 (Hadamard rotation), seq_state float32 [num_slots, num_kv_heads, 5,
 # head_size] with state_ids int32 [num_seqs] (key smoothing), sink (position 0 from seq_state).
+# Architectures (compile(..., arch=)): gfx950 (MI350X/MI355X: the native FP4 MFMA path by
+# default, or the LUT path) and gfx942 (MI300X: the LUT path only, FP4 decoded to E4M3FNUZ on
+# v_mfma_f32_16x16x32_fp8_fp8 with the scales in fp32; K8V4 caches are refused there: their OCP
+# E4M3 key bytes are not gfx942's FNUZ FP8).
 import ctypes
 import hashlib
 import math
@@ -31,6 +35,9 @@ PARTITION_SIZE = 256
 MAX_DECODE_GQA = 16  # the decode kernel's GQA limit (one MFMA column per head of the group)
 # LUT path instead of the native FP4 MFMA: argument use_native=False, or this variable = 1.
 LUT_ENV = "AITER_FP4_KV_LUT"
+# The GPU architectures the kernel is built for; the native FP4 MFMA exists on gfx950 only.
+ARCHS = ("gfx950", "gfx942")
+NATIVE_ARCHS = ("gfx950",)
 
 _DIR = f"{AITER_CORE_DIR}/csrc/cpp_itfs/pa"
 _HEADERS = [f"{_DIR}/tq_fp4_platform.cuh", f"{_DIR}/tq_fp4_paged_attention.cuh"]
@@ -55,12 +62,21 @@ KEY_FORMATS = ("fp4", "fp8_e4m3")
 
 
 def compile(gqa_ratio: int, head_size: int, block_size: int, scalar: str,
-            multi_token: bool = False, key_format: str = "fp4", folder: str = None):
+            multi_token: bool = False, key_format: str = "fp4", folder: str = None,
+            arch: str = "gfx950"):
     """The launcher library of one (GQA, head size, block size, query dtype) class; multi_token:
     the instantiation for cu_query_lens (several query tokens per sequence), else decode;
-    key_format: "fp4" (E2M1 keys) or "fp8_e4m3" (K8V4: E4M3 keys)."""
+    key_format: "fp4" (E2M1 keys) or "fp8_e4m3" (K8V4: E4M3 keys); arch: the GPU it is for
+    ("gfx950": both paths; "gfx942": the LUT path only, FP4 keys only). The kernel source picks
+    the arch's instructions when AITER compiles it for that GPU; arch is part of the compile
+    key, so one build directory never hands a library built for one arch to the other."""
     if key_format not in KEY_FORMATS:
         _fail("key_format", f"one of {KEY_FORMATS}", repr(key_format))
+    if arch not in ARCHS:
+        _fail("arch", f"one of {ARCHS}", repr(arch))
+    if arch == "gfx942" and key_format != "fp4":
+        _fail("key_format", "fp4 on gfx942 (K8V4's OCP E4M3 key bytes are not gfx942's FNUZ "
+              "FP8)", repr(key_format))
     return compile_template_op(
         src_template,
         MD_NAME,
@@ -73,6 +89,7 @@ def compile(gqa_ratio: int, head_size: int, block_size: int, scalar: str,
         key_format=key_format,
         kv_fp4="e2m1_e8m0",
         kernel_digest=KERNEL_DIGEST,
+        arch=arch,
         folder=folder,
     )
 
@@ -158,11 +175,16 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
     num_heads], written with each row's natural-log log-sum-exp (None: not wanted)."""
     import torch
 
-    if use_native is None:
-        use_native = default_use_native()
     arch = torch.cuda.get_device_properties(query.device).gcnArchName.split(":")[0]
-    if arch != "gfx950":
-        _fail("device", "a gfx950 GPU (the FP4 paged attention uses gfx950 MFMA instructions)", arch)
+    if arch not in ARCHS:
+        _fail("device", "a gfx950 (MI350X/MI355X) or gfx942 (MI300X) GPU (the FP4 paged attention "
+              "uses their MFMA instructions)", arch)
+    if use_native is None:
+        # gfx942 has no scaled MFMA: the LUT path there, whatever AITER_FP4_KV_LUT says.
+        use_native = arch in NATIVE_ARCHS and default_use_native()
+    if use_native and arch not in NATIVE_ARCHS:
+        _fail("use_native", f"False on {arch} (the native FP4 MFMA needs gfx950; {arch} runs the "
+              "LUT path)", use_native)
     if query.dtype not in (torch.bfloat16, torch.float16):
         _fail("query.dtype", "bfloat16 or float16", query.dtype)
     if out.dtype != query.dtype or out.shape != query.shape or not out.is_contiguous():
@@ -190,6 +212,9 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
     if value_cache.stride(3) != 1 or value_cache.stride(2) % 16:
         _fail("value_cache", "rows contiguous and 16-byte aligned", tuple(value_cache.stride()))
     key_strides = tuple((2 if key_e4m3 else 1) * st for st in value_cache.stride()[:3]) + (1,)
+    if key_e4m3 and arch not in NATIVE_ARCHS:
+        _fail("key_cache", f"FP4 (uint8 [..., {head_size // 2}]) keys on {arch}: K8V4's OCP E4M3 "
+              f"key bytes are not {arch}'s FNUZ FP8", f"{key_cache.dtype} {tuple(key_cache.shape)}")
     if key_cache.stride() != key_strides:
         _fail("key_cache", f"strides {key_strides} (value_cache's, times 2 for E4M3 rows)"
               if key_e4m3 else f"value_cache's strides {key_strides}", tuple(key_cache.stride()))
@@ -227,7 +252,7 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
         cu_query_lens = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     func = compile(gqa_ratio, head_size, block_size, scalar,
                    multi_token=cu_query_lens is not None,
-                   key_format="fp8_e4m3" if key_e4m3 else "fp4")
+                   key_format="fp8_e4m3" if key_e4m3 else "fp4", arch=arch)
     ptr = lambda t: ctypes.c_void_p(None if t is None else t.data_ptr())  # noqa: E731
     func(ptr(out), ptr(workspace_buffer), ptr(query), ptr(key_cache), ptr(value_cache),
          ptr(key_scales), ptr(value_scales),
