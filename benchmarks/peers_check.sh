@@ -4,7 +4,8 @@
 # FlashInfer is not in the device image and nothing can be fetched there: it travels as
 # .peers/peers_site.tar.xz (flashinfer-python 0.7.2.post1 and apache-tvm-ffi 0.1.12 for
 # CPython 3.12, unpacked, with the kernel sources decode does not use removed, xz-compressed);
-# its JIT cache lives in .fiws/ (kept while the machine stays warm).
+# its JIT cache lives in .fiws/ (kept while the machine stays warm). Build .peers/ here first
+# with benchmarks/make_peers_site.sh and name it in the call's carry.
 #   run: bash benchmarks/peers_check.sh   (writes under $OUT or ./out)
 set -uo pipefail
 OUT=${OUT:-out}
