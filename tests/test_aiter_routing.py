@@ -12,8 +12,8 @@ what needs ROCm replaced:
   all of AITER: triton, compiled modules); `aiter.paged_attention_fp4` is then bound the way
   the real chain binds it, from the import statement the patch put in aiter/ops/attention.py
   (aiter/__init__.py star-imports that module: checked);
-- torch.cuda's device properties (gcnArchName gfx950:sramecc+:xnack-), current stream and
-  Stream type;
+- torch.cuda's device properties (gcnArchName gfx950:sramecc+:xnack-, or what a case's
+  environment puts in TQ_TEST_GCN_ARCH: the gfx942 cases), current stream and Stream type;
 - AITER's compile_template_op runs for real (its compile key, the rendered source) but
   compile_lib builds nothing and run_lib hands back a function that records the ctypes call;
 - AITER's direct_register_custom_op registers the op for CPU instead of CUDA.
@@ -42,6 +42,9 @@ from turboquant.integration.aiter import patch
 
 ROOT = Path(__file__).resolve().parents[1]
 MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"
+MFMA_942 = "v_mfma_f32_16x16x32_fp8_fp8"
+ARCH_ENV = "TQ_TEST_GCN_ARCH"  # the stubbed device's gcnArchName, per case
+GFX942 = {ARCH_ENV: "gfx942:sramecc+:xnack-"}
 
 
 # ---------------------------------------------------------------- the driver (child process)
@@ -79,8 +82,15 @@ def _stub_rocm(root: Path, meta: Path) -> dict:
     sys.modules["aiter"].ops = sys.modules["aiter.ops"]
     sys.path[:0] = [str(meta), str(root)]
 
-    props = types.SimpleNamespace(gcnArchName="gfx950:sramecc+:xnack-", warp_size=64,
-                                  multi_processor_count=256)
+    class Props:  # gcnArchName per case (TQ_TEST_GCN_ARCH), gfx950 by default
+        warp_size = 64
+        multi_processor_count = 256
+
+        @property
+        def gcnArchName(self):
+            return os.environ.get(ARCH_ENV, "gfx950:sramecc+:xnack-")
+
+    props = Props()
     torch.cuda.get_device_properties = lambda device=None: props
     stream = type("Stream", (), {"cuda_stream": 0})  # AITER's torch_to_c_types checks the type
     torch.cuda.Stream = stream
@@ -228,6 +238,14 @@ def _cases():
         "pa_v1 fp4 k8v4": ({}, k8v4, _pa_v1_call(k8v4)),
         "op k8v4 key strides": ({}, k8v4_strided, _op_call(k8v4_strided)),
         "op k8v4 narrow rows": ({}, k8v4_narrow, _op_call(k8v4_narrow)),
+        # gfx942 (MI300X): the LUT path only, FP4 keys only
+        "gfx942 op decode": (GFX942, decode, _op_call(decode)),
+        "gfx942 op decode LUT env": ({**GFX942, **lut}, decode, _op_call(decode)),
+        "gfx942 op decode use_native=True": (GFX942, decode, _op_call(decode, use_native=True)),
+        "gfx942 pa_v1 fp4_e2m1": (GFX942, decode, _pa_v1_call(decode)),
+        "gfx942 op multi-token": (GFX942, multi, _op_call(multi, cu_query_lens=multi["cu_query_lens"])),
+        "gfx942 op k8v4": (GFX942, k8v4, _op_call(k8v4)),
+        "gfx90a op decode": ({ARCH_ENV: "gfx90a:sramecc+:xnack-"}, decode, _op_call(decode)),
     }
 
 
@@ -304,10 +322,10 @@ def _reached(records, case, module="pa_v1_fp4"):
     return rec
 
 
-def _template(gqa, d, bs, scalar, digest, multi_token=False, key_format="fp4"):
+def _template(gqa, d, bs, scalar, digest, multi_token=False, key_format="fp4", arch="gfx950"):
     return {"gqa_ratio": gqa, "head_size": d, "block_size": bs, "scalar": scalar,
             "multi_token": multi_token, "key_format": key_format, "kv_fp4": "e2m1_e8m0",
-            "kernel_digest": digest}
+            "kernel_digest": digest, "arch": arch}
 
 
 def _decode_args(rec, **expect):
@@ -501,3 +519,59 @@ def test_sinks_and_lse_reach_the_reduce(routes):
         {k: v for k, v in decode["args"].items() if k not in (sinks, lse)}
     bad = routes["op lse of the wrong shape"]
     assert bad["error"].startswith("ValueError: lse: expected a contiguous float32 [3, 8]"), bad
+
+
+# gfx942 (MI300X): the launcher accepts it and takes the LUT path there; the library is built
+# for it (template argument arch="gfx942": its own compile key, the LUT kernel only).
+@pytest.mark.parametrize("case", ["gfx942 op decode", "gfx942 op decode LUT env",
+                                  "gfx942 pa_v1 fp4_e2m1"])
+def test_gfx942_decode_reaches_the_lut_kernel(routes, case):
+    rec = _reached(routes, case)
+    gfx950 = _reached(routes, "op decode")
+    assert rec["template"] == _template(4, 128, 16, "Bf16", routes["digest"], arch="gfx942")
+    assert rec["func_name"] != gfx950["func_name"]  # never the gfx950 library
+    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0}
+    assert "TQ_LAUNCH_PARTITION(false)" in rec["src"]
+    assert "TQ_LAUNCH_PARTITION(true)" not in rec["src"]
+
+
+def test_gfx942_multi_token_reaches_the_lut_kernel(routes):
+    rec = _reached(routes, "gfx942 op multi-token")
+    gfx950 = _reached(routes, "op multi-token")
+    assert rec["template"] == {**gfx950["template"], "arch": "gfx942"}
+    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("gfx942 op decode use_native=True", "ValueError: use_native: expected False on gfx942"),
+    ("gfx942 op k8v4", "ValueError: key_cache: expected FP4 (uint8 [..., 64]) keys on gfx942"),
+    ("gfx90a op decode", "ValueError: device: expected a gfx950 (MI350X/MI355X) or gfx942"),
+])
+def test_gfx942_refusals(routes, case, message):
+    """No native FP4 MFMA and no K8V4 on gfx942 (refused naming the argument); other archs
+    are refused as before."""
+    rec = routes[case]
+    assert rec["error"] is not None and rec["error"].startswith(message), rec["error"]
+    assert "module" not in rec  # refused before anything is compiled
+
+
+def test_rendered_source_compiles_for_gfx942(routes, tmp_path):
+    """The gfx942 library's translation unit compiles for gfx942 (host and device): only the
+    LUT partition kernel, on v_mfma_f32_16x16x32_fp8_fp8, no scaled MFMA, no trap."""
+    src = routes["gfx942 op decode"]["src"]
+    clang = find_clang()
+    if clang is None:
+        pytest.skip(CLANG_MISSING)
+    tu = tmp_path / "pa_fp4_rendered_942.cpp"
+    tu.write_text(src)
+    flags = [clang, "-x", "hip", "--offload-arch=gfx942", "-nogpulib", "-nogpuinc", "-O3",
+             "-std=c++20", f"-I{ROOT / 'csrc_hip' / 'shims'}", f"-I{routes['pa_dir']}"]
+    subprocess.run(flags + ["--offload-host-only", "-c", "-o", str(tmp_path / "host.o"), str(tu)],
+                   check=True)
+    subprocess.run(flags + ["--offload-device-only", "-S", "-o", str(tmp_path / "dev.s"), str(tu)],
+                   check=True)
+    asm = (tmp_path / "dev.s").read_text()
+    kernels = [ln for ln in asm.splitlines() if ln.startswith("_ZN2tq26tq_fp4_pa_partition_kernel")]
+    assert len(kernels) == 1 and "ELi4ELb0E" in kernels[0], kernels  # <.., gqa 4, LUT, ..>
+    assert sum(MFMA_942 in ln for ln in asm.splitlines()) == 64
+    assert MFMA not in asm and "s_trap" not in asm
