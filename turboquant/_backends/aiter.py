@@ -185,7 +185,10 @@ class AiterBackend(Backend):
         return None
 
     def check_cache_write(self, write: CacheWrite) -> Optional[str]:
-        return "the aiter backend has no cache writer (another backend writes the cache)"
+        return ("the aiter backend has no cache writer op yet: the HIP writer generated from the "
+                "CUDA one (python -m turboquant.hip_writer) is compiled for gfx950/gfx942 and "
+                "checked in host simulation, but not built into a ROCm PyTorch op; another "
+                "backend writes the cache")
 
     def paged_attention(self, call: AttentionCall, out: torch.Tensor,
                         lse: Optional[torch.Tensor] = None) -> None:
