@@ -493,10 +493,11 @@ def hip_partition_body(asm: str, native: bool, key_e4m3: bool = False) -> str:
 
 
 # Trip counts of the partition kernel's outermost loops at HEAD 128, GQA 8, decode, in order:
-# Q staging (the compiler's counter s28 runs 0..32 step 2: 16), the two PV steps' V decode
-# (kVUnits / kThreads = (128 tokens / 4 x 16 dwords) / 256 = 2 each), output rows h = wave,
-# wave + 4 < GQA 8: 2.
-HIP_DECODE_TRIPS = [16, 2, 2, 2]
+# Q staging (groups of 8 elements loaded as 16-byte vectors, one wait each: 2 trips at HEAD 128),
+# a back-edge the compiler lays out in the rotation / q.m row sums that runs once, the two PV
+# steps' V decode (kVUnits / kThreads = (128 tokens / 4 x 16 dwords) / 256 = 2 each), output
+# rows h = wave, wave + 4 < GQA 8: 2.
+HIP_DECODE_TRIPS = [2, 1, 2, 2, 2]
 
 
 # ----------------------------------------------------------------------------------------------

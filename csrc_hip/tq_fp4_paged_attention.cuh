@@ -469,18 +469,80 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   float qv[kQkSteps][32];
   constexpr int kQRegs = HEAD < kMfmaK ? 16 : 32;  // registers j of qv that hold head elements
   float qdm = 0.0f;  // q.m of the original q (add_qm only), this lane's part
-  for (int c = 0; c < kQkSteps; ++c)
-    for (int j = 0; j < 32; ++j) {
-      const int e = c * kMfmaK + mfma_fp8_k(qg, j);
-      const bool in = e < HEAD;
-      float x = (row_live && in) ? Scalar::to_float(qrow[e]) : 0.0f;
-      if (has_state && in) {
-        if (add_qm) qdm += x * record_at<HEAD>(record, kKeyCenter, e);
-        x *= record_at<HEAD>(record, kKeyScale, e);  // q' = q * lam
+  // Registers 16r .. 16r + 15 of qv[c] are the 16 consecutive elements e0(c, r) + i
+  // (mfma_fp8_k), run k = 2c + r: 32 query bytes and 64 bytes of each record row, loaded as
+  // 16-byte vectors (the query rows must be 16-byte aligned, as the caches' are), a group's
+  // loads all before its first use: one memory round trip per 8 elements instead of one per
+  // element and array. Runs past HEAD (HEAD 64: r = 1) are 0. The query row of a dead lane
+  // is row 0's (qcol), a valid address; its values are replaced by 0. The arithmetic is the
+  // element-at-a-time one, in the same order.
+  constexpr int kRuns = 2 * kQkSteps;
+  auto run_e0 = [&](int k) { return (k / 2) * kMfmaK + 64 * (k % 2) + 16 * qg; };
+  auto run_in = [](int k) { return (k / 2) * kMfmaK + 64 * (k % 2) < HEAD; };
+  // 4n floats of run k from its element i0 on, as n 16-byte loads.
+  auto load_f32 = [&](const float* src, int k, int i0, int n, float* v) {
+    for (int h = 0; h < n; ++h) {
+      const u32x4 w = load_u32x4(reinterpret_cast<const uint8_t*>(src + run_e0(k) + i0 + 4 * h));
+      for (int i = 0; i < 4; ++i) {
+        // Through a scalar: clang-22 folds __builtin_bit_cast of a vector element w[i] to
+        // w[0] (every i), gcc does not.
+        const uint32_t u = w[i];
+        v[4 * h + i] = __builtin_bit_cast(float, u);
       }
-      if (rotation_signs != nullptr && in) x *= rotation_signs[e];
-      qv[c][j] = x;
     }
+  };
+  // Eight elements at a time (their lam, m and signs are 24 VGPRs; a whole run's or all
+  // runs' at once would cost occupancy): the record's and the signs' loads of a group sit
+  // under uniform branches with nothing in an else (a bad slot's NaN is written after the
+  // loop), so no path writes their registers while the loads are in flight, and the group's
+  // one wait is at its first use.
+  constexpr int kGroup = 8;
+  const bool rec = record != nullptr;
+  auto group = [&](int k, int i0) {
+    if (!run_in(k)) {
+      for (int i = i0; i < i0 + kGroup; ++i) qv[k / 2][16 * (k % 2) + i] = 0.0f;
+      return;
+    }
+    const u32x4 qw = load_u32x4(reinterpret_cast<const uint8_t*>(qrow + run_e0(k) + i0));
+    float lam[kGroup] = {}, qm[kGroup] = {}, sgn[kGroup] = {};
+    if (rec) {
+      load_f32(record + kKeyScale * HEAD, k, i0, kGroup / 4, lam);
+      if (add_qm) load_f32(record + kKeyCenter * HEAD, k, i0, kGroup / 4, qm);
+    }
+    if (rotation_signs != nullptr) load_f32(rotation_signs, k, i0, kGroup / 4, sgn);
+    float x[kGroup];
+    for (int i = 0; i < kGroup; ++i) {
+      const uint32_t bits = (qw[i / 2] >> (16 * (i % 2))) & 0xFFFFu;
+      x[i] = row_live ? Scalar::to_float(uint16_t(bits)) : 0.0f;
+    }
+    if (has_state) {
+      if (add_qm)
+        for (int i = 0; i < kGroup; ++i) qdm += x[i] * qm[i];
+      for (int i = 0; i < kGroup; ++i) x[i] *= lam[i];  // q' = q * lam
+    }
+    if (rotation_signs != nullptr)
+      for (int i = 0; i < kGroup; ++i) x[i] *= sgn[i];
+    for (int i = 0; i < kGroup; ++i) qv[k / 2][16 * (k % 2) + i0 + i] = x[i];
+    sched_barrier();  // the next group's loads stay below: one group's registers at a time
+  };
+  if constexpr (kRuns <= 2) {
+    // HEAD <= 128: a loop (unrolled, the scheduler would keep more groups' registers live:
+    // K8V4 would lose an occupancy step).
+#pragma nounroll
+    for (int k = 0; k < kRuns; ++k)
+      for (int i0 = 0; i0 < 16; i0 += kGroup) group(k, i0);
+  } else {
+    // HEAD 256: unrolled (a run-time qv[k / 2] would put qv in scratch memory).
+    for (int k = 0; k < kRuns; ++k)
+      for (int i0 = 0; i0 < 16; i0 += kGroup) group(k, i0);
+  }
+  // A bad slot (has_state, no record): q * NaN * s is the quiet NaN, and so is q.m's sum.
+  if (has_state && !rec) {
+    for (int k = 0; k < kRuns; ++k)
+      if (run_in(k))
+        for (int i = 0; i < 16; ++i) qv[k / 2][16 * (k % 2) + i] = __builtin_nanf("");
+    if (add_qm) qdm = __builtin_nanf("");
+  }
   if (add_qm) qdm = row_sum(qdm);
   if (rotation_signs != nullptr) {
     // q' = fwht(q' * s) * HEAD^-0.5, stages h = 1 .. HEAD/2 in order (see the design note).
@@ -502,10 +564,16 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   // The sink's logit from the fp32 q' (partition 0 only): scale * (q'.k0 + q.m), soft-capped.
   float sink_logit = 0.0f;
   if (sink_here) {
+    // k0 in the same runs as lam above, a run's loads before its first use, summed in the
+    // element-at-a-time order: c, then registers j < kQRegs.
     float dot = 0.0f;
-    for (int c = 0; c < kQkSteps; ++c)
-      for (int j = 0; j < kQRegs; ++j)
-        dot += qv[c][j] * record_at<HEAD>(record, kSinkKey, c * kMfmaK + mfma_fp8_k(qg, j));
+    for (int k = 0; k < kRuns; ++k)
+      if (run_in(k)) {
+        float k0[16] = {};
+        if (rec) load_f32(record + kSinkKey * HEAD, k, 0, 4, k0);
+        for (int i = 0; i < 16; ++i)
+          dot += qv[k / 2][16 * (k % 2) + i] * (rec ? k0[i] : __builtin_nanf(""));
+      }
     sink_logit = (row_sum(dot) + qdm) * scale;
     if (logits_soft_cap > 0.0f) sink_logit = soft_cap(sink_logit, logits_soft_cap);
   }
@@ -795,14 +863,38 @@ template <class Scalar, int HEAD>
 TQ_HD void reduce_one(int64_t row, int d, PartRange parts, int max_num_partitions,
                       const float* exp_sums, const float* max_logits, const uint16_t* tmp_out,
                       float sink, uint16_t* out, float* lse) {
+  // Partitions in chunks of kReduceChunk: a chunk's loads are all issued (indices clamped to
+  // the last partition, so every address is one the row owns) before any value is used: one
+  // memory round trip per chunk, not one per partition. The sums run over the partitions in
+  // order, as one at a time would; a clamped duplicate is left out by a select.
+  constexpr int kReduceChunk = 8;
+  const int64_t base = row * max_num_partitions;
+  const int last = parts.end - 1;
   float m = sink;
-  for (int p = parts.begin; p < parts.end; ++p) m = fmax_f32(m, max_logits[row * max_num_partitions + p]);
+  for (int p0 = parts.begin; p0 < parts.end; p0 += kReduceChunk) {
+    float ml[kReduceChunk];
+    for (int i = 0; i < kReduceChunk; ++i) ml[i] = max_logits[base + min_i32(p0 + i, last)];
+    sched_barrier();
+    for (int i = 0; i < kReduceChunk; ++i) m = p0 + i < parts.end ? fmax_f32(m, ml[i]) : m;
+  }
   float num = 0.0f;
   float den = sink > -__builtin_inff() ? exp2_f32((sink - m) * kLog2e) : 0.0f;
-  for (int p = parts.begin; p < parts.end; ++p) {
-    const float w = exp_sums[row * max_num_partitions + p] * exp2_f32((max_logits[row * max_num_partitions + p] - m) * kLog2e);
-    den += w;
-    num += w * Scalar::to_float(tmp_out[(row * max_num_partitions + p) * HEAD + d]);
+  for (int p0 = parts.begin; p0 < parts.end; p0 += kReduceChunk) {
+    float es[kReduceChunk], ml[kReduceChunk];
+    uint16_t v[kReduceChunk];
+    for (int i = 0; i < kReduceChunk; ++i) {
+      const int64_t p = base + min_i32(p0 + i, last);
+      es[i] = exp_sums[p];
+      ml[i] = max_logits[p];
+      v[i] = tmp_out[p * HEAD + d];
+    }
+    sched_barrier();
+    for (int i = 0; i < kReduceChunk; ++i) {  // selects, not branches: nothing sinks a load
+      const bool in = p0 + i < parts.end;
+      const float w = es[i] * exp2_f32((ml[i] - m) * kLog2e);
+      den = in ? den + w : den;
+      num = in ? num + w * Scalar::to_float(v[i]) : num;
+    }
   }
   const float o = parts.begin < parts.end ? num / den : 0.0f;
   out[row * HEAD + d] = Scalar::from_float(o);

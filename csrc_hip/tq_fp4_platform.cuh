@@ -99,6 +99,7 @@ inline float wave_shfl_xor(float v, int mask) { return sim::shfl_xor(v, mask); }
 inline u32x4 load_u32x4(const uint8_t* p) { u32x4 v; memcpy(&v, p, 16); return v; }
 inline uint32_t load_u32(const uint8_t* p) { uint32_t v; memcpy(&v, p, 4); return v; }
 inline uint64_t load_u64(const uint8_t* p) { uint64_t v; memcpy(&v, p, 8); return v; }
+inline void sched_barrier() {}
 
 // v_perm_b32 for selector bytes 0..7: byte k of the 64-bit value {src0:src1}.
 inline uint32_t perm_b32(uint32_t src0, uint32_t src1, uint32_t sel) {
@@ -227,6 +228,10 @@ TQ_HD float wave_shfl_xor(float v, int mask) {
 TQ_HD u32x4 load_u32x4(const uint8_t* p) { return *reinterpret_cast<const u32x4*>(p); }
 TQ_HD uint32_t load_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 TQ_HD uint64_t load_u64(const uint8_t* p) { return *reinterpret_cast<const uint64_t*>(p); }
+
+// The machine scheduler moves nothing across this point (s_sched_barrier 0 emits no code):
+// loads above it are all issued before the instructions below it start waiting on any of them.
+TQ_HD void sched_barrier() { __builtin_amdgcn_sched_barrier(0); }
 
 TQ_HD uint32_t perm_b32(uint32_t src0, uint32_t src1, uint32_t sel) {
   return __builtin_amdgcn_perm(src0, src1, sel);

@@ -171,6 +171,96 @@ def test_reduce_kernels(isa):
         _report(name, isa[name])
 
 
+def _instructions(body: str) -> tuple[list[tuple[str, str]], list[tuple[int, int]]]:
+    """(opcode, operands) of a kernel body, and its loops as (head, back-edge) index ranges
+    (a branch to a label at or before it)."""
+    ins, labels = [], {}
+    for line in body.splitlines():
+        s = line.split(";")[0].rstrip()
+        m = re.match(r"^(\.?[\w.$]+):", s)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        s = s.strip()
+        if s and not s.startswith("."):
+            op, _, rest = s.partition(" ")
+            ins.append((op, rest.strip()))
+    loops = [(labels[rest.split()[0]], i) for i, (op, rest) in enumerate(ins)
+             if op.startswith(("s_branch", "s_cbranch")) and rest and rest.split()[0] in labels
+             and labels[rest.split()[0]] <= i]
+    return ins, loops
+
+
+def _waits(ins, counter: str) -> int:
+    return sum(1 for op, rest in ins if op == "s_waitcnt" and f"{counter}(0)" in rest)
+
+
+# Issue 20: the per-partition prologue (Q, the state record's lam and m rows, the rotation
+# signs, the sink key) loads 16-byte vectors, all of a group before the group's one wait,
+# instead of one 16-bit / 32-bit load and one s_waitcnt vmcnt(0) per element (141 waits per
+# wave and partition at head 128, benchmarks/isa_model.py). Today, before the first MFMA:
+# 6 (native) / 7 (LUT) vmcnt(0) waits in straight-line code, among them the block table ->
+# scale bytes chain and the sink key, and one loop (the 8-element groups, 2 trips at head
+# 128, unrolled twice) with 14 vector loads and 2 such waits. The bounds leave a little room
+# for the scheduler; a return to element-at-a-time loads breaks both.
+PROLOGUE_VMCNT0_MAX = 8
+PROLOGUE_LOADS_PER_VMCNT0_MIN = 4
+
+
+@pytest.mark.parametrize("key_e4m3", [False, True], ids=["fp4", "k8v4"])
+@pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi-token"])
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_prologue_loads_are_batched(isa, native, multi, key_e4m3):
+    ins, loops = _instructions(_one(isa, native, multi, key_e4m3)["body"])
+    first = next(i for i, (op, _) in enumerate(ins) if op.startswith("v_mfma"))
+    prologue = ins[:first]
+    narrow = sorted({op for op, _ in prologue if op.startswith("global_load")
+                     and ("short" in op or "d16" in op)})
+    assert not narrow, f"16-bit loads before the first MFMA (Q comes in 16-byte vectors): {narrow}"
+    waits = _waits(prologue, "vmcnt")
+    print(f"vmcnt(0) before the first MFMA: {waits}")
+    assert waits <= PROLOGUE_VMCNT0_MAX
+    for h, b in loops:
+        if h >= first:
+            continue
+        body = ins[h:b + 1]
+        loads = sum(op.startswith("global_load") for op, _ in body)
+        w = _waits(body, "vmcnt")
+        print(f"prologue loop {h}..{b}: {loads} global loads, {w} vmcnt(0)")
+        assert loads == 0 or w == 0 or loads >= PROLOGUE_LOADS_PER_VMCNT0_MIN * w
+
+
+# The reduce combines up to max_num_partitions partials per row: it loads a chunk of 8
+# partitions' max logits (scalar loads), then their sums, maxima and 16-bit values, each
+# chunk's loads before the chunk's one wait per counter, instead of a serial chain of one
+# load and one wait per partition. A loop of the reduce that loads partials holds >= 8 loads
+# per full wait (vmcnt(0) or lgkmcnt(0)); today 8 per 1 (maxima) and 24 per 2 (the rest).
+# Loops with a single scalar load (the multi-token binary search over cu_query_lens: each
+# step needs the last) are not partial loads.
+REDUCE_LOADS_PER_WAIT_MIN = 8
+
+
+@pytest.mark.parametrize("arch_isa", ["isa", "isa942"])
+def test_reduce_loads_are_batched(request, arch_isa):
+    isa_ = request.getfixturevalue(arch_isa)
+    names = [n for n in isa_ if "reduce_kernel" in n]
+    assert len(names) == 2
+    for name in names:
+        ins, loops = _instructions(isa_[name]["body"])
+        partial_loops = 0
+        for h, b in loops:
+            body = ins[h:b + 1]
+            vec = sum(op.startswith("global_load") for op, _ in body)
+            scal = sum(op.startswith("s_load") for op, _ in body)
+            if vec == 0 and scal <= 1:
+                continue
+            partial_loops += 1
+            w = _waits(body, "vmcnt") + _waits(body, "lgkmcnt")
+            print(f"{name} loop {h}..{b}: {vec} global + {scal} scalar loads, {w} full waits")
+            assert vec + scal >= REDUCE_LOADS_PER_WAIT_MIN * max(w, 1)
+        assert partial_loops >= 2  # the maxima, then sums / maxima / values
+
+
 SHAPES = [  # (scalar, head, block, gqa)
     ("Bf16", 64, 16, 8), ("Bf16", 128, 16, 4), ("Bf16", 128, 16, 16), ("Bf16", 128, 256, 1),
     ("Bf16", 256, 16, 8), ("Fp16", 128, 32, 8), ("Fp16", 256, 64, 16), ("Bf16", 128, 16, 3),

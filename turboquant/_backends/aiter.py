@@ -165,8 +165,9 @@ class AiterBackend(Backend):
             return f"query dtype {q.dtype} (expected float16 or bfloat16)"
         if not q.is_cuda:
             return f"tensors are on {q.device}, not on a ROCm GPU"
-        if q.stride(2) != 1 or q.stride(1) != call.head_dim:
-            return "query must have contiguous heads"
+        if (q.stride(2) != 1 or q.stride(1) != call.head_dim or q.stride(0) % 8
+                or q.data_ptr() % 16):
+            return "query must have contiguous heads and 16-byte aligned rows"
         v = call.value_cache
         if v.stride(3) != 1 or v.stride(2) % 16 or v.data_ptr() % 16:
             return "value_cache must have contiguous, 16-byte aligned rows"

@@ -193,8 +193,11 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
     num_tokens, num_heads, head_size = query.shape
     if head_size not in (64, 128, 256):
         _fail("head_size", "64, 128 or 256", head_size)
-    if query.stride(2) != 1 or query.stride(1) != head_size:
-        _fail("query", "contiguous heads and head elements", tuple(query.stride()))
+    if query.stride(2) != 1 or query.stride(1) != head_size or query.stride(0) % 8 \
+            or query.data_ptr() % 16:
+        _fail("query", "contiguous heads and head elements, 16-byte aligned rows (the kernel "
+              "loads Q in 16-byte vectors)", f"strides {tuple(query.stride())}, address "
+              f"{query.data_ptr() % 16} mod 16")
     # The key format from key_cache: rows of head_size // 2 FP4 bytes (uint8), or of head_size
     # E4M3 bytes (K8V4: float8_e4m3fn, or its uint8 view).
     key_e4m3 = key_cache.dim() == 4 and (key_cache.dtype == torch.float8_e4m3fn or (
