@@ -374,8 +374,8 @@ def amd_counts(ins, labels, trips: list[int]) -> tuple[Counter, list[tuple[int, 
     return c, [(h, b, n) for (h, b), n in zip(loops, trips)]
 
 
-HIP_LOOP_NAMES = ["Q staging loop (q, lam, m loads)", "V decode loop (PV step 0)", "V decode loop (PV step 1)",
-                  "output rows loop"]
+HIP_LOOP_NAMES = ["Q staging loop (q, lam, m loads)", "row-sum back-edge (rotation / q.m)",
+                  "V decode loop (PV step 0)", "V decode loop (PV step 1)", "output rows loop"]
 
 
 def amd_regions(ins, labels, trips) -> dict[str, tuple[int, int]]:
