@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ import pytest
 from _tools import CLANG_MISSING, find_clang
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from isa_model import parse_amd_body  # noqa: E402 - one AMDGCN asm parser for the ISA checks and the estimate
 CSRC = ROOT / "csrc_hip"
 ISA_TU = CSRC / "tq_fp4_gfx950_isa_check.hip"
 MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"
@@ -174,17 +177,7 @@ def test_reduce_kernels(isa):
 def _instructions(body: str) -> tuple[list[tuple[str, str]], list[tuple[int, int]]]:
     """(opcode, operands) of a kernel body, and its loops as (head, back-edge) index ranges
     (a branch to a label at or before it)."""
-    ins, labels = [], {}
-    for line in body.splitlines():
-        s = line.split(";")[0].rstrip()
-        m = re.match(r"^(\.?[\w.$]+):", s)
-        if m:
-            labels[m.group(1)] = len(ins)
-            continue
-        s = s.strip()
-        if s and not s.startswith("."):
-            op, _, rest = s.partition(" ")
-            ins.append((op, rest.strip()))
+    ins, labels = parse_amd_body(body)
     loops = [(labels[rest.split()[0]], i) for i, (op, rest) in enumerate(ins)
              if op.startswith(("s_branch", "s_cbranch")) and rest and rest.split()[0] in labels
              and labels[rest.split()[0]] <= i]
