@@ -4,7 +4,8 @@
 // ============================== design note ==============================================
 // Decode with at most 8 heads per kv head runs the swapped kernel of
 // paged_attention_decode.cuh instead; this kernel serves multi-token queries and larger groups.
-// Grid: x = row tiles (16 MMA rows each), y = kv head, z = KV partition (flash-decoding split).
+// Grid: x = row tile (16 MMA rows each) x kv head, kv head fastest; y = KV partition
+//   (flash-decoding split).
 //   A row tile holds 16 (query token, head-in-GQA-group) pairs of ONE sequence, query-token
 //   major: row R -> query token R / G, head kvh*G + R % G (G = num_heads / num_kv_heads).
 //   Decode (G <= 16): one tile per sequence, G real rows padded to 16; every K/V tile load is
@@ -510,7 +511,7 @@ __device__ __forceinline__ float p_vscale(uint32_t b, int VM) {
   return __int_as_float(max((int)b - VM + 142 - TQ_SLACK, 0) << 23);
 }
 
-// grid (row_tiles, num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem
+// grid (row_tiles * num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem
 // AttnLayout<D, kE4m3>::TOTAL bytes. kStates: the lse output or learned sinks are asked for
 // (their code is compiled out of the other instantiation, which every plain call runs).
 // kE4m3: K8V4 keys (E4M3 bytes, decoded like FP4 in registers by decode_key8).
@@ -523,8 +524,8 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int G = p.group_size;
-  const int kvh = blockIdx.y, part = blockIdx.z;
-  const int tile = blockIdx.x;
+  // the kv heads of a row tile are consecutive CTAs (launch_general_attention)
+  const int tile = blockIdx.x / p.num_kv_heads, kvh = blockIdx.x - tile * p.num_kv_heads, part = blockIdx.y;
   // launched as a programmatic dependent of the previous kernel in the stream (sm_90): wait
   // until its writes are visible before reading anything
   pdl_wait();
@@ -1190,7 +1191,8 @@ cudaError_t launch_general_attention(const AttnParams& p, int grid_x, cudaStream
     if (e != cudaSuccess) return e;
     attr_set = true;
   }
-  return launch_programmatic(kern, dim3(grid_x, p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
+  // CTA x = row tile * num_kv_heads + kv head, as the decode kernel (see its launch)
+  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
                              stream, p);
 }
 

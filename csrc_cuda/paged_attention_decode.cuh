@@ -10,7 +10,7 @@
 //   the (at most 8) heads its N dimension (m16n8k16): per 16-token tile a warp runs D/16 MMAs for
 //   S^T and D/16 for O^T instead of twice as many, O^T takes D/4 registers instead of D/2, and
 //   every thread holds 4 logits instead of 8.
-// Grid (num_seqs, num_kv_heads, num_partitions), DECODE_WARPS warps per CTA, each walking its
+// Grid (num_seqs x num_kv_heads, num_partitions), DECODE_WARPS warps per CTA, each walking its
 //   own 16-token tiles of the partition (tile k of warp w = w + W k) through a private
 //   STAGES-deep cp.async ring, then merged in shared memory like the general kernel; with more
 //   than one partition the CTA writes partials that paged_attention_reduce_kernel combines.
@@ -129,7 +129,7 @@ __device__ __forceinline__ void decode_v_pair(uint32_t a, uint32_t b, uint32_t (
   f16hi4_to_f16x2x2(h1, e[5], e[7]);
 }
 
-// grid (num_seqs, num_kv_heads, num_partitions), block 32 * DECODE_WARPS, dynamic smem
+// grid (num_seqs * num_kv_heads, num_partitions), block 32 * DECODE_WARPS, dynamic smem
 // DecodeLayout<D, kE4m3>::TOTAL bytes. Requires cu_query_lens == nullptr and group_size <= 8.
 // kStates and kE4m3 (K8V4 keys) as for the general kernel.
 template <int D, typename T, bool kStates, bool kE4m3>
@@ -143,7 +143,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int G = p.group_size;
-  const int s = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+  // the kv heads of a sequence are consecutive CTAs (see the launch below)
+  const int s = blockIdx.x / p.num_kv_heads, kvh = blockIdx.x - s * p.num_kv_heads, part = blockIdx.y;
   pdl_wait();  // launched as a programmatic dependent (launch_programmatic)
   pdl_launch_dependents();  // see the general kernel
 
@@ -557,7 +558,14 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
       if (e != cudaSuccess) return e;
       attr_set = true;
     }
-    e = launch_programmatic(kern, dim3(p.num_seqs, p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
+    // CTA x = s * num_kv_heads + kv head: the kv heads of one sequence start together and walk
+    // their blocks in step, so the scale sectors they share ([block, token, kv head] bytes: a
+    // 32-byte sector holds 32 / num_kv_heads tokens of every head) come from DRAM once and from
+    // L2 for the other heads. With the sequence index fastest (the former order) the heads of a
+    // sequence ran num_seqs CTAs apart, often in different waves: ncu at 64 x 16k counted 5.8 %
+    // more DRAM bytes than the kernel needs, about what re-reading the scale sectors per head
+    // costs (224 of 2080 bytes per tile and head without reuse).
+    e = launch_programmatic(kern, dim3(p.num_seqs * p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
                             stream, p);
   } else {
     e = launch_general_attention<D, T, kStates, kE4m3>(p, grid_x, stream);

@@ -143,8 +143,8 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   const long long grid_x = multi ? (long long)num_seqs + ((long long)num_tokens * G + 15) / 16
                                  : (long long)num_seqs * tiles_per_seq;
   if (num_seqs == 0) return;
-  TORCH_CHECK(grid_x < (1LL << 31), "too many row tiles");
-  const long long base = grid_x * hkv;
+  const long long base = grid_x * hkv;  // CTAs per partition: one per (row tile, kv head)
+  TORCH_CHECK(base < (1LL << 31), "query: too many (row tile, kv head) pairs for one grid");
   const int msl = (int)std::max<int64_t>(max_seq_len, 0);
   namespace tn = turboquant::tuning;
   const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
