@@ -261,23 +261,29 @@ SHAPES = [  # (scalar, head, block, gqa)
 ]
 
 
-def test_shape_matrix_compiles_without_spills(tmp_path):
-    """Every (head, block, GQA, dtype) class the backend can launch, both paths, decode and
-    multi-token, FP4 and E4M3 (K8V4) keys: no spills."""
+def _matrix_source(natives, key8s) -> str:
+    """A translation unit instantiating the partition kernel for every SHAPES class, decode and
+    multi-token (multi-token only above GQA 16), each native-path and key-format flag given."""
     args = ("const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, "
             "const int*, const int*, const int*, float*, float*, uint16_t*, float, float, int, "
             "int, int, int, int, int, int, int64_t, int, int, const float*, const float*, "
             "const int*, int, int, int")
     lines = ['#include "tq_fp4_paged_attention.cuh"']
     for scalar, head, block, gqa in SHAPES:
-        for native in ("true", "false"):
+        for native in natives:
             for multi in ("false", "true") if gqa <= 16 else ("true",):
-                for key8 in ("false", "true"):
+                for key8 in key8s:
                     lines.append(f"template __attribute__((global)) void "
                                  f"tq::tq_fp4_pa_partition_kernel<tq::{scalar}, {head}, {block}, "
                                  f"{gqa}, {native}, {multi}, {key8}>({args});")
+    return "\n".join(lines) + "\n"
+
+
+def test_shape_matrix_compiles_without_spills(tmp_path):
+    """Every (head, block, GQA, dtype) class the backend can launch, both paths, decode and
+    multi-token, FP4 and E4M3 (K8V4) keys: no spills."""
     src = tmp_path / "matrix.hip"
-    src.write_text("\n".join(lines) + "\n")
+    src.write_text(_matrix_source(natives=("true", "false"), key8s=("false", "true")))
     ks = kernels(compile_to_asm(src, tmp_path / "matrix.s"))
     assert len(ks) == sum(8 if gqa <= 16 else 4 for _, _, _, gqa in SHAPES)
     for name, k in sorted(ks.items()):
@@ -347,18 +353,8 @@ def test_gfx942_reduce_kernels(isa942):
 def test_gfx942_shape_matrix_compiles_without_spills(tmp_path):
     """Every (head, block, GQA, dtype) class, LUT path with FP4 keys, decode and multi-token,
     for gfx942: the 16x16x32 FP8 MFMA, no trap, no spills."""
-    args = ("const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, "
-            "const int*, const int*, const int*, float*, float*, uint16_t*, float, float, int, "
-            "int, int, int, int, int, int, int64_t, int, int, const float*, const float*, "
-            "const int*, int, int, int")
-    lines = ['#include "tq_fp4_paged_attention.cuh"']
-    for scalar, head, block, gqa in SHAPES:
-        for multi in ("false", "true") if gqa <= 16 else ("true",):
-            lines.append(f"template __attribute__((global)) void "
-                         f"tq::tq_fp4_pa_partition_kernel<tq::{scalar}, {head}, {block}, "
-                         f"{gqa}, false, {multi}, false>({args});")
     src = tmp_path / "matrix942.hip"
-    src.write_text("\n".join(lines) + "\n")
+    src.write_text(_matrix_source(natives=("false",), key8s=("false",)))
     ks = kernels(compile_to_asm(src, tmp_path / "matrix942.s", "gfx942"))
     assert len(ks) == sum(2 if gqa <= 16 else 1 for _, _, _, gqa in SHAPES)
     for name, k in sorted(ks.items()):

@@ -405,6 +405,24 @@ def test_pa_v1_fp4_nhd_is_refused(routes):
     assert "module" not in routes["pa_v1 fp4 NHD"]
 
 
+def compile_rendered(src: str, pa_dir, arch: str, tmp_path) -> str:
+    """Compile the translation unit AITER would build (``src``, with the injected headers of
+    ``pa_dir``; csrc_hip/shims stands in for <hip/hip_runtime.h>) for ``arch``: host code to an
+    object, device code to assembly, which is returned. Skips without clang."""
+    clang = find_clang()
+    if clang is None:
+        pytest.skip(CLANG_MISSING)
+    tu = tmp_path / f"pa_fp4_rendered_{arch}.cpp"
+    tu.write_text(src)
+    flags = [clang, "-x", "hip", f"--offload-arch={arch}", "-nogpulib", "-nogpuinc", "-O3",
+             "-std=c++20", f"-I{ROOT / 'csrc_hip' / 'shims'}", f"-I{pa_dir}"]
+    subprocess.run(flags + ["--offload-host-only", "-c", "-o", str(tmp_path / "host.o"), str(tu)],
+                   check=True)
+    subprocess.run(flags + ["--offload-device-only", "-S", "-o", str(tmp_path / "dev.s"), str(tu)],
+                   check=True)
+    return (tmp_path / "dev.s").read_text()
+
+
 @pytest.mark.parametrize("case", ["op decode", "op k8v4"])
 def test_rendered_source_compiles_for_gfx950(routes, tmp_path, case):
     """The translation unit AITER would build, with the injected headers, compiles for gfx950
@@ -413,18 +431,7 @@ def test_rendered_source_compiles_for_gfx950(routes, tmp_path, case):
     native path) or, for K8V4, E4M3 keys (the FP8 operand form only, no cbsz/blgp)."""
     src = routes[case]["src"]
     assert "TQ_LAUNCH_PARTITION(true)" in src and "TQ_LAUNCH_PARTITION(false)" in src
-    clang = find_clang()
-    if clang is None:
-        pytest.skip(CLANG_MISSING)
-    tu = tmp_path / "pa_fp4_rendered.cpp"
-    tu.write_text(src)
-    flags = [clang, "-x", "hip", "--offload-arch=gfx950", "-nogpulib", "-nogpuinc", "-O3",
-             "-std=c++20", f"-I{ROOT / 'csrc_hip' / 'shims'}", f"-I{routes['pa_dir']}"]
-    subprocess.run(flags + ["--offload-host-only", "-c", "-o", str(tmp_path / "host.o"), str(tu)],
-                   check=True)
-    subprocess.run(flags + ["--offload-device-only", "-S", "-o", str(tmp_path / "dev.s"), str(tu)],
-                   check=True)
-    asm = (tmp_path / "dev.s").read_text()
+    asm = compile_rendered(src, routes["pa_dir"], "gfx950", tmp_path)
     kernels = [ln for ln in asm.splitlines() if ln.startswith("_ZN2tq26tq_fp4_pa_partition_kernel")]
     # <Bf16, 128, 16, gqa 4, USE_NATIVE_FP4_MFMA, ...>: both values of the bool after gqa 4
     # the last bool: KEY_E4M3
@@ -559,18 +566,7 @@ def test_rendered_source_compiles_for_gfx942(routes, tmp_path):
     """The gfx942 library's translation unit compiles for gfx942 (host and device): only the
     LUT partition kernel, on v_mfma_f32_16x16x32_fp8_fp8, no scaled MFMA, no trap."""
     src = routes["gfx942 op decode"]["src"]
-    clang = find_clang()
-    if clang is None:
-        pytest.skip(CLANG_MISSING)
-    tu = tmp_path / "pa_fp4_rendered_942.cpp"
-    tu.write_text(src)
-    flags = [clang, "-x", "hip", "--offload-arch=gfx942", "-nogpulib", "-nogpuinc", "-O3",
-             "-std=c++20", f"-I{ROOT / 'csrc_hip' / 'shims'}", f"-I{routes['pa_dir']}"]
-    subprocess.run(flags + ["--offload-host-only", "-c", "-o", str(tmp_path / "host.o"), str(tu)],
-                   check=True)
-    subprocess.run(flags + ["--offload-device-only", "-S", "-o", str(tmp_path / "dev.s"), str(tu)],
-                   check=True)
-    asm = (tmp_path / "dev.s").read_text()
+    asm = compile_rendered(src, routes["pa_dir"], "gfx942", tmp_path)
     kernels = [ln for ln in asm.splitlines() if ln.startswith("_ZN2tq26tq_fp4_pa_partition_kernel")]
     assert len(kernels) == 1 and "ELi4ELb0E" in kernels[0], kernels  # <.., gqa 4, LUT, ..>
     assert sum(MFMA_942 in ln for ln in asm.splitlines()) == 64

@@ -194,25 +194,19 @@ def _host_sim(tmp_path):
     return op
 
 
-def test_k8v4_kernel_source_on_host(tmp_path):
-    """K8V4 (E4M3 keys through the e4m3 x e4m3 model) with the default transforms, decode and
-    multi-token rows, with and without a soft cap: close to the reference (E4M3 Q and P: the same
-    smoke tolerance as FP4 keys); position 0's poisoned key bytes never count; a one-token
-    sequence gives exactly the un-rotated sink value."""
-    from turboquant import QuantConfig
+def _host_sim_against_reference(op, prob, gen, label):
+    """Poison position 0's bytes and scales of the 3 sequences (NaN if they were read), run
+    decode and multi-token rows with and without a soft cap through the host-simulated kernel
+    ``op``: close to the reference (E4M3 Q and P: 0.06 against outputs about 3; smoke
+    tolerance 0.1); the one-token sequence gives exactly the un-rotated sink value.
+    Returns the last call and its output."""
     from turboquant.api import attention_op_args, prepare_attention
-    from turboquant.cache import build_paged_problem
     from turboquant.reference import attention_reference
     from turboquant.rotation import unrotate
     from turboquant.smoothing import SINK_VALUE
 
-    op = _host_sim(tmp_path)
-    gen = torch.Generator().manual_seed(6)
-    prob = build_paged_problem([1, 40, 70], 2, 64, 16, generator=gen, write_backend="reference",
-                               config=QuantConfig(), spare_blocks=1, key_format="fp8_e4m3")
     kc, vc, ks, vs = prob.cache
-    assert kc.dtype == torch.float8_e4m3fn and kc.shape[-1] == 64
-    for s in range(3):  # position 0's bytes and scales poisoned: NaN if they were read
+    for s in range(3):
         blk = int(prob.block_tables[s, 0])
         kc.view(torch.uint8)[blk, :, 0], vc[blk, :, 0], ks[blk, 0], vs[blk, 0] = 0xFF, 0xFF, 0xFF, 0xFF
     query = torch.randn(7, 8, 64, generator=gen).to(torch.bfloat16)
@@ -220,16 +214,33 @@ def test_k8v4_kernel_source_on_host(tmp_path):
     for cap in (0.0, 3.0):
         call = prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, 64 ** -0.5, cu_query_lens=cu,
                                  logits_soft_cap=cap, **prob.kwargs)
-        assert call.key_format == "fp8_e4m3"
         out = torch.empty_like(query)
         op(*attention_op_args(call, out))
         ref = torch.empty(query.shape)
         attention_reference(call, ref)
         err = (out.float() - ref).abs().max().item()
-        print(f"host simulation K8V4, soft cap {cap}: max|out-ref| {err:.3e}, max|ref| {ref.abs().max().item():.3e}")
+        print(f"host simulation {label}, soft cap {cap}: max|out-ref| {err:.3e}, max|ref| {ref.abs().max().item():.3e}")
         assert torch.isfinite(out).all() and err < 0.1
     sink = unrotate(call.seq_state[int(call.state_ids[0]), :, SINK_VALUE], call.rotation_signs)
     assert torch.equal(out[0], sink.repeat_interleave(4, 0).to(out.dtype))
+    return call, out
+
+
+def test_k8v4_kernel_source_on_host(tmp_path):
+    """K8V4 (E4M3 keys through the e4m3 x e4m3 model) with the default transforms, decode and
+    multi-token rows, with and without a soft cap: close to the reference (the same smoke
+    tolerance as FP4 keys); position 0's poisoned key bytes never count; a one-token sequence
+    gives exactly the un-rotated sink value."""
+    from turboquant import QuantConfig
+    from turboquant.cache import build_paged_problem
+
+    op = _host_sim(tmp_path)
+    gen = torch.Generator().manual_seed(6)
+    prob = build_paged_problem([1, 40, 70], 2, 64, 16, generator=gen, write_backend="reference",
+                               config=QuantConfig(), spare_blocks=1, key_format="fp8_e4m3")
+    assert prob.cache.key_cache.dtype == torch.float8_e4m3fn and prob.cache.key_cache.shape[-1] == 64
+    call, _ = _host_sim_against_reference(op, prob, gen, "K8V4")
+    assert call.key_format == "fp8_e4m3"
 
 
 def test_kernel_source_on_host_with_transforms(tmp_path):
@@ -240,11 +251,8 @@ def test_kernel_source_on_host_with_transforms(tmp_path):
     import dataclasses
 
     from turboquant import QuantConfig
-    from turboquant.api import attention_op_args, prepare_attention
+    from turboquant.api import attention_op_args
     from turboquant.cache import build_paged_problem
-    from turboquant.reference import attention_reference
-    from turboquant.rotation import unrotate
-    from turboquant.smoothing import SINK_VALUE
 
     op = _host_sim(tmp_path)
     gen = torch.Generator().manual_seed(5)
@@ -253,24 +261,8 @@ def test_kernel_source_on_host_with_transforms(tmp_path):
                                config=QuantConfig(), spare_blocks=1,
                                kv_factory=lambda s, shape: (torch.randn(shape, generator=gen) + center,
                                                             torch.randn(shape, generator=gen)))
-    kc, vc, ks, vs = prob.cache
-    for s in range(3):  # position 0's codes and scales poisoned: NaN if they were read
-        blk = int(prob.block_tables[s, 0])
-        kc[blk, :, 0], vc[blk, :, 0], ks[blk, 0], vs[blk, 0] = 0xFF, 0xFF, 0xFF, 0xFF
-    query = torch.randn(7, 8, 64, generator=gen).to(torch.bfloat16)
-    cu = torch.tensor([0, 1, 3, 7], dtype=torch.int32)
-    for cap in (0.0, 3.0):
-        call = prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, 64 ** -0.5, cu_query_lens=cu,
-                                 logits_soft_cap=cap, **prob.kwargs)
-        out = torch.empty_like(query)
-        op(*attention_op_args(call, out))
-        ref = torch.empty(query.shape)
-        attention_reference(call, ref)
-        err = (out.float() - ref).abs().max().item()
-        print(f"host simulation, soft cap {cap}: max|out-ref| {err:.3e}, max|ref| {ref.abs().max().item():.3e}")
-        assert torch.isfinite(out).all() and err < 0.1
-    sink = unrotate(call.seq_state[int(call.state_ids[0]), :, SINK_VALUE], call.rotation_signs)
-    assert torch.equal(out[0], sink.repeat_interleave(4, 0).to(out.dtype))
+    call, out = _host_sim_against_reference(op, prob, gen, "FP4")
+    query = call.query
     ids = call.state_ids.clone()
     ids[1] = 99
     bad = torch.empty_like(query)
