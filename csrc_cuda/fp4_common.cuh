@@ -30,6 +30,20 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float (&c)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---- ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (SM75+) --------------------------------
+// Four 8x8 matrices of 16-bit elements from shared memory: lanes 8m .. 8m+7 give the 16-byte
+// row addresses (rows 0..7) of matrix m. Out: r[m] of lane 4g + t holds row g, elements 2t, 2t+1
+// of matrix m (the B fragment of mma.m16n8k16 when the matrix is B^T, i.e. [n][k] rows); with
+// .trans, row g of the transpose: elements (2t, g), (2t+1, g) (B from [k][n] rows).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+}
+
 // ---- cp.async.cg.shared.global.L2::128B [smem], [gmem], 16 ----------------------------------
 // Per-thread 16-byte asynchronous copy global -> shared (L2 only, bypasses L1). Both addresses
 // 16-byte aligned; smem_addr is a shared-window address (__cvta_generic_to_shared). Completion

@@ -160,6 +160,7 @@ struct AttnParams {
   float* lse;              // [num_tokens, num_heads] fp32: each row's log-sum-exp (natural log)
   const float* sinks;      // [num_heads] fp32: learned sink logits (one more logit, no value)
   int key_e4m3;            // K8V4: key_cache holds E4M3 bytes, D per row
+  int prefill;             // the prefill kernel runs (tuning::use_prefill_kernel): grid x = row groups
 };
 
 // ---- accuracy transforms (turboquant/rotation.py, turboquant/smoothing.py) ---------------
@@ -458,20 +459,23 @@ __device__ __forceinline__ unsigned amax8_bits(const uint4& v) {
   return m;
 }
 
-// CTA-wide Q prescale: e such that the CTA's largest |q| times 2^e lies in [2^14, 2^15) (fp16
-// with headroom; 0 for an all-zero or non-finite Q), from each thread's amax bits. word: a
-// shared word set to 0 before the first __syncthreads of the kernel. Two __syncthreads.
+// Q prescale: e such that the largest |q| (amax_bits: its float bits) times 2^e lies in
+// [2^14, 2^15) (fp16 with headroom; 0 for an all-zero or non-finite Q).
+__device__ __forceinline__ int prescale_exponent(unsigned amax_bits) {
+  if (amax_bits == 0 || amax_bits >= 0x7f800000u) return 0;
+  int E;
+  frexpf(__uint_as_float(amax_bits), &E);
+  return min(max(15 - E, -100), 100);
+}
+// The same, CTA-wide, from each thread's amax bits. word: a shared word set to 0 before the
+// first __syncthreads of the kernel. Two __syncthreads.
 __device__ __forceinline__ int q_prescale_exponent(unsigned amax_bits, unsigned* word) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, o));
   __syncthreads();
   if ((threadIdx.x & 31) == 0) atomicMax(word, amax_bits);
   __syncthreads();
-  amax_bits = *word;
-  if (amax_bits == 0 || amax_bits >= 0x7f800000u) return 0;
-  int E;
-  frexpf(__uint_as_float(amax_bits), &E);
-  return min(max(15 - E, -100), 100);
+  return prescale_exponent(*word);
 }
 
 // Merge weights of W per-warp softmax states (m, l) of one row (m[w * stride], l[w * stride]):

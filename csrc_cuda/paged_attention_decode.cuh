@@ -56,6 +56,7 @@
 #pragma once
 
 #include "paged_attention.cuh"
+#include "paged_attention_prefill.cuh"
 
 namespace turboquant {
 namespace cuda_fp4 {
@@ -544,11 +545,15 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
 // The decode kernel applies to single-token queries of groups of at most 8 heads.
 inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_token && group_size <= 8; }
 
-// The decode or the general kernel, then the reduce pass when the KV range is split, for one
-// kStates (see the general kernel).
+// The decode, prefill or general kernel, then the reduce pass when the KV range is split, for
+// one kStates (see the general kernel).
 template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
   cudaError_t e;
+  if (p.prefill) {  // the binding chose it (tuning::use_prefill_kernel): one partition
+    if constexpr (!kStates && !kE4m3 && D <= 128) return launch_prefill_attention<D, T>(p, grid_x, stream);
+    return cudaErrorInvalidValue;
+  }
   if (use_decode_kernel(p.cu_query_lens != nullptr, p.group_size)) {
     using L = DecodeLayout<D, kE4m3>;
     auto kern = paged_attention_fp4_decode_kernel<D, T, kStates, kE4m3>;
@@ -574,7 +579,8 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
   return launch_reduce<D, T, kStates>(p, stream);
 }
 
-// Host launcher (torch-free). grid_x = row tiles (general kernel) = num_seqs (decode kernel).
+// Host launcher (torch-free). grid_x = row tiles (general kernel) = num_seqs (decode kernel) =
+// row groups (prefill kernel).
 template <int D, typename T>
 cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   const bool states = p.lse != nullptr || p.sinks != nullptr;

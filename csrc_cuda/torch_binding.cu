@@ -139,17 +139,22 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   } else {
     TORCH_CHECK(num_tokens == num_seqs, "decode: one query token per sequence");
   }
+  namespace tn = turboquant::tuning;
+  const bool states = lse.has_value() || sinks.has_value();
+  const bool prefill = tn::use_prefill_kernel(multi, D, key_e4m3, states, num_tokens, num_seqs, G);
   const int tiles_per_seq = (G + 15) / 16;
-  const long long grid_x = multi ? (long long)num_seqs + ((long long)num_tokens * G + 15) / 16
-                                 : (long long)num_seqs * tiles_per_seq;
+  // grid x: row groups of PREFILL_ROWS (prefill kernel), row tiles of 16 rows (general), sequences (decode)
+  const long long grid_x = prefill ? (long long)num_seqs + ((long long)num_tokens * G) / tn::PREFILL_ROWS
+                           : multi ? (long long)num_seqs + ((long long)num_tokens * G + 15) / 16
+                                   : (long long)num_seqs * tiles_per_seq;
   if (num_seqs == 0) return;
-  const long long base = grid_x * hkv;  // CTAs per partition: one per (row tile, kv head)
+  const long long base = grid_x * hkv;  // CTAs per partition: one per (row tile or group, kv head)
   TORCH_CHECK(base < (1LL << 31), "query: too many (row tile, kv head) pairs for one grid");
   const int msl = (int)std::max<int64_t>(max_seq_len, 0);
-  namespace tn = turboquant::tuning;
   const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
-  int P = tq::use_decode_kernel(multi, G) ? tn::choose_decode_partition_size(msl, base_ctas, sms)
-                                          : tn::choose_partition_size(msl, base_ctas, sms);
+  int P = prefill ? std::max(msl, 1)  // one partition
+          : tq::use_decode_kernel(multi, G) ? tn::choose_decode_partition_size(msl, base_ctas, sms)
+                                            : tn::choose_partition_size(msl, base_ctas, sms);
   int nparts = std::max(1, (msl + P - 1) / P);
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 
@@ -194,6 +199,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.key_e4m3 = key_e4m3 ? 1 : 0;
+  p.prefill = prefill ? 1 : 0;
 
   cudaError_t err = cudaSuccess;
 #define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, (int)grid_x, stream)

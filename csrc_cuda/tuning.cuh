@@ -128,6 +128,34 @@ template <int D> struct DecodeStages { static constexpr int value = TQ_DECODE_ST
 constexpr int DECODE_QREG_MAX_D = TQ_DECODE_QREG_MAX_D;
 constexpr int DECODE_MIN_BLOCKS = TQ_DECODE_MIN_BLOCKS;
 
+// ---- prefill kernel (paged_attention_prefill.cuh: multi-token rows, FP4 keys, D <= 128) ----
+// A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
+// sequence and kv head), one 16-row MMA tile per warp; all warps walk the same KV steps of
+// PREFILL_TILE tokens, whose FP4 codes are copied (PREFILL_STAGES-deep cp.async ring) and
+// decoded ONCE into shared memory as fp16, then read by every warp with ldmatrix. The general
+// kernel decodes each 16-token tile in registers once per 16-row tile.
+// Example 1 x 2048 query tokens at 16k context, 32/8/128: 8192 rows per kv head -> 64 CTAs x
+// 8 kv heads = 512 CTAs; each 64-token step's 8 KB of codes is decoded by 256 threads (32
+// elements of K and 32 of V each) and feeds 8 warps x 128 MMAs, where the general kernel
+// spends ~150 decode instructions per 32 MMAs. Registers: Q fragments (32), O (64), S (32)
+// -> one CTA of 8 warps per SM (~96 KB of shared memory).
+constexpr int PREFILL_WARPS = 8;
+constexpr int PREFILL_ROWS = 16 * PREFILL_WARPS;
+constexpr int PREFILL_TILE = 64;
+constexpr int PREFILL_STAGES = 3;
+// The dispatcher's rule: multi-token calls whose rows average at least one prefill CTA per
+// sequence (num_tokens * group size >= PREFILL_ROWS * num_seqs), FP4 keys, D <= 128, no lse or
+// learned sinks (those run in the general kernel, as do K8V4 keys and D 256). One partition:
+// rows give the parallelism. Examples (G = 4): 1 x 2048 @ 16k: 8192 rows >= 128 -> prefill;
+// 64 sequences x 4 tokens (speculative decoding): 16 rows per sequence < 128 -> general kernel
+// (one row tile per sequence; the prefill kernel would leave 7 of its 8 warps idle); a mixed
+// step of 1 chunk of 512 tokens and 15 decode tokens: 2108 rows / 16 sequences = 132 -> prefill.
+inline bool use_prefill_kernel(bool multi, int head_dim, bool key_e4m3, bool states, long long num_tokens,
+                               long long num_seqs, int group_size) {
+  return multi && !key_e4m3 && !states && head_dim <= 128 &&
+         num_tokens * group_size >= (long long)PREFILL_ROWS * num_seqs;
+}
+
 // Reduce pass: one CTA of REDUCE_WARPS warps per (query token, head); each warp loads
 // REDUCE_BATCH partial rows per round (D/32 floats per lane each).
 // Example batch 1 x 32k (32 partitions, 32 heads): 32 CTAs, every warp loads its 8 rows in one

@@ -393,6 +393,95 @@ def test_k8v4_structured_keys_locate_each_element():
         _compare(out, ref)
 
 
+def _kernel_names(fn):
+    """Names of the CUDA kernels one call of fn launches."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+# chunked prefill through the prefill kernel (rows per sequence >= PREFILL_ROWS on average):
+# (seq_lens, hq, hkv, d, bs, query tokens per sequence, dtype)
+PREFILL_CASES = {
+    "ragged chunks, block 16": ([700, 33, 300, 129], 32, 8, 128, 16, [300, 33, 1, 129], torch.bfloat16),
+    "whole sequences, block 64": ([200, 77], 32, 8, 128, 64, [200, 77], torch.float16),
+    "d 64, GQA 7, block 32": ([500, 90], 28, 4, 64, 32, [64, 90], torch.bfloat16),
+    "one chunk across blocks, block 256": ([1500], 16, 2, 128, 256, [700], torch.bfloat16),
+    "MHA, a chunk not at the end of a block": ([410, 263], 8, 8, 128, 16, [133, 200], torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("window,cap,config", [(0, 0.0, "default"), (0, 0.0, "plain"),
+                                               (100, 0.0, "default"), (0, 30.0, "default"),
+                                               (37, 10.0, "plain"), (1, 0.0, "default")])
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_prefill_kernel_matches_reference(case, window, cap, config):
+    """Long chunks run the prefill kernel (one fp16 decode of each KV step shared by 8 row
+    tiles): against the reference on ragged chunks (1 to 700 tokens), chunks crossing blocks,
+    block sizes 16-256, shuffled blocks with 0xFF-poisoned unused slots, windows (W = 1: one key),
+    soft caps, the transforms and the sink, D 64 / 128, bf16 / fp16, GQA 1 / 4 / 7 / 8."""
+    lens, hq, hkv, d, bs, qlens, dtype = PREFILL_CASES[case]
+    prob, q, cu = _problem(lens, hq, hkv, d, bs, dtype=dtype, qlens=qlens, seed=len(case) + window,
+                           config=config)
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    ref = _run("reference", prob, q, cu, **kw)
+    names = _kernel_names(lambda: _run("cuda", prob, q, cu, **kw))
+    assert any("prefill" in n for n in names), names
+    _compare(_run("cuda", prob, q, cu, **kw), ref)
+
+
+def test_prefill_kernel_structured_keys_and_values():
+    """One-hot keys (token j: 4.0 at head-dim j % D) and values (token j: 1.0 at (5 j + 3) % D),
+    query token i one-hot (48.0) at element i % D: each row's weight sits on the visible tokens
+    with j % D == i % D, so its output is a few known one-hots. A wrong K or V fragment map,
+    ldmatrix address or swizzle of the prefill kernel moves the peaks (the output differs from
+    the reference's by O(1)), which random data would show as noise only."""
+    d, hkv, hq = 128, 2, 8
+    n = 3 * d + 37
+
+    def factory(s, shape):
+        idx = torch.arange(shape[0])
+        k, v = torch.zeros(shape), torch.zeros(shape)
+        k[idx, :, idx % d] = 4.0
+        v[idx, :, (5 * idx + 3) % d] = 1.0
+        return k.bfloat16(), v.bfloat16()
+
+    g = torch.Generator().manual_seed(3)
+    prob = build_paged_problem([n, n - 70], hkv, d, 16, device="cuda", generator=g,
+                               write_backend="cuda", spare_blocks=2, config=PLAIN, kv_factory=factory)
+    qlens = [n - 5, n - 90]
+    cu = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device="cuda")
+    q = torch.zeros(sum(qlens), hq, d, dtype=torch.bfloat16, device="cuda")
+    tok = torch.arange(sum(qlens), device="cuda")
+    q[tok, :, tok % d] = 48.0
+    ref = _run("reference", prob, q, cu)
+    assert any("prefill" in nm for nm in _kernel_names(lambda: _run("cuda", prob, q, cu)))
+    out = _run("cuda", prob, q, cu)
+    _compare(out, ref)
+    assert ref.float().abs().max() > 0.2  # the peaks are there
+
+
+def test_prefill_kernel_nan_scale_and_bad_block():
+    """A NaN key scale of a visible token makes exactly the rows that see it NaN (causal: the
+    chunk's later tokens); an out-of-range block id makes the sequence's rows NaN, never a read."""
+    prob, q, cu = _problem([300, 200], 8, 2, 128, 16, qlens=[200, 150], seed=4)
+    blk = prob.block_tables[0, 10].item()  # tokens 160..175 of sequence 0
+    prob.cache.key_scales[blk, 4, 1] = 255  # token 164, kv head 1
+    out = _run("cuda", prob, q, cu)
+    # sequence 0's chunk is positions 100..299: query token i (position 100 + i) sees 164 for i >= 64
+    assert torch.isnan(out[64:200, 4:8]).all() and torch.isfinite(out[:64, 4:8]).all()
+    assert torch.isfinite(out[:, :4]).all() and torch.isfinite(out[200:]).all()
+    prob.cache.key_scales[blk, 4, 1] = 120
+    bt = prob.block_tables.clone()
+    bt[1, 3] = 10 ** 6
+    with turboquant.value_checks(False):
+        out = turboquant.paged_attention_fp4(q, *prob.cache, bt, prob.seq_lens, 0.1, cu_query_lens=cu,
+                                             backend="cuda", **prob.kwargs)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[200:]).all() and torch.isfinite(out[:200]).all()
+
+
 def _bytes(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -585,6 +674,8 @@ SANITIZER_CASE = textwrap.dedent("""
     from turboquant.cache import build_paged_problem
     g = torch.Generator().manual_seed(0)
     for d, bs, lens, qlens, cfg, kf in ((128, 16, [1, 54, 97, 0, 300], None, "default", "fp4"),
+                                        (128, 16, [300, 97], [150, 40], "default", "fp4"),
+                                        (64, 32, [260, 70], [90, 70], "plain", "fp4"),
                                         (64, 32, [70, 9], [3, 2], "default", "fp4"),
                                         (256, 64, [129, 5], None, "plain", "fp4"),
                                         (128, 16, [5000, 3], None, "default", "fp4"),
@@ -597,7 +688,8 @@ SANITIZER_CASE = textwrap.dedent("""
                                    config=turboquant.QuantConfig.parse(cfg), key_format=kf)
         nt = len(lens) if qlens is None else sum(qlens)
         q = torch.randn(nt, 8, d, device="cuda", dtype=torch.bfloat16)
-        cu = None if qlens is None else torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")
+        cu = None if qlens is None else torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32,
+                                                      device="cuda")
         for win in (0, 20):
             turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
                                            cu_query_lens=cu, sliding_window=win, backend="cuda",

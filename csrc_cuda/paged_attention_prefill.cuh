@@ -1,0 +1,499 @@
+// turboquant cuda backend (SM80-SM90): the prefill kernel, multi-token queries with many rows
+// per sequence (chunked prefill), FP4 keys, head dim 64 or 128. Torch-free. Shares the
+// parameters, the Q transforms, the sink merge and the output un-rotation with
+// paged_attention.cuh (the general kernel, which serves everything this one declines).
+//
+// ============================== design note ==============================================
+// Why a third kernel: the general kernel gives each 16-row tile (query token x head pairs) a
+// CTA whose warps split the KV tiles, and every warp decodes its FP4 tiles in registers: a
+// 16-token tile's decode (~150 integer instructions per lane) is paid once per 16 rows, which
+// caps a long chunk at ~130 TFLOP/s on the H100. Here a CTA holds PREFILL_ROWS rows (one
+// 16-row MMA tile per warp) and its warps walk the SAME KV steps: each step's codes are copied
+// once (cp.async ring) and decoded once into shared memory as fp16, which every warp reads with
+// ldmatrix (FA2-style m16n8k16 MMAs, fp32 accumulation): the decode is shared by 8 row tiles.
+// Grid (row groups * num_kv_heads, 1), kv head fastest: sequence s owns row groups
+//   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
+//   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
+//   Rows are query-token major as in the general kernel: row R -> token R / G, head R % G.
+// Per KV step of TK = PREFILL_TILE tokens (PREFILL_STAGES-deep ring of raw codes):
+//   copy: thread t copies 16-byte chunk t of the K and of the V codes (token t / CPR) and
+//     threads [0, 2 TK) one scale word each (K, then V); 16-token sub-tiles outside the CTA's
+//     key range are not copied (their block may not exist); a bad block id of a needed
+//     sub-tile makes the CTA's rows NaN, never a read.
+//   decode: the same thread decodes what it copied (no barrier needed) into the step's fp16
+//     buffer (two buffers; 16-byte chunk c of row r stored at c ^ (r & 7), so the 8 rows an
+//     ldmatrix reads hit distinct banks): values E2M1 * 2^-14; the scale bytes as ints; the
+//     V-scale maximum of the step's visible tokens (255 excluded).
+//   compute (per warp, its 16 rows): S = Q K^T (Q fragments in registers, power-of-two
+//     prescaled per warp; K fragments by ldmatrix), logits = S * 2^(kb-127) * scale in the exp2
+//     domain, soft cap, causal / window masking by selection on boundary steps, online softmax
+//     with the general kernel's lazy rescaling and V-scale folding (P' = p * 2^(vb - VM + 15 -
+//     SLACK)), O += P' V (V fragments by ldmatrix.trans). Steps outside a warp's rows' key
+//     range skip the compute.
+//   The step's decode is placed between the S and the P.V MMAs of the previous step, so one
+//   warp's integer work overlaps another's tensor-core work; one __syncthreads per step.
+// Epilogue: per row, O / l, the sink (rows whose window holds position 0), the un-rotation,
+//   the store; no cross-warp merge (each warp owns its rows). One partition (no split-KV).
+// NaN semantics follow the general kernel: a scale byte 255 of a visible token makes the rows
+// that see it NaN; masked tokens never reach a row; a state slot outside seq_state gives the
+// sequence's rows NaN (through Q).
+// ===========================================================================================
+#pragma once
+
+#include "paged_attention.cuh"
+
+namespace turboquant {
+namespace cuda_fp4 {
+
+template <int D>
+struct PrefillLayout {
+  static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS;
+  static constexpr int TK = tuning::PREFILL_TILE, ST = tuning::PREFILL_STAGES;
+  static constexpr int ROWB = D / 2;              // bytes of one token's codes (K and V)
+  static constexpr int CPR = ROWB / 16;           // 16-byte code chunks per token
+  static constexpr int CHUNKS = TK * CPR;         // per cache and step
+  static_assert(CHUNKS <= 32 * W && 2 * TK <= 32 * W && TK % 32 == 0, "one copy per thread");
+  static constexpr int RAW_K = TK * ROWB, RAW_S = TK * 4;
+  static constexpr int RAW = 2 * RAW_K + 2 * RAW_S;  // K codes, V codes, K / V scale words
+  static constexpr int DROW = 2 * D;                 // fp16 row bytes
+  static constexpr int DEC_K = TK * DROW;
+  static constexpr int OFF_SB = 2 * DEC_K;           // ints: K bytes [TK], V bytes [TK], V max [2]
+  static constexpr int DEC = OFF_SB + (2 * TK + 4) * 4;
+  static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
+  static constexpr int BIG_A = 2 * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
+  static constexpr int BIG = BIG_A > BIG_B ? (BIG_A > BIG_C ? BIG_A : BIG_C) : (BIG_B > BIG_C ? BIG_B : BIG_C);
+  static constexpr int OFF_DEC = ST * RAW;           // two decode buffers; aliased by the
+                                                     // prologue's fp32 Q rows and the epilogue's O
+  static constexpr int OFF_ROWS = OFF_DEC + BIG;     // per CTA row: q'.k0', scale * q.m, m, l
+  static constexpr int TOTAL = OFF_ROWS + 4 * ROWS * 4;
+};
+
+// 16-byte chunk c of fp16 row r of a decoded tile: stored at chunk c ^ (r & 7).
+__device__ __forceinline__ int dec_chunk(int r, int c) { return c ^ (r & 7); }
+
+// 32 FP4 codes (16 bytes: head-dim elements [32 q, 32 q + 32) of one token) -> fp16 values
+// E2M1 * 2^-14 in head-dim order, four 16-byte chunks of decoded row r. 11 integer ops per 8.
+__device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* row, int r, int q) {
+  const uint4 w4 = *reinterpret_cast<const uint4*>(src);
+  const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t lo, hi, o[4];
+    fp4x8_to_f16hi8(w[i], lo, hi);                          // lo: e0 e2 e4 e6, hi: e1 e3 e5 e7
+    f16hi4_to_f16x2x2(prmt(lo, hi, 0x5140u), o[0], o[1]);  // (e0, e1) (e2, e3)
+    f16hi4_to_f16x2x2(prmt(lo, hi, 0x7362u), o[2], o[3]);  // (e4, e5) (e6, e7)
+    *reinterpret_cast<uint4*>(row + dec_chunk(r, 4 * q + i) * 16) = make_uint4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+// grid (row groups * num_kv_heads, 1), block 32 * PREFILL_WARPS, dynamic smem
+// PrefillLayout<D>::TOTAL bytes. Requires cu_query_lens, FP4 keys, no lse / learned sinks,
+// num_partitions == 1 (tuning::use_prefill_kernel).
+template <int D, typename T>
+__global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
+    paged_attention_fp4_prefill_kernel(const AttnParams p) {
+  using L = PrefillLayout<D>;
+  constexpr int TK = L::TK, ST = L::ST, CPR = L::CPR, ROWB = L::ROWB;
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int G = p.group_size, Hkv = p.num_kv_heads;
+  const int grp = blockIdx.x / Hkv, kvh = blockIdx.x - grp * Hkv;
+  pdl_wait();
+  pdl_launch_dependents();
+
+  // ---- which sequence / rows ----
+  const int* cu = p.cu_query_lens;
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    const long long base = mid + ((long long)max(__ldg(cu + mid), 0) * G) / L::ROWS;
+    if (base <= grp) lo = mid; else hi = mid - 1;
+  }
+  const int s = lo;
+  const int q0 = max(__ldg(cu + s), 0);
+  const int qn = min(__ldg(cu + s + 1), p.num_tokens) - q0;
+  const int lg = grp - (s + (int)(((long long)q0 * G) / L::ROWS));
+  if (qn <= 0 || lg < 0 || lg * L::ROWS >= qn * G) return;
+  const int nrows = qn * G, row0 = lg * L::ROWS;
+  const int seq_len = __ldg(p.seq_lens + s);
+  const int slot = state_slot(p, s);
+  const int Wn = p.sliding_window;
+  // key range of query token qi: [row_lo, row_hi]
+  auto row_hi = [&](int qi) { return seq_len - qn + qi; };
+  auto row_lo = [&](int qi) { return Wn > 0 ? max(0, seq_len - qn + qi - Wn + 1) : 0; };
+  const int lo_min = row_lo(row0 / G), hi_max = row_hi((min(row0 + L::ROWS, nrows) - 1) / G);
+  // with the sink, position 0 comes from the state record, merged in for the rows whose
+  // window holds it: the FP4 stream starts at 1
+  const bool sink_here = p.sink && lo_min == 0 && seq_len > 0;
+  const int r_lo = max(lo_min, p.sink ? 1 : 0), r_hi = min(hi_max + 1, seq_len);  // [r_lo, r_hi)
+
+  auto write_const_rows = [&](float oval) {  // nothing visible: 0; a bad block id: NaN
+    for (int i = tid; i < L::ROWS * D; i += blockDim.x) {
+      const int R = row0 + i / D;
+      if (R >= nrows) continue;
+      T* o = reinterpret_cast<T*>(p.out) + (q0 + R / G) * p.o_stride_tok + (kvh * G + R % G) * p.o_stride_head;
+      o[i % D] = from_float<T>(oval);
+    }
+  };
+  if (r_lo >= r_hi && !sink_here) {
+    write_const_rows(0.f);
+    return;
+  }
+  float* sinkS = reinterpret_cast<float*>(smem + L::OFF_ROWS);  // [ROWS] q'.k0'
+  float* qmS = sinkS + L::ROWS;                                   // [ROWS] scale * q.m (cap)
+  float* mS = qmS + L::ROWS;                                      // [ROWS] row maximum (exp2)
+  float* lS = mS + L::ROWS;                                       // [ROWS] row sum
+  const bool cap = p.soft_cap > 0.f, cap_state = cap && p.seq_state != nullptr;
+
+  // ---- this warp's 16 rows and their key ranges ----
+  const int wrow0 = row0 + 16 * warp;
+  const bool wactive = wrow0 < nrows;
+  const int wlast = min(wrow0 + 15, nrows - 1);
+  const int sink_lo = p.sink ? 1 : 0;
+  const int w_lo_min = max(row_lo(wrow0 / G), sink_lo), w_lo_max = max(row_lo(wlast / G), sink_lo);
+  const int w_hi_min = row_hi(wrow0 / G), w_hi_max = row_hi(wlast / G);
+  int rlo[2], rhi[2];  // rows g, g+8 (rows past the sequence see nothing)
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int R = wrow0 + g + 8 * rh;
+    rlo[rh] = R < nrows ? max(row_lo(R / G), sink_lo) : 0;
+    rhi[rh] = R < nrows ? row_hi(R / G) : -1;
+  }
+
+  // ---- copies: the same positions in every step ----
+  const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
+  const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
+  const int tile_first = r_lo / TK;
+  const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;
+  const bool has_kv = tid < L::CHUNKS, has_s = tid < 2 * TK;
+  const int ck = tid / CPR, cq = tid % CPR, cs = tid & (TK - 1);  // K/V chunk: token, chunk; scale token
+  const uint8_t* k_base = p.key_cache + kvh * p.kc_stride_head + cq * 16;
+  const uint8_t* v_base = p.value_cache + kvh * p.vc_stride_head + cq * 16;
+  const uint8_t* s_base = (tid < TK ? p.key_scales : p.value_scales) + kvh;
+  const uint32_t raw_s = (uint32_t)__cvta_generic_to_shared(smem);
+  auto tok_of = [&](int i, int j) { return (tile_first + i) * TK + j; };
+  auto needed = [&](int tok) { const int sub = tok & ~15; return sub < r_hi && sub + 16 > r_lo; };
+  auto raw_bid = [&](int tok) {  // the block table entry of tok's block (-1 past the table)
+    const int col = tok >> lbs;
+    return col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
+  };
+  int b_kv = nsteps > 0 ? raw_bid(tok_of(0, ck)) : 0, b_s = nsteps > 0 ? raw_bid(tok_of(0, cs)) : 0;
+  uint32_t st_issue = 0, nib_ring = 0;  // nib_ring: per stage, copied (bit 2) | scale byte (bits 0-1)
+  bool bad = false;
+  auto issue = [&](int i) {
+    const uint32_t st = raw_s + st_issue * L::RAW;
+    const int tkv = tok_of(i, ck), tsc = tok_of(i, cs);
+    if (has_kv && needed(tkv)) {
+      if (b_kv < 0 || b_kv >= p.num_blocks) {
+        bad = true;
+      } else {
+        const int off = tkv & bs_mask;
+        cp_async_16(st + tid * 16, k_base + (long long)b_kv * p.kc_stride_blk + off * ROWB);
+        cp_async_16(st + L::RAW_K + tid * 16, v_base + (long long)b_kv * p.vc_stride_blk + off * ROWB);
+      }
+    }
+    uint32_t nib = 0;
+    if (has_s && needed(tsc)) {
+      if (b_s < 0 || b_s >= p.num_blocks) {
+        bad = true;
+      } else {
+        const uintptr_t a = (uintptr_t)(s_base + (((long long)b_s << lbs) + (tsc & bs_mask)) * Hkv);
+        cp_async_4(st + 2 * L::RAW_K + (tid < TK ? 0 : L::RAW_S) + cs * 4, reinterpret_cast<const void*>(a & ~(uintptr_t)3));
+        nib = 4u | (uint32_t)(a & 3);
+      }
+    }
+    nib_ring = (nib_ring & ~(15u << (4 * st_issue))) | (nib << (4 * st_issue));
+    st_issue = st_issue + 1 == ST ? 0 : st_issue + 1;
+    if (i + 1 < nsteps) {  // the next step's block ids, used one issue later
+      b_kv = raw_bid(tok_of(i + 1, ck));
+      b_s = raw_bid(tok_of(i + 1, cs));
+    }
+  };
+  // the thread decodes what it copied: codes -> fp16 rows; its scale byte (0 where not copied);
+  // the V-scale maximum of the step's visible tokens (warps holding the V words)
+  auto decode = [&](int i) {
+    const int sd = i % ST;
+    const uint8_t* raw = smem + sd * L::RAW;
+    uint8_t* dec = smem + L::OFF_DEC + (i & 1) * L::DEC;
+    if (has_kv) {
+      decode_fp4_chunk(raw + tid * 16, dec + ck * L::DROW, ck, cq);
+      decode_fp4_chunk(raw + L::RAW_K + tid * 16, dec + L::DEC_K + ck * L::DROW, ck, cq);
+    }
+    if (has_s) {
+      const uint32_t nib = (nib_ring >> (4 * sd)) & 15u;
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + 2 * L::RAW_K + (tid < TK ? 0 : L::RAW_S) + cs * 4);
+      const int b = (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0;
+      int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
+      sb[tid] = b;  // K bytes at [0, TK), V bytes at [TK, 2 TK)
+      if (tid >= TK) {
+        const int tok = tok_of(i, cs);
+        const int v = __reduce_max_sync(0xffffffffu, (tok >= r_lo && tok < r_hi && b != 255) ? b : 0);
+        if (lane == 0) sb[2 * TK + ((tid - TK) >> 5)] = v;
+      }
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < ST - 1; ++i) {
+    if (i < nsteps) issue(i);
+    cp_async_commit();
+  }
+
+  // ---- Q: this warp's 16 rows, the transforms in fp32 (D/8 lanes per row), the sink's and
+  //      the cap's per-row terms, a per-warp power-of-two prescale, fp16 A fragments ----
+  constexpr int LPR = D / 8, RPP = 32 / LPR;  // lanes per row, rows per pass
+  float* qraw = reinterpret_cast<float*>(smem + L::OFF_DEC) + warp * 16 * D;  // aliases the decode buffers
+  unsigned amax_bits = 0;
+#pragma unroll 1
+  for (int r0 = 0; r0 < 16; r0 += RPP) {
+    const int r = r0 + lane / LPR, col = (lane % LPR) * 8, R = wrow0 + r;
+    QChunk qc;
+    load_q_chunk<D, false>(p, slot, kvh, col, sink_here, qc);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (R < nrows)
+      v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) + (q0 + R / G) * p.q_stride_tok +
+                                          (kvh * G + R % G) * p.q_stride_head + col);
+    float qv[8];
+    prepare_q8<D, T, false>(p, qc, v, sink_here, col == 0, sinkS + 16 * warp + r, qmS + 16 * warp + r, qv, lane);
+    *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
+    *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) amax_bits = max(amax_bits, __float_as_uint(fabsf(qv[e])));
+  }
+  const int qexp = prescale_exponent(__reduce_max_sync(0xffffffffu, amax_bits));
+  __syncwarp();
+  uint32_t qa[D / 16][4];
+  {
+    const float qmul = pow2i(qexp);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const float* a = qraw + g * D + 16 * ks + 2 * t4;
+      const float* b = a + 8 * D;  // row g + 8
+      qa[ks][0] = pack_f16x2(a[0] * qmul, a[1] * qmul);
+      qa[ks][1] = pack_f16x2(b[0] * qmul, b[1] * qmul);
+      qa[ks][2] = pack_f16x2(a[8] * qmul, a[9] * qmul);
+      qa[ks][3] = pack_f16x2(b[8] * qmul, b[9] * qmul);
+    }
+  }
+  const float qm_row[2] = {cap_state ? qmS[16 * warp + g] : 0.f, cap_state ? qmS[16 * warp + g + 8] : 0.f};
+  // logit = S * 2^(kb - 127) * kmul: kmul folds 2^14 (decode), 2^-qexp, scale and, without a
+  // cap, log2(e) (exp2 domain)
+  const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
+  const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
+  constexpr float SLACK = (float)tuning::RESCALE_SLACK;
+  __syncthreads();  // every warp's Q is in registers: the decode buffers are free
+
+  if (nsteps > 0) {
+    cp_async_wait<ST - 2>();
+    decode(0);
+  }
+  if (ST - 1 < nsteps) issue(ST - 1);
+  cp_async_commit();
+  __syncthreads();
+
+  float acc[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  int VM = 0;
+  const uint32_t dec_s = raw_s + L::OFF_DEC;
+#pragma unroll 1
+  for (int k = 0; k < nsteps; ++k) {
+    const int b = k & 1;
+    const int t0 = (tile_first + k) * TK;
+    const bool wdo = wactive && t0 <= w_hi_max && t0 + TK - 1 >= w_lo_min;  // warp-uniform
+    const uint32_t kdec = dec_s + b * L::DEC, vdec = kdec + L::DEC_K;
+    // ---- S = Q K^T: TK / 8 n-tiles of 8 tokens ----
+    float sacc[TK / 8][4];
+#pragma unroll
+    for (int j = 0; j < TK / 8; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
+    if (wdo) {
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) {
+        const int r = 8 * j + (lane & 7);
+#pragma unroll
+        for (int kk = 0; kk < D / 32; ++kk) {  // two k-steps (32 head-dim elements) per load
+          uint32_t bf[4];
+          ldmatrix_x4(bf, kdec + r * L::DROW + dec_chunk(r, 4 * kk + (lane >> 3)) * 16);
+          mma_m16n8k16_f16(sacc[j], qa[2 * kk], bf[0], bf[1]);
+          mma_m16n8k16_f16(sacc[j], qa[2 * kk + 1], bf[2], bf[3]);
+        }
+      }
+    }
+    // ---- the next step: wait for its codes, decode them, refill the ring ----
+    if (k + 1 < nsteps) {
+      cp_async_wait<ST - 2>();
+      decode(k + 1);
+    }
+    if (k + ST < nsteps) issue(k + ST);
+    cp_async_commit();
+    if (wdo) {
+      const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + b * L::DEC + L::OFF_SB);
+      // ---- logits (exp2 domain): thread holds rows g, g+8 x tokens 8j + 2 t4 + {0, 1} ----
+      float x[TK / 8][4];
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) {
+        const int2 kb = *reinterpret_cast<const int2*>(sb + 8 * j + 2 * t4);
+        const float kf0 = e8m0_to_float((uint32_t)kb.x) * kmul, kf1 = e8m0_to_float((uint32_t)kb.y) * kmul;
+        x[j][0] = sacc[j][0] * kf0;
+        x[j][1] = sacc[j][1] * kf1;
+        x[j][2] = sacc[j][2] * kf0;
+        x[j][3] = sacc[j][3] * kf1;
+      }
+      if (cap) {
+#pragma unroll
+        for (int j = 0; j < TK / 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) x[j][i] = cap_v * tanhf((x[j][i] + qm_row[i >> 1]) * inv_cap) * LOG2E;
+      }
+      const bool need_mask = t0 < w_lo_max || t0 + TK - 1 > w_hi_min || wlast - wrow0 < 15;
+      if (need_mask) {
+#pragma unroll
+        for (int j = 0; j < TK / 8; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int tok = t0 + 8 * j + 2 * t4 + (i & 1);
+            if (tok < rlo[i >> 1] || tok > rhi[i >> 1]) x[j][i] = -INFINITY;
+          }
+      }
+      // ---- online softmax with lazy rescaling (as the general kernel) ----
+      float m_new[2];
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < TK / 8; ++j) mx = fmaxf(mx, fmaxf(x[j][2 * rh], x[j][2 * rh + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        m_new[rh] = fmaxf(m_run[rh], mx);
+      }
+      const int VM_new = max(VM, max(sb[2 * TK], sb[2 * TK + 1]));
+      const bool changed = (m_new[0] > m_run[0] + SLACK) || (m_new[1] > m_run[1] + SLACK) || (VM_new != VM);
+      if (__any_sync(0xffffffffu, changed)) {
+        const float vr = pow2i(VM - VM_new);
+        float f[2];
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const float alpha = (m_new[rh] == -INFINITY) ? 1.f : fast_exp2(m_run[rh] - m_new[rh]);
+          l_run[rh] *= alpha;
+          f[rh] = alpha * vr;
+          m_run[rh] = m_new[rh];
+        }
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          acc[j][0] *= f[0]; acc[j][1] *= f[0]; acc[j][2] *= f[1]; acc[j][3] *= f[1];
+        }
+        VM = VM_new;
+      }
+      const float ms[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
+      // ---- P' = 2^(x - m) * V-scale factor, packed as the A fragments of O += P' V ----
+      uint32_t pa[TK / 16][4];
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) {
+        const int2 vb = *reinterpret_cast<const int2*>(sb + TK + 8 * j + 2 * t4);
+        const float vf0 = vb.x == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.x, VM);
+        const float vf1 = vb.y == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.y, VM);
+        float pv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float pr = fast_exp2(x[j][i] - ms[i >> 1]);
+          l_run[i >> 1] += pr;
+          // a masked token (logit -inf) must not bring its NaN V scale into the row
+          pv[i] = x[j][i] == -INFINITY ? 0.f : pr * ((i & 1) ? vf1 : vf0);
+        }
+        pa[j >> 1][(j & 1) * 2] = pack_f16x2(pv[0], pv[1]);      // row g
+        pa[j >> 1][(j & 1) * 2 + 1] = pack_f16x2(pv[2], pv[3]);  // row g + 8
+      }
+      // ---- O += P' V: TK / 16 k-steps x D / 8 n-tiles ----
+#pragma unroll
+      for (int u = 0; u < TK / 16; ++u) {
+        const int r = 16 * u + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+        for (int n2 = 0; n2 < D / 16; ++n2) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, vdec + r * L::DROW + dec_chunk(r, 2 * n2 + (lane >> 4)) * 16);
+          mma_m16n8k16_f16(acc[2 * n2], pa[u], bf[0], bf[1]);
+          mma_m16n8k16_f16(acc[2 * n2 + 1], pa[u], bf[2], bf[3]);
+        }
+      }
+    }
+    __syncthreads();  // step k's buffer is free; step k + 1's is complete
+  }
+  cp_async_wait<0>();
+
+  // ---- epilogue: per row, O / l, the sink, the un-rotation, the store ----
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], 1);
+    l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], 2);
+  }
+  if (__syncthreads_or(bad)) {  // also: every warp is done with the decode buffers
+    write_const_rows(__int_as_float(0x7fc00000));
+    return;
+  }
+  if (!wactive) return;
+  float* ob = reinterpret_cast<float*>(smem + L::OFF_DEC) + warp * 16 * L::OPITCH;
+  {
+    const float osc = pow2i(VM - 142 + TQ_SLACK + TQ_DEC_EXP);  // undo P's and the decode's powers of two
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      *reinterpret_cast<float2*>(ob + g * L::OPITCH + 8 * j + 2 * t4) = make_float2(acc[j][0] * osc, acc[j][1] * osc);
+      *reinterpret_cast<float2*>(ob + (g + 8) * L::OPITCH + 8 * j + 2 * t4) =
+          make_float2(acc[j][2] * osc, acc[j][3] * osc);
+    }
+    if (t4 == 0) {
+      mS[16 * warp + g] = m_run[0];
+      mS[16 * warp + g + 8] = m_run[1];
+      lS[16 * warp + g] = l_run[0];
+      lS[16 * warp + g + 8] = l_run[1];
+    }
+  }
+  __syncwarp();
+  constexpr int N = D / 4;  // 4 lanes per row, 8 rows per pass
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    const int r = 8 * pass + (lane >> 2), d0 = (lane & 3) * N, R = wrow0 + r;
+    const bool valid = R < nrows;  // rows past the sequence still join the shuffles
+    float M = mS[16 * warp + r], Ls = lS[16 * warp + r];
+    const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
+    float a[N];
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(ob + r * L::OPITCH + d0 + i);
+      a[i] = v.x * inv; a[i + 1] = v.y * inv; a[i + 2] = v.z * inv; a[i + 3] = v.w * inv;
+    }
+    if (sink_here && valid && row_lo(R / G) == 0) {
+      float sv[N];
+      load_sink_value<D>(p, slot, kvh, d0, sv);
+      merge_sink<N>(sink_logit(p, sinkS[16 * warp + r], cap_state ? qmS[16 * warp + r] : 0.f), sv, M, Ls, a);
+    }
+    if (p.rot_signs != nullptr) unrotate_row<N, 4>(p, a, d0, lane);
+    if (!valid) continue;
+    T* o = reinterpret_cast<T*>(p.out) + (q0 + R / G) * p.o_stride_tok + (kvh * G + R % G) * p.o_stride_head + d0;
+#pragma unroll
+    for (int i = 0; i < N; i += 8) {
+      T ov[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ov[e] = from_float<T>(a[i + e]);
+      *reinterpret_cast<uint4*>(o + i) = *reinterpret_cast<uint4*>(ov);
+    }
+  }
+}
+
+// The prefill kernel's launch (torch-free). grid_x = row groups (tuning::use_prefill_kernel).
+template <int D, typename T>
+cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
+  using L = PrefillLayout<D>;
+  auto kern = paged_attention_fp4_prefill_kernel<D, T>;
+  static bool attr_set = false;  // per instantiation
+  if (!attr_set) {
+    const cudaError_t e = set_smem_attributes(kern, L::TOTAL);
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  // CTA x = row group * num_kv_heads + kv head, as the other kernels
+  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, 1), dim3(32 * L::W), L::TOTAL, stream, p);
+}
+
+}  // namespace cuda_fp4
+}  // namespace turboquant
