@@ -39,6 +39,21 @@ def test_help_documents_every_option():
         assert opt in res.stdout
 
 
+def test_bench_from_the_command_line_gives_both_timing_figures(tmp_path):
+    """``python -m turboquant bench --allow-cpu`` as a user types it: the table's chained and
+    single columns, and the same two figures per row in bench.json."""
+    if torch_cuda_available():
+        pytest.skip("--allow-cpu runs on the CPU only where CUDA is absent")
+    res = run("bench", "--allow-cpu", "--quick", "--shapes", "4/2/32", "--batches", "1",
+              "--contexts", "40", "--repeats", "1", "--no-writer", "--no-plot",
+              "--out", str(tmp_path))
+    assert "single_us" in res.stdout and "sdpa_single" in res.stdout
+    row, = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert row["status"] == "ok"
+    for key in ("fp4_us", "fp4_us_single", "sdpa_us", "sdpa_us_single"):
+        assert row[key] > 0
+
+
 def test_backends_lists_reasons():
     rows = json.loads(run("backends", "--json").stdout)
     ref = [r for r in rows if r["name"] == "reference"][0]

@@ -19,23 +19,37 @@ What it measures, in one run (CONTRACT.md section 6):
      ``q: [batch, q_heads, 1, D]``, ``enable_gqa=True`` (or K/V repeated to the query heads
      beforehand where this torch lacks ``enable_gqa``; the row's ``sdpa_gqa`` field says
      which), whatever SDPA kernel torch picks.
-   Timing: CUDA events around a CUDA graph that replays ``calls_per_timing`` calls (default
-   ``--timing graph``, as a server's decode graph; ``eager`` times the same calls launched
-   from Python, launch gaps included; a row whose capture fails is timed eagerly and says
-   so); time per call = event time / calls; the median over ``--repeats`` repetitions.
+   Timing: two figures per call (FP4, SDPA and each ``--peers`` format), each the median over
+   ``--repeats`` timed replays, CUDA events around each replay (``turboquant.bench_timing``):
+   - chained (``fp4_us``, ``sdpa_us``, ``peer_<fmt>_us``): one CUDA graph of
+     ``calls_per_timing`` calls (whole passes over the input sets, at least ``--min-calls``)
+     where call i's query is call i-1's output: two query buffers [batch, q_heads, D] in turn,
+     call i reads buffer i % 2 and writes its output into buffer (i + 1) % 2 (SDPA, which has
+     no ``out=``, reads the tensor its previous call returned); no kernel is added between
+     calls, and call i uses input set i % ``n_sets``. Time per call = replay time / calls:
+     what a model's consecutive layers see. GB/s, % of bandwidth and speedups use it.
+   - single (``fp4_us_single``, ``sdpa_us_single``, ``peer_<fmt>_us_single``): one CUDA graph
+     holding one call per input set, the graphs replayed round-robin (consecutive replays read
+     different sets), each replay timed on its own: one call with its graph launch on the
+     device.
+   Each graph is replayed before it is timed; the timed replays are queued behind a GPU spin,
+   so each starts when the previous one ends and no host launch cost is in a figure.
+   ``--timing eager`` times the same calls launched from Python, host launch gaps included; a
+   figure whose capture fails is timed eagerly and the row's note says so.
    L2: each row builds ``n_sets`` independent input sets (FP4 blocks, block tables, queries,
    dense caches) so that one pass over the sets holds at least ``--l2-multiple`` (default 4)
    times the L2 size of FP4 bytes; consecutive calls use different sets, so small shapes
-   (batch 1 x 1k is about 2 MB of FP4) are measured from HBM, not from L2. SDPA rotates among
-   the same sets (4x the bytes).
+   (batch 1 x 1k is about 2 MB of FP4) are measured from HBM, not from L2. SDPA and the peers
+   rotate among the same sets.
    A row is skipped, and says so, when its dense BF16 cache + FP4 cache + working memory
    would not fit in the GPU's free memory.
    ``rel_err_vs_sdpa`` = ||FP4 out - SDPA out|| / ||SDPA out|| on set 0: the quantization
    error (about 0.1 on random data), a sanity check that the timed kernel computes attention.
 3. The cache writer: ``reshape_and_cache_fp4`` on ``--writer-tokens`` tokens (default 64k) of
-   the first shape's kv heads / head dim, bf16 input, slots in randomly permuted blocks.
+   the first shape's kv heads / head dim, bf16 input, slots in randomly permuted blocks; one
+   CUDA graph of ``--min-calls`` / 2 calls of the same input, time per call = replay / calls.
 
-Byte counting (GB = 1e9 bytes; the same formulas are unit-tested):
+Byte counting (GB = 1e9 bytes; the same formulas are unit-tested, ``turboquant.bench_problems``):
 
 - FP4 attention: K codes + V codes (D/2 bytes each per token per kv head) + K scales +
   V scales (D/group bytes each per token per kv head: 1 with the default one scale per token
@@ -46,42 +60,38 @@ Byte counting (GB = 1e9 bytes; the same formulas are unit-tested):
   written (D/2 per token per kv head, K and V) + scales written (D/group per token per kv
   head, K and V). The slot mapping (8 bytes per token) is not counted.
 
-Outputs under ``--out`` (default ``./bench_out``): ``bench.json`` (everything, with metadata),
-``bench.csv`` (attention rows), ``bench_writer.csv`` (the writer row) and ``bench.png``
-(roofline-style plot: bytes per call vs achieved GB/s, FP4 and SDPA, the measured bandwidth
-as a horizontal line; skipped with a message when matplotlib is not installed).
+Outputs under ``--out`` (default ``./bench_out``, ``turboquant.bench_report``): ``bench.json``
+(everything, with metadata), ``bench.csv`` (attention rows), ``bench_writer.csv`` (the writer
+row) and ``bench.png`` (roofline-style plot: bytes per call vs achieved GB/s, FP4 and SDPA, the
+measured bandwidth as a horizontal line; skipped with a message when matplotlib is not
+installed).
 
 Without CUDA, ``bench`` says it needs a CUDA GPU and returns 2, unless ``--allow-cpu``, which
-runs tiny shapes on the CPU (the ``reference`` backend under ``auto``) with wall-clock timing:
-that exercises the code path only; its numbers are not performance figures.
+runs tiny shapes on the CPU (the ``reference`` backend under ``auto``) with wall-clock timing
+(both figures, each call or chain timed on its own): that exercises the code path only; its
+numbers are not performance figures.
 Return value: 0 when every row ran or was skipped for memory, 1 when a row failed, 2 when
 nothing could run.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import csv
 import datetime
-import json
 import math
-import os
-import platform
-import statistics
 import sys
-import time
-import dataclasses
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
 
 import torch
 
 from . import peers
-from .config import parse_cache_format
+from .bench_problems import (BYTE_COUNTING, Row, build_decode_problem, cache_config,
+                             checks_off, dense_attention_bytes, fp4_attention_bytes,
+                             fp4_steps, row_memory, sdpa_steps, sets_for, state_bytes,
+                             torch_dtype, writer_bytes, writer_state)
+from .bench_report import (ATTENTION_FIELDS, HEADER, WRITER_FIELDS, device_meta,
+                           format_row, format_writer, note_max_observed, write_files)
+from .bench_timing import (GB, GiB, TIMING_FIGURES, kernel_names, measure_bandwidth,
+                           time_calls, time_decode)
 from .rotation import rotation_signs
-
-GB = 1e9
-GiB = 1 << 30
 
 DEFAULT_SHAPES = "32/8/128,64/8/128"
 DEFAULT_BATCHES = "1,16,64,128"
@@ -94,109 +104,6 @@ CPU_BATCHES = "1,2"
 CPU_CONTEXTS = "64,256"
 CPU_QUICK_BATCHES = "1,2"
 CPU_QUICK_CONTEXTS = "64"
-
-ATTENTION_FIELDS = [
-    "shape",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "block_size",
-    "scale_group",
-    "config",
-    "batch",
-    "context",
-    "status",
-    "backend",
-    "timing",
-    "n_sets",
-    "calls_per_timing",
-    "fp4_bytes",
-    "fp4_us",
-    "fp4_GBps",
-    "fp4_pct_bw",
-    "floor_us",
-    "sdpa_bytes",
-    "sdpa_us",
-    "sdpa_GBps",
-    "sdpa_pct_bw",
-    "sdpa_gqa",
-    "speedup",
-    "rel_err_vs_sdpa",
-    "fp4_kernels",
-    "sdpa_kernels",
-    "note",
-] + peers.peer_fields()
-
-WRITER_FIELDS = [
-    "num_tokens",
-    "num_kv_heads",
-    "head_dim",
-    "block_size",
-    "scale_group",
-    "config",
-    "dtype",
-    "status",
-    "backend",
-    "timing",
-    "bytes",
-    "us",
-    "GBps",
-    "pct_bw",
-    "note",
-]
-
-
-# --------------------------------------------------------------------------------------------
-# byte counting (pure functions, unit-tested against hand computation)
-
-
-def _groups(head_dim: int, scale_group: int) -> int:
-    group = scale_group or head_dim
-    if head_dim % group:
-        raise ValueError(f"scale_group: expected a divisor of head_dim {head_dim}, got {group}")
-    return head_dim // group
-
-
-def _key_row_bytes(head_dim: int, key_format: str) -> int:
-    return head_dim if key_format == "fp8_e4m3" else head_dim // 2
-
-
-def fp4_attention_bytes(batch: int, context: int, num_heads: int, num_kv_heads: int,
-                        head_dim: int, scale_group: int = 0, q_elem_bytes: int = 2,
-                        query_len: int = 1, key_format: str = "fp4") -> int:
-    """Bytes a decode call must move: K and V codes + K and V scales + Q read + O written
-    (K8V4, ``key_format="fp8_e4m3"``: D key bytes per token and head instead of D/2)."""
-    tokens = batch * context
-    codes = tokens * num_kv_heads * (_key_row_bytes(head_dim, key_format) + head_dim // 2)
-    scales = 2 * tokens * num_kv_heads * _groups(head_dim, scale_group)
-    q = batch * query_len * num_heads * head_dim * q_elem_bytes
-    return codes + scales + 2 * q
-
-
-def dense_attention_bytes(batch: int, context: int, num_heads: int, num_kv_heads: int,
-                          head_dim: int, elem_bytes: int = 2, query_len: int = 1) -> int:
-    """Bytes SDPA on a dense cache must move: K + V + Q read + O written."""
-    kv = 2 * batch * context * num_kv_heads * head_dim * elem_bytes
-    q = batch * query_len * num_heads * head_dim * elem_bytes
-    return kv + 2 * q
-
-
-def writer_bytes(num_tokens: int, num_kv_heads: int, head_dim: int, scale_group: int = 0,
-                 in_elem_bytes: int = 2, key_format: str = "fp4") -> int:
-    """Bytes the cache writer must move: K + V input read + codes + scales written."""
-    read = 2 * num_tokens * num_kv_heads * head_dim * in_elem_bytes
-    codes = num_tokens * num_kv_heads * (_key_row_bytes(head_dim, key_format) + head_dim // 2)
-    scales = 2 * num_tokens * num_kv_heads * _groups(head_dim, scale_group)
-    return read + codes + scales
-
-
-def fp4_cache_bytes(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                    scale_group: int = 0, key_format: str = "fp4") -> int:
-    """Bytes allocated for the K+V codes and K+V scales of ``num_blocks`` blocks."""
-    per_token = num_kv_heads * (_key_row_bytes(head_dim, key_format) + head_dim // 2
-                                + 2 * _groups(head_dim, scale_group))
-    return num_blocks * block_size * per_token
-
 
 # --------------------------------------------------------------------------------------------
 # argument parsing
@@ -292,14 +199,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     t = parser.add_argument_group("timing")
     t.add_argument("--repeats", type=int, default=None,
-                   help="timed repetitions per measurement, the median is reported "
-                        "(default 20; --quick 10; CPU 3)")
+                   help="timed replays per figure (single and chained), the median is "
+                        "reported (default 20; --quick 10; CPU 3)")
     t.add_argument("--warmup", type=int, default=3, help="untimed repetitions first (3)")
     t.add_argument("--timing", choices=["graph", "eager"], default="graph",
                    help="graph: CUDA-graph replay, launch overhead excluded as in a server's "
                         "decode graph (default); eager: Python launches")
     t.add_argument("--min-calls", type=int, default=10,
-                   help="at least this many calls per timed repetition (10)")
+                   help="at least this many calls per chained replay (10)")
     t.add_argument("--l2-multiple", type=float, default=4.0,
                    help="rotate among input sets whose FP4 bytes total >= this many L2 "
                         "sizes (4)")
@@ -317,248 +224,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------------------------
-# timing
-
-
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_calls(calls: Sequence[Callable[[], object]], device: torch.device, repeats: int,
-               warmup: int, timing: str, min_calls: int) -> tuple:
-    """Median time of one call, in microseconds.
-
-    ``calls`` holds one closure per input set; a timed repetition runs them round-robin,
-    whole passes over the sets, at least ``min_calls`` calls.
-    Returns ``(us_per_call, timing_used, calls_per_repetition, note)``.
-    """
-    passes = max(1, math.ceil(min_calls / len(calls)))
-    seq = list(calls) * passes
-    n = len(seq)
-    note = ""
-    repeats = max(1, repeats)
-
-    def run_all():
-        for f in seq:
-            f()
-
-    if device.type != "cuda":
-        for _ in range(max(1, warmup)):
-            run_all()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run_all()
-            times.append((time.perf_counter() - t0) / n * 1e6)
-        return _median(times), "wall", n, note
-
-    # warm-up on a side stream (what graph capture wants; harmless for eager timing)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(max(1, warmup)):
-            run_all()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-
-    graph = None
-    if timing == "graph":
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run_all()
-            torch.cuda.synchronize(device)
-        except Exception as exc:  # capture failed: time eagerly and say why
-            graph = None
-            msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
-            note = f"graph capture failed ({type(exc).__name__}: {msg}), timed eager"
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize(device)
-    used = "graph" if graph is not None else "eager"
-    step = graph.replay if graph is not None else run_all
-
-    for _ in range(max(1, warmup)):
-        step()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    for i in range(repeats):
-        starts[i].record()
-        step()
-        ends[i].record()
-    torch.cuda.synchronize(device)
-    times = [s.elapsed_time(e) * 1e3 / n for s, e in zip(starts, ends)]
-    del graph
-    return _median(times), used, n, note
-
-
-def kernel_names(fn: Callable[[], object], device: torch.device, top: int = 2) -> str:
-    """The device kernels one call of ``fn`` runs, longest first (torch.profiler), so a row
-    says which kernel was timed (e.g. which SDPA kernel torch picked). '' if unavailable."""
-    if device.type != "cuda":
-        return ""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        import warnings
-
-        fn()
-        torch.cuda.synchronize(device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize(device)
-        kernels = []
-        for e in prof.key_averages():
-            if not str(getattr(e, "device_type", "")).endswith("CUDA"):
-                continue
-            t = (getattr(e, "self_device_time_total", None)
-                 or getattr(e, "self_cuda_time_total", 0) or 0)
-            kernels.append((t, e.key))
-        kernels.sort(reverse=True)
-        return " | ".join(k[:80] for _t, k in kernels[:top])
-    except Exception as exc:  # diagnostic only
-        return f"(profiler failed: {type(exc).__name__})"
-
-
-_TRITON_READ = None
-
-
-def _triton_read_kernel():
-    """A streaming read kernel (Triton): each program sums ``ITERS`` contiguous tiles of
-    ``BLOCK`` float32 elements and writes one partial sum. None where Triton is missing."""
-    global _TRITON_READ
-    if _TRITON_READ is None:
-        try:
-            import triton
-            import triton.language as tl
-
-            @triton.jit
-            def _read(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-                pid = tl.program_id(0).to(tl.int64)
-                acc = tl.zeros([BLOCK], dtype=tl.float32)
-                base = pid * BLOCK * ITERS
-                for i in range(ITERS):
-                    offs = base + i * BLOCK + tl.arange(0, BLOCK)
-                    acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-                tl.store(out_ptr + pid, tl.sum(acc, axis=0))
-
-            _TRITON_READ = _read
-        except Exception:  # no Triton: the method is skipped
-            _TRITON_READ = False
-    return _TRITON_READ or None
-
-
-def triton_read_sum(buf: torch.Tensor, block: int = 2048, iters: int = 16) -> torch.Tensor:
-    """Sum of a flat float32 tensor through the Triton read kernel (partial sums, then torch)."""
-    kernel = _triton_read_kernel()
-    if kernel is None:
-        raise RuntimeError("triton is not available")
-    n = buf.numel()
-    programs = -(-n // (block * iters))
-    partial = torch.empty(programs, dtype=torch.float32, device=buf.device)
-    kernel[(programs,)](buf, partial, n, BLOCK=block, ITERS=iters, num_warps=8)
-    return partial
-
-
-def measure_bandwidth(device: torch.device, nbytes: int, repeats: int, warmup: int = 3) -> dict:
-    """HBM read bandwidth, the best of several read-only kernels over one buffer (default
-    4 GiB, >> L2), each the median of ``repeats`` timings with CUDA events:
-
-    - ``sum``: ``torch.sum`` over the float32 buffer;
-    - ``gemv``: ``torch.mv`` of the buffer viewed as a bf16 [rows, 4096] matrix (cuBLAS; the
-      vector and result, < 0.1% of the bytes, are not counted);
-    - ``triton``: a Triton streaming-read kernel (on a GPU, where Triton is installed).
-
-    Bytes = the buffer's size. The reference figure is the largest of these (no kernel reads
-    faster than the memory can deliver, so the largest is the tightest lower bound of the
-    true read bandwidth). A device-to-device copy (bytes = read + written) is measured too and
-    reported for context only."""
-    numel = max(1, nbytes // 4)
-    # random bf16 pairs: finite both as float32 (the sum) and as bf16 (the gemv); never zeros
-    buf = torch.rand(2 * numel, dtype=torch.bfloat16, device=device).view(torch.float32)
-    nbytes = numel * 4
-    result = {"buffer_bytes": nbytes, "repeats": repeats, "methods": {}}
-
-    def timed(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        _sync(device)
-        ts = []
-        for _ in range(max(1, repeats)):
-            if device.type == "cuda":
-                s = torch.cuda.Event(enable_timing=True)
-                e = torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        return _median(ts)
-
-    methods = result["methods"]
-    t = timed(lambda: buf.sum())
-    methods["sum"] = {"GBps": nbytes / t / GB, "s": t,
-                      "what": f"torch.sum over {nbytes / GiB:.2f} GiB float32, bytes = buffer"}
-    cols = 4096
-    rows = nbytes // 2 // cols
-    if rows:
-        try:
-            mat = buf.view(torch.bfloat16)[:rows * cols].view(rows, cols)
-            vec = torch.rand(cols, dtype=torch.bfloat16, device=device)
-            mbytes = rows * cols * 2
-            t = timed(lambda: torch.mv(mat, vec))
-            methods["gemv"] = {"GBps": mbytes / t / GB, "s": t,
-                               "what": f"torch.mv bf16 [{rows}, {cols}] matrix, bytes = matrix"}
-            del mat, vec
-        except Exception as exc:
-            methods["gemv"] = {"GBps": float("nan"), "what": f"failed: {type(exc).__name__}"}
-    if device.type == "cuda":
-        try:
-            small = buf[:min(numel, 1 << 22)]
-            ref = float(small.double().sum())
-            got = float(triton_read_sum(small).double().sum())
-            if not abs(got - ref) <= 1e-4 * abs(ref) + 1.0:
-                raise RuntimeError(f"triton read kernel gave a wrong sum ({got} vs {ref})")
-            t = timed(lambda: triton_read_sum(buf))
-            methods["triton"] = {"GBps": nbytes / t / GB, "s": t,
-                                 "what": "Triton streaming sum (2048 x 16 floats per program), "
-                                         "bytes = buffer"}
-        except Exception as exc:
-            methods["triton"] = {"GBps": float("nan"),
-                                 "what": f"skipped: {type(exc).__name__}: {str(exc)[:80]}"}
-    try:
-        dst = torch.empty_like(buf)
-        t_copy = timed(lambda: dst.copy_(buf))
-        result["copy_s"] = t_copy
-        result["copy_GBps"] = 2 * nbytes / t_copy / GB
-        result["copy_method"] = f"copy of {nbytes / GiB:.2f} GiB, bytes = read + written"
-        del dst
-    except torch.OutOfMemoryError:
-        result["copy_GBps"] = float("nan")
-        result["copy_method"] = "skipped: out of memory"
-    del buf
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    finite = {k: v["GBps"] for k, v in methods.items() if math.isfinite(v["GBps"])}
-    best = max(finite, key=finite.get)
-    result["read_GBps"] = finite[best]
-    result["read_method"] = f"best read-only kernel: {best} ({methods[best]['what']})"
-    result["reference_GBps"] = result["read_GBps"]
-    result["reference"] = "read:" + best
-    return result
-
-
-# --------------------------------------------------------------------------------------------
 # the API
 
 
@@ -566,11 +231,6 @@ def _api():
     import turboquant as tq  # lazy: turboquant.cli imports this module
 
     return tq
-
-
-def checks_off(tq):
-    """``turboquant.value_checks(False)`` for the duration, restoring the previous setting."""
-    return tq.value_checks(False)
 
 
 def _backend_status(tq) -> list:
@@ -591,23 +251,6 @@ def _select(kind: str, requested: str, *call_args, **kwargs) -> str:
     return registry.select(requested, kind, call).name
 
 
-# --------------------------------------------------------------------------------------------
-# one attention row
-
-
-@dataclass
-class Row:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    batch: int
-    context: int
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
-
-
 def _sdpa_has_gqa(device: torch.device, dtype: torch.dtype) -> bool:
     q = torch.randn(1, 4, 1, 16, device=device, dtype=dtype)
     k = torch.randn(1, 2, 8, 16, device=device, dtype=dtype)
@@ -618,86 +261,22 @@ def _sdpa_has_gqa(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def row_memory(row: Row, n_sets: int, block_size: int, scale_group: int, elem: int,
-               sdpa: bool, gqa: bool, chunk_bytes: int, key_format: str = "fp4") -> int:
-    """Device bytes a row needs: FP4 cache, dense cache, Q/O, block tables, work space."""
-    nblk = math.ceil(row.context / block_size)
-    fp4 = fp4_cache_bytes(n_sets * row.batch * nblk, row.num_kv_heads, block_size,
-                          row.head_dim, scale_group, key_format)
-    dense = 2 * n_sets * row.batch * row.num_kv_heads * row.context * row.head_dim * elem
-    if sdpa and not gqa:  # the repeated copy exists next to the kv-head cache for a moment
-        dense += dense * row.num_heads // row.num_kv_heads
-    qo = 4 * n_sets * row.batch * row.num_heads * row.head_dim * elem
-    tables = n_sets * row.batch * nblk * 4
-    work = 3 * chunk_bytes + 256 * 2**20  # writer chunk copies + slots, kernel workspaces
-    return fp4 + dense + qo + tables + work
-
-
-def _sets_for(row: Row, args, l2_bytes: int, key_format: str = "fp4") -> int:
-    nblk = math.ceil(row.context / args.block_size)
-    set_fp4 = fp4_cache_bytes(row.batch * nblk, row.num_kv_heads, args.block_size,
-                              row.head_dim, args.scale_group, key_format)
-    if not l2_bytes:
-        return 1
-    return max(1, math.ceil(args.l2_multiple * l2_bytes / set_fp4))
-
-
-def _config(name: str, args) -> tuple:
-    """The cache format ``name`` (a QuantConfig name, or ``k8v4[/NAME]``) with the bench's
-    scale group -> (QuantConfig, key_format)."""
-    config, key_format = parse_cache_format(name)
-    if key_format == "fp8_e4m3" and args.scale_group:
-        raise ValueError(f"--configs {name}: K8V4 has one scale per (token, head); drop "
-                         f"--scale-group {args.scale_group}")
-    return dataclasses.replace(config, scale_group=args.scale_group or None), key_format
-
-
-def state_bytes(batch: int, num_kv_heads: int, head_dim: int, config) -> int:
-    """What the reader takes from the state records: lam (and the sink's key and value), fp32."""
-    if not config.uses_state:
-        return 0
-    return batch * num_kv_heads * head_dim * 4 * (1 + 2 * config.sink)
-
-
-def fill_cache(tq, cache, config, dense_k: torch.Tensor, dense_v: torch.Tensor,
-               tables: torch.Tensor, block_size: int, chunk_bytes: int):
-    """Write the dense K/V [num_seqs, Hkv, L, D] into ``cache`` through ``tables``
-    [num_seqs, L / block_size] with the "auto" writer, a chunk of sequences at a time; sequence i
-    keeps its state record (if ``config`` has one) in slot i. -> the state tensor or None."""
-    nseq, hkv, length, d = dense_k.shape
-    device = dense_k.device
-    per_seq = 2 * length * hkv * d * dense_k.element_size()
-    spc = max(1, chunk_bytes // per_seq)
-    pos = torch.arange(length, device=device)
-    state = tq.allocate_state(nseq, hkv, d, device) if config.uses_state else None
-    with checks_off(tq):
-        for i0 in range(0, nseq, spc):
-            i1 = min(nseq, i0 + spc)
-            k = dense_k[i0:i1].permute(0, 2, 1, 3).reshape(-1, hkv, d)
-            v = dense_v[i0:i1].permute(0, 2, 1, 3).reshape(-1, hkv, d)
-            slots = (tables[i0:i1][:, pos // block_size].long() * block_size
-                     + pos % block_size).reshape(-1)
-            extra = {}
-            if state is not None:
-                ids = torch.arange(i0, i1, device=device, dtype=torch.int32)
-                extra = dict(seq_state=state, state_ids=ids.repeat_interleave(length),
-                             positions=pos.repeat(i1 - i0))
-            tq.reshape_and_cache_fp4(k, v, *cache, slots, config=config, **extra)
-            del k, v, slots, extra
-    _sync(device)
-    return state
+# --------------------------------------------------------------------------------------------
+# one attention row
 
 
 def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: int,
             gqa: bool, config_name: str = "default") -> dict:
-    config, key_format = _config(config_name, args)
-    dtype = _dtype(args.dtype)
+    """One attention row: FP4 (and the ``--peers``, and SDPA unless ``--no-sdpa``) timed single
+    and chained over ``n_sets`` input sets (module docstring), GB/s and % of ``bw_ref`` from the
+    chained times, the FP4 output of set 0 checked against SDPA's."""
+    config, key_format = cache_config(config_name, args)
+    dtype = torch_dtype(args.dtype)
     elem = torch.finfo(dtype).bits // 8
     bs = args.block_size
     hq, hkv, d = row.num_heads, row.num_kv_heads, row.head_dim
     B, L = row.batch, row.context
     group = args.scale_group or d
-    nblk = math.ceil(L / bs)
     fp4_bytes = (fp4_attention_bytes(B, L, hq, hkv, d, args.scale_group, elem,
                                      key_format=key_format)
                  + state_bytes(B, hkv, d, config))
@@ -711,7 +290,7 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
                floor_us=fp4_bytes / (bw_ref * GB) * 1e6 if bw_ref > 0 else "",
                sdpa_gqa="" if args.no_sdpa else ("enable_gqa" if gqa else "repeated"))
 
-    n_sets = _sets_for(row, args, l2_bytes, key_format)
+    n_sets = sets_for(row, args, l2_bytes, key_format)
     chunk_bytes = 512 * 2**20
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -729,57 +308,29 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
             return rec
     rec["n_sets"] = n_sets
 
-    gen = torch.Generator(device=device)
-    gen.manual_seed(args.seed * 1000003 + hq * 7919 + B * 131 + L)
-    nseq = n_sets * B
-    total_blocks = nseq * nblk
-    # dense cache (the SDPA baseline and the source of the FP4 cache): [n_sets*B, Hkv, L, D]
-    dense_k = torch.randn(nseq, hkv, L, d, device=device, dtype=dtype, generator=gen)
-    dense_v = torch.randn(nseq, hkv, L, d, device=device, dtype=dtype, generator=gen)
-    query = torch.randn(n_sets, B, hq, d, device=device, dtype=dtype, generator=gen)
-    out = torch.empty_like(query)
+    p = build_decode_problem(tq, row, n_sets, config, key_format, dtype, bs, args.scale_group,
+                             args.seed, device, chunk_bytes)
+    rec["backend"] = _select("attention", args.backend, p.query[0], *p.cache,
+                             p.block_tables[0], p.seq_lens, p.scale, max_seq_len=L,
+                             **p.set_kwargs[0])
 
-    cache = tq.allocate_cache(total_blocks, hkv, bs, d, scale_group=args.scale_group or None,
-                              device=device, key_format=key_format)
-    perm = torch.randperm(total_blocks, device=device, generator=gen).to(torch.int32)
-    block_tables = perm.view(n_sets, B, nblk)
-    seq_lens = torch.full((B,), L, device=device, dtype=torch.int32)
-    scale = 1.0 / math.sqrt(d)
+    def timed(steps, queries, outs):
+        return time_decode(steps, queries, outs, device, args.repeats, args.warmup,
+                           args.timing, args.min_calls)
 
-    state = fill_cache(tq, cache, config, dense_k, dense_v, block_tables.view(nseq, nblk), bs,
-                       chunk_bytes)
-
-    def attn_kwargs(s):
-        if state is None:
-            return {"config": config}
-        return {"config": config, "seq_state": state,
-                "state_ids": torch.arange(s * B, (s + 1) * B, device=device, dtype=torch.int32)}
-
-    set_kwargs = [attn_kwargs(s) for s in range(n_sets)]
-    rec["backend"] = _select("attention", args.backend, query[0], *cache, block_tables[0],
-                             seq_lens, scale, max_seq_len=L, **set_kwargs[0])
-
-    def fp4_call(s):
-        q, o, bt, kw = query[s], out[s], block_tables[s], set_kwargs[s]
-
-        def f():
-            tq.paged_attention_fp4(q, *cache, bt, seq_lens, scale, out=o,
-                                   backend=args.backend, max_seq_len=L, **kw)
-        return f
-
+    fp4 = fp4_steps(tq, p, args.backend, L)
     notes = []
     with checks_off(tq):
-        fp4_us, used, ncalls, note = time_calls([fp4_call(s) for s in range(n_sets)], device,
-                                                args.repeats, args.warmup, args.timing,
-                                                args.min_calls)
-    if note:
-        notes.append("fp4: " + note)
-    rec.update(timing=used, calls_per_timing=ncalls, fp4_us=fp4_us,
-               fp4_GBps=fp4_bytes / (fp4_us * 1e-6) / GB)
+        t = timed(fp4, p.query, p.out)
+    if t.note:
+        notes.append("fp4: " + t.note)
+    fp4_us = t.chained_us
+    rec.update(timing=t.timing, calls_per_timing=t.chain_calls, fp4_us=fp4_us,
+               fp4_us_single=t.single_us, fp4_GBps=fp4_bytes / (fp4_us * 1e-6) / GB)
     rec["fp4_pct_bw"] = 100.0 * rec["fp4_GBps"] / bw_ref if bw_ref > 0 else ""
     if not args.no_kernel_names:
         with checks_off(tq):
-            rec["fp4_kernels"] = kernel_names(fp4_call(0), device)
+            rec["fp4_kernels"] = kernel_names(lambda: fp4[0](p.query[0], p.out[0]), device)
 
     if getattr(args, "peers", False) and device.type == "cuda":
         why = peers.flashinfer_unavailable()
@@ -787,55 +338,37 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
             rec["peer_note"] = why
         else:
             with checks_off(tq):
-                rec.update(peers.time_peers(
-                    lambda calls: time_calls(calls, device, args.repeats, args.warmup,
-                                             args.timing, args.min_calls),
-                    dense_k, dense_v, query, block_tables, seq_lens, bs, scale,
-                    2 * B * hq * d * elem))
+                rec.update(peers.time_peers(timed, p.dense_k, p.dense_v, p.query,
+                                            p.block_tables, p.seq_lens, bs, p.scale,
+                                            2 * B * hq * d * elem))
             peers.finish(rec, fp4_us, bw_ref, GB)
 
     if not args.no_sdpa:
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        if gqa:
-            ks, vs = dense_k, dense_v
-            kw = {"enable_gqa": True}
-        else:  # older torch: materialise the GQA repeat outside the timing
-            ks = dense_k.repeat_interleave(hq // hkv, dim=1)
-            vs = dense_v.repeat_interleave(hq // hkv, dim=1)
-            kw = {}
-        del dense_k, dense_v
-
-        def sdpa_call(s):
-            q4 = query[s].unsqueeze(2)  # [B, Hq, 1, D]
-            k4, v4 = ks[s * B:(s + 1) * B], vs[s * B:(s + 1) * B]
-
-            def f():
-                return sdpa(q4, k4, v4, scale=scale, **kw)
-            return f
-
+        sdpa = sdpa_steps(p, gqa)
+        p.dense_k = p.dense_v = None  # where K/V were repeated, only the copy is kept
+        q4 = [p.query[s].unsqueeze(2) for s in range(n_sets)]  # [B, Hq, 1, D]
         try:
-            sdpa_us, used_s, _n, note = time_calls([sdpa_call(s) for s in range(n_sets)],
-                                                   device, args.repeats, args.warmup,
-                                                   args.timing, args.min_calls)
+            ts = timed(sdpa, q4, None)
         except (RuntimeError, torch.OutOfMemoryError) as exc:  # the baseline alone failed
             notes.append(f"SDPA failed: {type(exc).__name__}: {str(exc).strip()[:160]}")
             rec.update(status="ok", note="; ".join(notes), sdpa_gqa="")
             return rec
-        if note:
-            notes.append("sdpa: " + note)
-        if used_s != used:
-            notes.append(f"sdpa timed {used_s}")
-        rec.update(sdpa_us=sdpa_us, sdpa_GBps=sdpa_bytes / (sdpa_us * 1e-6) / GB,
-                   speedup=sdpa_us / fp4_us)
+        if ts.note:
+            notes.append("sdpa: " + ts.note)
+        if ts.timing != t.timing:
+            notes.append(f"sdpa timed {ts.timing}")
+        rec.update(sdpa_us=ts.chained_us, sdpa_us_single=ts.single_us,
+                   sdpa_GBps=sdpa_bytes / (ts.chained_us * 1e-6) / GB,
+                   speedup=ts.chained_us / fp4_us)
         rec["sdpa_pct_bw"] = 100.0 * rec["sdpa_GBps"] / bw_ref if bw_ref > 0 else ""
         if not args.no_kernel_names:
-            rec["sdpa_kernels"] = kernel_names(sdpa_call(0), device)
+            rec["sdpa_kernels"] = kernel_names(lambda: sdpa[0](q4[0], None), device)
         # sanity: FP4 output of set 0 against SDPA on the unquantized cache
-        out[0].fill_(float("nan"))
+        p.out[0].fill_(float("nan"))
         with checks_off(tq):
-            fp4_call(0)()
-        ref = sdpa_call(0)().squeeze(2).float()
-        got = out[0].float()
+            fp4[0](p.query[0], p.out[0])
+        ref = sdpa[0](q4[0], None).squeeze(2).float()
+        got = p.out[0].float()
         err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
         rec["rel_err_vs_sdpa"] = err
         if not math.isfinite(err) or err > 0.5:
@@ -844,30 +377,11 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     rec["note"] = "; ".join(notes)
     return rec
 
-
-def writer_state(tq, key, value, cache, slots, config, sequences: int = 64) -> dict:
-    """For a writer timed in its steady state: the tokens of ``key``/``value`` [T, Hkv, D]
-    belong to ``sequences`` equal runs whose state records (if ``config`` keeps them) are filled
-    by one first write, untimed; -> the ``seq_state``/``state_ids`` arguments of the timed
-    writes (no positions: no record is filled again), or {}."""
-    if not config.uses_state:
-        return {}
-    T, hkv, d = key.shape
-    state = tq.allocate_state(sequences, hkv, d, key.device)
-    pos = torch.arange(T, device=key.device)
-    ids = (pos * sequences // T).to(torch.int32)
-    first = (ids.long() * T + sequences - 1) // sequences  # each run's first token
-    with checks_off(tq):
-        tq.reshape_and_cache_fp4(key, value, *cache, slots, config=config, seq_state=state,
-                                 state_ids=ids, positions=pos - first)
-    return dict(seq_state=state, state_ids=ids)
-
-
 def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
                config_name: str = "default") -> dict:
     _hq, hkv, d = shape
-    config, key_format = _config(config_name, args)
-    dtype = _dtype(args.dtype)
+    config, key_format = cache_config(config_name, args)
+    dtype = torch_dtype(args.dtype)
     elem = torch.finfo(dtype).bits // 8
     bs = args.block_size
     group = args.scale_group or d
@@ -914,141 +428,7 @@ def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
 
 
 # --------------------------------------------------------------------------------------------
-# printing and files
-
-
-def _fmt(v, spec: str) -> str:
-    if v == "" or v is None:
-        return "-"
-    try:
-        return format(v, spec)
-    except (TypeError, ValueError):
-        return str(v)
-
-
-HEADER = (f"{'shape':>9} {'batch':>5} {'ctx':>6} {'sets':>4} {'fp4_us':>8} {'fp4_GB/s':>8} "
-          f"{'%bw':>5} {'floor_us':>8} {'sdpa_us':>8} {'sdpa_GB/s':>9} {'%bw':>5} "
-          f"{'speedup':>7} {'rel_err':>7} backend config")
-
-
-def format_row(r: dict) -> str:
-    if r.get("status") != "ok":
-        return (f"{r['shape']:>9} {r['batch']:>5} {r['context']:>6}  "
-                f"{r.get('status')}: {r.get('note', '')}")
-    line = (f"{r['shape']:>9} {r['batch']:>5} {r['context']:>6} {r['n_sets']:>4} "
-            f"{_fmt(r['fp4_us'], '8.1f'):>8} {_fmt(r['fp4_GBps'], '8.0f'):>8} "
-            f"{_fmt(r['fp4_pct_bw'], '5.1f'):>5} {_fmt(r['floor_us'], '8.1f'):>8} "
-            f"{_fmt(r['sdpa_us'], '8.1f'):>8} {_fmt(r['sdpa_GBps'], '9.0f'):>9} "
-            f"{_fmt(r['sdpa_pct_bw'], '5.1f'):>5} {_fmt(r['speedup'], '7.2f'):>7} "
-            f"{_fmt(r['rel_err_vs_sdpa'], '7.3f'):>7} {r.get('backend', '')}/{r['timing']}"
-            f" {r.get('config', '')}")
-    if r.get("note"):
-        line += "  # " + r["note"]
-    return line
-
-
-def format_writer(w: dict) -> str:
-    if w.get("status") != "ok":
-        return f"cache writer: {w.get('status')}: {w.get('note', '')}"
-    return (f"cache writer ({w['backend']}/{w['timing']}, {w['config']}): {w['num_tokens']} tokens x "
-            f"{w['num_kv_heads']} kv heads x D {w['head_dim']} {w['dtype']}: {w['us']:.1f} us, "
-            f"{w['GBps']:.0f} GB/s, {_fmt(w['pct_bw'], '.1f')}% of measured read bandwidth "
-            f"(bytes {w['bytes']} = input read + codes + scales written)"
-            + (f"  # {w['note']}" if w.get("note") else ""))
-
-
-def write_csv(path: str, rows: list, fields: list) -> None:
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
-
-
-def write_plot(path: str, rows: list, bandwidth: dict, title: str) -> Optional[str]:
-    """Roofline-style plot; returns None when written, else why not."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return ("matplotlib is not installed: bench.png not written (pip install matplotlib; "
-                "bench.json and bench.csv hold every number)")
-    ok = [r for r in rows if r.get("status") == "ok"]
-    if not ok:
-        return "no completed rows: bench.png not written"
-    fig, ax = plt.subplots(figsize=(9, 6))
-    shapes = sorted({r["shape"] for r in ok})
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, shp in enumerate(shapes):
-        rs = [r for r in ok if r["shape"] == shp]
-        c = colors[i % len(colors)]
-        ax.scatter([r["fp4_bytes"] for r in rs], [r["fp4_GBps"] for r in rs], color=c,
-                   marker="o", label=f"FP4 paged {shp}")
-        rs2 = [r for r in rs if r.get("sdpa_GBps") not in ("", None)]
-        if rs2:
-            ax.scatter([r["sdpa_bytes"] for r in rs2], [r["sdpa_GBps"] for r in rs2], color=c,
-                       marker="x", label=f"SDPA dense BF16 {shp}")
-    bw = bandwidth.get("read_GBps")
-    if bw:
-        ax.axhline(bw, color="k", linestyle="-", linewidth=1,
-                   label=f"measured HBM read {bw:.0f} GB/s")
-    cbw = bandwidth.get("copy_GBps")
-    if cbw and math.isfinite(cbw):
-        ax.axhline(cbw, color="gray", linestyle="--", linewidth=1,
-                   label=f"measured copy (read+write) {cbw:.0f} GB/s")
-    ax.set_xscale("log")
-    ax.set_xlabel("bytes moved per call (K/V + scales + Q + O)")
-    ax.set_ylabel("achieved GB/s (1e9 B/s)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
-
-
-# --------------------------------------------------------------------------------------------
 # entry point
-
-
-def _device_meta(device: torch.device) -> dict:
-    meta = {"device": str(device), "torch": torch.__version__,
-            "python": platform.python_version()}
-    if device.type == "cuda":
-        p = torch.cuda.get_device_properties(device)
-        meta.update(name=p.name, sm=f"{p.major}.{p.minor}",
-                    multiprocessors=p.multi_processor_count, memory_bytes=p.total_memory,
-                    l2_bytes=int(getattr(p, "L2_cache_size", 0) or 50 * 2**20),
-                    cuda=torch.version.cuda)
-    else:
-        meta.update(name=platform.processor() or platform.machine(), l2_bytes=0)
-    return meta
-
-
-def note_max_observed(rows: list, bandwidth: dict) -> str:
-    """A kernel that reads faster than the read-only kernels (cuDNN SDPA did, by 2-3%, on an
-    H100) shows the memory delivers at least that: record the highest rate any row reached
-    in ``bandwidth['max_observed_GBps']`` and return a note with the FP4 rows' share of it
-    ('' when no row beat the read figure)."""
-    bw = bandwidth["reference_GBps"]
-    ok = [r for r in rows if r.get("status") == "ok"]
-    observed = [(r.get(k), k[:-5], r) for r in ok for k in ("sdpa_GBps", "fp4_GBps")]
-    observed = [o for o in observed if isinstance(o[0], float) and math.isfinite(o[0])]
-    if not observed:
-        return ""
-    top, kind, r = max(observed, key=lambda o: o[0])
-    bandwidth["max_observed_GBps"] = max(top, bw)
-    if top <= bw:
-        return ""
-    bandwidth["max_observed_by"] = f"{kind} {r['shape']} batch {r['batch']} context {r['context']}"
-    shares = ", ".join(f"{100 * x['fp4_GBps'] / top:.0f}" for x in ok)
-    return (f"note: {bandwidth['max_observed_by']} read at {top:.0f} GB/s, "
-            f"{100 * top / bw:.1f}% of the read-kernel figure, so the memory delivers at least "
-            f"that; the FP4 rows reach {shares}% of it")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -1074,7 +454,7 @@ def main(args: argparse.Namespace) -> int:
             QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS))
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
         for c in configs:
-            _config(c, args)
+            cache_config(c, args)
         multi_rows = bench_multitoken.parse_multi(args.multi_token)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         print(f"turboquant bench: {exc}", file=sys.stderr)
@@ -1101,14 +481,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     torch.manual_seed(args.seed)
-    meta = _device_meta(device)
+    meta = device_meta(device)
     status = _backend_status(tq)
     meta.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 argv=sys.argv, backend_requested=args.backend, backends=status,
                 timing=args.timing, repeats=args.repeats, warmup=args.warmup,
                 min_calls=args.min_calls, l2_multiple=args.l2_multiple, dtype=args.dtype,
                 block_size=args.block_size, scale_group=args.scale_group or "head_dim",
-                turboquant=getattr(tq, "__version__", ""))
+                turboquant=getattr(tq, "__version__", ""), timing_figures=TIMING_FIGURES)
     l2 = 0 if on_cpu else meta.get("l2_bytes", 0)
 
     timing = "wall clock" if on_cpu else args.timing
@@ -1133,8 +513,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"L2 {l2 / 2**20:.0f} MiB: each row rotates among 'sets' input sets holding >= "
               f"{args.l2_multiple:g} x L2 of FP4 bytes (SDPA rotates among the same sets)",
               flush=True)
+    print("fp4_us, sdpa_us: per call of a chain (call i's query = call i-1's output; GB/s, %bw "
+          "and speedup from these); single_us, sdpa_single: one call alone", flush=True)
 
-    gqa = _sdpa_has_gqa(device, _dtype(args.dtype)) if not args.no_sdpa else True
+    gqa = _sdpa_has_gqa(device, torch_dtype(args.dtype)) if not args.no_sdpa else True
     if not gqa:
         print("  this torch's SDPA lacks enable_gqa: K/V are repeated to the query heads "
               "before timing, and SDPA bytes count the repeated cache", flush=True)
@@ -1181,30 +563,17 @@ def main(args: argparse.Namespace) -> int:
 
     ceiling_note = note_max_observed(rows, bandwidth)
 
-    os.makedirs(args.out, exist_ok=True)
     doc = {
         "meta": meta,
         "bandwidth": bandwidth,
-        "byte_counting": {
-            "fp4": "2*B*L*Hkv*D/2 codes + 2*B*L*Hkv*(D/group) scales + 2*B*Hq*D*elem (Q, O)",
-            "sdpa": "2*B*L*Hkv*D*elem (dense K, V) + 2*B*Hq*D*elem (Q, O)",
-            "writer": "2*T*Hkv*D*elem input + 2*T*Hkv*D/2 codes + 2*T*Hkv*(D/group) scales",
-            "GB": GB,
-        },
+        "byte_counting": {**BYTE_COUNTING, "GB": GB},
         "rows": rows,
         "multi_token_rows": multi,
         "writers": writers,
     }
-    json_path = os.path.join(args.out, "bench.json")
-    with open(json_path, "w") as fh:
-        json.dump(doc, fh, indent=2, default=str)
-    write_csv(os.path.join(args.out, "bench.csv"), rows, ATTENTION_FIELDS)
-    if writers:
-        write_csv(os.path.join(args.out, "bench_writer.csv"), writers, WRITER_FIELDS)
-    plot_msg = None
-    if not args.no_plot:
-        plot_msg = write_plot(os.path.join(args.out, "bench.png"), rows, bandwidth,
-                              f"turboquant FP4 decode vs dense BF16 SDPA, {meta['name']}")
+    written, plot_msg = write_files(
+        args.out, doc, rows, writers,
+        None if args.no_plot else f"turboquant FP4 decode vs dense BF16 SDPA, {meta['name']}")
 
     if not args.no_kernel_names and any(r.get("fp4_kernels") for r in rows):
         print("\nkernels of one profiled call per row (longest first):")
@@ -1232,11 +601,8 @@ def main(args: argparse.Namespace) -> int:
             print(bench_multitoken.format_row(r))
     if ceiling_note:
         print(ceiling_note)
-    written = ["bench.json", "bench.csv"] + (["bench_writer.csv"] if writers else [])
-    if not args.no_plot and not plot_msg:
-        written.append("bench.png")
     print(f"wrote {', '.join(written)} in {args.out}")
-    if plot_msg and not args.no_plot:
+    if plot_msg:
         print(f"note: {plot_msg}")
     return 1 if failed else 0
 

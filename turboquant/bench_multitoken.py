@@ -20,7 +20,11 @@ import re
 
 import torch
 
-from . import bench as B
+from .bench import parse_int_list
+from .bench_problems import (cache_config, checks_off, fill_cache, fp4_attention_bytes,
+                             state_bytes, torch_dtype)
+from .bench_report import table_row
+from .bench_timing import GB, kernel_names, time_calls
 
 FIELDS = ["shape", "batch", "query_len", "context", "config", "status", "fp4_us", "tflops",
           "pct_bw", "bytes", "flops", "sdpa_us", "sdpa_tflops", "sdpa_kernels", "speedup",
@@ -41,7 +45,7 @@ def parse_multi(text: str) -> list:
         m = re.fullmatch(r"(\d+)x(\d+)@(\w+)", part)
         if not m:
             raise ValueError(f"--multi-token: expected BxQ@L (e.g. 1x2048@16k), got {part!r}")
-        b, q, length = int(m.group(1)), int(m.group(2)), B.parse_int_list(m.group(3))[0]
+        b, q, length = int(m.group(1)), int(m.group(2)), parse_int_list(m.group(3))[0]
         if not (b >= 1 and 1 <= q <= length):
             raise ValueError(f"--multi-token {part}: need batch >= 1 and 1 <= Q <= L")
         rows.append(MultiRow(b, q, length))
@@ -60,8 +64,8 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
     hq, hkv, d = shape
     b, q, length = row.batch, row.query_len, row.context
     bs = args.block_size
-    config, key_format = B._config(config_name, args)
-    dtype = B._dtype(args.dtype)
+    config, key_format = cache_config(config_name, args)
+    dtype = torch_dtype(args.dtype)
     elem = torch.finfo(dtype).bits // 8
     rec = {f: "" for f in FIELDS}
     rec.update(shape=f"{hq}/{hkv}/{d}", batch=b, query_len=q, context=length, config=config_name)
@@ -77,7 +81,7 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
     cache = tq.allocate_cache(b * nblk, hkv, bs, d, scale_group=args.scale_group or None,
                               device=device, key_format=key_format)
     tables = torch.randperm(b * nblk, device=device, generator=gen).to(torch.int32).view(b, nblk)
-    state = B.fill_cache(tq, cache, config, dense_k, dense_v, tables, bs, 512 * 2**20)
+    state = fill_cache(tq, cache, config, dense_k, dense_v, tables, bs, 512 * 2**20)
     seq_lens = torch.full((b,), length, device=device, dtype=torch.int32)
     cu = torch.arange(b + 1, device=device, dtype=torch.int32) * q
     scale = 1.0 / math.sqrt(d)
@@ -90,16 +94,16 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
                                out=out, backend=args.backend, max_seq_len=length, **kw)
 
     flops = causal_flops(b, q, length, hq, d)
-    nbytes = (B.fp4_attention_bytes(b, length, hq, hkv, d, args.scale_group, elem, q,
-                                    key_format) + B.state_bytes(b, hkv, d, config))
+    nbytes = (fp4_attention_bytes(b, length, hq, hkv, d, args.scale_group, elem, q, key_format)
+              + state_bytes(b, hkv, d, config))
     notes = []
-    with B.checks_off(tq):
-        us, used, _n, note = B.time_calls([fp4], device, args.repeats, args.warmup,
-                                          args.timing, args.min_calls)
+    with checks_off(tq):
+        us, used, _n, note = time_calls([fp4], device, args.repeats, args.warmup, args.timing,
+                                        args.min_calls)
     if note:
         notes.append("fp4: " + note)
     rec.update(status="ok", fp4_us=us, flops=flops, bytes=nbytes, tflops=flops / us * 1e-6,
-               pct_bw=100.0 * nbytes / (us * 1e-6) / B.GB / bw_ref if bw_ref > 0 else "")
+               pct_bw=100.0 * nbytes / (us * 1e-6) / GB / bw_ref if bw_ref > 0 else "")
     if nbytes * 4 < 50 * 2**20:
         notes.append("one input set: its cache may sit in L2")
 
@@ -112,19 +116,19 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
             return torch.nn.functional.scaled_dot_product_attention(
                 q4, dense_k, dense_v, attn_mask=mask, scale=scale, enable_gqa=True)
         try:
-            s_us, _u, _n, s_note = B.time_calls([sdpa], device, args.repeats, args.warmup,
-                                                args.timing, args.min_calls)
+            s_us, _u, _n, s_note = time_calls([sdpa], device, args.repeats, args.warmup,
+                                              args.timing, args.min_calls)
             ref = sdpa().transpose(1, 2).reshape(b * q, hq, d).float()
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             notes.append(f"SDPA failed: {type(exc).__name__}: {str(exc).strip()[:120]}")
         else:
             if s_note:
                 notes.append("sdpa: " + s_note)
-            with B.checks_off(tq):
+            with checks_off(tq):
                 fp4()
             err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
             rec.update(sdpa_us=s_us, sdpa_tflops=flops / s_us * 1e-6, speedup=s_us / us,
-                       rel_err_vs_sdpa=err, sdpa_kernels=B.kernel_names(sdpa, device, top=1))
+                       rel_err_vs_sdpa=err, sdpa_kernels=kernel_names(sdpa, device, top=1))
             if not math.isfinite(err) or err > 0.5:
                 notes.append("CHECK: FP4 output far from SDPA (quantization alone gives ~0.1)")
     rec["note"] = "; ".join(notes)
@@ -136,19 +140,13 @@ HEADER = (f"{'shape':>9} {'batch':>5} {'q':>5} {'ctx':>6} {'fp4_us':>9} {'TFLOP/
 
 
 def format_row(r: dict) -> str:
-    if r.get("status") != "ok":
-        return (f"{r['shape']:>9} {r['batch']:>5} {r['query_len']:>5} {r['context']:>6}  "
-                f"{r.get('status')}: {r.get('note', '')}")
-    f = B._fmt
-    line = (f"{r['shape']:>9} {r['batch']:>5} {r['query_len']:>5} {r['context']:>6} "
-            f"{f(r['fp4_us'], '9.1f'):>9} {f(r['tflops'], '7.1f'):>7} {f(r['pct_bw'], '5.1f'):>5} "
-            f"{f(r['sdpa_us'], '9.1f'):>9} {f(r['sdpa_tflops'], '7.1f'):>7} "
-            f"{f(r['speedup'], '7.2f'):>7} {f(r['rel_err_vs_sdpa'], '7.3f'):>7} {r['config']}")
-    if r.get("sdpa_kernels"):
-        line += f"  sdpa: {r['sdpa_kernels'][:60]}"
-    if r.get("note"):
-        line += "  # " + r["note"]
-    return line
+    """One multi-token row of the table (``HEADER``), the SDPA kernel torch picked last."""
+    sdpa = f"  sdpa: {r['sdpa_kernels'][:60]}" if r.get("sdpa_kernels") else ""
+    return table_row(r, (("shape", 9), ("batch", 5), ("query_len", 5), ("context", 6)),
+                     (("fp4_us", "9.1f"), ("tflops", "7.1f"), ("pct_bw", "5.1f"),
+                      ("sdpa_us", "9.1f"), ("sdpa_tflops", "7.1f"), ("speedup", "7.2f"),
+                      ("rel_err_vs_sdpa", "7.3f")),
+                     f"{r['config']}{sdpa}")
 
 
 def run_all(tq, shapes, rows, configs, args, device, bw_ref) -> list:

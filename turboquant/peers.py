@@ -15,8 +15,10 @@ Caches (what each peer stores per token and kv head, D = head dim):
   nvfp4  D/2 bytes of E2M1 codes (even element in the low nibble) and D/16 E4M3 scales of 16
          elements each (amax / 6 after a global scale g = 448 * 6 / amax of the tensor), k_scale
          = 1 / g. FlashInfer runs NVFP4 only in its tensor-core path on SM90 (fa2).
-Each format is timed with ``use_tensor_cores`` False and True where FlashInfer has both; the
-faster is the row's figure (the other is in the notes).
+Each format is timed with ``use_tensor_cores`` False and True where FlashInfer has both, with
+the bench's two figures (single: one call per CUDA-graph replay; chained: call i's query is call
+i-1's output, ``FlashInferDecode(q, out)`` writing ``run(..., out=out)``); the faster by the
+chained figure is the row's (the other is in the notes).
 """
 from __future__ import annotations
 
@@ -212,23 +214,29 @@ def check_format(fmt: str, tensor_cores: bool, num_heads: int, num_kv_heads: int
     return _checked[key]
 
 
-def time_peers(time_calls: Callable, dense_k: torch.Tensor, dense_v: torch.Tensor,
+def time_peers(time_decode: Callable, dense_k: torch.Tensor, dense_v: torch.Tensor,
                query: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                page: int, scale: float, q_bytes: int) -> dict:
-    """The peer fields of one bench row: ``peer_<fmt>_us`` and ``peer_<fmt>_bytes`` per
-    format (or the reason it was not timed in ``peer_note``). ``query`` [n_sets, B, Hq, D],
-    ``block_tables`` [n_sets, B, nblk]; dense K/V [n_sets * B, Hkv, L, D]."""
+    """The peer fields of one bench row: ``peer_<fmt>_us`` (chained), ``peer_<fmt>_us_single``
+    and ``peer_<fmt>_bytes`` per format (or the reason it was not timed in ``peer_note``).
+    ``query`` [n_sets, B, Hq, D], ``block_tables`` [n_sets, B, nblk]; dense K/V
+    [n_sets * B, Hkv, L, D]. ``time_decode(steps, queries, outs)`` times one call per set,
+    ``steps[s](q, out)`` (a ``FlashInferDecode`` of set s: its ``run(q, ..., out=out)``), and
+    returns its single and chained figures (``turboquant.bench_timing.DecodeTimes``: in the
+    chain, call i's query is call i-1's output). The faster variant by the chained figure is
+    the format's row."""
     n_sets, b, hq, d = query.shape
     hkv, length = dense_k.shape[1], dense_k.shape[2]
     rec, notes = {}, []
     flat = block_tables.reshape(n_sets * b, -1)
     for fmt in PEER_FORMATS:
-        cache = runs = calls = outs = None
+        cache = runs = outs = None
         best = None
         for tc in ((True,) if fmt == "nvfp4" else (False, True)):
+            name = f"{fmt}{'/tc' if tc else ''}"
             why = check_format(fmt, tc, hq, hkv, d, page, query.device)
             if why is not None:
-                notes.append(f"{fmt}{'/tc' if tc else ''}: {why}")
+                notes.append(f"{name}: {why}")
                 continue
             try:
                 if cache is None:
@@ -236,35 +244,37 @@ def time_peers(time_calls: Callable, dense_k: torch.Tensor, dense_v: torch.Tenso
                 runs = [FlashInferDecode(cache, hq, block_tables[s], seq_lens, page, scale, tc)
                         for s in range(n_sets)]
                 outs = torch.empty_like(query)
-                calls = [(lambda r=r, s=s: r(query[s], outs[s])) for s, r in enumerate(runs)]
-                us, used, _n, note = time_calls(calls)
+                t = time_decode(runs, query, outs)
             except Exception as exc:  # noqa: BLE001 - a peer that fails here is noted
-                notes.append(f"{fmt}{'/tc' if tc else ''}: {type(exc).__name__}: "
-                             f"{str(exc).strip()[:120]}")
+                notes.append(f"{name}: {type(exc).__name__}: {str(exc).strip()[:120]}")
                 continue
-            if note:
-                notes.append(f"{fmt}{'/tc' if tc else ''}: {note}")
-            tag = f"{fmt}{'/tc' if tc else ''} {us:.1f} us ({used})"
-            if best is None or us < best[0]:
+            if t.note:
+                notes.append(f"{name}: {t.note}")
+            tag = f"{name} {t.chained_us:.1f} us chained, {t.single_us:.1f} single ({t.timing})"
+            if best is None or t.chained_us < best[0].chained_us:
                 if best is not None:
                     notes.append(f"slower: {best[1]}")
-                best = (us, tag)
+                best = (t, tag)
             else:
                 notes.append(f"slower: {tag}")
         if best is not None:
-            rec[f"peer_{fmt}_us"] = best[0]
+            rec[f"peer_{fmt}_us"] = best[0].chained_us
+            rec[f"peer_{fmt}_us_single"] = best[0].single_us
             rec[f"peer_{fmt}_bytes"] = (b * length * kv_bytes_per_token(fmt, hkv, d)
                                         + q_bytes)
         # one format's cache at a time (a BF16 copy of 128 x 32k tokens is 17 GB)
-        cache = runs = calls = outs = None
+        cache = runs = outs = None
         torch.cuda.empty_cache()
     rec["peer_note"] = "; ".join(notes)
     return rec
 
 
 def peer_fields() -> list:
-    return [f"peer_{f}_{x}" for f in PEER_FORMATS for x in ("us", "bytes", "pct_bw", "speedup")
-            ] + ["peer_note"]
+    """The peer columns of a bench row: per format the chained time (``_us``), the single-call
+    time (``_us_single``), the bytes, % of bandwidth and turboquant's speedup (both from the
+    chained time), then ``peer_note``."""
+    return [f"peer_{f}_{x}" for f in PEER_FORMATS
+            for x in ("us", "us_single", "bytes", "pct_bw", "speedup")] + ["peer_note"]
 
 
 def finish(rec: dict, fp4_us: float, bw_ref: float, gb: float) -> None:
@@ -279,26 +289,31 @@ def finish(rec: dict, fp4_us: float, bw_ref: float, gb: float) -> None:
 
 
 def format_table(rows: list) -> list:
-    """Lines of the peer table (rows with any peer figure or note), or []."""
+    """Lines of the peer table (rows with any peer figure or note), or []: per format the
+    chained / single times, % of bandwidth and turboquant's speedup (chained)."""
     rows = [r for r in rows if r.get("status") == "ok" and
             (any(r.get(f"peer_{f}_us") for f in PEER_FORMATS) or r.get("peer_note"))]
     if not rows:
         return []
 
+    def times(chained, single) -> str:
+        return f"{chained:7.1f} /{single:7.1f} us"
+
     def cell(r, f):
         us = r.get(f"peer_{f}_us")
         if not us:
-            return f"{'-':>26}"
-        return (f"{us:9.1f} us {r[f'peer_{f}_pct_bw']:5.1f} % "
+            return f"{'-':>34}"
+        return (f"{times(us, r[f'peer_{f}_us_single'])} {r[f'peer_{f}_pct_bw']:5.1f} % "
                 f"{r[f'peer_{f}_speedup']:5.2f}x")
 
-    lines = ["FlashInfer peers (time, % of measured read bw on the peer's own bytes, turboquant "
-             "speedup over it):",
-             f"{'shape':>9} {'batch':>5} {'ctx':>6} {'config':>10} {'turboquant':>10} "
-             + " ".join(f"{'FlashInfer ' + f:>26}" for f in PEER_FORMATS)]
+    lines = ["FlashInfer peers (time per call chained / single, % of measured read bw on the "
+             "peer's own bytes and turboquant's speedup over it, both chained):",
+             f"{'shape':>9} {'batch':>5} {'ctx':>6} {'config':>10} {'turboquant':>19} "
+             + " ".join(f"{'FlashInfer ' + f:>34}" for f in PEER_FORMATS)]
     for r in rows:
         lines.append(f"{r['shape']:>9} {r['batch']:>5} {r['context']:>6} {r['config']:>10} "
-                     f"{r['fp4_us']:7.1f} us " + " ".join(cell(r, f) for f in PEER_FORMATS))
+                     f"{times(r['fp4_us'], r['fp4_us_single'])} "
+                     + " ".join(cell(r, f) for f in PEER_FORMATS))
         if r.get("peer_note"):
             lines.append(f"{'':>9}   # {r['peer_note']}")
     return lines
