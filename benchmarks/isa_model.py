@@ -1,17 +1,20 @@
 """A static performance estimate of the decode kernels from their compiled instruction streams
-(issue 20, part 2, first version).
+(issue 20, part 2).
 
-    python benchmarks/isa_model.py            # compiles, counts, prints the tables
-    python benchmarks/isa_model.py --no-hip   # the cuda part only
+    python benchmarks/isa_model.py                       # compiles, counts, prints the tables
+    python benchmarks/isa_model.py --no-hip              # the cuda part only
+    python benchmarks/isa_model.py --cuda-src DIR        # another copy of csrc_cuda (e.g. HEAD's)
+    python benchmarks/isa_model.py --compute-bound cb_out/compute_bound.json
+                                  # also the model with compute_bound_check.py's measured clocks
 
-The model (deliberately simple; every constant is a parameter of `H100` / `MI355X` below):
+Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source; one constant
+(the overlap exponent k) is fitted, on one named row (`OVERLAP_TRAIN_ROW`).
 
-  A decode kernel streams its KV cache in 16-token tiles. For one tile we count the
-  instructions one warp (cuda) or one wave (gfx950) issues for it, by class, and turn the
-  counts into the time the SM (CU) needs per tile from *throughput limits only*:
+1. Per 16-token tile (throughput limits). A decode kernel streams its KV cache in 16-token
+  tiles. For one tile we count the instructions one warp (cuda) or one wave (AMD) issues for
+  it, by class, and turn the counts into the time the SM (CU) needs per tile:
 
-    cuda, per scheduler (4 per SM, each issuing 1 warp-instruction per clock; 2 CTAs x 8 warps
-    per SM resident = 4 warps per scheduler, assumed enough to hide every latency):
+    cuda, per scheduler (4 per SM, each issuing 1 warp-instruction per clock):
       issue  = all instructions x 1 clk
       fma    = FP32 (FFMA/FADD/FMUL/HFMA2..) x 1 clk (H100: 32 FP32 lanes per scheduler)
                + IMAD* x 2 clk (IMAD runs on the FMA pipe at half rate, 16 lanes)
@@ -24,29 +27,52 @@ The model (deliberately simple; every constant is a parameter of `H100` / `MI355
     HBM time per tile per SM = tile bytes / (measured read bandwidth / 132), tile bytes =
       16 tokens x (64 K + 64 V code bytes + 2 scale bytes) = 2080 (FP4, D 128, one kv head);
       K8V4: 16 x (128 + 64 + 2) = 3104.
-    predicted % of bandwidth = HBM time / max(HBM time, issue-limited time).
 
-  gfx950 (MI355X), per SIMD (4 per CU; one workgroup = 4 waves, one per SIMD; a partition is
-  256 tokens, 64 per wave, so a wave's whole partition body is 4 tiles and is divided by 4):
+    AMD, per SIMD (4 per CU; one workgroup = 4 waves, one per SIMD; a partition is 256 tokens,
+    64 per wave, so a wave's whole partition body is 4 tiles and is divided by 4):
       valu   = VALU x 4 clk: a CDNA SIMD is 16 lanes wide, a wave64 instruction takes 4 clocks
                (MI355X's 157.3 TFLOP/s fp32 vector = 256 CU x 4 SIMD x 16 lanes x 2 (FMA) x
-               2 (packed v_pk_*) x 2.4 GHz); transcendentals (v_exp, v_rcp, v_log, ...) quarter
-               rate, 16 clk. (`--valu-clk 1` shows the brief's "1 per clock" variant.)
-      mfma   = 16x16x128 f8f6f4: 32 clk with an FP8 operand, 16 with both FP4 (MI355X dense
-               MXFP8 5.0 PFLOP/s, MXFP4 10 PFLOP/s at 2.4 GHz over 1024 SIMDs: 2048 resp.
+               2 (packed v_pk_*) x 2.4 GHz; MI300X: "Vector FP32 256 FLOPS/clock/CU", "Vector
+               FP64 128" = 4 SIMD x 16 lanes x 2 (FMA) (x 2 packed for FP32), ROCm docs, AMD
+               Instinct MI300 microarchitecture, table mi300x-perf-table); transcendentals
+               (v_exp, v_rcp, v_log, ...) quarter rate, 16 clk.
+      mfma   = gfx950 16x16x128 f8f6f4: 32 clk with an FP8 operand, 16 with both FP4 (MI355X
+               dense MXFP8 5.0 PFLOP/s, MXFP4 10 PFLOP/s at 2.4 GHz over 1024 SIMDs: 2048 resp.
                4096 FLOP/clk/SIMD; one 16x16x128 is 65536 FLOP). The native path's QK has an
-               FP4 A and an FP8 B operand: counted at the FP8 rate.
+               FP4 A and an FP8 B operand: counted at the FP8 rate. gfx942 16x16x32 fp8_fp8:
+               16 clk (MI300X "Matrix FP8 4096 FLOPS/clock/CU" (same table) = 1024 per SIMD;
+               one 16x16x32 is 16384 FLOP).
       salu, lds issue, vmem issue, branch: 4 clk each (a SIMD gets one issue turn per 4 clocks,
                one instruction of each type per turn from different waves)
       tile time per SIMD = max of those; per CU = that / 4; also LDS bandwidth 128 B/clk/CU
-      (ds_* bytes = 64 lanes x access width), HBM = tile bytes / (8 TB/s / 256 CUs).
+      (ds_* bytes = 64 lanes x access width), HBM = tile bytes / (HBM bandwidth / CUs).
 
-  What the model leaves out, on purpose: latencies and dependent chains (it assumes enough
-  resident warps/waves to hide them), the DRAM's own efficiency (the measured read bandwidth is
-  the 100 % line), per-CTA fixed costs (prologue, merge, split-KV reduce: the cuda figure is the
-  steady-state loop; short sequences are latency-bound and outside the model), L2/TLB effects
-  and tail effects. It answers one question: is the instruction stream of a tile cheaper than
-  its bytes, and by how much.
+2. One call of the cuda decode kernel (`cuda_call`), for a batch x context on H100:
+  - partitions from tuning.cuh's wave model (`choose_decode_partition_size`, a mirror of the C++
+    read from the same constants), CTAs = batch x kv heads x partitions, in waves of
+    132 SMs x 2 CTAs = 264 slots; in a wave of N CTAs every CTA streams its P/16 tiles, one per
+      t_cta = smooth_max_k(t_hbm, t_issue, t_lat),   smooth_max_k(x) = (sum x_i^k)^(1/k)
+      t_hbm   = tile bytes x N / bandwidth        (the CTA's share of HBM)
+      t_issue = CTAs on its SM x SM clocks per tile / clock   (its share of the SM's issue)
+      t_lat   = DRAM latency / (8 warps x (STAGES - 1) tiles in flight)   (Little's law)
+    k -> inf is the throughput-only max() (perfect overlap of memory and instruction issue),
+    k = 1 no overlap at all; k is fitted on ONE measured row (OVERLAP_TRAIN_ROW) and checked on
+    every other row (other shapes and the other kernel);
+  - per-call fixed costs from the measured timeline of one call (NOTES_cuda.md session 3): per
+    wave a CTA's prologue (two dependent DRAM round trips: block ids, then the first KV tile)
+    and its merge/output writes; the grid boundary to the next (programmatically dependent)
+    grid; with a split KV range the reduce pass and the relaunch after it; the default
+    config's Q/O transforms.
+  predicted % of bandwidth = the bench's bytes / (predicted call time x measured bandwidth),
+  the bench's own definition, so it compares with the measured rows one to one.
+  The AMD rows are the steady-state tile (part 1 with the same smooth max and k): no AMD call
+  has been timed, so no AMD fixed costs are known.
+
+What the model leaves out: the DRAM's own efficiency (the measured read bandwidth is the
+100 % line), L2/TLB effects (the over-fetch of the scale bytes' 32-byte sectors is shown as a
+sensitivity column, not in the model), register-dependency latencies inside a warp (only as far
+as the fitted k absorbs them; benchmarks/compute_bound_check.py measures the kernel bound by its
+instructions: 1.4-1.5x the throughput count on H100), and the slowest CTA of a wave.
 
 Which instructions belong to a tile:
   cuda: the key loop is the back-edge (a backward BRA) whose range holds HMMAs. Its hot path is
@@ -56,17 +82,21 @@ Which instructions belong to a tile:
     tanh, off in the benchmarks), and a branch right after VOTE.ANY (the lazy-rescale vote:
     some lane needs the slow path) is not taken; any other region is executed. Every loop
     iteration is one 16-token tile of one warp.
-  gfx950: the partition kernel has no tile loop (4 tiles per wave, unrolled); every
+  AMD: the partition kernel has no tile loop (4 tiles per wave, unrolled); every
     instruction of the body is counted once, the bodies of its loops (Q staging, V decode,
     output rows) times their trip counts (from the source at HEAD 128, GQA 8), both sides of
-    every forward branch included (an upper bound of a path; the branches are short).
+    every forward branch included (an upper bound of a path; the branches are short). gfx942
+    compiles the same source (TQ_GFX942: LUT path only) with the same five loops.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import dataclasses
+import functools
 import hashlib
+import json
+import math
 import re
 import subprocess
 import sys
@@ -259,6 +289,22 @@ class H100:
     mufu_clk: float = 8.0   # 4 lanes
     hmma_clk: float = 4.0   # 1024 FLOP/clk/scheduler (989 TFLOP/s dense at 1.83 GHz)
     warps_per_sm: int = 16  # 2 CTAs x 8 warps (README's tuning); assumed to hide latency
+    # Per-call fixed costs (us), from the timeline of one call in NOTES_cuda.md session 3 (probe
+    # build, 1 x 32k: 32 partitions x 8 kv heads; the 1 x 4k column in brackets):
+    # one dependent DRAM round trip: the first KV tile lands (median) 3.07 us (2.05) after the
+    # first CTA starts = two dependent round trips (block ids, then KV) + half of the first
+    # burst of every CTA at the measured bandwidth (256 CTAs x 8 warps x 2 tiles x 2080 B =
+    # 8.5 MB: 1.43 us; 4.3 MB: 0.72 us): (3.07 - 1.43) / 2 = 0.82, (2.05 - 0.72) / 2 = 0.67 ->
+    # 0.75. Also the latency of Little's law (t_lat in `cuda_call`).
+    dram_latency_us: float = 0.75
+    merge_us: float = 1.6       # a CTA's warp merge and output / partial writes ("~1.6 us")
+    boundary_us: float = 0.5    # grid end -> the dependent grid passes griddepcontrol.wait
+    reduce_us: float = 2.0      # the split-KV reduce pass ("~2 us of reduce")
+    relaunch_us: float = 2.0    # reduce end -> the next call's CTAs ("~2 us to the next call")
+    # the default config's Q transform in the prologue and O un-rotation (NOTES session 4:
+    # 1 x 4k default 9.6 vs plain 8.6 us; the timeline's probe build had no transforms)
+    transforms_us: float = 1.0
+    l2_bytes: int = 50 * 2**20  # H100 SXM L2 (bench.json meta "l2_bytes": 52428800)
 
 
 def cuda_tile_cycles(counts: Counter, hw: H100 = H100()) -> dict:
@@ -274,14 +320,198 @@ def cuda_tile_cycles(counts: Counter, hw: H100 = H100()) -> dict:
     return {"limits": lim, "bound": bound, "sched_clk": lim[bound], "sm_clk": lim[bound] / hw.schedulers}
 
 
+def smooth_max(xs, k: float = math.inf) -> float:
+    """(sum of x^k)^(1/k) over the positive xs: max(xs) as k -> inf, their sum at k = 1, and
+    between the two (>= max) for every k >= 1. The overlap of resources that work at once:
+    k = inf is perfect overlap (throughput-only), k = 1 none."""
+    xs = [float(x) for x in xs if x > 0]
+    if not xs:
+        return 0.0
+    m = max(xs)
+    if math.isinf(k):
+        return m
+    return m * sum((x / m) ** k for x in xs) ** (1.0 / k)  # scaled by the max: no overflow
+
+
 def predict_pct(sm_clk_per_tile: float, clock_ghz: float, tile_bytes: float, bw_gbs: float,
-                units: int) -> dict:
-    """% of bandwidth = HBM time / max(HBM time, instruction time), per SM (CU) and tile."""
+                units: int, k: float = math.inf) -> dict:
+    """% of bandwidth = HBM time / smooth_max_k(HBM time, instruction time), per SM (CU) and
+    tile; k = inf (the default) is the throughput-only max()."""
     t_issue_ns = sm_clk_per_tile / clock_ghz
     t_hbm_ns = tile_bytes / (bw_gbs / units)       # bytes / (GB/s) = ns
     return {"issue_ns": t_issue_ns, "hbm_ns": t_hbm_ns,
-            "pct": 100.0 * t_hbm_ns / max(t_hbm_ns, t_issue_ns),
+            "pct": 100.0 * t_hbm_ns / smooth_max([t_hbm_ns, t_issue_ns], k),
             "bound": "memory" if t_hbm_ns >= t_issue_ns else "instruction issue"}
+
+
+# ----------------------------------------------------------------------------------------------
+# cuda: one call of the decode kernel (partitions, waves, overlap, fixed costs)
+# ----------------------------------------------------------------------------------------------
+TUNING_CUH = ROOT / "csrc_cuda" / "tuning.cuh"
+
+
+@functools.lru_cache(maxsize=None)
+def tuning_constants(path: Path = TUNING_CUH) -> dict:
+    """The decode kernel's launch constants as csrc_cuda/tuning.cuh sets them by default (its
+    #define defaults and constexpr values), so the Python mirror follows the C++."""
+    text = Path(path).read_text()
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, text)
+        if m is None:
+            raise ValueError(f"{path}: no match for {pattern!r}")
+        return int(m.group(1))
+
+    return {"DECODE_WARPS": number(r"#define\s+TQ_DECODE_WARPS\s+(\d+)"),
+            "DECODE_STAGES": number(r"#define\s+TQ_DECODE_STAGES\s+(\d+)"),
+            "DECODE_MIN_BLOCKS": number(r"#define\s+TQ_DECODE_MIN_BLOCKS\s+(\d+)"),
+            "MIN_PARTITION": number(r"#define\s+TQ_MIN_PARTITION\s+(\d+)"),
+            "DECODE_CTA_COST": number(r"\bDECODE_CTA_COST\s*=\s*(\d+)"),
+            "DECODE_REDUCE_COST": number(r"\bDECODE_REDUCE_COST\s*=\s*(\d+)")}
+
+
+def choose_decode_partition_size(max_seq_len: int, base_ctas: int, num_sms: int,
+                                 t: dict | None = None) -> int:
+    """tuning.cuh choose_decode_partition_size in Python (the same loop, the same integer
+    arithmetic): the split-KV partition, in tokens, of the decode kernel."""
+    t = t or tuning_constants()
+    step, slots = t["DECODE_WARPS"] * TILE_TOKENS, num_sms * t["DECODE_MIN_BLOCKS"]
+    length, base = max(max_seq_len, 1), max(base_ctas, 1)
+    cta, red, min_p = t["DECODE_CTA_COST"], t["DECODE_REDUCE_COST"], t["MIN_PARTITION"]
+    best_p = best_cost = 0
+    n = 1
+    while n <= -(-length // min_p) and n <= 4 * slots:
+        p = -(-length // n)                          # ceil(L / n), rounded up to whole warps
+        p = max(-(-p // step) * step, min_p)
+        parts = -(-length // p)
+        if best_p and base * length + base * parts * cta >= best_cost * slots:
+            break
+        cost = -(-(base * parts) // slots) * (p + cta) + (red if parts > 1 else 0)
+        if not best_p or cost < best_cost:
+            best_p, best_cost = p, cost
+        n += 1
+    return min(best_p, 1 << 30)
+
+
+# CTA order of the decode grid: "kv" (HEAD since 06d9709: x = sequence x kv heads + kv head, the
+# heads of a sequence are consecutive CTAs) or "seq" (before: x = sequence, y = kv head, the heads
+# of a sequence num_seqs CTAs apart); it decides who shares the scale bytes' DRAM sectors.
+CTA_ORDER = "kv"
+
+
+def cta_index(s: int, kvh: int, part: int, batch: int, kv_heads: int, order: str) -> int:
+    """Linear launch index of the CTA of (sequence s, kv head, partition) in the decode grid."""
+    if order == "seq":
+        return s + batch * (kvh + kv_heads * part)
+    return s * kv_heads + kvh + batch * kv_heads * part
+
+
+def scale_fetches(batch: int, nparts: int, kv_heads: int, slots: int, wave_us: float,
+                  retention_us: float, order: str) -> float:
+    """DRAM fetches of one tile's scale sectors per (sequence, partition), averaged: 1 when all
+    kv heads of the sequence share one fetch, kv_heads when none do. The scale bytes are
+    [block, token, kv head], so the heads of a sequence read the same sectors for a tile
+    (`scale_sector_overfetch`); a head finds them in L2 when the previous head of its sequence
+    to start began less than one L2 turnover (L2 bytes / bandwidth) before it. Start times:
+    the first wave's CTAs start together, CTA i of a later wave at i / slots wave times."""
+    total = 0
+    for part in range(nparts):
+        for s in range(batch):
+            starts = sorted(0.0 if i < slots else wave_us * i / slots
+                            for i in (cta_index(s, h, part, batch, kv_heads, order)
+                                      for h in range(kv_heads)))
+            total += 1 + sum(b - a > retention_us for a, b in zip(starts, starts[1:]))
+    return total / (batch * nparts)
+
+
+def cuda_call(batch: int, context: int, sm_clk_per_tile: float, tile_bytes: float,
+              bw_gbs: float, k: float, hw: H100 = H100(), kv_heads: int = 8,
+              transforms: bool = False, cta_order: str | None = None) -> dict:
+    """Predicted time of one decode call (module docstring, part 2): partitions and waves,
+    the streaming part per wave with the overlap term, and the per-call fixed costs (us).
+    cta_order ("kv" / "seq"): add the scale sectors' over-fetch of that grid order
+    (`scale_fetches`) to the tile's DRAM bytes; None: the tile's own bytes only."""
+    t = tuning_constants()
+    base = batch * kv_heads
+    p = choose_decode_partition_size(context, base, hw.sms, t)
+    nparts = -(-context // p)
+    ctas = base * nparts
+    slots = hw.sms * t["DECODE_MIN_BLOCKS"]
+    waves = -(-ctas // slots)
+    t_lat = hw.dram_latency_us * 1e3 / (t["DECODE_WARPS"] * (t["DECODE_STAGES"] - 1))
+
+    def stream(nbytes: float) -> tuple[float, list]:
+        total, left, per_wave = 0.0, ctas, []
+        while left > 0:
+            n = min(slots, left)
+            left -= n
+            terms = {"HBM": nbytes * n / bw_gbs,                           # ns per CTA-tile
+                     "issue": -(-n // hw.sms) * sm_clk_per_tile / hw.clock_ghz,
+                     "latency": t_lat}
+            per_wave.append(terms)
+            total += p / TILE_TOKENS * smooth_max(terms.values(), k) / 1e3
+        return total, per_wave
+
+    stream_us, per_wave = stream(tile_bytes)
+    fetches = 1.0
+    if cta_order is not None:
+        wave_us = p / TILE_TOKENS * smooth_max(per_wave[0].values(), k) / 1e3
+        fetches = scale_fetches(batch, nparts, kv_heads, slots, wave_us,
+                                hw.l2_bytes / (bw_gbs * 1e3), cta_order)
+        extra = scale_sector_overfetch(kv_heads, fetches)
+        stream_us, per_wave = stream(tile_bytes + extra)
+    fixed = {"prologue + merge per wave": waves * (2 * hw.dram_latency_us + hw.merge_us),
+             "grid boundary": hw.boundary_us}
+    if nparts > 1:
+        fixed["reduce + relaunch"] = hw.reduce_us + hw.relaunch_us
+    if transforms:
+        fixed["Q/O transforms"] = hw.transforms_us
+    fixed_us = sum(fixed.values())
+    first = per_wave[0]
+    bound = max(first, key=first.get)
+    return {"P": p, "nparts": nparts, "ctas": ctas, "waves": waves, "terms": first,
+            "stream_us": stream_us, "fixed": fixed, "fixed_us": fixed_us, "fetches": fetches,
+            "total_us": stream_us + fixed_us,
+            "bound": bound if stream_us >= fixed_us else f"fixed costs ({bound} in the stream)"}
+
+
+def call_pct(nbytes: float, total_us: float, bw_gbs: float) -> float:
+    """% of bandwidth as the bench defines it: bytes / time / measured read bandwidth."""
+    return 100.0 * nbytes / (total_us * 1e-6) / (bw_gbs * 1e9)
+
+
+def fit_overlap_k(row: dict, sm_clk_per_tile: float, tile_bytes: float, hw: H100 = H100(),
+                  lo: float = 1.0, hi: float = 256.0, cta_order: str | None = None) -> float:
+    """The k at which `cuda_call` reproduces the row's measured % of bandwidth (bisection: the
+    prediction rises with k). inf where even k = inf predicts less, 1 where k = 1 predicts more."""
+    def pct(k):
+        c = cuda_call(row["batch"], row["context"], sm_clk_per_tile, tile_bytes, row["bw"], k,
+                      hw, transforms=row["transforms"], cta_order=cta_order)
+        return call_pct(row["bytes"], c["total_us"], row["bw"])
+    if pct(math.inf) <= row["pct"]:
+        return math.inf
+    if pct(lo) >= row["pct"]:
+        return lo
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if pct(mid) < row["pct"] else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def scale_sector_bytes(kv_heads: int = 8, block_size: int = 16, sector: int = 32) -> int:
+    """DRAM bytes one fetch of a tile's K and V scale sectors moves. The scales are
+    [block, token, kv head] bytes, so the 16 scale bytes of one (tile, head) are strided over
+    the block's block_size x kv_heads bytes and touch all of its sectors: 2 x 4 x 32 = 256 B
+    at 8 kv heads, which all heads of the sequence need (32 B each)."""
+    return 2 * -(-(block_size * kv_heads) // sector) * sector
+
+
+def scale_sector_overfetch(kv_heads: int = 8, fetches: float | None = None) -> float:
+    """Extra DRAM bytes per (tile, kv head) beyond its 2 x 16 scale bytes when the kv heads of
+    a sequence make `fetches` fetches of the shared sectors between them (default: one each,
+    no sharing: +224 B at 8 kv heads)."""
+    f = kv_heads if fetches is None else fetches
+    return max(0.0, scale_sector_bytes(kv_heads) * f / kv_heads - 2 * TILE_TOKENS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,6 +648,24 @@ class MI355X:
     lds_bytes_per_clk: float = 128.0
     waves_per_partition: int = 4
     tiles_per_wave: int = 4    # 64 tokens per wave per 256-token partition
+    name: str = "MI355X"
+
+
+@dataclasses.dataclass
+class MI300X(MI355X):
+    """gfx942. ROCm docs, "AMD Instinct MI300 series microarchitecture", table mi300x-perf-table
+    (https://rocm.docs.amd.com/en/latest/conceptual/gpu-arch/mi300.html): 304 CUs, peak FP8
+    2614.9 TFLOP/s at 4096 FLOPS/clock/CU (-> 2.1 GHz), Vector FP32 256 and Vector FP64 128
+    FLOPS/clock/CU (4 SIMDs x 16 lanes x 2 (FMA), x 2 packed for FP32: a wave64 VALU op holds
+    its SIMD 4 clocks), "theoretical aggregated peak memory bandwidth 5.3 TB per second"."""
+    cus: int = 304
+    clock_ghz: float = 2.1
+    bw_gbs: float = 5300.0
+    # v_mfma_f32_16x16x32_fp8_fp8 (the only MFMA of the gfx942 LUT path): 16384 FLOP at
+    # 4096 / 4 SIMDs = 1024 FLOP/clk/SIMD
+    mfma_fp8_clk: float = 16.0
+    mfma_fp4_clk: float = float("nan")  # no FP4 MFMA on gfx942
+    name: str = "MI300X"
 
 
 def amd_tile_cycles(c: Counter, hw: MI355X = MI355X(), mfma_clk: float | None = None) -> dict:
@@ -454,29 +702,30 @@ def _digest(paths) -> str:
     return h.hexdigest()[:16]
 
 
-def cuda_sass(nvcc: str, cuobjdump: str) -> str:
+def cuda_sass(nvcc: str, cuobjdump: str, src_dir: Path | None = None) -> str:
     """cuobjdump -sass of csrc_cuda/compile_check.cu built with nvcc -cubin for sm_90a (cached
-    in the temp dir by the sources' hash)."""
-    srcs = list((ROOT / "csrc_cuda").glob("*.cu*"))
-    out = _cache_dir() / f"cuda_{_digest(srcs)}.sass"
+    in the temp dir by the sources' hash). src_dir: another copy of csrc_cuda."""
+    d = Path(src_dir or ROOT / "csrc_cuda")
+    out = _cache_dir() / f"cuda_{_digest(d.glob('*.cu*'))}.sass"
     if not out.exists():
         cubin = out.with_suffix(".cubin")
         subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-O3", "-cubin", "-o", str(cubin),
-                        str(ROOT / "csrc_cuda" / "compile_check.cu")], check=True)
+                        str(d / "compile_check.cu")], check=True)
         text = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
         out.write_text(text)
     return out.read_text()
 
 
-def hip_asm(clang: str, src_dir: Path | None = None) -> str:
-    """gfx950 assembly of csrc_hip/tq_fp4_gfx950_isa_check.hip (flags of tests/test_aiter_isa.py).
-    src_dir: another copy of csrc_hip (e.g. from `git show HEAD:...`)."""
-    d = src_dir or ROOT / "csrc_hip"
+def hip_asm(clang: str, src_dir: Path | None = None, arch: str = "gfx950") -> str:
+    """AMDGCN assembly of csrc_hip/tq_fp4_gfx950_isa_check.hip for `arch` (flags of
+    tests/test_aiter_isa.py; gfx942 is the same translation unit, TQ_GFX942 set by the arch),
+    cached by the sources' hash. src_dir: another copy of csrc_hip (e.g. from `git show`)."""
+    d = Path(src_dir or ROOT / "csrc_hip")
     srcs = [p for p in d.glob("*") if p.is_file()]
-    out = _cache_dir() / f"hip_{_digest(srcs)}.s"
+    out = _cache_dir() / (f"hip_{_digest(srcs)}.s" if arch == "gfx950" else f"hip_{arch}_{_digest(srcs)}.s")
     if not out.exists():
-        subprocess.run([clang, "-x", "hip", "--offload-arch=gfx950", "--offload-device-only",
+        subprocess.run([clang, "-x", "hip", f"--offload-arch={arch}", "--offload-device-only",
                         "-nogpulib", "-nogpuinc", "-O3", "-std=c++20", "-S", f"-I{d}", "-o",
                         str(out), str(d / "tq_fp4_gfx950_isa_check.hip")], check=True)
     return out.read_text()
@@ -504,7 +753,16 @@ HIP_DECODE_TRIPS = [2, 1, 2, 2, 2]
 # measurements
 # ----------------------------------------------------------------------------------------------
 RESULTS = ROOT / "benchmarks" / "results"
+# bench runs (python -m turboquant bench): bench.csv + bench.log, or the named JSON file. All
+# three timed the grid order before 06d9709 ("seq").
 RUNS = ["h100-2026-11-24d", "h100-2026-11-24e"]
+JSON_RUNS = [("h100-2026-11-24f", "peers_128x32k.json")]  # one cuda row, 128 x 32k (--peers)
+# benchmarks/tune_cuda.py logs (plain cache, D128 bf16 build, its own bytes and bandwidth): the
+# g run's grid-order A/B, sections "== seq", "== kv", "== seq2", "== kv2"
+LOG_RUNS = [("h100-2026-11-24g", "grid_order.log")]
+# the one row the overlap exponent k is fitted on: (run, config, batch, context)
+OVERLAP_TRAIN_ROW = ("h100-2026-11-24d", "default", 64, 16384)
+TRANSFORM_CONFIGS = {"default", "k8v4"}  # configs with the default transforms (Q/O in the kernel)
 
 
 def run_bandwidth(run: str) -> float:
@@ -512,29 +770,79 @@ def run_bandwidth(run: str) -> float:
     return float(re.search(r"bandwidth: read (\d+(?:\.\d+)?) GB/s", log).group(1))
 
 
+def _row(run: str, r: dict, bw: float) -> dict:
+    return {"run": run, "config": r["config"], "batch": int(r["batch"]),
+            "context": int(r["context"]), "pct": float(r["fp4_pct_bw"]),
+            "us": float(r["fp4_us"]), "bytes": int(r["fp4_bytes"]), "bw": bw,
+            "k8v4": r["config"].startswith("k8v4"),
+            "transforms": r["config"] in TRANSFORM_CONFIGS, "order": "seq"}
+
+
+def _wanted(r: dict) -> bool:
+    return r["shape"] == "32/8/128" and r["status"] == "ok" and r["backend"] == "cuda"
+
+
 def measured_rows(run: str) -> list[dict]:
+    """The cuda rows (32/8/128) of a bench run: bench.csv, or the named JSON file."""
+    for name, fname in JSON_RUNS:
+        if name == run:
+            data = json.loads((RESULTS / run / fname).read_text())
+            return [_row(run, r, data["bandwidth"]["read_GBps"]) for r in data["rows"] if _wanted(r)]
+    bw = run_bandwidth(run)
+    return [_row(run, r, bw) for r in csv.DictReader(open(RESULTS / run / "bench.csv")) if _wanted(r)]
+
+
+def tune_log_rows(run: str, fname: str) -> list[dict]:
+    """The attention rows of a benchmarks/tune_cuda.py log (32/8/128, plain cache), one
+    section per build; bytes as tune_cuda.py counts them (codes, scales, Q and O)."""
     rows = []
-    for r in csv.DictReader(open(RESULTS / run / "bench.csv")):
-        if r["shape"] != "32/8/128" or r["status"] != "ok" or r["backend"] != "cuda":
-            continue
-        rows.append({"run": run, "config": r["config"], "batch": int(r["batch"]),
-                     "context": int(r["context"]), "pct": float(r["fp4_pct_bw"]),
-                     "bw": run_bandwidth(run)})
+    text = (RESULTS / run / fname).read_text()
+    for sec in re.split(r"^== ", text, flags=re.M)[1:]:
+        name = sec.split()[0]
+        bw = float(re.search(r"HBM read bandwidth \(torch\.sum fp32 2 GiB\): (\d+) GB/s", sec).group(1))
+        for b, ctx, us, pct in re.findall(r"attn batch\s+(\d+) x\s+(\d+) \(block 16\):.*?graph"
+                                           r"\s+([\d.]+) us.*?=\s*([\d.]+)%", sec):
+            b, ctx = int(b), int(ctx)
+            rows.append({"run": f"{run}:{name}", "config": "plain", "batch": b, "context": ctx,
+                         "pct": float(pct), "us": float(us), "bw": bw,
+                         "bytes": b * ctx * 8 * (128 + 2) + 2 * b * 32 * 128 * 2,
+                         "k8v4": False, "transforms": False,
+                         "order": "seq" if name.startswith("seq") else "kv"})
     return rows
 
 
-STREAMING_MIN_TILES = 32
+def all_measured_rows() -> list[dict]:
+    runs = RUNS + [name for name, fname in JSON_RUNS if (RESULTS / name / fname).exists()]
+    rows = [r for run in runs for r in measured_rows(run)]
+    for run, fname in LOG_RUNS:
+        if (RESULTS / run / fname).exists():
+            rows += tune_log_rows(run, fname)
+    return rows
 
 
-def tiles_per_warp(batch: int, context: int, kv_heads: int = 8, hw: H100 = H100()) -> float:
-    return batch * kv_heads * context / TILE_TOKENS / (hw.sms * hw.warps_per_sm)
+def predict_row(row: dict, kernel: dict, k: float, hw: H100 = H100(), overfetch: bool = False) -> dict:
+    """`cuda_call` for a measured row with the counted kernel (`cuda_report`'s entry);
+    overfetch: with the scale sectors' over-fetch of the row's grid order."""
+    c = cuda_call(row["batch"], row["context"], kernel["cycles"]["sm_clk"], kernel["tile_bytes"],
+                  row["bw"], k, hw, transforms=row["transforms"],
+                  cta_order=row["order"] if overfetch else None)
+    c["pct"] = call_pct(row["bytes"], c["total_us"], row["bw"])
+    return c
+
+
+def _within(d: list, pts: float) -> int:
+    return sum(abs(x) <= pts for x in d)
 
 
 # ----------------------------------------------------------------------------------------------
-def cuda_report(sass: str, clocks=(1.98, 1.755)) -> tuple[str, dict]:
+def cuda_report(sass: str, hw: H100 = H100(),
+                measured_clk: dict | None = None) -> tuple[str, dict]:
+    """The counts, the call model against every measured row, and (measured_clk: {"FP4": SM
+    clocks per tile, "K8V4": ...} from compute_bound_check.py) the model with those clocks."""
     funcs = parse_sass(sass)
     res = {}
     lines = ["## cuda decode kernel (sm_90a SASS), per 16-token tile of one warp", ""]
+    kernels = {}
     for label, name, tb in (("FP4 <128, bf16, false, false>", CUDA_DECODE, FP4_TILE_BYTES),
                             ("K8V4 <128, bf16, false, true>", CUDA_DECODE_K8V4, K8V4_TILE_BYTES)):
         code = funcs[name]
@@ -542,9 +850,10 @@ def cuda_report(sass: str, clocks=(1.98, 1.755)) -> tuple[str, dict]:
         hot = hot_path(code, h, b)
         c = count_classes(hot)
         allc = count_classes(code[h:b + 1])
-        cyc = cuda_tile_cycles(c)
-        res[label] = {"counts": c, "all": allc, "cycles": cyc, "tile_bytes": tb,
-                      "loop": (code[h].addr, code[b].addr)}
+        cyc = cuda_tile_cycles(c, hw)
+        res[label] = kernels["K8V4" if label.startswith("K8V4") else "FP4"] = {
+            "counts": c, "all": allc, "cycles": cyc, "tile_bytes": tb,
+            "loop": (code[h].addr, code[b].addr)}
         lines.append(f"{label}: loop 0x{code[h].addr:x}..0x{code[b].addr:x}, hot path "
                      f"{c['total']} instructions ({allc['total']} in the whole loop range)")
         lines.append("| class | " + " | ".join(CUDA_CLASSES) + " | total |")
@@ -558,62 +867,180 @@ def cuda_report(sass: str, clocks=(1.98, 1.755)) -> tuple[str, dict]:
         lines.append("scheduler clocks per warp-tile: " + ", ".join(f"{k} {v:.0f}" for k, v in lim.items())
                      + f" -> {cyc['bound']}-bound, {cyc['sm_clk']:.1f} SM clocks per tile; tile bytes {tb}")
         lines.append("")
-    lines.append("## predicted vs measured, H100 SXM (32/8/128; % of the run's measured read bandwidth)")
+
+    rows = all_measured_rows()
+    key = lambda r: (r["run"], r["config"], r["batch"], r["context"])  # noqa: E731
+    kern = lambda r: kernels["K8V4" if r["k8v4"] else "FP4"]  # noqa: E731
+    train = next(r for r in rows if key(r) == OVERLAP_TRAIN_ROW)
+    kt = kern(train)
+    k = fit_overlap_k(train, kt["cycles"]["sm_clk"], kt["tile_bytes"], hw)
+    k_of = fit_overlap_k(train, kt["cycles"]["sm_clk"], kt["tile_bytes"], hw, cta_order=train["order"])
+    res.update(k=k, k_overfetch=k_of)
+    t = tuning_constants()
+    lines += [
+        "## one call on H100 SXM: predicted vs measured (32/8/128, bf16, block 16; % of each run's "
+        "measured read bandwidth)", "",
+        f"Constants: SM clock {hw.clock_ghz} GHz, {hw.sms} SMs x {t['DECODE_MIN_BLOCKS']} CTAs of "
+        f"{t['DECODE_WARPS']} warps, {t['DECODE_STAGES']} stages (tuning.cuh); per-call costs from "
+        f"NOTES_cuda.md session 3's timeline: DRAM round trip {hw.dram_latency_us} us (x 2 per "
+        f"CTA prologue, and Little's law), merge {hw.merge_us} us, grid boundary "
+        f"{hw.boundary_us} us, reduce {hw.reduce_us} us + relaunch {hw.relaunch_us} us when "
+        f"split, Q/O transforms {hw.transforms_us} us (default and k8v4 configs; session 4). "
+        f"Fitted: overlap exponent k = {k:.2f} on the ONE row {train['run'][5:]} "
+        f"{train['config']} {train['batch']} x {train['context'] // 1024}k (measured "
+        f"{train['pct']:.1f} %); every other row is held back.",
+        "",
+        "Columns: P x n = partition x partitions (tuning.cuh's wave model), CTAs / waves of "
+        f"{hw.sms * t['DECODE_MIN_BLOCKS']} slots; throughput-only = the first version "
+        "(max(HBM, issue) per tile, no fixed costs); model = this version (stream + fixed us); "
+        "bound = the largest term of the overlap in the first wave (or the fixed costs where they "
+        "are the larger part). Sensitivity, not the model: grid order seq (before 06d9709) / kv "
+        "(HEAD) with the scale-sector fetches per (sequence, tile) that order gives "
+        f"(`scale_fetches`: 1 = shared by the 8 heads, 8 = none shared, +{scale_sector_overfetch():.0f} B "
+        f"per tile), and the model with those bytes, k refit on the same row (k = {k_of:.2f}).",
+        "",
+        "| run | config | batch x context | P x n | CTAs / waves | measured % (us) | "
+        "throughput-only % | model % (stream + fixed us) | model - measured | bound | "
+        "order: fetches | with over-fetch % (- measured) |",
+        "|---" * 12 + "|"]
+    table = []
+    for r in rows:
+        kk = kern(r)
+        old = predict_pct(kk["cycles"]["sm_clk"], hw.clock_ghz, kk["tile_bytes"], r["bw"], hw.sms)
+        c = predict_row(r, kk, k, hw)
+        alt = predict_row(r, kk, k_of, hw, overfetch=True)
+        is_train = r is train
+        table.append((r, c, alt, old, is_train))
+        lines.append(
+            f"| {r['run'][5:]} ({r['bw']:.0f} GB/s) | {r['config']} | {r['batch']} x "
+            f"{r['context'] // 1024}k{' (fit)' if is_train else ''} | {c['P']} x {c['nparts']} | "
+            f"{c['ctas']} / {c['waves']} | {r['pct']:.1f} ({r['us']:.1f}) | {old['pct']:.0f} | "
+            f"{c['pct']:.1f} ({c['stream_us']:.1f} + {c['fixed_us']:.1f}) | "
+            f"{c['pct'] - r['pct']:+.1f} | {c['bound']} | {r['order']}: {alt['fetches']:.1f} | "
+            f"{alt['pct']:.1f} ({alt['pct'] - r['pct']:+.1f}) |")
+    res["rows"] = table
     lines.append("")
-    lines.append("tiles/warp = batch x 8 kv heads x context / 16 / (132 SMs x 16 warps); below "
-                 f"{STREAMING_MIN_TILES} the per-CTA fixed costs (first-tile latency, merge, split-KV "
-                 "reduce) dominate: outside the model (marked *). busy = instruction time / HBM time.")
-    lines.append("")
-    hdr = "| run | config | batch x context | tiles/warp | measured % | " + " | ".join(
-        f"predicted % @ {c} GHz (issue/HBM ns)" for c in clocks) + " | diff (pts, first clock) |"
-    lines.append(hdr)
-    lines.append("|---" * (6 + len(clocks)) + "|")
-    rows = []
-    for run in RUNS:
-        for m in measured_rows(run):
-            if m["batch"] < 16:
+    held = [(r, c, a, o) for r, c, a, o, tr in table if not tr]
+    for title, idx in (("model", 1), ("with over-fetch (sensitivity)", 2)):
+        d = [x[idx]["pct"] - x[0]["pct"] for x in held]
+        shapes = {(x[0]["batch"], x[0]["context"]) for x in held}
+        bad = {(x[0]["batch"], x[0]["context"]) for x in held if abs(x[idx]["pct"] - x[0]["pct"]) > 10}
+        lines.append(f"{title}, held-back rows: {_within(d, 10)} of {len(d)} within 10 points "
+                     f"({_within(d, 5)} within 5), {title.split(' (')[0]} - measured {min(d):+.1f} "
+                     f".. {max(d):+.1f}, mean |diff| {sum(map(abs, d)) / len(d):.1f}; "
+                     f"{len(shapes) - len(bad)} of {len(shapes)} batch x context shapes have every "
+                     f"row within 10" + (f" (not: {', '.join(f'{b} x {c // 1024}k' for b, c in sorted(bad))})"
+                                         if bad else ""))
+        if idx == 1:
+            res["held_diffs"] = d
+        groups = [("bench runs d, e, f", lambda r: ":" not in r["run"]),
+                  ("tune_cuda.py run g", lambda r: ":" in r["run"]),
+                  ("FP4", lambda r: not r["k8v4"]), ("K8V4 (the other kernel)", lambda r: r["k8v4"]),
+                  ("batch 1", lambda r: r["batch"] == 1), ("batch 16", lambda r: r["batch"] == 16),
+                  ("batch >= 64", lambda r: r["batch"] >= 64)]
+        for name, sel in groups:
+            dd = [x[idx]["pct"] - x[0]["pct"] for x in held if sel(x[0])]
+            od = [x[3]["pct"] - x[0]["pct"] for x in held if sel(x[0])]
+            if dd:
+                lines.append(f"  {name}: {len(dd)} rows, {_within(dd, 10)} within 10 points "
+                             f"({_within(dd, 5)} within 5), {min(dd):+.1f} .. {max(dd):+.1f}"
+                             + (f"; throughput-only: {_within(od, 10)} within 10, {min(od):+.1f} .. "
+                                f"{max(od):+.1f}" if idx == 1 else ""))
+    lines += ["", "How much the fit depends on its training row: k fitted on another single row, "
+              "the rest held back:", "",
+              "| training row | measured % | k | held-back rows within 10 / 5 points | range |",
+              "|---|---|---|---|---|"]
+    for tk in (OVERLAP_TRAIN_ROW, ("h100-2026-11-24d", "default", 64, 32768),
+               ("h100-2026-11-24d", "k8v4", 64, 16384), ("h100-2026-11-24e", "default", 64, 16384),
+               ("h100-2026-11-24d", "default", 16, 16384), ("h100-2026-11-24e", "default", 128, 32768),
+               ("h100-2026-11-24g:kv", "plain", 64, 16384)):
+        tr = next((r for r in rows if key(r) == tk), None)
+        if tr is None:
+            continue
+        kf = fit_overlap_k(tr, kern(tr)["cycles"]["sm_clk"], kern(tr)["tile_bytes"], hw)
+        dd = [predict_row(r, kern(r), kf, hw)["pct"] - r["pct"] for r in rows if r is not tr]
+        lines.append(f"| {tk[0][5:]} {tk[1]} {tk[2]} x {tk[3] // 1024}k | {tr['pct']:.1f} | "
+                     f"{kf:.2f} | {_within(dd, 10)} / {_within(dd, 5)} of {len(dd)} | "
+                     f"{min(dd):+.1f} .. {max(dd):+.1f} |")
+    # the grid-order A/B of the g run: measured change against the over-fetch term's
+    ab = {}
+    for r in rows:
+        if ":" in r["run"]:
+            ab.setdefault((r["batch"], r["context"]), {}).setdefault(r["order"], []).append(r)
+    if ab:
+        lines += ["", "Grid order A/B (run g, one call, two builds of each order): the measured "
+                  "change of the call time from seq to kv order (mean of the two builds) against "
+                  "the change the over-fetch term predicts (same bandwidth for both: the mean of "
+                  "the four sections'; k as in the sensitivity column):", "",
+                  "| batch x context | measured us seq -> kv | measured change | predicted us "
+                  "seq -> kv | predicted change | fetches seq -> kv |", "|---|---|---|---|---|---|"]
+        bw = sum(r["bw"] for d in ab.values() for rs in d.values() for r in rs) / sum(
+            len(rs) for d in ab.values() for rs in d.values())
+        for (b, ctx), d in sorted(ab.items()):
+            if "seq" not in d or "kv" not in d:
                 continue
-            label = "K8V4 <128, bf16, false, true>" if m["config"].startswith("k8v4") else "FP4 <128, bf16, false, false>"
-            r = res[label]
-            preds = [predict_pct(r["cycles"]["sm_clk"], ck, r["tile_bytes"], m["bw"], H100().sms) for ck in clocks]
-            tpw = tiles_per_warp(m["batch"], m["context"])
-            rows.append((m, preds, tpw))
-            star = "*" if tpw < STREAMING_MIN_TILES else ""
-            lines.append(f"| {m['run'][5:]} ({m['bw']:.0f} GB/s) | {m['config']} | {m['batch']} x {m['context'] // 1024}k{star} | "
-                         f"{tpw:.0f} | {m['pct']:.1f} | " + " | ".join(
-                             f"{p['pct']:.0f} ({p['issue_ns']:.0f}/{p['hbm_ns']:.0f} ns, busy "
-                             f"{100 * p['issue_ns'] / p['hbm_ns']:.0f} %)" for p in preds)
-                         + f" | {preds[0]['pct'] - m['pct']:+.1f} |")
-    res["rows"] = rows
-    lines.append("")
-    for kind in ("FP4", "K8V4"):
-        d = [p[0]["pct"] - m["pct"] for m, p, t in rows
-             if t >= STREAMING_MIN_TILES and m["config"].startswith("k8v4") == (kind == "K8V4")]
-        if d:
-            lines.append(f"{kind}, streaming shapes (>= {STREAMING_MIN_TILES} tiles/warp): predicted - measured "
-                         f"{min(d):+.1f} .. {max(d):+.1f} points over {len(d)} rows, "
-                         f"{sum(abs(x) <= 10 for x in d)} within 10 points")
+            ms, mk = (sum(r["us"] for r in d[o]) / len(d[o]) for o in ("seq", "kv"))
+            ps, pk = (predict_row(dict(d[o][0], bw=bw), kernels["FP4"], k_of, hw, overfetch=True)
+                      for o in ("seq", "kv"))
+            lines.append(f"| {b} x {ctx // 1024}k | {ms:.1f} -> {mk:.1f} | {100 * (mk / ms - 1):+.1f} % | "
+                         f"{ps['total_us']:.1f} -> {pk['total_us']:.1f} | "
+                         f"{100 * (pk['total_us'] / ps['total_us'] - 1):+.1f} % | "
+                         f"{ps['fetches']:.1f} -> {pk['fetches']:.1f} |")
+    if measured_clk:
+        lines += ["", "### The model with the measured compute-bound clocks instead of the counts", "",
+                  "SM clocks per tile (compute_bound_check.py, L2-resident slope): " + ", ".join(
+                      f"{n} {measured_clk[n]:.1f} (counted {kernels[n]['cycles']['sm_clk']:.1f}, x "
+                      f"{measured_clk[n] / kernels[n]['cycles']['sm_clk']:.2f})" for n in kernels
+                      if n in measured_clk) + "; k refit on the same row:", ""]
+        mk = {n: dict(kernels[n], cycles={"sm_clk": measured_clk.get(n, kernels[n]["cycles"]["sm_clk"])})
+              for n in kernels}
+        for overfetch in (False, True):
+            kf = fit_overlap_k(train, mk["K8V4" if train["k8v4"] else "FP4"]["cycles"]["sm_clk"],
+                               kt["tile_bytes"], hw, cta_order=train["order"] if overfetch else None)
+            dd = [predict_row(r, mk["K8V4" if r["k8v4"] else "FP4"], kf, hw, overfetch)["pct"] - r["pct"]
+                  for r in rows if r is not train]
+            res[f"measured_k{'_overfetch' if overfetch else ''}"] = kf
+            lines.append(f"- {'with' if overfetch else 'without'} the scale-sector over-fetch: k = "
+                         f"{kf:.2f}, {_within(dd, 10)} of {len(dd)} held-back rows within 10 points "
+                         f"({_within(dd, 5)} within 5), {min(dd):+.1f} .. {max(dd):+.1f}, mean |diff| "
+                         f"{sum(map(abs, dd)) / len(dd):.1f}")
+    res["kernels"] = kernels
     return "\n".join(lines), res
 
 
-def hip_report(asm: str, hw: MI355X = MI355X()) -> tuple[str, dict]:
-    lines = ["## gfx950 partition kernels (decode, bf16, HEAD 128, block 16, GQA 8), MI355X",
-             "", "per wave and 256-token partition (= 4 tiles per wave); per-tile = / 4", ""]
+HIP_PATHS = [  # (label, arch, native, K8V4 keys, GPU constants)
+    ("gfx950 native FP4", "gfx950", True, False, MI355X()),
+    ("gfx950 LUT", "gfx950", False, False, MI355X()),
+    ("gfx950 K8V4 native", "gfx950", True, True, MI355X()),
+    ("gfx942 LUT", "gfx942", False, False, MI300X()),
+]
+
+
+def hip_report(asms, hw: MI355X | None = None, k: float = math.inf) -> tuple[str, dict]:
+    """The AMD partition kernels: counts, where they are, the per-tile limits and the predicted
+    % of HBM bandwidth. asms: {arch: assembly} (a str is gfx950's alone); k: the overlap
+    exponent fitted on the cuda side (inf: the throughput-only max)."""
+    if isinstance(asms, str):
+        asms = {"gfx950": asms}
+    lines = ["## AMD partition kernels (decode, bf16, HEAD 128, block 16, GQA 8): gfx950 on "
+             "MI355X, gfx942 on MI300X", "",
+             "per wave and 256-token partition (= 4 tiles per wave); per-tile = / 4", ""]
     res = {}
     cols = AMD_CLASSES + ["valu_packed", "vmcnt0", "total", "lds_bytes"]
     lines.append("| path | " + " | ".join(cols) + " |")
     lines.append("|---" * (len(cols) + 1) + "|")
-    for label, native, e4 in (("native FP4", True, False), ("LUT", False, False),
-                              ("K8V4 native", True, True)):
-        ins, labels = parse_amd_body(hip_partition_body(asm, native, e4))
+    for label, arch, native, e4, gpu in HIP_PATHS:
+        if arch not in asms:
+            continue
+        ins, labels = parse_amd_body(hip_partition_body(asms[arch], native, e4))
         loops = amd_loops(ins, labels)
-        trips = HIP_DECODE_TRIPS if len(loops) == len(HIP_DECODE_TRIPS) else None
-        if trips is None:
+        if len(loops) != len(HIP_DECODE_TRIPS):
             lines.append(f"{label}: {len(loops)} loops, expected {len(HIP_DECODE_TRIPS)}; skipped")
             continue
-        c, lp = amd_counts(ins, labels, trips)
+        c, lp = amd_counts(ins, labels, HIP_DECODE_TRIPS)
         tb = K8V4_TILE_BYTES if e4 else FP4_TILE_BYTES
-        res[label] = {"counts": c, "loops": lp, "tile_bytes": tb, "regions": amd_regions(ins, labels, trips)}
+        res[label] = {"counts": c, "loops": lp, "tile_bytes": tb, "hw": hw or gpu, "arch": arch,
+                      "regions": amd_regions(ins, labels, HIP_DECODE_TRIPS)}
         lines.append(f"| {label} | " + " | ".join(str(c[k]) for k in cols) + " |")
     lines.append("")
     lines.append("where a wave's instructions are (count incl. trip counts / of them VALU), per partition:")
@@ -625,55 +1052,78 @@ def hip_report(asm: str, hw: MI355X = MI355X()) -> tuple[str, dict]:
         lines.append(f"| {label} | " + " | ".join(f"{r['regions'][n][0]} / {r['regions'][n][1]}"
                                                  for n in names) + " |")
     lines.append("")
-    lines.append("| path | valu clk/tile/CU | mfma | salu | lds issue | lds bw | vmem issue | bound | "
-                 "instr ns/tile/CU | HBM ns/tile/CU | predicted % of 8 TB/s | with VALU 1 clk | "
-                 "VALU of the tile work only (no prologue/epilogue) |")
-    lines.append("|---" * 14 + "|")
+    kk = "inf" if math.isinf(k) else f"{k:.2f}"
+    lines.append("| path | GPU | valu clk/tile/CU | mfma | salu | lds issue | lds bw | vmem issue | "
+                 "bound | instr ns/tile/CU | HBM ns/tile/CU | predicted % of HBM, max() | "
+                 f"predicted %, overlap k = {kk} | with VALU 1 clk | VALU of the tile work only "
+                 "(no prologue/epilogue) |")
+    lines.append("|---" * 15 + "|")
     for label, r in res.items():
-        cyc = amd_tile_cycles(r["counts"], hw)
-        p = predict_pct(cyc["cu_clk"], hw.clock_ghz, r["tile_bytes"], hw.bw_gbs, hw.cus)
-        cyc1 = amd_tile_cycles(r["counts"], dataclasses.replace(hw, valu_clk=1.0))
-        p1 = predict_pct(cyc1["cu_clk"], hw.clock_ghz, r["tile_bytes"], hw.bw_gbs, hw.cus)
-        r.update(cycles=cyc, pred=p, pred_valu1=p1, bound1=cyc1["bound"])
-        L = cyc["limits_cu"]
+        g = r["hw"]
+        cyc = amd_tile_cycles(r["counts"], g)
+        p = predict_pct(cyc["cu_clk"], g.clock_ghz, r["tile_bytes"], g.bw_gbs, g.cus)
+        pk = predict_pct(cyc["cu_clk"], g.clock_ghz, r["tile_bytes"], g.bw_gbs, g.cus, k)
+        cyc1 = amd_tile_cycles(r["counts"], dataclasses.replace(g, valu_clk=1.0))
+        p1 = predict_pct(cyc1["cu_clk"], g.clock_ghz, r["tile_bytes"], g.bw_gbs, g.cus, k)
         bound = "memory" if p["bound"] == "memory" else cyc["bound"]
         bound1 = "memory" if p1["bound"] == "memory" else cyc1["bound"]
-        lines.append(f"| {label} | {L['valu']:.0f} | {L['mfma']:.0f} | {L['salu']:.0f} | {L['lds_issue']:.0f} | "
+        r.update(cycles=cyc, pred=p, pred_k=pk, pred_valu1=p1, bound=bound, bound1=bound1)
+        L = cyc["limits_cu"]
+        lines.append(f"| {label} | {g.name} ({g.bw_gbs / 1000:g} TB/s) | {L['valu']:.0f} | "
+                     f"{L['mfma']:.0f} | {L['salu']:.0f} | {L['lds_issue']:.0f} | "
                      f"{L['lds_bw']:.0f} | {L['vmem_issue']:.0f} | {bound} | {p['issue_ns']:.0f} | "
-                     f"{p['hbm_ns']:.0f} | {p['pct']:.0f} % | {p1['pct']:.0f} % ({bound1}) | "
-                     f"{steady_valu_pct(r, hw):.0f} % |")
+                     f"{p['hbm_ns']:.0f} | {p['pct']:.1f} % | {pk['pct']:.1f} % | "
+                     f"{p1['pct']:.0f} % ({bound1}) | {steady_valu_pct(r, g, k):.0f} % |")
+    if res:
+        lines += ["", "### Estimate (steady-state 16-token tile; the cuda validation's overlap "
+                  f"term, k = {kk})", "", "| path | GPU | predicted % of HBM bandwidth | "
+                  "limiting bound | instruction / HBM time per tile per CU |", "|---|---|---|---|---|"]
+        for label, r in res.items():
+            lines.append(f"| {label} | {r['hw'].name} | {r['pred_k']['pct']:.1f} % | {r['bound']} | "
+                         f"{r['pred']['issue_ns']:.0f} / {r['pred']['hbm_ns']:.0f} ns |")
     return "\n".join(lines), res
 
 
-def steady_valu_pct(r: dict, hw: MI355X = MI355X()) -> float:
+def steady_valu_pct(r: dict, hw: MI355X = MI355X(), k: float = math.inf) -> float:
     """% of bandwidth if only the VALU work between the first and the last MFMA and the V decode
     loops counted (what a longer partition would approach), with the VALU at hw.valu_clk."""
     valu = sum(v for k, (n, v) in r["regions"].items()
                if k.startswith(("V decode", "rest from the first")))
     cu_clk = valu * hw.valu_clk / hw.tiles_per_wave / hw.simds
-    return predict_pct(cu_clk, hw.clock_ghz, r["tile_bytes"], hw.bw_gbs, hw.cus)["pct"]
+    return predict_pct(cu_clk, hw.clock_ghz, r["tile_bytes"], hw.bw_gbs, hw.cus, k)["pct"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-hip", action="store_true")
     ap.add_argument("--hip-src", type=Path, help="a copy of csrc_hip to compile instead")
+    ap.add_argument("--cuda-src", type=Path, help="a copy of csrc_cuda to compile instead")
+    ap.add_argument("--compute-bound", type=Path, metavar="JSON",
+                    help="compute_bound.json of benchmarks/compute_bound_check.py: also the model "
+                         "with its measured SM clocks per tile")
     args = ap.parse_args(argv)
+    measured = None
+    if args.compute_bound:
+        cb = json.loads(args.compute_bound.read_text())
+        measured = {n: cb[f"slope_{n}"] for n in ("FP4", "K8V4") if f"slope_{n}" in cb}
     from _tools import find_clang, find_nvcc, find_tool
     nvcc, cuobj = find_nvcc(), find_tool("cuobjdump")
+    k = math.inf
     if nvcc and cuobj:
-        text, _ = cuda_report(cuda_sass(nvcc, cuobj))
+        text, res = cuda_report(cuda_sass(nvcc, cuobj, args.cuda_src), measured_clk=measured)
+        k = res["k"]
         print(text)
     else:
-        print("cuda part skipped: nvcc/cuobjdump not found")
+        print("cuda part skipped: nvcc/cuobjdump not found (the AMD rows use k = inf)")
     if not args.no_hip:
         clang = find_clang()
         if clang:
             print()
-            text, _ = hip_report(hip_asm(clang, args.hip_src))
+            text, _ = hip_report({arch: hip_asm(clang, args.hip_src, arch)
+                                  for arch in ("gfx950", "gfx942")}, k=k)
             print(text)
         else:
-            print("gfx950 part skipped: clang-22 not found")
+            print("AMD part skipped: clang-22 not found")
     return 0
 
 

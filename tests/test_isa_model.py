@@ -7,6 +7,9 @@ the sources' hash, so a second run is fast.
 """
 from __future__ import annotations
 
+import math
+import shutil
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -118,11 +121,16 @@ def test_amd_counts_and_model_arithmetic():
 # the real kernels
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def sass():
+def sass_text():
     nvcc, cuobj = find_nvcc(), find_tool("cuobjdump")
     if nvcc is None or cuobj is None:
         pytest.skip("needs nvcc and cuobjdump (tests/_tools.py; bash .ci/install gets them)")
-    return im.parse_sass(im.cuda_sass(nvcc, cuobj))
+    return im.cuda_sass(nvcc, cuobj)
+
+
+@pytest.fixture(scope="module")
+def sass(sass_text):
+    return im.parse_sass(sass_text)
 
 
 @pytest.mark.parametrize("name", [im.CUDA_DECODE, im.CUDA_DECODE_K8V4], ids=["fp4", "k8v4"])
@@ -173,3 +181,184 @@ def test_gfx950_partition_counts(hip_asm, native):
     p = im.predict_pct(cyc["cu_clk"], 2.4, im.FP4_TILE_BYTES, 8000.0, 256)
     print("native" if native else "lut", dict(c), cyc, p)
     assert 0 < p["pct"] <= 100
+
+
+# ---------------------------------------------------------------------------------------------
+# the call model (partitions, waves, overlap, per-call fixed costs)
+# ---------------------------------------------------------------------------------------------
+def test_smooth_max_between_max_and_sum():
+    assert im.smooth_max([3.0, 4.0]) == 4.0                    # k = inf: max()
+    assert im.smooth_max([3.0, 4.0], 1.0) == pytest.approx(7.0)  # k = 1: no overlap
+    prev = 7.0
+    for k in (1.5, 2.0, 3.4, 10.0, 60.0):
+        v = im.smooth_max([3.0, 4.0], k)
+        assert 4.0 < v < prev  # above max(), falls towards it as k grows
+        prev = v
+    assert im.smooth_max([3.0, 4.0], 1000.0) == pytest.approx(4.0, rel=1e-3)
+    assert im.smooth_max([1e200, 2e200], 50.0) == pytest.approx(2e200, rel=1e-6)  # no overflow
+    assert im.smooth_max([0.0, 5.0], 2.0) == 5.0 and im.smooth_max([], 2.0) == 0.0
+
+
+@pytest.mark.parametrize("k", [1.0, 2.0, 3.4, math.inf])
+def test_overlap_never_predicts_above_100(k):
+    for issue in (1.0, 50.0, 99.0, 100.0, 101.0, 400.0):
+        p = im.predict_pct(issue, 1.0, 2080, 2080 * 132 / 100.0, 132, k)  # HBM 100 ns per tile
+        full = im.predict_pct(issue, 1.0, 2080, 2080 * 132 / 100.0, 132)
+        assert 0 < p["pct"] <= full["pct"] <= 100.0
+        if math.isinf(k):
+            assert p["pct"] == full["pct"]
+    for batch, ctx in ((1, 4096), (16, 16384), (64, 32768), (128, 4096)):
+        c = im.cuda_call(batch, ctx, 118.5, im.FP4_TILE_BYTES, 3000.0, k)
+        nbytes = batch * ctx * 8 * 130
+        assert 0 < im.call_pct(nbytes, c["total_us"], 3000.0) < 100.0
+
+
+def _no_fixed_costs() -> "im.H100":
+    """H100 without the per-call costs of the timeline (the DRAM latency stays: Little's law)."""
+    return im.H100(merge_us=0.0, boundary_us=0.0, reduce_us=0.0, relaunch_us=0.0,
+                   transforms_us=0.0)
+
+
+def test_fixed_costs_make_small_shapes_slower():
+    pct = {}
+    for batch, ctx in ((1, 4096), (1, 32768), (16, 4096), (64, 16384)):
+        nbytes = batch * ctx * 8 * 130
+        c = im.cuda_call(batch, ctx, 118.5, im.FP4_TILE_BYTES, 3000.0, 3.0)
+        bare = im.cuda_call(batch, ctx, 118.5, im.FP4_TILE_BYTES, 3000.0, 3.0, _no_fixed_costs())
+        assert c["stream_us"] == bare["stream_us"]
+        assert bare["fixed_us"] == pytest.approx(2 * im.H100().dram_latency_us * c["waves"])
+        assert c["total_us"] > bare["total_us"]
+        pct[(batch, ctx)] = im.call_pct(nbytes, c["total_us"], 3000.0)
+        if c["nparts"] > 1:  # a split KV range pays the reduce pass and the relaunch after it
+            assert "reduce + relaunch" in c["fixed"]
+    assert pct[(1, 4096)] < pct[(1, 32768)] < pct[(64, 16384)]
+    assert pct[(16, 4096)] < pct[(64, 16384)]
+    assert pct[(1, 4096)] < 25  # batch 1 x 4k is nearly all fixed cost (measured ~15 %)
+    c = im.cuda_call(1, 4096, 118.5, im.FP4_TILE_BYTES, 3000.0, 3.0)
+    assert c["bound"].startswith("fixed costs")
+    # the default config pays the Q/O transforms on top
+    t = im.cuda_call(1, 4096, 118.5, im.FP4_TILE_BYTES, 3000.0, 3.0, transforms=True)
+    assert t["total_us"] == pytest.approx(c["total_us"] + im.H100().transforms_us)
+
+
+def test_waves_of_ctas():
+    # 264 slots (132 SMs x 2 CTAs): 33 sequences x 8 kv heads fill one wave, 66 two, 64 one
+    # and a part (the chooser keeps one partition for all three)
+    one, part, two = (im.cuda_call(b, 4096, 118.5, im.FP4_TILE_BYTES, 3000.0, 3.0, _no_fixed_costs())
+                      for b in (33, 64, 66))
+    assert [(c["nparts"], c["ctas"], c["waves"]) for c in (one, part, two)] == [
+        (1, 264, 1), (1, 512, 2), (1, 528, 2)]
+    assert two["stream_us"] == pytest.approx(2 * one["stream_us"])
+    # a partial wave shares the HBM among fewer CTAs but its SMs still hold 2: not cheaper per tile
+    assert part["stream_us"] / 64 >= one["stream_us"] / 33
+    # each wave pays a CTA prologue (two DRAM round trips) and merge
+    full = im.cuda_call(64, 4096, 118.5, im.FP4_TILE_BYTES, 3000.0, 3.0)
+    hw = im.H100()
+    assert full["fixed"]["prologue + merge per wave"] == pytest.approx(
+        2 * (2 * hw.dram_latency_us + hw.merge_us))
+
+
+# tuning.cuh's worked examples of choose_decode_partition_size (H100: 132 SMs)
+DECODE_PARTITIONS = [(32768, 8, 1024), (4096, 8, 256), (16384, 128, 8192), (4096, 512, 4096),
+                     (16384, 1024, 16384)]
+
+
+def test_partition_mirror_worked_examples():
+    t = im.tuning_constants()
+    assert (t["DECODE_WARPS"], t["MIN_PARTITION"]) == (8, 256) and t["DECODE_STAGES"] >= 2
+    for length, base, p in DECODE_PARTITIONS:
+        assert im.choose_decode_partition_size(length, base, 132) == p
+
+
+def test_tuning_constants_need_every_define(tmp_path):
+    f = tmp_path / "tuning.cuh"
+    f.write_text("#define TQ_DECODE_WARPS 8\n")
+    with pytest.raises(ValueError, match="TQ_DECODE_STAGES"):
+        im.tuning_constants(f)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_partition_mirror_matches_the_cpp(tmp_path):
+    grid = [(length, base, sms) for length in (1, 100, 256, 257, 1000, 4096, 5000, 16384, 32768, 131072)
+            for base in (1, 8, 100, 128, 264, 512, 1000, 1024, 4096) for sms in (132, 108)]
+    src = tmp_path / "mirror.cpp"
+    src.write_text('#include <cstdio>\n#include "tuning.cuh"\nint main() {\n' + "".join(
+        f'  std::printf("%d\\n", turboquant::tuning::choose_decode_partition_size({a}, {b}, {c}));\n'
+        for a, b, c in grid) + "}\n")
+    exe = tmp_path / "mirror"
+    subprocess.run(["g++", "-std=c++17", f"-I{im.TUNING_CUH.parent}", str(src), "-o", str(exe)],
+                   check=True)
+    got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
+                                          check=True).stdout.split()]
+    assert got == [im.choose_decode_partition_size(a, b, c) for a, b, c in grid]
+
+
+def test_scale_sector_fetches_by_grid_order():
+    assert im.scale_sector_bytes() == 256 and im.scale_sector_overfetch() == 224
+    assert im.scale_sector_overfetch(8, 1) == 0
+    # HEAD's order (the kv heads of a sequence are consecutive CTAs): one shared fetch
+    assert im.scale_fetches(128, 1, 8, 264, 200.0, 17.0, "kv") == 1.0
+    # the former order at one wave (16 x 16k: 256 CTAs start together): shared too
+    assert im.scale_fetches(16, 2, 8, 264, 100.0, 17.0, "seq") == 1.0
+    # ... at 128 x 16k the heads run 128 CTAs apart over four waves: 2 share the first wave
+    # (plus a third for 8 sequences), every later head fetches on its own
+    f = im.scale_fetches(128, 1, 8, 264, 200.0, 17.0, "seq")
+    assert 6.5 < f < 7.0
+    c_seq = im.cuda_call(128, 16384, 118.5, im.FP4_TILE_BYTES, 3000.0, 3.0, cta_order="seq")
+    c_kv = im.cuda_call(128, 16384, 118.5, im.FP4_TILE_BYTES, 3000.0, 3.0, cta_order="kv")
+    assert c_kv["fetches"] == 1.0 and c_seq["total_us"] > 1.05 * c_kv["total_us"]
+
+
+def test_fit_recovers_k_and_rows_are_read():
+    rows = im.all_measured_rows()
+    keys = {(r["run"], r["config"], r["batch"], r["context"]) for r in rows}
+    assert im.OVERLAP_TRAIN_ROW in keys and len(rows) >= 49
+    assert ("h100-2026-11-24f", "default", 128, 32768) in keys
+    assert all(r["bytes"] > 0 and 0 < r["pct"] < 100 and r["bw"] > 1000 for r in rows)
+    row = dict(next(r for r in rows if (r["run"], r["config"], r["batch"], r["context"])
+                    == im.OVERLAP_TRAIN_ROW))
+    c = im.cuda_call(row["batch"], row["context"], 118.5, im.FP4_TILE_BYTES, row["bw"], 3.0,
+                     transforms=row["transforms"])
+    row["pct"] = im.call_pct(row["bytes"], c["total_us"], row["bw"])
+    assert im.fit_overlap_k(row, 118.5, im.FP4_TILE_BYTES) == pytest.approx(3.0, rel=1e-3)
+
+
+def test_call_model_validation_on_the_real_sass(sass_text):
+    """The model with the kernel's counts against every measured H100 row (k fitted on one)."""
+    text, res = im.cuda_report(sass_text)
+    assert 1.5 < res["k"] < 10
+    d = res["held_diffs"]
+    assert len(d) >= 48 and sum(abs(x) <= 10 for x in d) >= 0.9 * len(d)
+    shapes = {(r["batch"], r["context"]) for r, c, a, o, train in res["rows"]
+              if not train and abs(c["pct"] - r["pct"]) <= 10}
+    assert len(shapes) >= 3
+    assert "Grid order A/B" in text
+
+
+def test_mi300x_constants():
+    g = im.MI300X()
+    # ROCm's MI300X table: Matrix FP8 4096 FLOPS/clock/CU, 2614.9 TFLOP/s; Vector FP64 128
+    assert g.simds * 2 * 16 * 16 * 32 / g.mfma_fp8_clk == 4096
+    assert g.cus * 4096 * g.clock_ghz * 1e9 / 1e12 == pytest.approx(2614.9, rel=1e-3)
+    assert g.simds * 64 / g.valu_clk * 2 == 128
+
+
+@pytest.fixture(scope="module")
+def hip_asm942():
+    clang = find_clang()
+    if clang is None:
+        pytest.skip(CLANG_MISSING)
+    return im.hip_asm(clang, arch="gfx942")
+
+
+def test_gfx942_lut_counts_and_estimate(hip_asm942):
+    ins, labels = im.parse_amd_body(im.hip_partition_body(hip_asm942, native=False))
+    assert len(im.amd_loops(ins, labels)) == len(im.HIP_DECODE_TRIPS)  # the gfx950 structure
+    c, _ = im.amd_counts(ins, labels, im.HIP_DECODE_TRIPS)
+    assert c["mfma"] == 64  # 16x16x32 fp8_fp8: four per 128-element step (tests/test_aiter_isa.py)
+    cyc = im.amd_tile_cycles(c, im.MI300X())
+    assert cyc["limits_cu"]["mfma"] == 64 * 16 / 4 / 4  # per tile (4 per wave), per CU (4 SIMDs)
+    text, res = im.hip_report({"gfx942": hip_asm942}, k=3.0)
+    r = res["gfx942 LUT"]
+    assert r["hw"].name == "MI300X" and 0 < r["pred_k"]["pct"] <= r["pred"]["pct"] <= 100
+    assert "gfx942 LUT | MI300X" in text
