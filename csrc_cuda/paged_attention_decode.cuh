@@ -551,7 +551,7 @@ template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
   cudaError_t e;
   if (p.prefill) {  // the binding chose it (tuning::use_prefill_kernel): one partition
-    if constexpr (!kStates && !kE4m3 && D <= 128) return launch_prefill_attention<D, T>(p, grid_x, stream);
+    if constexpr (D <= 128) return launch_prefill_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
     return cudaErrorInvalidValue;
   }
   if (use_decode_kernel(p.cu_query_lens != nullptr, p.group_size)) {

@@ -1,5 +1,6 @@
 // turboquant cuda backend (SM80-SM90): the prefill kernel, multi-token queries with many rows
-// per sequence (chunked prefill), FP4 keys, head dim 64 or 128. Torch-free. Shares the
+// per sequence (chunked prefill), head dim 64 or 128, FP4 or E4M3 (K8V4) keys, with or without
+// the lse output and learned sinks. Torch-free. Shares the
 // parameters, the Q transforms, the sink merge and the output un-rotation with
 // paged_attention.cuh (the general kernel, which serves everything this one declines).
 //
@@ -16,14 +17,14 @@
 //   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
 //   Rows are query-token major as in the general kernel: row R -> token R / G, head R % G.
 // Per KV step of TK = PREFILL_TILE tokens (PREFILL_STAGES-deep ring of raw codes):
-//   copy: thread t copies 16-byte chunk t of the K and of the V codes (token t / CPR) and
-//     threads [0, 2 TK) one scale word each (K, then V); 16-token sub-tiles outside the CTA's
-//     key range are not copied (their block may not exist); a bad block id of a needed
-//     sub-tile makes the CTA's rows NaN, never a read.
+//   copy: thread t copies 16-byte chunks t (+ 32 W i: E4M3 keys at D 128 have two) of the K
+//     and chunk t of the V codes, and threads [0, 2 TK) one scale word each (K, then V);
+//     16-token sub-tiles outside the CTA's key range are not copied (their block may not
+//     exist); a bad block id of a needed sub-tile makes the CTA's rows NaN, never a read.
 //   decode: the same thread decodes what it copied (no barrier needed) into the step's fp16
 //     buffer (two buffers; 16-byte chunk c of row r stored at c ^ (r & 7), so the 8 rows an
-//     ldmatrix reads hit distinct banks): values E2M1 * 2^-14; the scale bytes as ints; the
-//     V-scale maximum of the step's visible tokens (255 excluded).
+//     ldmatrix reads hit distinct banks): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the scale
+//     bytes as ints; the V-scale maximum of the step's visible tokens (255 excluded).
 //   compute (per warp, its 16 rows): S = Q K^T (Q fragments in registers, power-of-two
 //     prescaled per warp; K fragments by ldmatrix), logits = S * 2^(kb-127) * scale in the exp2
 //     domain, soft cap, causal / window masking by selection on boundary steps, online softmax
@@ -32,8 +33,9 @@
 //     range skip the compute.
 //   The step's decode is placed between the S and the P.V MMAs of the previous step, so one
 //   warp's integer work overlaps another's tensor-core work; one __syncthreads per step.
-// Epilogue: per row, O / l, the sink (rows whose window holds position 0), the un-rotation,
-//   the store; no cross-warp merge (each warp owns its rows). One partition (no split-KV).
+// Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
+//   and the lse (kStates), the un-rotation, the store; no cross-warp merge (each warp owns its
+//   rows). One partition (no split-KV).
 // NaN semantics follow the general kernel: a scale byte 255 of a visible token makes the rows
 // that see it NaN; masked tokens never reach a row; a state slot outside seq_state gives the
 // sequence's rows NaN (through Q).
@@ -45,16 +47,17 @@
 namespace turboquant {
 namespace cuda_fp4 {
 
-template <int D>
+template <int D, bool kE4m3>
 struct PrefillLayout {
-  static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS;
+  static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS, NT = 32 * W;
   static constexpr int TK = tuning::PREFILL_TILE, ST = tuning::PREFILL_STAGES;
-  static constexpr int ROWB = D / 2;              // bytes of one token's codes (K and V)
-  static constexpr int CPR = ROWB / 16;           // 16-byte code chunks per token
-  static constexpr int CHUNKS = TK * CPR;         // per cache and step
-  static_assert(CHUNKS <= 32 * W && 2 * TK <= 32 * W && TK % 32 == 0, "one copy per thread");
-  static constexpr int RAW_K = TK * ROWB, RAW_S = TK * 4;
-  static constexpr int RAW = 2 * RAW_K + 2 * RAW_S;  // K codes, V codes, K / V scale words
+  static constexpr int KROWB = KeyRow<D, kE4m3>::BYTES, VROWB = D / 2;  // code bytes per token
+  static constexpr int KCPR = KROWB / 16, VCPR = VROWB / 16;         // 16-byte chunks per token
+  static constexpr int KCH = TK * KCPR, VCH = TK * VCPR;              // chunks per step
+  static constexpr int NK = (KCH + NT - 1) / NT;                      // K chunks per thread
+  static_assert(VCH <= NT && 2 * TK <= NT && TK % 32 == 0, "one V chunk and one scale word per thread");
+  static constexpr int RAW_K = TK * KROWB, RAW_V = TK * VROWB, RAW_S = TK * 4;
+  static constexpr int RAW = RAW_K + RAW_V + 2 * RAW_S;  // K codes, V codes, K / V scale words
   static constexpr int DROW = 2 * D;                 // fp16 row bytes
   static constexpr int DEC_K = TK * DROW;
   static constexpr int OFF_SB = 2 * DEC_K;           // ints: K bytes [TK], V bytes [TK], V max [2]
@@ -85,15 +88,29 @@ __device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* ro
     *reinterpret_cast<uint4*>(row + dec_chunk(r, 4 * q + i) * 16) = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }
+// 16 E4M3 key bytes (K8V4: head-dim elements [16 q, 16 q + 16)) -> fp16 values E4M3 * 2^-8 in
+// head-dim order (decode_key8's placement, without its permutation), two chunks of row r.
+__device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* row, int r, int q) {
+  const uint4 w4 = *reinterpret_cast<const uint4*>(src);
+  const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint4 o = make_uint4(e4m3hi_to_f16x2(prmt(w[2 * i], 0, 0x1404u)), e4m3hi_to_f16x2(prmt(w[2 * i], 0, 0x3424u)),
+                               e4m3hi_to_f16x2(prmt(w[2 * i + 1], 0, 0x1404u)),
+                               e4m3hi_to_f16x2(prmt(w[2 * i + 1], 0, 0x3424u)));
+    *reinterpret_cast<uint4*>(row + dec_chunk(r, 2 * q + i) * 16) = o;
+  }
+}
 
 // grid (row groups * num_kv_heads, 1), block 32 * PREFILL_WARPS, dynamic smem
-// PrefillLayout<D>::TOTAL bytes. Requires cu_query_lens, FP4 keys, no lse / learned sinks,
-// num_partitions == 1 (tuning::use_prefill_kernel).
-template <int D, typename T>
+// PrefillLayout<D>::TOTAL bytes. Requires cu_query_lens, FP4 keys, num_partitions == 1
+// (tuning::use_prefill_kernel). kStates: the lse output or learned sinks are asked for (as the
+// general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
+template <int D, typename T, bool kStates, bool kE4m3>
 __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
     paged_attention_fp4_prefill_kernel(const AttnParams p) {
-  using L = PrefillLayout<D>;
-  constexpr int TK = L::TK, ST = L::ST, CPR = L::CPR, ROWB = L::ROWB;
+  using L = PrefillLayout<D, kE4m3>;
+  constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -128,16 +145,21 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
   const bool sink_here = p.sink && lo_min == 0 && seq_len > 0;
   const int r_lo = max(lo_min, p.sink ? 1 : 0), r_hi = min(hi_max + 1, seq_len);  // [r_lo, r_hi)
 
-  auto write_const_rows = [&](float oval) {  // nothing visible: 0; a bad block id: NaN
+  // constant rows: nothing visible (0, lse of the learned sink or -inf); a bad block id (NaN)
+  auto write_const_rows = [&](float oval, float mval) {
     for (int i = tid; i < L::ROWS * D; i += blockDim.x) {
       const int R = row0 + i / D;
       if (R >= nrows) continue;
-      T* o = reinterpret_cast<T*>(p.out) + (q0 + R / G) * p.o_stride_tok + (kvh * G + R % G) * p.o_stride_head;
+      const int tok = q0 + R / G, head = kvh * G + R % G;
+      T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
       o[i % D] = from_float<T>(oval);
+      if constexpr (kStates) {
+        if (i % D == 0 && p.lse != nullptr) p.lse[(size_t)tok * p.num_heads + head] = const_row_lse(p, head, mval);
+      }
     }
   };
   if (r_lo >= r_hi && !sink_here) {
-    write_const_rows(0.f);
+    write_const_rows(0.f, -INFINITY);
     return;
   }
   float* sinkS = reinterpret_cast<float*>(smem + L::OFF_ROWS);  // [ROWS] q'.k0'
@@ -166,10 +188,12 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
   const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
   const int tile_first = r_lo / TK;
   const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;
-  const bool has_kv = tid < L::CHUNKS, has_s = tid < 2 * TK;
-  const int ck = tid / CPR, cq = tid % CPR, cs = tid & (TK - 1);  // K/V chunk: token, chunk; scale token
-  const uint8_t* k_base = p.key_cache + kvh * p.kc_stride_head + cq * 16;
-  const uint8_t* v_base = p.value_cache + kvh * p.vc_stride_head + cq * 16;
+  // K chunks tid + NT i (i < NK), V chunk tid, scale word of token cs (threads [0, 2 TK))
+  const bool has_v = tid < L::VCH, has_s = tid < 2 * TK;
+  const int cv = tid / L::VCPR, cs = tid & (TK - 1);  // V chunk's token; scale token
+  const uint8_t* k_base = p.key_cache + kvh * p.kc_stride_head;
+  const uint8_t* v_base = p.value_cache + kvh * p.vc_stride_head + (tid % L::VCPR) * 16;
+  auto kchunk = [&](int i) { return tid + L::NT * i; };  // < KCH: token kchunk / KCPR
   const uint8_t* s_base = (tid < TK ? p.key_scales : p.value_scales) + kvh;
   const uint32_t raw_s = (uint32_t)__cvta_generic_to_shared(smem);
   auto tok_of = [&](int i, int j) { return (tile_first + i) * TK + j; };
@@ -178,37 +202,44 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
     const int col = tok >> lbs;
     return col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
   };
-  int b_kv = nsteps > 0 ? raw_bid(tok_of(0, ck)) : 0, b_s = nsteps > 0 ? raw_bid(tok_of(0, cs)) : 0;
+  int b_k[NK], b_v = 0, b_s = 0;  // block ids of the next issue's tokens (prefetched)
+  auto prefetch = [&](int i) {
+#pragma unroll
+    for (int j = 0; j < NK; ++j) b_k[j] = raw_bid(tok_of(i, min(kchunk(j), L::KCH - 1) / L::KCPR));
+    b_v = raw_bid(tok_of(i, cv));
+    b_s = raw_bid(tok_of(i, cs));
+  };
+  if (nsteps > 0) prefetch(0);
   uint32_t st_issue = 0, nib_ring = 0;  // nib_ring: per stage, copied (bit 2) | scale byte (bits 0-1)
   bool bad = false;
   auto issue = [&](int i) {
     const uint32_t st = raw_s + st_issue * L::RAW;
-    const int tkv = tok_of(i, ck), tsc = tok_of(i, cs);
-    if (has_kv && needed(tkv)) {
-      if (b_kv < 0 || b_kv >= p.num_blocks) {
-        bad = true;
-      } else {
-        const int off = tkv & bs_mask;
-        cp_async_16(st + tid * 16, k_base + (long long)b_kv * p.kc_stride_blk + off * ROWB);
-        cp_async_16(st + L::RAW_K + tid * 16, v_base + (long long)b_kv * p.vc_stride_blk + off * ROWB);
-      }
+    auto bad_id = [&](int b) { return b < 0 || b >= p.num_blocks; };
+#pragma unroll
+    for (int j = 0; j < NK; ++j) {
+      const int c = kchunk(j), tk = tok_of(i, c / L::KCPR);
+      if (c >= L::KCH || !needed(tk)) continue;
+      if (bad_id(b_k[j])) { bad = true; continue; }
+      cp_async_16(st + c * 16, k_base + (long long)b_k[j] * p.kc_stride_blk + (tk & bs_mask) * L::KROWB + (c % L::KCPR) * 16);
+    }
+    const int tv = tok_of(i, cv), tsc = tok_of(i, cs);
+    if (has_v && needed(tv)) {
+      if (bad_id(b_v)) bad = true;
+      else cp_async_16(st + L::RAW_K + tid * 16, v_base + (long long)b_v * p.vc_stride_blk + (tv & bs_mask) * L::VROWB);
     }
     uint32_t nib = 0;
     if (has_s && needed(tsc)) {
-      if (b_s < 0 || b_s >= p.num_blocks) {
+      if (bad_id(b_s)) {
         bad = true;
       } else {
         const uintptr_t a = (uintptr_t)(s_base + (((long long)b_s << lbs) + (tsc & bs_mask)) * Hkv);
-        cp_async_4(st + 2 * L::RAW_K + (tid < TK ? 0 : L::RAW_S) + cs * 4, reinterpret_cast<const void*>(a & ~(uintptr_t)3));
+        cp_async_4(st + L::RAW_K + L::RAW_V + (tid < TK ? 0 : L::RAW_S) + cs * 4, reinterpret_cast<const void*>(a & ~(uintptr_t)3));
         nib = 4u | (uint32_t)(a & 3);
       }
     }
     nib_ring = (nib_ring & ~(15u << (4 * st_issue))) | (nib << (4 * st_issue));
     st_issue = st_issue + 1 == ST ? 0 : st_issue + 1;
-    if (i + 1 < nsteps) {  // the next step's block ids, used one issue later
-      b_kv = raw_bid(tok_of(i + 1, ck));
-      b_s = raw_bid(tok_of(i + 1, cs));
-    }
+    if (i + 1 < nsteps) prefetch(i + 1);  // used one issue later
   };
   // the thread decodes what it copied: codes -> fp16 rows; its scale byte (0 where not copied);
   // the V-scale maximum of the step's visible tokens (warps holding the V words)
@@ -216,13 +247,17 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
     const int sd = i % ST;
     const uint8_t* raw = smem + sd * L::RAW;
     uint8_t* dec = smem + L::OFF_DEC + (i & 1) * L::DEC;
-    if (has_kv) {
-      decode_fp4_chunk(raw + tid * 16, dec + ck * L::DROW, ck, cq);
-      decode_fp4_chunk(raw + L::RAW_K + tid * 16, dec + L::DEC_K + ck * L::DROW, ck, cq);
+#pragma unroll
+    for (int j = 0; j < NK; ++j) {
+      const int c = kchunk(j), r = c / L::KCPR;
+      if (c >= L::KCH) continue;
+      if constexpr (kE4m3) decode_e4m3_chunk(raw + c * 16, dec + r * L::DROW, r, c % L::KCPR);
+      else decode_fp4_chunk(raw + c * 16, dec + r * L::DROW, r, c % L::KCPR);
     }
+    if (has_v) decode_fp4_chunk(raw + L::RAW_K + tid * 16, dec + L::DEC_K + cv * L::DROW, cv, tid % L::VCPR);
     if (has_s) {
       const uint32_t nib = (nib_ring >> (4 * sd)) & 15u;
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + 2 * L::RAW_K + (tid < TK ? 0 : L::RAW_S) + cs * 4);
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + L::RAW_K + L::RAW_V + (tid < TK ? 0 : L::RAW_S) + cs * 4);
       const int b = (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0;
       int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
       sb[tid] = b;  // K bytes at [0, TK), V bytes at [TK, 2 TK)
@@ -248,13 +283,13 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
   for (int r0 = 0; r0 < 16; r0 += RPP) {
     const int r = r0 + lane / LPR, col = (lane % LPR) * 8, R = wrow0 + r;
     QChunk qc;
-    load_q_chunk<D, false>(p, slot, kvh, col, sink_here, qc);
+    load_q_chunk<D, kStates>(p, slot, kvh, col, sink_here, qc);
     uint4 v = make_uint4(0, 0, 0, 0);
     if (R < nrows)
       v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) + (q0 + R / G) * p.q_stride_tok +
                                           (kvh * G + R % G) * p.q_stride_head + col);
     float qv[8];
-    prepare_q8<D, T, false>(p, qc, v, sink_here, col == 0, sinkS + 16 * warp + r, qmS + 16 * warp + r, qv, lane);
+    prepare_q8<D, T, kStates>(p, qc, v, sink_here, col == 0, sinkS + 16 * warp + r, qmS + 16 * warp + r, qv, lane);
     *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
     *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
 #pragma unroll
@@ -278,7 +313,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
   const float qm_row[2] = {cap_state ? qmS[16 * warp + g] : 0.f, cap_state ? qmS[16 * warp + g + 8] : 0.f};
   // logit = S * 2^(kb - 127) * kmul: kmul folds 2^14 (decode), 2^-qexp, scale and, without a
   // cap, log2(e) (exp2 domain)
-  const float kmul = p.scale * pow2i(TQ_DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
+  const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
   constexpr float SLACK = (float)tuning::RESCALE_SLACK;
   __syncthreads();  // every warp's Q is in registers: the decode buffers are free
@@ -428,7 +463,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
     l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], 2);
   }
   if (__syncthreads_or(bad)) {  // also: every warp is done with the decode buffers
-    write_const_rows(__int_as_float(0x7fc00000));
+    write_const_rows(__int_as_float(0x7fc00000), 0.f);
     return;
   }
   if (!wactive) return;
@@ -467,9 +502,14 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
       load_sink_value<D>(p, slot, kvh, d0, sv);
       merge_sink<N>(sink_logit(p, sinkS[16 * warp + r], cap_state ? qmS[16 * warp + r] : 0.f), sv, M, Ls, a);
     }
+    const int tok = q0 + R / G, head = kvh * G + R % G;
+    if constexpr (kStates) {  // the learned sink and the lse (true logits), as the general kernel
+      M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[16 * warp + r] : 0.f, M);
+      if (valid) finish_whole_row<N>(p, head, (size_t)tok * p.num_heads + head, (lane & 3) == 0, M, Ls, a);
+    }
     if (p.rot_signs != nullptr) unrotate_row<N, 4>(p, a, d0, lane);
     if (!valid) continue;
-    T* o = reinterpret_cast<T*>(p.out) + (q0 + R / G) * p.o_stride_tok + (kvh * G + R % G) * p.o_stride_head + d0;
+    T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;
 #pragma unroll
     for (int i = 0; i < N; i += 8) {
       T ov[8];
@@ -481,10 +521,10 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
 }
 
 // The prefill kernel's launch (torch-free). grid_x = row groups (tuning::use_prefill_kernel).
-template <int D, typename T>
+template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
-  using L = PrefillLayout<D>;
-  auto kern = paged_attention_fp4_prefill_kernel<D, T>;
+  using L = PrefillLayout<D, kE4m3>;
+  auto kern = paged_attention_fp4_prefill_kernel<D, T, kStates, kE4m3>;
   static bool attr_set = false;  // per instantiation
   if (!attr_set) {
     const cudaError_t e = set_smem_attributes(kern, L::TOTAL);

@@ -128,7 +128,7 @@ template <int D> struct DecodeStages { static constexpr int value = TQ_DECODE_ST
 constexpr int DECODE_QREG_MAX_D = TQ_DECODE_QREG_MAX_D;
 constexpr int DECODE_MIN_BLOCKS = TQ_DECODE_MIN_BLOCKS;
 
-// ---- prefill kernel (paged_attention_prefill.cuh: multi-token rows, FP4 keys, D <= 128) ----
+// ---- prefill kernel (paged_attention_prefill.cuh: multi-token rows, D <= 128) ----
 // A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
 // sequence and kv head), one 16-row MMA tile per warp; all warps walk the same KV steps of
 // PREFILL_TILE tokens, whose FP4 codes are copied (PREFILL_STAGES-deep cp.async ring) and
@@ -144,15 +144,15 @@ constexpr int PREFILL_ROWS = 16 * PREFILL_WARPS;
 constexpr int PREFILL_TILE = 64;
 constexpr int PREFILL_STAGES = 3;
 // The dispatcher's rule: multi-token calls whose rows average at least one prefill CTA per
-// sequence (num_tokens * group size >= PREFILL_ROWS * num_seqs), FP4 keys, D <= 128, no lse or
-// learned sinks (those run in the general kernel, as do K8V4 keys and D 256). One partition:
-// rows give the parallelism. Examples (G = 4): 1 x 2048 @ 16k: 8192 rows >= 128 -> prefill;
+// sequence (num_tokens * group size >= PREFILL_ROWS * num_seqs), D <= 128 (D 256 runs in the
+// general kernel: its fp16 O and Q fragments would not fit). One partition: rows give the
+// parallelism.
+// Examples (G = 4): 1 x 2048 @ 16k: 8192 rows >= 128 -> prefill;
 // 64 sequences x 4 tokens (speculative decoding): 16 rows per sequence < 128 -> general kernel
 // (one row tile per sequence; the prefill kernel would leave 7 of its 8 warps idle); a mixed
 // step of 1 chunk of 512 tokens and 15 decode tokens: 2108 rows / 16 sequences = 132 -> prefill.
-inline bool use_prefill_kernel(bool multi, int head_dim, bool key_e4m3, bool states, long long num_tokens,
-                               long long num_seqs, int group_size) {
-  return multi && !key_e4m3 && !states && head_dim <= 128 &&
+inline bool use_prefill_kernel(bool multi, int head_dim, long long num_tokens, long long num_seqs, int group_size) {
+  return multi && head_dim <= 128 &&
          num_tokens * group_size >= (long long)PREFILL_ROWS * num_seqs;
 }
 

@@ -431,7 +431,8 @@ def test_prefill_kernel_matches_reference(case, window, cap, config):
     _compare(_run("cuda", prob, q, cu, **kw), ref)
 
 
-def test_prefill_kernel_structured_keys_and_values():
+@pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
+def test_prefill_kernel_structured_keys_and_values(key_format):
     """One-hot keys (token j: 4.0 at head-dim j % D) and values (token j: 1.0 at (5 j + 3) % D),
     query token i one-hot (48.0) at element i % D: each row's weight sits on the visible tokens
     with j % D == i % D, so its output is a few known one-hots. A wrong K or V fragment map,
@@ -449,7 +450,8 @@ def test_prefill_kernel_structured_keys_and_values():
 
     g = torch.Generator().manual_seed(3)
     prob = build_paged_problem([n, n - 70], hkv, d, 16, device="cuda", generator=g,
-                               write_backend="cuda", spare_blocks=2, config=PLAIN, kv_factory=factory)
+                               write_backend="cuda", spare_blocks=2, config=PLAIN, kv_factory=factory,
+                               key_format=key_format)
     qlens = [n - 5, n - 90]
     cu = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device="cuda")
     q = torch.zeros(sum(qlens), hq, d, dtype=torch.bfloat16, device="cuda")
@@ -460,6 +462,32 @@ def test_prefill_kernel_structured_keys_and_values():
     out = _run("cuda", prob, q, cu)
     _compare(out, ref)
     assert ref.float().abs().max() > 0.2  # the peaks are there
+
+
+@pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
+@pytest.mark.parametrize("states", ["none", "lse", "lse+sinks"])
+@pytest.mark.parametrize("case", ["ragged chunks, block 16", "d 64, GQA 7, block 32"])
+def test_prefill_kernel_states_and_k8v4(case, states, key_format):
+    """The prefill kernel with K8V4 keys (E4M3 bytes decoded into its fp16 tiles) and with the
+    lse output and learned sinks (the general kernel's epilogue semantics), default transforms,
+    a window and a soft cap: output and lse against the reference."""
+    lens, hq, hkv, d, bs, qlens, dtype = PREFILL_CASES[case]
+    prob, q, cu = _problem(lens, hq, hkv, d, bs, dtype=dtype, qlens=qlens, seed=len(states),
+                           key_format=key_format)
+    kw = dict(sliding_window=50, logits_soft_cap=20.0)
+    if states != "none":
+        kw["return_lse"] = True
+    if states == "lse+sinks":
+        kw["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(9)).cuda()
+    assert any("prefill" in n for n in _kernel_names(lambda: _run("cuda", prob, q, cu, **kw)))
+    ref, out = _run("reference", prob, q, cu, **kw), _run("cuda", prob, q, cu, **kw)
+    if states == "none":
+        _compare(out, ref)
+        return
+    _compare(out[0], ref[0])
+    fin = torch.isfinite(ref[1])
+    assert torch.equal(fin, torch.isfinite(out[1]))
+    assert torch.allclose(out[1][fin], ref[1][fin], atol=2e-3, rtol=1e-4)
 
 
 def test_prefill_kernel_nan_scale_and_bad_block():
@@ -676,6 +704,7 @@ SANITIZER_CASE = textwrap.dedent("""
     for d, bs, lens, qlens, cfg, kf in ((128, 16, [1, 54, 97, 0, 300], None, "default", "fp4"),
                                         (128, 16, [300, 97], [150, 40], "default", "fp4"),
                                         (64, 32, [260, 70], [90, 70], "plain", "fp4"),
+                                        (128, 16, [300, 97], [150, 40], "default", "fp8_e4m3"),
                                         (64, 32, [70, 9], [3, 2], "default", "fp4"),
                                         (256, 64, [129, 5], None, "plain", "fp4"),
                                         (128, 16, [5000, 3], None, "default", "fp4"),
