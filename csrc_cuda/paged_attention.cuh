@@ -515,6 +515,36 @@ __device__ __forceinline__ float p_vscale(uint32_t b, int VM) {
   return __int_as_float(max((int)b - VM + 142 - TQ_SLACK, 0) << 23);
 }
 
+// Lazy rescaling of a warp's softmax state, rows g and g + 8 of the m16n8 C layout (acc[j][0..1]
+// row g, acc[j][2..3] row g + 8; the general and the prefill kernel): a stale row maximum is
+// kept while the new one m_new exceeds it by at most RESCALE_SLACK (exp2 domain), so p <=
+// 2^SLACK relative to it (see tuning.cuh); the V-scale maximum VM is kept exact (VM_new). One
+// vote per warp decides. ms: the maxima to subtract from the logits (-inf -> 0).
+template <int NJ>
+__device__ __forceinline__ void lazy_rescale(const float (&m_new)[2], int VM_new, float (&m_run)[2], float (&l_run)[2],
+                                             int& VM, float (&acc)[NJ][4], float (&ms)[2]) {
+  constexpr float SLACK = (float)tuning::RESCALE_SLACK;
+  const bool changed = (m_new[0] > m_run[0] + SLACK) || (m_new[1] > m_run[1] + SLACK) || (VM_new != VM);
+  if (__any_sync(0xffffffffu, changed)) {
+    const float vr = pow2i(VM - VM_new);
+    float f[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const float alpha = (m_new[rh] == -INFINITY) ? 1.f : fast_exp2(m_run[rh] - m_new[rh]);
+      l_run[rh] *= alpha;
+      f[rh] = alpha * vr;
+      m_run[rh] = m_new[rh];
+    }
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+      acc[j][0] *= f[0]; acc[j][1] *= f[0]; acc[j][2] *= f[1]; acc[j][3] *= f[1];
+    }
+    VM = VM_new;
+  }
+  ms[0] = m_run[0] == -INFINITY ? 0.f : m_run[0];
+  ms[1] = m_run[1] == -INFINITY ? 0.f : m_run[1];
+}
+
 // grid (row_tiles * num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem
 // AttnLayout<D, kE4m3>::TOTAL bytes. kStates: the lse output or learned sinks are asked for
 // (their code is compiled out of the other instantiation, which every plain call runs).
@@ -878,28 +908,8 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
     vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
     const int VM_new = max(VM, vmax);
-    // lazy rescaling: keep a stale row maximum while the new one exceeds it by at most
-    // RESCALE_SLACK (exp2 domain), so p <= 2^SLACK relative to it (see tuning.cuh); the V-scale
-    // maximum VM is kept exact
-    constexpr float SLACK = (float)tuning::RESCALE_SLACK;
-    const bool changed = (m_new[0] > m_run[0] + SLACK) || (m_new[1] > m_run[1] + SLACK) || (VM_new != VM);
-    if (__any_sync(0xffffffffu, changed)) {
-      const float vr = pow2i(VM - VM_new);
-      float f[2];
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const float alpha = (m_new[rh] == -INFINITY) ? 1.f : fast_exp2(m_run[rh] - m_new[rh]);
-        l_run[rh] *= alpha;
-        f[rh] = alpha * vr;
-        m_run[rh] = m_new[rh];
-      }
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        acc[j][0] *= f[0]; acc[j][1] *= f[0]; acc[j][2] *= f[1]; acc[j][3] *= f[1];
-      }
-      VM = VM_new;
-    }
-    const float ms[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
+    float ms[2];
+    lazy_rescale(m_new, VM_new, m_run, l_run, VM, acc, ms);
     float pv[2][4];
     // P for one tile; the masked variant zeroes P where the logit is -inf (a masked token with
     // a NaN V scale must not reach the row). Two copies behind one warp-uniform branch, so

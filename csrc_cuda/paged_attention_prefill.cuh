@@ -315,7 +315,6 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
   // cap, log2(e) (exp2 domain)
   const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
-  constexpr float SLACK = (float)tuning::RESCALE_SLACK;
   __syncthreads();  // every warp's Q is in registers: the decode buffers are free
 
   if (nsteps > 0) {
@@ -403,24 +402,8 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
         m_new[rh] = fmaxf(m_run[rh], mx);
       }
       const int VM_new = max(VM, max(sb[2 * TK], sb[2 * TK + 1]));
-      const bool changed = (m_new[0] > m_run[0] + SLACK) || (m_new[1] > m_run[1] + SLACK) || (VM_new != VM);
-      if (__any_sync(0xffffffffu, changed)) {
-        const float vr = pow2i(VM - VM_new);
-        float f[2];
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          const float alpha = (m_new[rh] == -INFINITY) ? 1.f : fast_exp2(m_run[rh] - m_new[rh]);
-          l_run[rh] *= alpha;
-          f[rh] = alpha * vr;
-          m_run[rh] = m_new[rh];
-        }
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-          acc[j][0] *= f[0]; acc[j][1] *= f[0]; acc[j][2] *= f[1]; acc[j][3] *= f[1];
-        }
-        VM = VM_new;
-      }
-      const float ms[2] = {m_run[0] == -INFINITY ? 0.f : m_run[0], m_run[1] == -INFINITY ? 0.f : m_run[1]};
+      float ms[2];
+      lazy_rescale(m_new, VM_new, m_run, l_run, VM, acc, ms);
       // ---- P' = 2^(x - m) * V-scale factor, packed as the A fragments of O += P' V ----
       uint32_t pa[TK / 16][4];
 #pragma unroll
