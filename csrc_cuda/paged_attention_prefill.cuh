@@ -60,8 +60,8 @@ struct PrefillLayout {
   static constexpr int RAW = RAW_K + RAW_V + 2 * RAW_S;  // K codes, V codes, K / V scale words
   static constexpr int DROW = 2 * D;                 // fp16 row bytes
   static constexpr int DEC_K = TK * DROW;
-  static constexpr int OFF_SB = 2 * DEC_K;           // ints: K bytes [TK], V bytes [TK], V max [2]
-  static constexpr int DEC = OFF_SB + (2 * TK + 4) * 4;
+  static constexpr int OFF_SB = 2 * DEC_K;           // ints: K bytes [TK], V bytes [TK], V max [TK / 32]
+  static constexpr int DEC = OFF_SB + ((2 * TK + TK / 32) * 4 + 15) / 16 * 16;  // 16-byte aligned buffers
   static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
   static constexpr int BIG_A = 2 * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
   static constexpr int BIG = BIG_A > BIG_B ? (BIG_A > BIG_C ? BIG_A : BIG_C) : (BIG_B > BIG_C ? BIG_B : BIG_C);
@@ -107,7 +107,7 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* r
 // (tuning::use_prefill_kernel). kStates: the lse output or learned sinks are asked for (as the
 // general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
 template <int D, typename T, bool kStates, bool kE4m3>
-__global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
+__global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MIN_BLOCKS)
     paged_attention_fp4_prefill_kernel(const AttnParams p) {
   using L = PrefillLayout<D, kE4m3>;
   constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
@@ -401,7 +401,9 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, 1)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         m_new[rh] = fmaxf(m_run[rh], mx);
       }
-      const int VM_new = max(VM, max(sb[2 * TK], sb[2 * TK + 1]));
+      int VM_new = VM;  // the step's V-scale maximum, one partial per warp of V-scale words
+#pragma unroll
+      for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[2 * TK + i]);
       float ms[2];
       lazy_rescale(m_new, VM_new, m_run, l_run, VM, acc, ms);
       // ---- P' = 2^(x - m) * V-scale factor, packed as the A fragments of O += P' V ----

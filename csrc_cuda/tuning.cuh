@@ -139,10 +139,19 @@ constexpr int DECODE_MIN_BLOCKS = TQ_DECODE_MIN_BLOCKS;
 // elements of K and 32 of V each) and feeds 8 warps x 128 MMAs, where the general kernel
 // spends ~150 decode instructions per 32 MMAs. Registers: Q fragments (32), O (64), S (32)
 // -> one CTA of 8 warps per SM (~96 KB of shared memory).
-constexpr int PREFILL_WARPS = 8;
+// (Overridable for tuning builds, e.g. -DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32: 64 rows per
+// CTA, two CTAs per SM; the V copy needs TILE * D / 32 <= 32 * WARPS.)
+#ifndef TQ_PREFILL_WARPS
+#define TQ_PREFILL_WARPS 8
+#endif
+#ifndef TQ_PREFILL_TILE
+#define TQ_PREFILL_TILE 64
+#endif
+constexpr int PREFILL_WARPS = TQ_PREFILL_WARPS;
 constexpr int PREFILL_ROWS = 16 * PREFILL_WARPS;
-constexpr int PREFILL_TILE = 64;
+constexpr int PREFILL_TILE = TQ_PREFILL_TILE;
 constexpr int PREFILL_STAGES = 3;
+constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  // 8 warps per SM
 // The dispatcher's rule: multi-token calls whose rows average at least one prefill CTA per
 // sequence (num_tokens * group size >= PREFILL_ROWS * num_seqs), D <= 128 (D 256 runs in the
 // general kernel: its fp16 O and Q fragments would not fit). One partition: rows give the

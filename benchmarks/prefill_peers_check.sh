@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call for issue 18's prefill rows against FlashInfer: the prefill kernel's reference
+# tests (a subset), the multi-token rows with FlashInfer BF16 / FP8 paged prefill beside them
+# (bench --peers; FlashInfer from .peers/, see benchmarks/peers_check.sh), then two tuning
+# variants of the prefill kernel (restricted D128 bf16 builds) on two chunk rows.
+#   run: bash benchmarks/prefill_peers_check.sh   (writes under $OUT or ./out; carry .peers)
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT/bench"
+export PYTHONUNBUFFERED=1 TURBOQUANT_BUILD_DIR=${TURBOQUANT_BUILD_DIR:-$PWD/.tqbuild}
+export FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
+if [ -f .peers/peers_site.tar.xz ]; then
+  tar -xJf .peers/peers_site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+( for v in "base=" "w8t32=-DTQ_PREFILL_TILE=32" "w4t32=-DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32"; do
+    TURBOQUANT_CUDA_EXTRA_FLAGS="-DTQ_ONLY_D128_BF16 ${v#*=}" python -c \
+      "from turboquant._backends import cuda as c; print('${v%%=*}', c.ensure_loaded())" &
+  done; wait ) > "$OUT/variant_builds.log" 2>&1 &
+python -m pytest -q -x tests/gpu/test_cuda_backend.py -k "${TESTS:-prefill_kernel_matches_reference and (ragged or MHA) or structured}" 2>&1 \
+  | tail -3 | tee "$OUT/gpu_tests.log"
+python -m turboquant bench --no-decode --no-writer --shapes 32/8/128 --peers --out "$OUT/bench" \
+  --multi-token ${ROWS:-1x512@4k,1x2048@16k,4x2048@16k,64x4@4k} 2>&1 | grep -v "kernel<\|flashinfer.jit\|Warning\|capture_end" \
+  | tee "$OUT/multi.log"
+wait
+for v in "base=" "w8t32=-DTQ_PREFILL_TILE=32" "w4t32=-DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32"; do
+  echo "== ${v%%=*}"
+  TURBOQUANT_CUDA_EXTRA_FLAGS="-DTQ_ONLY_D128_BF16 ${v#*=}" python -m turboquant bench --no-decode --no-writer \
+    --no-sdpa --shapes 32/8/128 --multi-token 1x512@4k,1x2048@16k --out "$OUT/var" 2>&1 | grep -E "^ 32/8" | head -2
+done 2>&1 | tee "$OUT/variants.log"
