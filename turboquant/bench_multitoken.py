@@ -11,24 +11,39 @@ causal shape: 4 * Hq * D * (keys each query token sees, summed); bytes as for de
 scales + records read once, Q read, O written), so the table gives both TFLOP/s and % of the
 measured read bandwidth. One input set per row (the caches of these rows exceed L2 except the
 smallest, which the row notes).
+
+With ``--peers`` (and flashinfer importable on a CUDA device), FlashInfer's paged prefill over a
+BF16 and an FP8 E4M3 (per-tensor scale) paged cache of the same dense K/V in the same pages
+(page = turboquant block, the row's block tables, HND), causal with the same bottom-right
+diagonal, each checked against fp32 attention over its own bytes before it is timed
+(``turboquant.peers.time_prefill_peers``: the backends tried, the check, how it is timed):
+``peer_<fmt>_us`` timed as turboquant's (``time_calls``), ``peer_<fmt>_tflops`` from the same
+causal FLOP count, ``peer_<fmt>_speedup`` = peer us / turboquant us, ``peer_note`` (the backend
+that ran, or why a format was not timed; without flashinfer, why not). The table gets the peers'
+TFLOP/s and speedups as columns, the note on a line of its own; the records go to bench.json
+(``multi_token_rows``) and to ``bench_multitoken.csv`` in ``--out``.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 import torch
 
+from . import peers
 from .bench import parse_int_list
 from .bench_problems import (cache_config, checks_off, fill_cache, fp4_attention_bytes,
                              state_bytes, torch_dtype)
-from .bench_report import table_row
+from .bench_report import table_row, write_csv
 from .bench_timing import GB, kernel_names, time_calls
 
 FIELDS = ["shape", "batch", "query_len", "context", "config", "status", "fp4_us", "tflops",
           "pct_bw", "bytes", "flops", "sdpa_us", "sdpa_tflops", "sdpa_kernels", "speedup",
-          "rel_err_vs_sdpa", "note"]
+          "rel_err_vs_sdpa", "note"] + [
+              f"peer_{f}_{x}" for f in peers.PREFILL_FORMATS for x in ("us", "tflops", "speedup")
+          ] + ["peer_note"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +121,20 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
                pct_bw=100.0 * nbytes / (us * 1e-6) / GB / bw_ref if bw_ref > 0 else "")
     if nbytes * 4 < 50 * 2**20:
         notes.append("one input set: its cache may sit in L2")
+    if getattr(args, "peers", False):
+        why = peers.flashinfer_unavailable()
+        if why is not None:
+            rec["peer_note"] = why
+        else:
+            rec.update(peers.time_prefill_peers(
+                lambda calls: time_calls(calls, device, args.repeats, args.warmup, args.timing,
+                                         args.min_calls),
+                dense_k, dense_v, query, tables, seq_lens, cu, bs, scale))
+            for fmt in peers.PREFILL_FORMATS:
+                p_us = rec.get(f"peer_{fmt}_us")
+                if p_us:
+                    rec.update({f"peer_{fmt}_tflops": flops / p_us * 1e-6,
+                                f"peer_{fmt}_speedup": p_us / us})
 
     if not args.no_sdpa:
         q4 = query.view(b, q, hq, d).transpose(1, 2)  # [B, Hq, Q, D]
@@ -136,23 +165,35 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
 
 
 HEADER = (f"{'shape':>9} {'batch':>5} {'q':>5} {'ctx':>6} {'fp4_us':>9} {'TFLOP/s':>7} "
-          f"{'%bw':>5} {'sdpa_us':>9} {'TFLOP/s':>7} {'speedup':>7} {'rel_err':>7} config")
+          f"{'%bw':>5} {'sdpa_us':>9} {'TFLOP/s':>7} {'speedup':>7} {'rel_err':>7} "
+          + " ".join(f"{'FI_' + f + '_TF/s':>12} {'speedup':>7}" for f in peers.PREFILL_FORMATS)
+          + " config")
+PEER_LEGEND = ("FI_<fmt>_TF/s: FlashInfer paged prefill over a BF16 / FP8 cache of the same K/V "
+               "and pages (--peers), speedup = its time / turboquant's")
 
 
 def format_row(r: dict) -> str:
-    """One multi-token row of the table (``HEADER``), the SDPA kernel torch picked last."""
+    """One multi-token row of the table (``HEADER``), the SDPA kernel torch picked last; the
+    peer note, where there is one, on a second line."""
     sdpa = f"  sdpa: {r['sdpa_kernels'][:60]}" if r.get("sdpa_kernels") else ""
-    return table_row(r, (("shape", 9), ("batch", 5), ("query_len", 5), ("context", 6)),
+    line = table_row(r, (("shape", 9), ("batch", 5), ("query_len", 5), ("context", 6)),
                      (("fp4_us", "9.1f"), ("tflops", "7.1f"), ("pct_bw", "5.1f"),
                       ("sdpa_us", "9.1f"), ("sdpa_tflops", "7.1f"), ("speedup", "7.2f"),
-                      ("rel_err_vs_sdpa", "7.3f")),
+                      ("rel_err_vs_sdpa", "7.3f"))
+                     + tuple((f"peer_{f}_{x}", spec) for f in peers.PREFILL_FORMATS
+                             for x, spec in (("tflops", "12.1f"), ("speedup", "7.2f"))),
                      f"{r['config']}{sdpa}")
+    if r.get("status") == "ok" and r.get("peer_note"):
+        line += f"\n{'':>9}   # peers: {r['peer_note']}"
+    return line
 
 
 def run_all(tq, shapes, rows, configs, args, device, bw_ref) -> list:
     """Every (shape, row, config): the records, printed as they come."""
     out = []
     print("\nmulti-token rows (causal; SDPA on dense BF16 with an explicit [Q, L] mask):")
+    if getattr(args, "peers", False):
+        print(PEER_LEGEND)
     print(HEADER, flush=True)
     for shape in shapes:
         for row in rows:
@@ -168,4 +209,8 @@ def run_all(tq, shapes, rows, configs, args, device, bw_ref) -> list:
                     torch.cuda.empty_cache()
                 out.append(rec)
                 print(format_row(rec), flush=True)
+    if out:
+        os.makedirs(args.out, exist_ok=True)
+        write_csv(os.path.join(args.out, "bench_multitoken.csv"), out, FIELDS)
+        print(f"wrote bench_multitoken.csv in {args.out}", flush=True)
     return out

@@ -1,13 +1,28 @@
-"""Peer rows for ``python -m turboquant bench --peers``: FlashInfer's paged decode
-(``BatchDecodeWithPagedKVCacheWrapper``, what vLLM and SGLang call on NVIDIA) over BF16, FP8
-E4M3 and NVFP4 KV caches holding the same K/V, in the same pages (page = turboquant block,
-same block table, HND), timed in the same run as turboquant's rows.
+"""Peer rows for ``python -m turboquant bench --peers``, timed in the same run as turboquant's
+rows, over KV caches holding the same K/V in the same pages (page = turboquant block, same block
+tables, HND layout), bf16 query and output, sm_scale = 1 / sqrt(D):
 
-A peer that computes something else is not a baseline: before a format is timed, it runs on a
-small ragged problem (3 sequences of 1, 37 and 100 tokens, shuffled pages) and is compared with
-fp32 attention over the values its own bytes hold (BF16 as stored; FP8 times its scale; NVFP4
-decoded here from E2M1 codes, E4M3 block scales and the global scale). A format whose error
-exceeds ``CHECK_TOL`` is reported, not timed.
+- decode rows: FlashInfer's paged decode (``BatchDecodeWithPagedKVCacheWrapper``, what vLLM and
+  SGLang call on NVIDIA) over BF16, FP8 E4M3 and NVFP4 caches (``time_peers``);
+- multi-token rows (``--multi-token``): FlashInfer's paged prefill
+  (``BatchPrefillWithPagedKVCacheWrapper``) over BF16 and FP8 E4M3 caches, causal with the
+  diagonal bottom-right aligned (query j of a sequence with Q queries and L keys sees keys
+  0 .. L - Q + j, as turboquant's rows), its backends tried in turn (``PREFILL_BACKENDS``: bf16
+  fa3 then fa2, fp8 fa2, since fa3 takes an FP8 cache only with an FP8 query), the fastest that
+  passes the check being the row's (``time_prefill_peers``). Each is timed like turboquant's
+  multi-token rows (``bench_timing.time_calls``: independent calls in one CUDA graph, time per
+  call = replay / calls), ``run(q, (k, v), out=out)`` into a fixed output buffer, the wrapper
+  created with ``use_cuda_graph=True`` and fixed index buffers, planned with ``uniform_q_len``
+  = Q (every sequence has Q queries: without it FlashInfer's CUDA-graph plan sizes its query tile
+  for the ragged worst case).
+
+A peer that computes something else is not a baseline: before a format (and, for prefill, a
+backend) is timed, it runs on a small ragged problem (3 sequences of 1, 37 and 100 keys in
+shuffled pages; decode: one query each, prefill: 1, 5 and 40 causal queries) and is compared with
+fp32 attention over the values its own bytes hold (``reference_attention``: BF16 as stored; FP8
+times its scale; NVFP4 decoded here from E2M1 codes, E4M3 block scales and the global scale). A
+format or backend whose error exceeds ``CHECK_TOL``, or that raises, is reported in the row's
+``peer_note``, not timed.
 
 Caches (what each peer stores per token and kv head, D = head dim):
   bf16   2D bytes per tensor.
@@ -15,13 +30,14 @@ Caches (what each peer stores per token and kv head, D = head dim):
   nvfp4  D/2 bytes of E2M1 codes (even element in the low nibble) and D/16 E4M3 scales of 16
          elements each (amax / 6 after a global scale g = 448 * 6 / amax of the tensor), k_scale
          = 1 / g. FlashInfer runs NVFP4 only in its tensor-core path on SM90 (fa2).
-Each format is timed with ``use_tensor_cores`` False and True where FlashInfer has both, with
-the bench's two figures (single: one call per CUDA-graph replay; chained: call i's query is call
-i-1's output, ``FlashInferDecode(q, out)`` writing ``run(..., out=out)``); the faster by the
-chained figure is the row's (the other is in the notes).
+Each decode format is timed with ``use_tensor_cores`` False and True where FlashInfer has both,
+with the bench's two figures (single: one call per CUDA-graph replay; chained: call i's query is
+call i-1's output, ``FlashInferDecode(q, out)`` writing ``run(..., out=out)``); the faster by
+the chained figure is the row's (the other is in the notes).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Optional
 
@@ -30,11 +46,16 @@ import torch
 from .format import E2M1_MAX, decode_e2m1, encode_e2m1, pack_fp4, unpack_fp4
 
 PEER_FORMATS = ("bf16", "fp8", "nvfp4")
+PREFILL_FORMATS = ("bf16", "fp8")
+# backends tried per format, in turn (fa3 runs an FP8 cache only with an FP8 query)
+PREFILL_BACKENDS = {"bf16": ("fa3", "fa2"), "fp8": ("fa2",)}
+CHECK_KV_LENS = (1, 37, 100)  # the check problem's keys per sequence
+CHECK_QUERY_LENS = (1, 5, 40)  # and its causal queries per sequence (prefill)
 CHECK_TOL = 2e-2  # max abs error of a peer's output (bf16) against fp32 over its own bytes
 E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
 WORKSPACE_BYTES = 256 * 2**20
-_checked: dict = {}  # (format, tensor cores, heads, kv heads, D, page) -> reason or None
+_checked: dict = {}  # (peer, format, variant, heads, kv heads, D, page) -> reason or None
 
 
 def flashinfer_unavailable() -> Optional[str]:
@@ -137,17 +158,16 @@ class PeerCache:
         return n + (2 * self.k_sf.numel() if self.k_sf is not None else 0)
 
 
-# ---------------------------------------------------------------------------- the wrapper
+# ---------------------------------------------------------------------------- the wrappers
 
 
-class FlashInferDecode:
-    """FlashInfer's paged decode planned for one batch: ``tables`` [B, nblk] page ids,
-    ``seq_lens`` [B] int32; a CUDA-graph-safe wrapper (fixed index buffers)."""
+class _FlashInferPaged:
+    """What FlashInfer's paged decode and prefill share: the page indices of a batch
+    (``tables`` [B, nblk] page ids, ``seq_lens`` [B] int32) in fixed buffers for CUDA graphs,
+    the workspace, and the call ``run(q, (k, v), [k_scale, v_scale, kv_cache_sf,] out=out)``."""
 
-    def __init__(self, cache: PeerCache, num_heads: int, tables: torch.Tensor,
-                 seq_lens: torch.Tensor, page: int, scale: float, tensor_cores: bool):
-        import flashinfer
-
+    def __init__(self, cache: PeerCache, tables: torch.Tensor, seq_lens: torch.Tensor,
+                 page: int):
         dev = tables.device
         b = tables.shape[0]
         nblk = (seq_lens + page - 1) // page
@@ -158,14 +178,8 @@ class FlashInferDecode:
         self.last = (seq_lens - (nblk - 1) * page).to(torch.int32)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self.cache = cache
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores,
-            paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
-            paged_kv_last_page_len_buffer=self.last)
-        hkv, d = cache.k.shape[1], cache.v.shape[-1] * (2 if cache.fmt == "nvfp4" else 1)
-        self.wrapper.plan(self.indptr, self.indices, self.last, num_heads, hkv, d, page,
-                          q_data_type=torch.bfloat16, kv_data_type=cache.k.dtype,
-                          sm_scale=scale)
+        self.head_dim = cache.v.shape[-1] * (2 if cache.fmt == "nvfp4" else 1)
+        self.wrapper = None
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         c = self.cache
@@ -177,41 +191,167 @@ class FlashInferDecode:
         return self.wrapper.run(q, (c.k, c.v), out=out, **kw)
 
 
-def check_format(fmt: str, tensor_cores: bool, num_heads: int, num_kv_heads: int,
-                 head_dim: int, page: int, device) -> Optional[str]:
-    """Run the peer on a small ragged problem against fp32 attention over its own bytes: None
-    if it matches, else why not (cached per configuration)."""
-    key = (fmt, tensor_cores, num_heads, num_kv_heads, head_dim, page)
+class FlashInferDecode(_FlashInferPaged):
+    """FlashInfer's paged decode planned for one batch: ``tables`` [B, nblk] page ids,
+    ``seq_lens`` [B] int32; a CUDA-graph-safe wrapper (fixed index buffers)."""
+
+    def __init__(self, cache: PeerCache, num_heads: int, tables: torch.Tensor,
+                 seq_lens: torch.Tensor, page: int, scale: float, tensor_cores: bool):
+        import flashinfer
+
+        super().__init__(cache, tables, seq_lens, page)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
+            paged_kv_last_page_len_buffer=self.last)
+        self.wrapper.plan(self.indptr, self.indices, self.last, num_heads, cache.k.shape[1],
+                          self.head_dim, page, q_data_type=torch.bfloat16,
+                          kv_data_type=cache.k.dtype, sm_scale=scale)
+
+
+class FlashInferPrefill(_FlashInferPaged):
+    """FlashInfer's paged prefill planned for one batch, causal (bottom-right aligned): the
+    queries of sequence s are rows ``cu_query_lens[s]:cu_query_lens[s + 1]`` of q [sum Q, Hq, D],
+    its keys the first ``seq_lens[s]`` tokens of its pages ``tables[s]``; ``backend`` one of
+    FlashInfer's (fa2, fa3, ...); a CUDA-graph-safe wrapper (fixed index buffers)."""
+
+    def __init__(self, cache: PeerCache, num_heads: int, tables: torch.Tensor,
+                 seq_lens: torch.Tensor, cu_query_lens: torch.Tensor, page: int, scale: float,
+                 backend: str):
+        import flashinfer
+
+        super().__init__(cache, tables, seq_lens, page)
+        self.qo_indptr = cu_query_lens.to(torch.int32).clone()
+        q_lens = (self.qo_indptr[1:] - self.qo_indptr[:-1]).tolist()
+        uniform = q_lens[0] if len(set(q_lens)) == 1 else None
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "HND", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
+            paged_kv_indptr_buf=self.indptr, paged_kv_indices_buf=self.indices,
+            paged_kv_last_page_len_buf=self.last, backend=backend)
+        self.wrapper.plan(self.qo_indptr, self.indptr, self.indices, self.last, num_heads,
+                          cache.k.shape[1], self.head_dim, page, causal=True, sm_scale=scale,
+                          q_data_type=torch.bfloat16, kv_data_type=cache.k.dtype,
+                          o_data_type=torch.bfloat16, uniform_q_len=uniform)
+
+
+# ---------------------------------------------------------------------------- the check
+
+
+def reference_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                        tables: torch.Tensor, kv_lens: torch.Tensor,
+                        cu_query_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 causal attention, fp32 [sum Q, Hq, D]: the queries of sequence s, rows
+    ``cu_query_lens[s]:cu_query_lens[s + 1]`` of q [sum Q, Hq, D], over its first ``kv_lens[s]``
+    keys / values in pages [P, Hkv, page, D] through ``tables[s]``, the diagonal bottom-right
+    aligned (query j of Q sees keys 0 .. L - Q + j; one query sees all L: decode); GQA query
+    head h reads kv head h // (Hq / Hkv)."""
+    hq, hkv = q.shape[1], k_pages.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for s in range(tables.shape[0]):
+        n, q0, q1 = int(kv_lens[s]), int(cu_query_lens[s]), int(cu_query_lens[s + 1])
+        ks, vs = (x[tables[s].long()].transpose(0, 1).flatten(1, 2)[:, :n]
+                  for x in (k_pages, v_pages))  # [Hkv, n, D]
+        qs = q[q0:q1].float().view(q1 - q0, hkv, hq // hkv, -1)  # [Q, Hkv, G, D]
+        logits = torch.einsum("qhgd,htd->qhgt", qs, ks.float()) * scale
+        last = n - (q1 - q0) + torch.arange(q1 - q0, device=q.device)  # last key of each query
+        seen = torch.arange(n, device=q.device)[None, :] <= last[:, None]  # [Q, n]
+        logits = logits.masked_fill(~seen[:, None, None, :], float("-inf"))
+        out[q0:q1] = torch.einsum("qhgt,htd->qhgd", logits.softmax(-1),
+                                  vs.float()).reshape(q1 - q0, hq, -1)
+    return out
+
+
+def _check(key: tuple, fmt: str, num_heads: int, num_kv_heads: int, head_dim: int, page: int,
+           device, query_lens: tuple, make_run: Callable) -> Optional[str]:
+    """Run a peer on the small ragged problem (``CHECK_KV_LENS`` keys, ``query_lens`` causal
+    queries per sequence, shuffled pages) against ``reference_attention`` over its own bytes:
+    None if it matches, else why not (cached under ``key``). ``make_run(cache, tables, kv_lens,
+    cu_query_lens, scale)`` gives the peer's call ``(q, out) -> out``."""
     if key in _checked:
         return _checked[key]
     gen = torch.Generator(device=device).manual_seed(7)
-    lens = torch.tensor([1, 37, 100], device=device, dtype=torch.int32)
-    nblk = -(-int(lens.max()) // page)
-    length = nblk * page
-    k = torch.randn(3, num_kv_heads, length, head_dim, device=device, generator=gen)
-    v = torch.randn(3, num_kv_heads, length, head_dim, device=device, generator=gen)
-    tables = torch.randperm(3 * nblk, device=device, generator=gen).to(torch.int32).view(3, nblk)
-    q = torch.randn(3, num_heads, head_dim, device=device, generator=gen).bfloat16()
+    nseq = len(CHECK_KV_LENS)
+    lens = torch.tensor(CHECK_KV_LENS, device=device, dtype=torch.int32)
+    nblk = -(-max(CHECK_KV_LENS) // page)
+    k = torch.randn(nseq, num_kv_heads, nblk * page, head_dim, device=device, generator=gen)
+    v = torch.randn(nseq, num_kv_heads, nblk * page, head_dim, device=device, generator=gen)
+    tables = torch.randperm(nseq * nblk, device=device, generator=gen).to(torch.int32)
+    tables = tables.view(nseq, nblk)
+    cu = torch.tensor([0, *itertools.accumulate(query_lens)], device=device, dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, device=device, generator=gen).bfloat16()
     scale = head_dim ** -0.5
     try:
-        cache = PeerCache(fmt, k, v, tables, 3 * nblk, page)
-        run = FlashInferDecode(cache, num_heads, tables, lens, page, scale, tensor_cores)
-        got = run(q, torch.empty_like(q)).float()
+        cache = PeerCache(fmt, k, v, tables, nseq * nblk, page)
+        got = make_run(cache, tables, lens, cu, scale)(q, torch.empty_like(q)).float()
     except Exception as exc:  # noqa: BLE001 - the peer cannot run this: say so
         _checked[key] = f"{type(exc).__name__}: {str(exc).strip()[:160]}"
         return _checked[key]
-    kv = [cache.values(w) for w in ("k", "v")]  # [pages, Hkv, page, D]
-    g = num_heads // num_kv_heads
-    err = 0.0
-    for s in range(3):
-        n = int(lens[s])
-        ks, vs = (x[tables[s].long()].transpose(0, 1).flatten(1, 2)[:, :n] for x in kv)
-        logits = torch.einsum("hgd,htd->hgt", q[s].float().view(num_kv_heads, g, -1), ks) * scale
-        ref = torch.einsum("hgt,htd->hgd", logits.softmax(-1), vs).reshape(num_heads, -1)
-        err = max(err, float((got[s] - ref).abs().max()))
+    ref = reference_attention(q, cache.values("k"), cache.values("v"), tables, lens, cu, scale)
+    err = float((got - ref).abs().max())
     _checked[key] = None if err <= CHECK_TOL else (
         f"output differs from fp32 attention over its own bytes by {err:.3g} (> {CHECK_TOL})")
     return _checked[key]
+
+
+def check_format(fmt: str, tensor_cores: bool, num_heads: int, num_kv_heads: int,
+                 head_dim: int, page: int, device) -> Optional[str]:
+    """The decode peer (one query per sequence) on the check problem: None if it matches fp32
+    attention over its own bytes, else why not (cached per configuration)."""
+    return _check(("decode", fmt, tensor_cores, num_heads, num_kv_heads, head_dim, page), fmt,
+                  num_heads, num_kv_heads, head_dim, page, device, (1,) * len(CHECK_KV_LENS),
+                  lambda c, t, lens, cu, scale: FlashInferDecode(c, num_heads, t, lens, page,
+                                                                 scale, tensor_cores))
+
+
+def check_prefill(fmt: str, backend: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                  page: int, device) -> Optional[str]:
+    """The prefill peer on ``backend`` on the check problem (``CHECK_QUERY_LENS`` causal
+    queries): None if it matches fp32 attention over its own bytes, else why not (cached)."""
+    return _check(("prefill", fmt, backend, num_heads, num_kv_heads, head_dim, page), fmt,
+                  num_heads, num_kv_heads, head_dim, page, device, CHECK_QUERY_LENS,
+                  lambda c, t, lens, cu, scale: FlashInferPrefill(c, num_heads, t, lens, cu,
+                                                                  page, scale, backend))
+
+
+# ---------------------------------------------------------------------------- timing
+
+
+def _fastest(formats: tuple, variants: Callable, check: Callable, make_cache: Callable,
+             time_one: Callable, notes: list) -> dict:
+    """Per format, its variants ``variants(fmt)`` [(arg, name)] each checked first
+    (``check(fmt, arg)``: None or why not), the format's cache made once
+    (``make_cache(fmt)``) for the first that passes, each timed by ``time_one(cache, arg)`` ->
+    (us to compare, result, tag, timing note); the fastest kept: {fmt: (result, tag)}. Why a
+    variant was not timed, its timing note and the slower variants' tags go to ``notes``. One
+    format's cache at a time (a BF16 copy of 128 x 32k tokens is 17 GB)."""
+    best_of = {}
+    for fmt in formats:
+        cache = best = None
+        for arg, name in variants(fmt):
+            why = check(fmt, arg)
+            if why is not None:
+                notes.append(f"{name}: {why}")
+                continue
+            try:
+                if cache is None:
+                    cache = make_cache(fmt)
+                us, result, tag, note = time_one(cache, arg)
+            except Exception as exc:  # noqa: BLE001 - a peer that fails here is noted
+                notes.append(f"{name}: {type(exc).__name__}: {str(exc).strip()[:120]}")
+                continue
+            if note:
+                notes.append(f"{name}: {note}")
+            if best is None or us < best[0]:
+                if best is not None:
+                    notes.append(f"slower: {best[2]}")
+                best = (us, result, tag)
+            else:
+                notes.append(f"slower: {tag}")
+        if best is not None:
+            best_of[fmt] = best[1:]
+        cache = None
+        torch.cuda.empty_cache()
+    return best_of
 
 
 def time_peers(time_decode: Callable, dense_k: torch.Tensor, dense_v: torch.Tensor,
@@ -227,44 +367,61 @@ def time_peers(time_decode: Callable, dense_k: torch.Tensor, dense_v: torch.Tens
     the format's row."""
     n_sets, b, hq, d = query.shape
     hkv, length = dense_k.shape[1], dense_k.shape[2]
-    rec, notes = {}, []
+    notes = []
     flat = block_tables.reshape(n_sets * b, -1)
-    for fmt in PEER_FORMATS:
-        cache = runs = outs = None
-        best = None
-        for tc in ((True,) if fmt == "nvfp4" else (False, True)):
-            name = f"{fmt}{'/tc' if tc else ''}"
-            why = check_format(fmt, tc, hq, hkv, d, page, query.device)
-            if why is not None:
-                notes.append(f"{name}: {why}")
-                continue
-            try:
-                if cache is None:
-                    cache = PeerCache(fmt, dense_k, dense_v, flat, int(flat.max()) + 1, page)
-                runs = [FlashInferDecode(cache, hq, block_tables[s], seq_lens, page, scale, tc)
-                        for s in range(n_sets)]
-                outs = torch.empty_like(query)
-                t = time_decode(runs, query, outs)
-            except Exception as exc:  # noqa: BLE001 - a peer that fails here is noted
-                notes.append(f"{name}: {type(exc).__name__}: {str(exc).strip()[:120]}")
-                continue
-            if t.note:
-                notes.append(f"{name}: {t.note}")
-            tag = f"{name} {t.chained_us:.1f} us chained, {t.single_us:.1f} single ({t.timing})"
-            if best is None or t.chained_us < best[0].chained_us:
-                if best is not None:
-                    notes.append(f"slower: {best[1]}")
-                best = (t, tag)
-            else:
-                notes.append(f"slower: {tag}")
-        if best is not None:
-            rec[f"peer_{fmt}_us"] = best[0].chained_us
-            rec[f"peer_{fmt}_us_single"] = best[0].single_us
-            rec[f"peer_{fmt}_bytes"] = (b * length * kv_bytes_per_token(fmt, hkv, d)
-                                        + q_bytes)
-        # one format's cache at a time (a BF16 copy of 128 x 32k tokens is 17 GB)
-        cache = runs = outs = None
-        torch.cuda.empty_cache()
+
+    def time_one(cache, tc):
+        runs = [FlashInferDecode(cache, hq, block_tables[s], seq_lens, page, scale, tc)
+                for s in range(n_sets)]
+        t = time_decode(runs, query, torch.empty_like(query))
+        tag = (f"{cache.fmt}{'/tc' if tc else ''} {t.chained_us:.1f} us chained, "
+               f"{t.single_us:.1f} single ({t.timing})")
+        return t.chained_us, t, tag, t.note
+
+    best = _fastest(
+        PEER_FORMATS, lambda fmt: [(tc, f"{fmt}{'/tc' if tc else ''}")
+                                   for tc in ((True,) if fmt == "nvfp4" else (False, True))],
+        lambda fmt, tc: check_format(fmt, tc, hq, hkv, d, page, query.device),
+        lambda fmt: PeerCache(fmt, dense_k, dense_v, flat, int(flat.max()) + 1, page),
+        time_one, notes)
+    rec = {}
+    for fmt, (t, _tag) in best.items():
+        rec[f"peer_{fmt}_us"] = t.chained_us
+        rec[f"peer_{fmt}_us_single"] = t.single_us
+        rec[f"peer_{fmt}_bytes"] = b * length * kv_bytes_per_token(fmt, hkv, d) + q_bytes
+    rec["peer_note"] = "; ".join(notes)
+    return rec
+
+
+def time_prefill_peers(time_calls: Callable, dense_k: torch.Tensor, dense_v: torch.Tensor,
+                       query: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                       cu_query_lens: torch.Tensor, page: int, scale: float) -> dict:
+    """The peer fields of one multi-token row: ``peer_<fmt>_us`` per format of
+    ``PREFILL_FORMATS`` (FlashInfer's paged prefill on the fastest of ``PREFILL_BACKENDS[fmt]``
+    that passes the check) and ``peer_note`` (the backends timed, then why a format or backend
+    was not timed, the slower backends). Dense K/V [B, Hkv, L, D] in pages ``tables`` [B, nblk];
+    ``query`` [sum Q, Hq, D] (taken as bf16), sequence s's rows
+    ``cu_query_lens[s]:cu_query_lens[s + 1]``, the last Q of its ``seq_lens[s]`` tokens.
+    ``time_calls(calls)`` times the closures ``calls`` (``bench_timing.time_calls`` with the
+    bench's settings: -> (us per call, timing used, calls, note))."""
+    hq, d = query.shape[1], query.shape[2]
+    q = query if query.dtype == torch.bfloat16 else query.bfloat16()
+    notes = []
+
+    def time_one(cache, backend):
+        run = FlashInferPrefill(cache, hq, tables, seq_lens, cu_query_lens, page, scale, backend)
+        out = torch.empty_like(q)
+        us, used, _calls, note = time_calls([lambda: run(q, out)])
+        return us, us, f"{cache.fmt}/{backend} {us:.1f} us ({used})", note
+
+    best = _fastest(
+        PREFILL_FORMATS, lambda fmt: [(bk, f"{fmt}/{bk}") for bk in PREFILL_BACKENDS[fmt]],
+        lambda fmt, bk: check_prefill(fmt, bk, hq, dense_k.shape[1], d, page, query.device),
+        lambda fmt: PeerCache(fmt, dense_k, dense_v, tables, int(tables.max()) + 1, page),
+        time_one, notes)
+    rec = {f"peer_{fmt}_us": us for fmt, (us, _tag) in best.items()}
+    if best:
+        notes.insert(0, "timed " + ", ".join(tag for _us, tag in best.values()))
     rec["peer_note"] = "; ".join(notes)
     return rec
 
