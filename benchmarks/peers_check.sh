@@ -8,13 +8,7 @@
 # with benchmarks/make_peers_site.sh and name it in the call's carry.
 #   run: bash benchmarks/peers_check.sh   (writes under $OUT or ./out)
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT/bench"
-export PYTHONUNBUFFERED=1 TURBOQUANT_BUILD_DIR=${TURBOQUANT_BUILD_DIR:-$PWD/.tqbuild}
-export FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
-if [ -f .peers/peers_site.tar.xz ]; then
-  tar -xJf .peers/peers_site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$(dirname "$0")/device_env.sh"
 python -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
 python -m turboquant bench --shapes ${SHAPES:-32/8/128} --batches ${BATCHES:-1,16,64,128} \
     --contexts ${CONTEXTS:-4k,16k,32k} --configs ${CONFIGS:-default} --peers --no-sdpa \

@@ -6,13 +6,7 @@
 # prefill beside them (bench --peers), then the variants on one chunk row.
 #   run: bash benchmarks/prefill_peers_check.sh   (writes under $OUT or ./out; carry .peers)
 set -uo pipefail
-OUT=${OUT:-out}
-mkdir -p "$OUT/bench"
-export PYTHONUNBUFFERED=1 TURBOQUANT_BUILD_DIR=${TURBOQUANT_BUILD_DIR:-$PWD/.tqbuild}
-export FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
-if [ -f .peers/peers_site.tar.xz ]; then
-  tar -xJf .peers/peers_site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source "$(dirname "$0")/device_env.sh"
 VARIANTS=("base=" "w8t32=-DTQ_PREFILL_TILE=32" "w4t32=-DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32")
 (
   python -c "from turboquant._backends import cuda as c; print('tq build', c.ensure_loaded())" &

@@ -515,6 +515,18 @@ __device__ __forceinline__ float p_vscale(uint32_t b, int VM) {
   return __int_as_float(max((int)b - VM + 142 - TQ_SLACK, 0) << 23);
 }
 
+// N consecutive output elements (N % 8 == 0, 16-byte aligned destination) as 16-byte stores.
+template <typename T, int N>
+__device__ __forceinline__ void store_row(T* o, const float (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; i += 8) {
+    T ov[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) ov[e] = from_float<T>(a[i + e]);
+    *reinterpret_cast<uint4*>(o + i) = *reinterpret_cast<uint4*>(ov);
+  }
+}
+
 // Lazy rescaling of a warp's softmax state, rows g and g + 8 of the m16n8 C layout (acc[j][0..1]
 // row g, acc[j][2..3] row g + 8; the general and the prefill kernel): a stale row maximum is
 // kept while the new one m_new exceeds it by at most RESCALE_SLACK (exp2 domain), so p <=
@@ -1051,14 +1063,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     if (p.rot_signs != nullptr && nparts == 1) unrotate_row<DPT, TPR>(p, a, d0, lane);
     if (!valid) return;
     if (nparts == 1) {
-      T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;
-#pragma unroll
-      for (int i = 0; i < DPT; i += 8) {
-        T ov[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) ov[e] = from_float<T>(a[i + e]);
-        *reinterpret_cast<uint4*>(o + i) = *reinterpret_cast<uint4*>(ov);
-      }
+      store_row(reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0, a);
     } else {
       const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
       float* o = p.tmp_out + idx * D + d0;

@@ -494,14 +494,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     }
     if (p.rot_signs != nullptr) unrotate_row<N, 4>(p, a, d0, lane);
     if (!valid) continue;
-    T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;
-#pragma unroll
-    for (int i = 0; i < N; i += 8) {
-      T ov[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ov[e] = from_float<T>(a[i + e]);
-      *reinterpret_cast<uint4*>(o + i) = *reinterpret_cast<uint4*>(ov);
-    }
+    store_row(reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0, a);
   }
 }
 
