@@ -1,5 +1,5 @@
-"""The cuda backend's split-KV partition choice (csrc_cuda/tuning.cuh), compiled for the host
-with g++: the worked examples written next to both choosers hold (H100: 132 SMs)."""
+"""The cuda backend's split-KV partition choice and prefill-kernel rule (csrc_cuda/tuning.cuh),
+compiled for the host with g++: the worked examples written next to them hold (H100: 132 SMs)."""
 from __future__ import annotations
 
 import shutil
@@ -24,17 +24,45 @@ CASES = [
 ]
 
 
+def _run_on_host(tmp_path, name: str, calls: str) -> list:
+    """Compile a host program whose main() runs ``calls`` (printf lines) over tuning.cuh with
+    g++ (warnings are errors), run it and return its output's words."""
+    src = tmp_path / f"{name}.cpp"
+    src.write_text('#include <cstdio>\n#include "tuning.cuh"\n'
+                   "using namespace turboquant::tuning;\nint main() {\n" + calls + "\n}\n")
+    exe = tmp_path / name
+    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", f"-I{ROOT / 'csrc_cuda'}", str(src),
+                    "-o", str(exe)], check=True)
+    return subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_partition_sizes_match_the_worked_examples(tmp_path):
     calls = "\n".join(
         f'  std::printf("%d\\n", {"choose_decode_partition_size" if kind == "decode" else "choose_partition_size"}'
         f"({L}, {base}, {sms}));" for kind, L, base, sms, _ in CASES)
-    src = tmp_path / "partitions.cpp"
-    src.write_text('#include <cstdio>\n#include "tuning.cuh"\n'
-                   "using namespace turboquant::tuning;\nint main() {\n" + calls + "\n}\n")
-    exe = tmp_path / "partitions"
-    subprocess.run(["g++", "-std=c++17", "-Wall", "-Werror", f"-I{ROOT / 'csrc_cuda'}", str(src),
-                    "-o", str(exe)], check=True)
-    got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
-                                          check=True).stdout.split()]
+    got = [int(x) for x in _run_on_host(tmp_path, "partitions", calls)]
     assert got == [c[-1] for c in CASES]
+
+
+# (multi-token, head dim, query tokens, sequences, GQA group) -> the prefill kernel runs
+PREFILL_RULE = [
+    (True, 128, 2048, 1, 4, True),      # 1 x 2048 @ 16k: 8192 rows per kv head
+    (True, 128, 256, 64, 4, False),     # 64 sequences x 4 tokens (speculative decoding): 16 rows each
+    (True, 128, 512 + 15, 16, 4, True),  # a chunk of 512 and 15 decode tokens: 131.75 rows per sequence
+    (True, 128, 31, 1, 4, False),       # 124 rows: below one CTA's 128
+    (True, 256, 2048, 1, 4, False),     # D 256: the general kernel
+    (True, 64, 200, 1, 1, True),        # MHA, 200 rows
+    (False, 128, 64, 64, 4, False),     # decode (no cu_query_lens): never
+]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_prefill_rule_matches_the_worked_examples(tmp_path):
+    """tuning::use_prefill_kernel picks the prefill kernel exactly for the shapes its comment
+    gives (long chunks, mixed steps dominated by a chunk) and not for speculative decoding,
+    decode, D 256 or fewer rows than one CTA holds."""
+    calls = "\n".join(f'  std::printf("%d\\n", (int)use_prefill_kernel({str(m).lower()}, {d}, {t}, {s}, {g}));'
+                      for m, d, t, s, g, _ in PREFILL_RULE)
+    got = [bool(int(x)) for x in _run_on_host(tmp_path, "prefill_rule", calls)]
+    assert got == [c[-1] for c in PREFILL_RULE]
