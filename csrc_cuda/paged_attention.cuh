@@ -160,7 +160,6 @@ struct AttnParams {
   float* lse;              // [num_tokens, num_heads] fp32: each row's log-sum-exp (natural log)
   const float* sinks;      // [num_heads] fp32: learned sink logits (one more logit, no value)
   int key_e4m3;            // K8V4: key_cache holds E4M3 bytes, D per row
-  int prefill;             // the prefill kernel runs (tuning::use_prefill_kernel): grid x = row groups
 };
 
 // ---- accuracy transforms (turboquant/rotation.py, turboquant/smoothing.py) ---------------

@@ -550,7 +550,8 @@ inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_
 template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
   cudaError_t e;
-  if (p.prefill) {  // the binding chose it (tuning::use_prefill_kernel): one partition
+  // the binding sized the grid (row groups) and the partitions (one) by the same rule
+  if (tuning::use_prefill_kernel(p.cu_query_lens != nullptr, D, p.num_tokens, p.num_seqs, p.group_size)) {
     if constexpr (D <= 128) return launch_prefill_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
     return cudaErrorInvalidValue;
   }

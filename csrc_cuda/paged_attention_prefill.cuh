@@ -103,7 +103,7 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* r
 }
 
 // grid (row groups * num_kv_heads, 1), block 32 * PREFILL_WARPS, dynamic smem
-// PrefillLayout<D>::TOTAL bytes. Requires cu_query_lens, FP4 keys, num_partitions == 1
+// PrefillLayout<D, kE4m3>::TOTAL bytes. Requires cu_query_lens and num_partitions == 1
 // (tuning::use_prefill_kernel). kStates: the lse output or learned sinks are asked for (as the
 // general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
 template <int D, typename T, bool kStates, bool kE4m3>
@@ -278,12 +278,13 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   //      the cap's per-row terms, a per-warp power-of-two prescale, fp16 A fragments ----
   constexpr int LPR = D / 8, RPP = 32 / LPR;  // lanes per row, rows per pass
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_DEC) + warp * 16 * D;  // aliases the decode buffers
+  const int col = (lane % LPR) * 8;  // the lane's Q chunk, the same in every pass
+  QChunk qc;  // its transform inputs (the CTA's rows share slot and kv head)
+  load_q_chunk<D, kStates>(p, slot, kvh, col, sink_here, qc);
   unsigned amax_bits = 0;
 #pragma unroll 1
   for (int r0 = 0; r0 < 16; r0 += RPP) {
-    const int r = r0 + lane / LPR, col = (lane % LPR) * 8, R = wrow0 + r;
-    QChunk qc;
-    load_q_chunk<D, kStates>(p, slot, kvh, col, sink_here, qc);
+    const int r = r0 + lane / LPR, R = wrow0 + r;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (R < nrows)
       v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) + (q0 + R / G) * p.q_stride_tok +

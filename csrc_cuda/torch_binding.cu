@@ -198,7 +198,6 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.key_e4m3 = key_e4m3 ? 1 : 0;
-  p.prefill = prefill ? 1 : 0;
 
   cudaError_t err = cudaSuccess;
 #define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, (int)grid_x, stream)
