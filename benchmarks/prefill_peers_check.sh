@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One device call for issue 18's prefill rows against FlashInfer: builds turboquant (full and
-# two tuning variants of the prefill kernel) while FlashInfer JIT-compiles its prefill modules
-# (each peer's correctness check on a small ragged causal problem runs then), the prefill
-# kernel's reference tests (a subset), the multi-token rows with FlashInfer BF16 / FP8 paged
-# prefill beside them (bench --peers), then the variants on one chunk row.
+# One device call for issue 18's prefill rows against FlashInfer: builds turboquant (full, and
+# the prefill kernel's mma.sync path on SM90 for comparison) while FlashInfer JIT-compiles its
+# prefill modules (each peer's correctness check on a small ragged causal problem runs then),
+# the wgmma layout probe, the prefill kernel's reference tests, the multi-token rows with
+# FlashInfer BF16 / FP8 paged prefill beside them (bench --peers), the variants on two chunk
+# rows, and ncu on one chunk (instruction mix, pipes, stalls).
 #   run: bash benchmarks/prefill_peers_check.sh   (writes under $OUT or ./out; carry .peers)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-VARIANTS=("base=" "w8t32=-DTQ_PREFILL_TILE=32" "w4t32=-DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32")
+VARIANTS=("base=" "mma_sync=-DTQ_PREFILL_MMA_SYNC")
 (
   python -c "from turboquant._backends import cuda as c; print('tq build', c.ensure_loaded())" &
   for fb in bf16:fa3 bf16:fa2 fp8:fa2; do
@@ -19,13 +20,23 @@ VARIANTS=("base=" "w8t32=-DTQ_PREFILL_TILE=32" "w4t32=-DTQ_PREFILL_WARPS=4 -DTQ_
   done
   wait
 ) 2>&1 | grep -v Warning | tail -20 | tee "$OUT/prewarm.log"
-python -m pytest -q -x tests/gpu/test_cuda_backend.py \
-  -k "${TESTS:-prefill_kernel_matches_reference and (ragged or MHA) or structured}" 2>&1 | tail -2 | tee "$OUT/gpu_tests.log"
+python -m pytest -q -x -s tests/gpu/test_wgmma_layout.py 2>&1 | tail -8 | tee "$OUT/wgmma_layout.log"
+python -m pytest -q --maxfail=3 tests/gpu/test_cuda_backend.py -k "${TESTS:-prefill or sanitizer}" 2>&1 \
+  | grep -E "^(FAILED|E  .*(error|assert)|[0-9]+ (passed|failed))" | tail -12 | tee "$OUT/gpu_tests.log"
 python -m turboquant bench --no-decode --no-writer --shapes 32/8/128 --peers --out "$OUT/bench" \
-  --multi-token "${ROWS:-1x512@4k,1x2048@16k,4x2048@16k,64x4@4k}" 2>&1 \
+  --multi-token "${ROWS:-1x512@4k,1x2048@16k,1x8192@64k,4x2048@16k,64x4@4k}" 2>&1 \
   | grep -v "kernel<\|flashinfer.jit\|capture_end\|Warning" | tee "$OUT/multi.log"
 for v in "${VARIANTS[@]}"; do
   echo "== ${v%%=*}"
   TURBOQUANT_CUDA_EXTRA_FLAGS="-DTQ_ONLY_D128_BF16 ${v#*=}" python -m turboquant bench --no-decode --no-writer \
     --no-sdpa --shapes 32/8/128 --multi-token 1x2048@16k,1x512@4k --out "$OUT/var" 2>&1 | grep -E "^ 32/8" | head -2
 done 2>&1 | tee "$OUT/variants.log"
+# where a prefill kernel's time goes: ncu (clock control off) on 1 x 2048 @ 16k: instruction mix
+# per opcode, pipe utilization, warp stalls
+if command -v ncu >/dev/null; then
+  timeout 240 ncu --clock-control none --kernel-name regex:prefill --launch-skip 2 --launch-count 1 \
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats --section InstructionStats \
+    --metrics sass__inst_executed_per_opcode,smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \
+    --print-metric-instances values python benchmarks/ncu_prefill_case.py > "$OUT/ncu_prefill.txt" 2>&1
+  grep -vE "^==PROF==|Warning" "$OUT/ncu_prefill.txt" | tail -70
+fi

@@ -30,6 +30,122 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float (&c)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---- wgmma (SM90a only: warpgroup MMA, fp16 inputs, fp32 accumulators) -----------------------
+// A warpgroup (4 consecutive warps, the first a multiple of 4) computes D[64xN] += A[64x16] B[16xN]
+// asynchronously. A comes from registers (warp w of the group holds rows 16w .. 16w+15 in
+// exactly the a[0..3] layout of mma.m16n8k16 above; those registers must not change until the
+// MMA is waited for) or from shared memory (_ss). D: warp w, lane 4g + t holds, for each
+// 8-column block j, d[4j] = D[16w+g][8j+2t], d[4j+1] = D[16w+g][8j+2t+1], d[4j+2] = D[16w+g+8][8j+2t],
+// d[4j+3] = D[16w+g+8][8j+2t+1] (mma.m16n8k16's C layout, repeated N/8 times). B comes from shared
+// memory through a descriptor (wgmma_desc_sw128). kTransB = 0: B is stored K-major ([n][k] rows,
+// k contiguous); 1: N-major ([k][n] rows, n contiguous). Ordering: wgmma_fence() before the first
+// MMA whose accumulators or A registers were written since the last; the MMAs of one
+// wgmma_commit() group run in order; wgmma_wait<N>() returns when at most N groups are pending.
+// Shared memory written by ordinary stores must be published to the MMAs' (async) proxy by
+// fence_proxy_async() in the writing threads before the barrier that precedes the MMA.
+#define TQ_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : TQ_ACC8(d, 0), TQ_ACC8(d, 8), TQ_ACC8(d, 16), TQ_ACC8(d, 24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB)
+      : "memory");
+#else
+  __trap();  // SM90a only
+#endif
+}
+template <int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+      : TQ_ACC8(d, 0), TQ_ACC8(d, 8), TQ_ACC8(d, 16), TQ_ACC8(d, 24),
+        TQ_ACC8(d, 32), TQ_ACC8(d, 40), TQ_ACC8(d, 48), TQ_ACC8(d, 56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB)
+      : "memory");
+#else
+  __trap();  // SM90a only
+#endif
+}
+// The same MMA with A from shared memory too (desc_a: A [64 x 16] K-major, wgmma_desc_sw128).
+__device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : TQ_ACC8(d, 0), TQ_ACC8(d, 8), TQ_ACC8(d, 16), TQ_ACC8(d, 24)
+      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "memory");
+#else
+  __trap();  // SM90a only
+#endif
+}
+#undef TQ_ACC8
+
+// Shared-memory matrix descriptor of a 128-byte-swizzled tile: start address / 16 (bits 0-13),
+// leading byte offset / 16 (bits 16-29), stride byte offset / 16 (bits 32-45), base offset 0
+// (bits 49-51: every 8-row x 128-byte swizzle atom starts 1024-byte aligned), layout type
+// 1 = SWIZZLE_128B (bits 62-63). The swizzle: 16-byte chunk c of the 128-byte row r of an atom
+// sits at chunk c ^ (r & 7). In 16-bit elements, with rows of 64 elements (one atom column):
+//   K-major (kTransB 0): element (n, k) at atom column k / 64, row n; SBO = bytes between 8-row
+//     groups along n (1024 when rows are packed); LBO unused; the MMA's k16 slice k0 .. k0+15
+//     starts at column k0 / 64's base + (k0 % 64) * 2 bytes.
+//   N-major (kTransB 1): element (k, n) at atom column n / 64 (LBO = bytes between columns), row
+//     k (SBO = bytes between 8-row groups along k).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// ---- fence.proxy.async.shared::cta (SM90) ----------------------------------------------------
+// Orders this thread's earlier ordinary shared-memory stores before later async-proxy accesses
+// (wgmma's descriptor reads) once a barrier has been crossed.
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// Tells the compiler that the registers r may change here (no instruction): placed after
+// wgmma_wait so that no read of an asynchronously written accumulator moves above the wait.
+// (reg_fence on an A fragment after the wait keeps its registers from being reused earlier.)
+template <int N>
+__device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int M, int N>
+__device__ __forceinline__ void reg_fence(uint32_t (&r)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
 // ---- ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (SM75+) --------------------------------
 // Four 8x8 matrices of 16-bit elements from shared memory: lanes 8m .. 8m+7 give the 16-byte
 // row addresses (rows 0..7) of matrix m. Out: r[m] of lane 4g + t holds row g, elements 2t, 2t+1

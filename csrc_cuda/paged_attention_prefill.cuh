@@ -10,8 +10,13 @@
 // 16-token tile's decode (~150 integer instructions per lane) is paid once per 16 rows, which
 // caps a long chunk at ~130 TFLOP/s on the H100. Here a CTA holds PREFILL_ROWS rows (one
 // 16-row MMA tile per warp) and its warps walk the SAME KV steps: each step's codes are copied
-// once (cp.async ring) and decoded once into shared memory as fp16, which every warp reads with
-// ldmatrix (FA2-style m16n8k16 MMAs, fp32 accumulation): the decode is shared by 8 row tiles.
+// once (cp.async ring) and decoded once into shared memory as fp16, which every warp reads: the
+// decode is shared by 8 row tiles. Two MMA paths over the same tiles, fp32 accumulation:
+//   SM90a: warpgroup MMAs (wgmma), a warpgroup's 64 rows per MMA; S = Q K^T with Q and K from
+//     shared memory, O += P' V with P' from registers; both asynchronous (below);
+//   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): FA2-style m16n8k16 mma.sync per warp, Q fragments in
+//     registers, K / V fragments by ldmatrix.
+// H100, 32/8/128, 1 x 2048 @ 16k, one run: wgmma 2150 us (240 TFLOP/s), mma.sync 2745 us.
 // Grid (row groups * num_kv_heads, 1), kv head fastest: sequence s owns row groups
 //   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
 //   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
@@ -22,17 +27,17 @@
 //     16-token sub-tiles outside the CTA's key range are not copied (their block may not
 //     exist); a bad block id of a needed sub-tile makes the CTA's rows NaN, never a read.
 //   decode: the same thread decodes what it copied (no barrier needed) into the step's fp16
-//     buffer (two buffers; 16-byte chunk c of row r stored at c ^ (r & 7), so the 8 rows an
-//     ldmatrix reads hit distinct banks): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the scale
+//     tile (dec_off: D / 64 panels of 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7):
+//     wgmma's 128-byte swizzle, and the 8 rows an ldmatrix reads hit distinct banks; three
+//     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the scale
 //     bytes as ints; the V-scale maximum of the step's visible tokens (255 excluded).
-//   compute (per warp, its 16 rows): S = Q K^T (Q fragments in registers, power-of-two
-//     prescaled per warp; K fragments by ldmatrix), logits = S * 2^(kb-127) * scale in the exp2
+//   compute (per MMA unit, a warpgroup's or a warp's rows): S = Q K^T (Q power-of-two
+//     prescaled per warp), logits = S * 2^(kb-127) * scale in the exp2
 //     domain, soft cap, causal / window masking by selection on boundary steps, online softmax
 //     with the general kernel's lazy rescaling and V-scale folding (P' = p * 2^(vb - VM + 15 -
-//     SLACK)), O += P' V (V fragments by ldmatrix.trans). Steps outside a warp's rows' key
-//     range skip the compute.
-//   The step's decode is placed between the S and the P.V MMAs of the previous step, so one
-//   warp's integer work overlaps another's tensor-core work; one __syncthreads per step.
+//     SLACK)), O += P' V. Steps outside the unit's rows' key range skip the compute.
+//   The next step's decode runs while this step's S MMAs do (wgmma: asynchronously; mma.sync:
+//   in other warps); one __syncthreads per step.
 // Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
 //   and the lse (kStates), the un-rotation, the store; no cross-warp merge (each warp owns its
 //   rows). One partition (no split-KV).
@@ -47,7 +52,7 @@
 namespace turboquant {
 namespace cuda_fp4 {
 
-template <int D, bool kE4m3>
+template <int D, bool kE4m3, bool kWG>
 struct PrefillLayout {
   static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS, NT = 32 * W;
   static constexpr int TK = tuning::PREFILL_TILE, ST = tuning::PREFILL_STAGES;
@@ -58,25 +63,37 @@ struct PrefillLayout {
   static_assert(VCH <= NT && 2 * TK <= NT && TK % 32 == 0, "one V chunk and one scale word per thread");
   static constexpr int RAW_K = TK * KROWB, RAW_V = TK * VROWB, RAW_S = TK * 4;
   static constexpr int RAW = RAW_K + RAW_V + 2 * RAW_S;  // K codes, V codes, K / V scale words
-  static constexpr int DROW = 2 * D;                 // fp16 row bytes
-  static constexpr int DEC_K = TK * DROW;
+  // A decoded fp16 tile [TK tokens][D] is D / 64 panels of [TK][64 elements = 128 bytes], each
+  // 128-byte row swizzled (dec_off): wgmma's SWIZZLE_128B atoms, read by ldmatrix below SM90.
+  static constexpr int DPANEL = TK * 128;
+  static constexpr int DEC_K = TK * 2 * D;
   static constexpr int OFF_SB = 2 * DEC_K;           // ints: K bytes [TK], V bytes [TK], V max [TK / 32]
-  static constexpr int DEC = OFF_SB + ((2 * TK + TK / 32) * 4 + 15) / 16 * 16;  // 16-byte aligned buffers
+  static constexpr int DEC = (OFF_SB + (2 * TK + TK / 32) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
+  static constexpr int NDEC = kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
   static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
-  static constexpr int BIG_A = 2 * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
+  static constexpr int BIG_A = NDEC * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
   static constexpr int BIG = BIG_A > BIG_B ? (BIG_A > BIG_C ? BIG_A : BIG_C) : (BIG_B > BIG_C ? BIG_B : BIG_C);
-  static constexpr int OFF_DEC = ST * RAW;           // two decode buffers; aliased by the
-                                                     // prologue's fp32 Q rows and the epilogue's O
-  static constexpr int OFF_ROWS = OFF_DEC + BIG;     // per CTA row: q'.k0', scale * q.m, m, l
-  static constexpr int TOTAL = OFF_ROWS + 4 * ROWS * 4;
+  static constexpr int OFF_DEC = (ST * RAW + 1023) / 1024 * 1024;  // NDEC decode buffers; aliased by
+                                                     // the prologue's fp32 Q rows and the epilogue's O
+  // wgmma: the CTA's fp16 Q rows, D / 64 panels of [ROWS][128 bytes] swizzled as the tiles
+  static constexpr int QPANEL = ROWS * 128, OFF_Q = (OFF_DEC + BIG + 1023) / 1024 * 1024, QBYTES = kWG ? ROWS * 2 * D : 0;
+  static constexpr int OFF_ROWS = OFF_Q + QBYTES;    // per CTA row: q'.k0', scale * q.m, m, l
+  static constexpr int TOTAL = OFF_ROWS + 4 * ROWS * 4 + 1024;  // + the base's alignment to 1024
 };
 
-// 16-byte chunk c of fp16 row r of a decoded tile: stored at chunk c ^ (r & 7).
-__device__ __forceinline__ int dec_chunk(int r, int c) { return c ^ (r & 7); }
+// Byte offset of 16-byte chunk c (head-dim elements 8c .. 8c+7) of token r in a decoded tile of
+// TK tokens: panel c / 8, row r, chunk (c % 8) ^ (r % 8) (wgmma's 128-byte swizzle; the 8 rows an
+// ldmatrix reads hit distinct banks).
+template <int TK>
+__device__ __forceinline__ int dec_off(int r, int c) {
+  return (c >> 3) * (TK * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
 
 // 32 FP4 codes (16 bytes: head-dim elements [32 q, 32 q + 32) of one token) -> fp16 values
-// E2M1 * 2^-14 in head-dim order, four 16-byte chunks of decoded row r. 11 integer ops per 8.
-__device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* row, int r, int q) {
+// E2M1 * 2^-14 in head-dim order, four 16-byte chunks of row r of the decoded tile. 11 integer
+// ops per 8.
+template <int TK>
+__device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* tile, int r, int q) {
   const uint4 w4 = *reinterpret_cast<const uint4*>(src);
   const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
@@ -85,12 +102,13 @@ __device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* ro
     fp4x8_to_f16hi8(w[i], lo, hi);                          // lo: e0 e2 e4 e6, hi: e1 e3 e5 e7
     f16hi4_to_f16x2x2(prmt(lo, hi, 0x5140u), o[0], o[1]);  // (e0, e1) (e2, e3)
     f16hi4_to_f16x2x2(prmt(lo, hi, 0x7362u), o[2], o[3]);  // (e4, e5) (e6, e7)
-    *reinterpret_cast<uint4*>(row + dec_chunk(r, 4 * q + i) * 16) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4*>(tile + dec_off<TK>(r, 4 * q + i)) = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }
 // 16 E4M3 key bytes (K8V4: head-dim elements [16 q, 16 q + 16)) -> fp16 values E4M3 * 2^-8 in
 // head-dim order (decode_key8's placement, without its permutation), two chunks of row r.
-__device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* row, int r, int q) {
+template <int TK>
+__device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* tile, int r, int q) {
   const uint4 w4 = *reinterpret_cast<const uint4*>(src);
   const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
@@ -98,8 +116,16 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* r
     const uint4 o = make_uint4(e4m3hi_to_f16x2(prmt(w[2 * i], 0, 0x1404u)), e4m3hi_to_f16x2(prmt(w[2 * i], 0, 0x3424u)),
                                e4m3hi_to_f16x2(prmt(w[2 * i + 1], 0, 0x1404u)),
                                e4m3hi_to_f16x2(prmt(w[2 * i + 1], 0, 0x3424u)));
-    *reinterpret_cast<uint4*>(row + dec_chunk(r, 2 * q + i) * 16) = o;
+    *reinterpret_cast<uint4*>(tile + dec_off<TK>(r, 2 * q + i)) = o;
   }
+}
+
+// O += P V through the wgmma of N = D columns (64 or 128).
+template <int N, int kTransB>
+__device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(N == 64 || N == 128, "wgmma N");
+  if constexpr (N == 64) wgmma_m64n64k16_f16<kTransB>(d, a, desc_b);
+  else wgmma_m64n128k16_f16<kTransB>(d, a, desc_b);
 }
 
 // grid (row groups * num_kv_heads, 1), block 32 * PREFILL_WARPS, dynamic smem
@@ -109,9 +135,18 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* r
 template <int D, typename T, bool kStates, bool kE4m3>
 __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MIN_BLOCKS)
     paged_attention_fp4_prefill_kernel(const AttnParams p) {
-  using L = PrefillLayout<D, kE4m3>;
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(TQ_PREFILL_MMA_SYNC)
+  constexpr bool kWG = true;  // warpgroup MMAs (SM90a); ldmatrix + mma.sync below
+#else
+  constexpr bool kWG = false;
+#endif
+  using L = PrefillLayout<D, kE4m3, kWG>;
   constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
-  extern __shared__ __align__(16) uint8_t smem[];
+  static_assert(!kWG || (TK == 64 && L::W % 4 == 0), "wgmma path: 64-token steps, whole warpgroups");
+  // one MMA unit: a warpgroup's 64 rows (wgmma) or a warp's 16 rows (mma.sync)
+  constexpr int UROWS = kWG ? 64 : 16;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* const smem = smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int G = p.group_size, Hkv = p.num_kv_heads;
@@ -173,8 +208,12 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   const bool wactive = wrow0 < nrows;
   const int wlast = min(wrow0 + 15, nrows - 1);
   const int sink_lo = p.sink ? 1 : 0;
-  const int w_lo_min = max(row_lo(wrow0 / G), sink_lo), w_lo_max = max(row_lo(wlast / G), sink_lo);
-  const int w_hi_min = row_hi(wrow0 / G), w_hi_max = row_hi(wlast / G);
+  const int w_lo_max = max(row_lo(wlast / G), sink_lo);
+  const int w_hi_min = row_hi(wrow0 / G);
+  // the MMA unit's rows: its key range decides which steps it computes (unit-uniform)
+  const int urow0 = row0 + UROWS * (warp / (UROWS / 16)), ulast = min(urow0 + UROWS - 1, nrows - 1);
+  const bool uactive = urow0 < nrows;
+  const int u_lo_min = max(row_lo(urow0 / G), sink_lo), u_hi_max = row_hi(ulast / G);
   int rlo[2], rhi[2];  // rows g, g+8 (rows past the sequence see nothing)
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
@@ -246,15 +285,15 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   auto decode = [&](int i) {
     const int sd = i % ST;
     const uint8_t* raw = smem + sd * L::RAW;
-    uint8_t* dec = smem + L::OFF_DEC + (i & 1) * L::DEC;
+    uint8_t* dec = smem + L::OFF_DEC + (i % L::NDEC) * L::DEC;
 #pragma unroll
     for (int j = 0; j < NK; ++j) {
       const int c = kchunk(j), r = c / L::KCPR;
       if (c >= L::KCH) continue;
-      if constexpr (kE4m3) decode_e4m3_chunk(raw + c * 16, dec + r * L::DROW, r, c % L::KCPR);
-      else decode_fp4_chunk(raw + c * 16, dec + r * L::DROW, r, c % L::KCPR);
+      if constexpr (kE4m3) decode_e4m3_chunk<TK>(raw + c * 16, dec, r, c % L::KCPR);
+      else decode_fp4_chunk<TK>(raw + c * 16, dec, r, c % L::KCPR);
     }
-    if (has_v) decode_fp4_chunk(raw + L::RAW_K + tid * 16, dec + L::DEC_K + cv * L::DROW, cv, tid % L::VCPR);
+    if (has_v) decode_fp4_chunk<TK>(raw + L::RAW_K + tid * 16, dec + L::DEC_K, cv, tid % L::VCPR);
     if (has_s) {
       const uint32_t nib = (nib_ring >> (4 * sd)) & 15u;
       const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + L::RAW_K + L::RAW_V + (tid < TK ? 0 : L::RAW_S) + cs * 4);
@@ -267,6 +306,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
         if (lane == 0) sb[2 * TK + ((tid - TK) >> 5)] = v;
       }
     }
+    if constexpr (kWG) fence_proxy_async();  // the tile is read by wgmma after the next barrier
   };
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) {
@@ -275,7 +315,9 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   }
 
   // ---- Q: this warp's 16 rows, the transforms in fp32 (D/8 lanes per row), the sink's and
-  //      the cap's per-row terms, a per-warp power-of-two prescale, fp16 A fragments ----
+  //      the cap's per-row terms, a per-warp power-of-two prescale, fp16 A fragments (mma.sync)
+  //      or fp16 rows in shared memory (wgmma: ptxas 13.0 reused the registers of an A
+  //      fragment read by every step's MMA for temporaries at D 64) ----
   constexpr int LPR = D / 8, RPP = 32 / LPR;  // lanes per row, rows per pass
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_DEC) + warp * 16 * D;  // aliases the decode buffers
   const int col = (lane % LPR) * 8;  // the lane's Q chunk, the same in every pass
@@ -298,9 +340,19 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   }
   const int qexp = prescale_exponent(__reduce_max_sync(0xffffffffu, amax_bits));
   __syncwarp();
-  uint32_t qa[D / 16][4];
-  {
-    const float qmul = pow2i(qexp);
+  uint32_t qa[kWG ? 1 : D / 16][4];
+  const float qmul = pow2i(qexp);
+  if constexpr (kWG) {  // 16-byte chunk c of row r: 8 values from qraw, at dec_off's place
+#pragma unroll
+    for (int i = lane; i < 16 * D / 8; i += 32) {
+      const int r = i / (D / 8), c = i % (D / 8);
+      const float* a = qraw + r * D + 8 * c;
+      *reinterpret_cast<uint4*>(smem + L::OFF_Q + (c >> 3) * L::QPANEL + (16 * warp + r) * 128 + (((c & 7) ^ (r & 7)) << 4)) =
+          make_uint4(pack_f16x2(a[0] * qmul, a[1] * qmul), pack_f16x2(a[2] * qmul, a[3] * qmul),
+                     pack_f16x2(a[4] * qmul, a[5] * qmul), pack_f16x2(a[6] * qmul, a[7] * qmul));
+    }
+    fence_proxy_async();
+  } else {
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
       const float* a = qraw + g * D + 16 * ks + 2 * t4;
@@ -316,14 +368,19 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   // cap, log2(e) (exp2 domain)
   const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
-  __syncthreads();  // every warp's Q is in registers: the decode buffers are free
+  __syncthreads();  // every warp's Q is in registers or its rows: the decode buffers are free
 
-  if (nsteps > 0) {
-    cp_async_wait<ST - 2>();
-    decode(0);
-  }
-  if (ST - 1 < nsteps) issue(ST - 1);
-  cp_async_commit();
+  // the next step's codes: wait for them, decode them, refill the ring (step j's decode is
+  // followed by step j + ST - 1's copy, into the stage step j - 1 left)
+  auto decode_next = [&](int j) {
+    if (j < nsteps) {
+      cp_async_wait<ST - 2>();
+      decode(j);
+    }
+    if (j + ST - 1 < nsteps) issue(j + ST - 1);
+    cp_async_commit();
+  };
+  decode_next(0);
   __syncthreads();
 
   float acc[D / 8][4];
@@ -332,113 +389,166 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   int VM = 0;
   const uint32_t dec_s = raw_s + L::OFF_DEC;
-#pragma unroll 1
-  for (int k = 0; k < nsteps; ++k) {
-    const int b = k & 1;
+  auto tile_k = [&](int k) { return dec_s + (k % L::NDEC) * L::DEC; };  // step k's K tile (V: + DEC_K)
+  auto unit_does = [&](int k) {  // the MMA unit's rows see some token of step k (unit-uniform)
     const int t0 = (tile_first + k) * TK;
-    const bool wdo = wactive && t0 <= w_hi_max && t0 + TK - 1 >= w_lo_min;  // warp-uniform
-    const uint32_t kdec = dec_s + b * L::DEC, vdec = kdec + L::DEC_K;
-    // ---- S = Q K^T: TK / 8 n-tiles of 8 tokens ----
-    float sacc[TK / 8][4];
+    return uactive && t0 <= u_hi_max && t0 + TK - 1 >= u_lo_min;
+  };
+  // step k's logits from S (this warp's 16 rows x TK tokens, the MMA C layout), the online
+  // softmax, and P' packed as the A fragments of O += P' V
+  auto softmax_p = [&](int k, const float (&sacc)[TK / 8][4], uint32_t (&pa)[TK / 16][4]) {
+    const int t0 = (tile_first + k) * TK;
+    const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + (k % L::NDEC) * L::DEC + L::OFF_SB);
+    // ---- logits (exp2 domain): thread holds rows g, g+8 x tokens 8j + 2 t4 + {0, 1} ----
+    float x[TK / 8][4];
 #pragma unroll
-    for (int j = 0; j < TK / 8; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
-    if (wdo) {
-#pragma unroll
-      for (int j = 0; j < TK / 8; ++j) {
-        const int r = 8 * j + (lane & 7);
-#pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk) {  // two k-steps (32 head-dim elements) per load
-          uint32_t bf[4];
-          ldmatrix_x4(bf, kdec + r * L::DROW + dec_chunk(r, 4 * kk + (lane >> 3)) * 16);
-          mma_m16n8k16_f16(sacc[j], qa[2 * kk], bf[0], bf[1]);
-          mma_m16n8k16_f16(sacc[j], qa[2 * kk + 1], bf[2], bf[3]);
-        }
-      }
+    for (int j = 0; j < TK / 8; ++j) {
+      const int2 kb = *reinterpret_cast<const int2*>(sb + 8 * j + 2 * t4);
+      const float kf0 = e8m0_to_float((uint32_t)kb.x) * kmul, kf1 = e8m0_to_float((uint32_t)kb.y) * kmul;
+      x[j][0] = sacc[j][0] * kf0;
+      x[j][1] = sacc[j][1] * kf1;
+      x[j][2] = sacc[j][2] * kf0;
+      x[j][3] = sacc[j][3] * kf1;
     }
-    // ---- the next step: wait for its codes, decode them, refill the ring ----
-    if (k + 1 < nsteps) {
-      cp_async_wait<ST - 2>();
-      decode(k + 1);
+    if (cap) {
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[j][i] = cap_v * tanhf((x[j][i] + qm_row[i >> 1]) * inv_cap) * LOG2E;
     }
-    if (k + ST < nsteps) issue(k + ST);
-    cp_async_commit();
-    if (wdo) {
-      const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + b * L::DEC + L::OFF_SB);
-      // ---- logits (exp2 domain): thread holds rows g, g+8 x tokens 8j + 2 t4 + {0, 1} ----
-      float x[TK / 8][4];
+    const bool need_mask = t0 < w_lo_max || t0 + TK - 1 > w_hi_min || wlast - wrow0 < 15;
+    if (need_mask) {
 #pragma unroll
-      for (int j = 0; j < TK / 8; ++j) {
-        const int2 kb = *reinterpret_cast<const int2*>(sb + 8 * j + 2 * t4);
-        const float kf0 = e8m0_to_float((uint32_t)kb.x) * kmul, kf1 = e8m0_to_float((uint32_t)kb.y) * kmul;
-        x[j][0] = sacc[j][0] * kf0;
-        x[j][1] = sacc[j][1] * kf1;
-        x[j][2] = sacc[j][2] * kf0;
-        x[j][3] = sacc[j][3] * kf1;
-      }
-      if (cap) {
-#pragma unroll
-        for (int j = 0; j < TK / 8; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) x[j][i] = cap_v * tanhf((x[j][i] + qm_row[i >> 1]) * inv_cap) * LOG2E;
-      }
-      const bool need_mask = t0 < w_lo_max || t0 + TK - 1 > w_hi_min || wlast - wrow0 < 15;
-      if (need_mask) {
-#pragma unroll
-        for (int j = 0; j < TK / 8; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tok = t0 + 8 * j + 2 * t4 + (i & 1);
-            if (tok < rlo[i >> 1] || tok > rhi[i >> 1]) x[j][i] = -INFINITY;
-          }
-      }
-      // ---- online softmax with lazy rescaling (as the general kernel) ----
-      float m_new[2];
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < TK / 8; ++j) mx = fmaxf(mx, fmaxf(x[j][2 * rh], x[j][2 * rh + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        m_new[rh] = fmaxf(m_run[rh], mx);
-      }
-      int VM_new = VM;  // the step's V-scale maximum, one partial per warp of V-scale words
-#pragma unroll
-      for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[2 * TK + i]);
-      float ms[2];
-      lazy_rescale(m_new, VM_new, m_run, l_run, VM, acc, ms);
-      // ---- P' = 2^(x - m) * V-scale factor, packed as the A fragments of O += P' V ----
-      uint32_t pa[TK / 16][4];
-#pragma unroll
-      for (int j = 0; j < TK / 8; ++j) {
-        const int2 vb = *reinterpret_cast<const int2*>(sb + TK + 8 * j + 2 * t4);
-        const float vf0 = vb.x == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.x, VM);
-        const float vf1 = vb.y == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.y, VM);
-        float pv[4];
+      for (int j = 0; j < TK / 8; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float pr = fast_exp2(x[j][i] - ms[i >> 1]);
-          l_run[i >> 1] += pr;
-          // a masked token (logit -inf) must not bring its NaN V scale into the row
-          pv[i] = x[j][i] == -INFINITY ? 0.f : pr * ((i & 1) ? vf1 : vf0);
+          const int tok = t0 + 8 * j + 2 * t4 + (i & 1);
+          if (tok < rlo[i >> 1] || tok > rhi[i >> 1]) x[j][i] = -INFINITY;
         }
-        pa[j >> 1][(j & 1) * 2] = pack_f16x2(pv[0], pv[1]);      // row g
-        pa[j >> 1][(j & 1) * 2 + 1] = pack_f16x2(pv[2], pv[3]);  // row g + 8
-      }
-      // ---- O += P' V: TK / 16 k-steps x D / 8 n-tiles ----
-#pragma unroll
-      for (int u = 0; u < TK / 16; ++u) {
-        const int r = 16 * u + (lane & 7) + 8 * ((lane >> 3) & 1);
-#pragma unroll
-        for (int n2 = 0; n2 < D / 16; ++n2) {
-          uint32_t bf[4];
-          ldmatrix_x4_trans(bf, vdec + r * L::DROW + dec_chunk(r, 2 * n2 + (lane >> 4)) * 16);
-          mma_m16n8k16_f16(acc[2 * n2], pa[u], bf[0], bf[1]);
-          mma_m16n8k16_f16(acc[2 * n2 + 1], pa[u], bf[2], bf[3]);
-        }
-      }
     }
-    __syncthreads();  // step k's buffer is free; step k + 1's is complete
+    // ---- online softmax with lazy rescaling (as the general kernel) ----
+    float m_new[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) mx = fmaxf(mx, fmaxf(x[j][2 * rh], x[j][2 * rh + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      m_new[rh] = fmaxf(m_run[rh], mx);
+    }
+    int VM_new = VM;  // the step's V-scale maximum, one partial per warp of V-scale words
+#pragma unroll
+    for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[2 * TK + i]);
+    float ms[2];
+    lazy_rescale(m_new, VM_new, m_run, l_run, VM, acc, ms);
+    // ---- P' = 2^(x - m) * V-scale factor ----
+#pragma unroll
+    for (int j = 0; j < TK / 8; ++j) {
+      const int2 vb = *reinterpret_cast<const int2*>(sb + TK + 8 * j + 2 * t4);
+      const float vf0 = vb.x == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.x, VM);
+      const float vf1 = vb.y == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.y, VM);
+      float pv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float pr = fast_exp2(x[j][i] - ms[i >> 1]);
+        l_run[i >> 1] += pr;
+        // a masked token (logit -inf) must not bring its NaN V scale into the row
+        pv[i] = x[j][i] == -INFINITY ? 0.f : pr * ((i & 1) ? vf1 : vf0);
+      }
+      pa[j >> 1][(j & 1) * 2] = pack_f16x2(pv[0], pv[1]);      // row g
+      pa[j >> 1][(j & 1) * 2 + 1] = pack_f16x2(pv[2], pv[3]);  // row g + 8
+    }
+  };
+  auto zero_s = [&](float (&sacc)[TK / 8][4]) {
+#pragma unroll
+    for (int j = 0; j < TK / 8; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
+  };
+
+  if constexpr (kWG) {
+    // Per step k (one barrier): S = Q K^T issued, step k + 1 decoded while it runs, the wait
+    // (for S and for step k - 1's O += P' V), softmax, O += P' V issued (it runs into the next
+    // step). Three tiles: step k - 1's (P V), k's (S, then P V), k + 1's (written). Issuing
+    // S(k + 1) before step k's softmax instead (two S accumulators, the decode two steps ahead)
+    // was slower: 2437 vs 2150 us at 1 x 2048 @ 16k (H100, two runs of the same bench). ncu of
+    // this loop there: ~1050 instructions per warp and step, issue slots 48 % busy (2 warps per
+    // scheduler, 0.71 eligible), tensor pipe 25 % active: bound by instruction latency and
+    // count, not by the tensor cores.
+    const uint32_t qrows = raw_s + L::OFF_Q + (warp >> 2) * 64 * 128;  // the warpgroup's 64 rows
+    uint32_t pa[TK / 16][4];  // P' of step k: read by its O += P' V until the next step's wait
+#pragma unroll 1
+    for (int k = 0; k < nsteps; ++k) {
+      const bool wdo = unit_does(k);
+      const uint32_t kdec = tile_k(k), vdec = kdec + L::DEC_K;
+      float sacc[TK / 8][4];
+      zero_s(sacc);
+      if (wdo) {
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+          wgmma_m64n64k16_f16_ss(reinterpret_cast<float(&)[TK / 2]>(sacc),
+                                 wgmma_desc_sw128(qrows + (ks >> 2) * L::QPANEL + (ks & 3) * 32, 16, 1024),
+                                 wgmma_desc_sw128(kdec + (ks >> 2) * L::DPANEL + (ks & 3) * 32, 16, 1024));
+        wgmma_commit();
+      }
+      decode_next(k + 1);
+      wgmma_wait<0>();  // every unit: its tiles are reused
+      reg_fence(reinterpret_cast<float(&)[TK / 2]>(sacc));
+      reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
+      reg_fence(pa);
+      if (wdo) {
+        softmax_p(k, sacc, pa);
+        wgmma_fence();
+#pragma unroll
+        for (int u = 0; u < TK / 16; ++u)
+          wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pa[u],
+                        wgmma_desc_sw128(vdec + u * 16 * 128, L::DPANEL, 1024));
+        wgmma_commit();
+      }
+      __syncthreads();  // step k + 1's tile is complete; step k - 1's is free (waited above)
+    }
+    wgmma_wait<0>();
+    reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
+  } else {
+    // Per step k (one barrier): S = Q K^T, decode step k + 1 (one warp's integer work overlaps
+    // another's MMAs), softmax, O += P' V. Two tiles.
+#pragma unroll 1
+    for (int k = 0; k < nsteps; ++k) {
+      const bool wdo = unit_does(k);
+      const uint32_t kdec = tile_k(k), vdec = kdec + L::DEC_K;
+      float sacc[TK / 8][4];
+      zero_s(sacc);
+      if (wdo) {
+#pragma unroll
+        for (int j = 0; j < TK / 8; ++j) {
+          const int r = 8 * j + (lane & 7);
+#pragma unroll
+          for (int kk = 0; kk < D / 32; ++kk) {  // two k-steps (32 head-dim elements) per load
+            uint32_t bf[4];
+            ldmatrix_x4(bf, kdec + dec_off<TK>(r, 4 * kk + (lane >> 3)));
+            mma_m16n8k16_f16(sacc[j], qa[2 * kk], bf[0], bf[1]);
+            mma_m16n8k16_f16(sacc[j], qa[2 * kk + 1], bf[2], bf[3]);
+          }
+        }
+      }
+      decode_next(k + 1);
+      if (wdo) {
+        uint32_t pa[TK / 16][4];
+        softmax_p(k, sacc, pa);
+#pragma unroll
+        for (int u = 0; u < TK / 16; ++u) {
+          const int r = 16 * u + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+          for (int n2 = 0; n2 < D / 16; ++n2) {
+            uint32_t bf[4];
+            ldmatrix_x4_trans(bf, vdec + dec_off<TK>(r, 2 * n2 + (lane >> 4)));
+            mma_m16n8k16_f16(acc[2 * n2], pa[u], bf[0], bf[1]);
+            mma_m16n8k16_f16(acc[2 * n2 + 1], pa[u], bf[2], bf[3]);
+          }
+        }
+      }
+      __syncthreads();  // step k's tile is free; step k + 1's is complete
+    }
   }
   cp_async_wait<0>();
 
@@ -500,18 +610,24 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
 }
 
 // The prefill kernel's launch (torch-free). grid_x = row groups (tuning::use_prefill_kernel).
+// Shared memory: the wgmma layout's (three decode buffers) on SM90+ devices, whose binary is
+// built for sm_90a (the mma.sync build of the same kernel uses less), else the mma.sync layout's.
 template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
-  using L = PrefillLayout<D, kE4m3>;
   auto kern = paged_attention_fp4_prefill_kernel<D, T, kStates, kE4m3>;
-  static bool attr_set = false;  // per instantiation
-  if (!attr_set) {
-    const cudaError_t e = set_smem_attributes(kern, L::TOTAL);
+  static int smem = 0;  // per instantiation
+  if (smem == 0) {
+    int dev = 0, major = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e != cudaSuccess) return e;
-    attr_set = true;
+    const int total = major >= 9 ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
+    e = set_smem_attributes(kern, total);
+    if (e != cudaSuccess) return e;
+    smem = total;
   }
   // CTA x = row group * num_kv_heads + kv head, as the other kernels
-  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, 1), dim3(32 * L::W), L::TOTAL, stream, p);
+  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, 1), dim3(32 * tuning::PREFILL_WARPS), smem, stream, p);
 }
 
 }  // namespace cuda_fp4

@@ -1,0 +1,174 @@
+// The prefill kernel's warpgroup MMAs on structured inputs, exactly as the kernel issues them:
+// B from a decoded tile in shared memory (paged_attention_prefill.cuh's dec_off panels, 128-byte
+// swizzle) through wgmma_desc_sw128; A from shared memory (Q rows, the second warpgroup's of a
+// 128-row CTA, the first 64 rows poisoned) or from registers (P, fp4_common.cuh's layout).
+//   S = Q K^T: Q [64 x 128], K [64 tokens x 128] K-major, 8 x m64n64k16 _ss (the kernel's S)
+//   O = P V:   P [64 x 64], V [64 tokens x N] N-major, 4 x m64nNk16 with tnspB, N = 128 and 64
+// Entries are small integers, so every product is exact in fp32 and the check is equality; a
+// mismatch prints its first positions (a wrong descriptor or fragment map moves whole rows,
+// columns or 8 x 8 blocks). Built and run by tests/gpu/test_wgmma_layout.py (SM90a only).
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "paged_attention_prefill.cuh"
+
+using namespace turboquant::cuda_fp4;
+
+constexpr int TK = 64;
+
+__device__ uint32_t pack2(const __half* row, int c) {
+  return (uint32_t)__half_as_ushort(row[c]) | ((uint32_t)__half_as_ushort(row[c + 1]) << 16);
+}
+// a[0..3] of the rows 16 w + g, + 8 and the k16 slice at column k0 of a [64][ld] matrix
+__device__ void a_frag(uint32_t (&a)[4], const __half* m, int ld, int k0) {
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const __half* r0 = m + (16 * warp + g) * ld + k0;
+  const __half* r1 = r0 + 8 * ld;
+  a[0] = pack2(r0, 2 * t);
+  a[1] = pack2(r1, 2 * t);
+  a[2] = pack2(r0, 2 * t + 8);
+  a[3] = pack2(r1, 2 * t + 8);
+}
+template <int N>
+__device__ void store_d(const float (&d)[N / 2], float* out) {  // out [64][N]
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int j = 0; j < N / 8; ++j)
+    for (int i = 0; i < 4; ++i) out[(16 * warp + g + 8 * (i >> 1)) * N + 8 * j + 2 * t + (i & 1)] = d[4 * j + i];
+}
+// rows [TK][cols] (ld apart in src) into shared memory as the prefill kernel decodes a tile
+// (rows0 = TK) or stores its Q rows (rows0 = 128: panels of 128 rows, these at rows 64..127)
+template <int ROWS0 = TK>
+__device__ void fill_tile(uint8_t* tile, const __half* src, int ld, int cols) {
+  for (int e = threadIdx.x; e < TK * cols; e += blockDim.x) {
+    const int r = e / cols + ROWS0 - TK, col = e % cols;
+    reinterpret_cast<__half*>(tile + dec_off<ROWS0>(r, col / 8))[col % 8] = src[(r - ROWS0 + TK) * ld + col];
+  }
+  fence_proxy_async();
+  __syncthreads();
+}
+template <int N>
+__device__ void zero(float (&d)[N]) {
+  for (int i = 0; i < N; ++i) d[i] = 0.f;
+}
+
+// grid 1, block 128 (one warpgroup); q [64][128], k [64][128], p [64][64], v [64][128]
+__global__ void __launch_bounds__(128) wgmma_check_kernel(const __half* q, const __half* k, const __half* p,
+                                                          const __half* v, float* s_out, float* o128_out,
+                                                          float* o64_out) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];  // 1024-aligned below, as the kernel's
+  uint8_t* const smem = smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+  {  // S = Q K^T
+    uint8_t* qs = smem + TK * 256;  // 128 Q rows, 2 panels of 128 x 128 bytes
+    for (int e = threadIdx.x; e < 128 * 128; e += blockDim.x) reinterpret_cast<__half*>(qs)[e] = __float2half(99.f);
+    __syncthreads();
+    fill_tile<128>(qs, q, 128, 128);
+    fill_tile(smem, k, 128, 128);
+    const uint32_t qrows = base + TK * 256 + 64 * 128;
+    float s[32];
+    zero(s);
+    wgmma_fence();
+    for (int ks = 0; ks < 8; ++ks)
+      wgmma_m64n64k16_f16_ss(s, wgmma_desc_sw128(qrows + (ks >> 2) * 128 * 128 + (ks & 3) * 32, 16, 1024),
+                             wgmma_desc_sw128(base + (ks >> 2) * TK * 128 + (ks & 3) * 32, 16, 1024));
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(s);
+    store_d<64>(s, s_out);
+    __syncthreads();
+  }
+  {  // O = P V, N = 128
+    fill_tile(smem, v, 128, 128);
+    float o[64];
+    zero(o);
+    wgmma_fence();
+    for (int u = 0; u < TK / 16; ++u) {
+      uint32_t a[4];
+      a_frag(a, p, 64, 16 * u);
+      wgmma_fence();
+      wgmma_m64n128k16_f16<1>(o, a, wgmma_desc_sw128(base + u * 16 * 128, TK * 128, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+    store_d<128>(o, o128_out);
+    __syncthreads();
+  }
+  {  // O = P V, N = 64 (the first 64 columns of v)
+    fill_tile(smem, v, 128, 64);
+    float o[32];
+    zero(o);
+    wgmma_fence();
+    for (int u = 0; u < TK / 16; ++u) {
+      uint32_t a[4];
+      a_frag(a, p, 64, 16 * u);
+      wgmma_fence();
+      wgmma_m64n64k16_f16<1>(o, a, wgmma_desc_sw128(base + u * 16 * 128, TK * 128, 1024));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+    store_d<64>(o, o64_out);
+  }
+}
+
+static int check(const char* what, const std::vector<float>& got, const std::vector<float>& want, int cols) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (got[i] == want[i]) continue;
+    if (bad < 8) printf("%s: [%zu][%zu] got %g want %g\n", what, i / cols, i % cols, got[i], want[i]);
+    ++bad;
+  }
+  printf("%s: %d of %zu wrong\n", what, bad, want.size());
+  return bad;
+}
+
+int main() {
+  // structured integers: row- and column-dependent so that a moved row, column or block shows
+  auto val = [](int i, int j, int a, int b) { return (float)(((i * a + j * b + (i ^ j)) % 9) - 4); };
+  std::vector<__half> hq(64 * 128), hk(64 * 128), hp(64 * 64), hv(64 * 128);
+  std::vector<float> fq(64 * 128), fk(64 * 128), fp(64 * 64), fv(64 * 128);
+  for (int i = 0; i < 64; ++i)
+    for (int j = 0; j < 128; ++j) {
+      fq[i * 128 + j] = val(i, j, 3, 5);
+      fk[i * 128 + j] = val(i, j, 7, 2);
+      fv[i * 128 + j] = val(i, j, 5, 3);
+      if (j < 64) fp[i * 64 + j] = val(i, j, 2, 7);
+    }
+  for (size_t i = 0; i < fq.size(); ++i) hq[i] = __float2half(fq[i]), hk[i] = __float2half(fk[i]), hv[i] = __float2half(fv[i]);
+  for (size_t i = 0; i < fp.size(); ++i) hp[i] = __float2half(fp[i]);
+  std::vector<float> s(64 * 64, 0.f), o128(64 * 128, 0.f), o64(64 * 64, 0.f);
+  for (int i = 0; i < 64; ++i) {
+    for (int j = 0; j < 64; ++j)
+      for (int d = 0; d < 128; ++d) s[i * 64 + j] += fq[i * 128 + d] * fk[j * 128 + d];
+    for (int n = 0; n < 128; ++n)
+      for (int t = 0; t < 64; ++t) o128[i * 128 + n] += fp[i * 64 + t] * fv[t * 128 + n];
+    for (int n = 0; n < 64; ++n) o64[i * 64 + n] = o128[i * 128 + n];
+  }
+  __half *dq, *dk, *dp, *dv;
+  float *ds, *do128, *do64;
+  cudaMalloc(&dq, hq.size() * 2); cudaMalloc(&dk, hk.size() * 2); cudaMalloc(&dp, hp.size() * 2);
+  cudaMalloc(&dv, hv.size() * 2);
+  cudaMalloc(&ds, s.size() * 4); cudaMalloc(&do128, o128.size() * 4); cudaMalloc(&do64, o64.size() * 4);
+  cudaMemcpy(dq, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dk, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dp, hp.data(), hp.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dv, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice);
+  const int smem = TK * 256 + 128 * 256 + 1024;
+  cudaFuncSetAttribute(wgmma_check_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  wgmma_check_kernel<<<1, 128, smem>>>(dq, dk, dp, dv, ds, do128, do64);
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    printf("launch: %s\n", cudaGetErrorString(e));
+    return 2;
+  }
+  std::vector<float> gs(s.size()), g128(o128.size()), g64(o64.size());
+  cudaMemcpy(gs.data(), ds, gs.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(g128.data(), do128, g128.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(g64.data(), do64, g64.size() * 4, cudaMemcpyDeviceToHost);
+  const int bad = check("S = Q K^T (m64n64k16 ss, K-major)", gs, s, 64) +
+                  check("O = P V (m64n128k16, N-major)", g128, o128, 128) +
+                  check("O = P V (m64n64k16, N-major)", g64, o64, 64);
+  return bad ? 1 : 0;
+}
