@@ -153,11 +153,12 @@ constexpr int PREFILL_TILE = TQ_PREFILL_TILE;
 constexpr int PREFILL_STAGES = 3;
 constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  // 8 warps per SM
 // Decoded fp16 tiles in flight. SM90a (wgmma): a warpgroup's O += P V of step k runs
-// asynchronously into step k + 1, while step k + 2 is decoded: three buffers. Below (mma.sync,
+// asynchronously into step k + 1, while step k + 2 is decoded: three buffers. Below (warp MMAs,
 // synchronous): two, which also keeps SM86 / SM89's 99 KB per CTA. Example D 128, FP4 keys:
-// a 26 KB ring of raw codes (3 stages) + 3 x 34 KB tiles (1 KB-aligned) = 131 KB on the H100
-// (one CTA per SM, as the registers allow); with 2 tiles 97 KB on SM80-SM89.
-// (-DTQ_PREFILL_MMA_SYNC builds the mma.sync path on SM90 too: the comparison build of
+// a 26 KB ring of raw codes (3 stages) + 3 x 34 KB tiles (1 KB-aligned) + 32 KB of fp16 Q rows
+// (wgmma reads Q from shared memory) = 163 KB on the H100 (one CTA per SM, as the registers
+// allow); with 2 tiles and Q in registers 97 KB on SM80-SM89.
+// (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
 // benchmarks/prefill_peers_check.sh.)
 constexpr int PREFILL_DEC_BUFFERS_WGMMA = 3;
 constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
