@@ -67,8 +67,10 @@ struct PrefillLayout {
   // 128-byte row swizzled (dec_off): wgmma's SWIZZLE_128B atoms, read by ldmatrix below SM90.
   static constexpr int DPANEL = TK * 128;
   static constexpr int DEC_K = TK * 2 * D;
-  static constexpr int OFF_SB = 2 * DEC_K;           // ints: K bytes [TK], V bytes [TK], V max [TK / 32]
-  static constexpr int DEC = (OFF_SB + (2 * TK + TK / 32) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
+  // 4-byte words: K scales as floats [TK], V bytes [TK], per 32 tokens the V-scale maximum
+  // [TK / 32] and whether a visible token's V byte is 255 [TK / 32]
+  static constexpr int OFF_SB = 2 * DEC_K;
+  static constexpr int DEC = (OFF_SB + (2 * TK + 2 * (TK / 32)) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
   static constexpr int NDEC = kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
   static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
   static constexpr int BIG_A = NDEC * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
@@ -299,11 +301,18 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
       const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + L::RAW_K + L::RAW_V + (tid < TK ? 0 : L::RAW_S) + cs * 4);
       const int b = (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0;
       int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
-      sb[tid] = b;  // K bytes at [0, TK), V bytes at [TK, 2 TK)
-      if (tid >= TK) {
+      if (tid < TK) {
+        reinterpret_cast<float*>(sb)[tid] = e8m0_to_float((uint32_t)b);  // 255 -> NaN
+      } else {
+        sb[tid] = b;
         const int tok = tok_of(i, cs);
-        const int v = __reduce_max_sync(0xffffffffu, (tok >= r_lo && tok < r_hi && b != 255) ? b : 0);
-        if (lane == 0) sb[2 * TK + ((tid - TK) >> 5)] = v;
+        const bool vis = tok >= r_lo && tok < r_hi;
+        const int v = __reduce_max_sync(0xffffffffu, (vis && b != 255) ? b : 0);
+        const bool nan = __any_sync(0xffffffffu, vis && b == 255);
+        if (lane == 0) {
+          sb[2 * TK + ((tid - TK) >> 5)] = v;
+          sb[2 * TK + TK / 32 + ((tid - TK) >> 5)] = nan;
+        }
       }
     }
     if constexpr (kWG) fence_proxy_async();  // the tile is read by wgmma after the next barrier
@@ -403,8 +412,8 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     float x[TK / 8][4];
 #pragma unroll
     for (int j = 0; j < TK / 8; ++j) {
-      const int2 kb = *reinterpret_cast<const int2*>(sb + 8 * j + 2 * t4);
-      const float kf0 = e8m0_to_float((uint32_t)kb.x) * kmul, kf1 = e8m0_to_float((uint32_t)kb.y) * kmul;
+      const float2 kb = *reinterpret_cast<const float2*>(sb + 8 * j + 2 * t4);
+      const float kf0 = kb.x * kmul, kf1 = kb.y * kmul;
       x[j][0] = sacc[j][0] * kf0;
       x[j][1] = sacc[j][1] * kf1;
       x[j][2] = sacc[j][2] * kf0;
@@ -442,23 +451,38 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[2 * TK + i]);
     float ms[2];
     lazy_rescale(m_new, VM_new, m_run, l_run, VM, acc, ms);
-    // ---- P' = 2^(x - m) * V-scale factor ----
+    // ---- P' = 2^(x - m) * V-scale factor; two copies behind a CTA-uniform branch: a step
+    //      with a visible V byte 255 (NaN) selects 0 for masked tokens, so that their NaN cannot
+    //      reach a row; other steps need no select (the factor is finite: p_vscale_finite) ----
+    auto make_p = [&](auto nan_path) {
 #pragma unroll
-    for (int j = 0; j < TK / 8; ++j) {
-      const int2 vb = *reinterpret_cast<const int2*>(sb + TK + 8 * j + 2 * t4);
-      const float vf0 = vb.x == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.x, VM);
-      const float vf1 = vb.y == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.y, VM);
-      float pv[4];
+      for (int j = 0; j < TK / 8; ++j) {
+        const int2 vb = *reinterpret_cast<const int2*>(sb + TK + 8 * j + 2 * t4);
+        float vf0, vf1;
+        if constexpr (decltype(nan_path)::value) {
+          vf0 = vb.x == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.x, VM);
+          vf1 = vb.y == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.y, VM);
+        } else {
+          vf0 = p_vscale_finite((uint32_t)vb.x, VM);
+          vf1 = p_vscale_finite((uint32_t)vb.y, VM);
+        }
+        float pv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float pr = fast_exp2(x[j][i] - ms[i >> 1]);
-        l_run[i >> 1] += pr;
-        // a masked token (logit -inf) must not bring its NaN V scale into the row
-        pv[i] = x[j][i] == -INFINITY ? 0.f : pr * ((i & 1) ? vf1 : vf0);
+        for (int i = 0; i < 4; ++i) {
+          const float pr = fast_exp2(x[j][i] - ms[i >> 1]);
+          l_run[i >> 1] += pr;
+          const float vf = (i & 1) ? vf1 : vf0;
+          if constexpr (decltype(nan_path)::value) pv[i] = x[j][i] == -INFINITY ? 0.f : pr * vf;
+          else pv[i] = pr * vf;  // masked: pr = 0
+        }
+        pa[j >> 1][(j & 1) * 2] = pack_f16x2(pv[0], pv[1]);      // row g
+        pa[j >> 1][(j & 1) * 2 + 1] = pack_f16x2(pv[2], pv[3]);  // row g + 8
       }
-      pa[j >> 1][(j & 1) * 2] = pack_f16x2(pv[0], pv[1]);      // row g
-      pa[j >> 1][(j & 1) * 2 + 1] = pack_f16x2(pv[2], pv[3]);  // row g + 8
-    }
+    };
+    bool nan_step = false;
+#pragma unroll
+    for (int i = 0; i < TK / 32; ++i) nan_step |= sb[2 * TK + TK / 32 + i] != 0;
+    if (nan_step) make_p(BoolConst<true>{}); else make_p(BoolConst<false>{});
   };
   auto zero_s = [&](float (&sacc)[TK / 8][4]) {
 #pragma unroll

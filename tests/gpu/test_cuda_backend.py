@@ -490,17 +490,22 @@ def test_prefill_kernel_states_and_k8v4(case, states, key_format):
     assert torch.allclose(out[1][fin], ref[1][fin], atol=2e-3, rtol=1e-4)
 
 
-def test_prefill_kernel_nan_scale_and_bad_block():
-    """A NaN key scale of a visible token makes exactly the rows that see it NaN (causal: the
-    chunk's later tokens); an out-of-range block id makes the sequence's rows NaN, never a read."""
+@pytest.mark.parametrize("which", ["key_scales", "value_scales"])
+def test_prefill_kernel_nan_scale_and_bad_block(which):
+    """A NaN key or value scale of a visible token makes exactly the rows that see it NaN
+    (causal: the chunk's later tokens; a NaN value scale takes the kernel's step path that
+    selects 0 for masked tokens); an out-of-range block id makes the sequence's rows NaN, never
+    a read."""
     prob, q, cu = _problem([300, 200], 8, 2, 128, 16, qlens=[200, 150], seed=4)
     blk = prob.block_tables[0, 10].item()  # tokens 160..175 of sequence 0
-    prob.cache.key_scales[blk, 4, 1] = 255  # token 164, kv head 1
+    scales = getattr(prob.cache, which)
+    old = scales[blk, 4, 1].item()
+    scales[blk, 4, 1] = 255  # token 164, kv head 1
     out = _run("cuda", prob, q, cu)
     # sequence 0's chunk is positions 100..299: query token i (position 100 + i) sees 164 for i >= 64
     assert torch.isnan(out[64:200, 4:8]).all() and torch.isfinite(out[:64, 4:8]).all()
     assert torch.isfinite(out[:, :4]).all() and torch.isfinite(out[200:]).all()
-    prob.cache.key_scales[blk, 4, 1] = 120
+    scales[blk, 4, 1] = old
     bt = prob.block_tables.clone()
     bt[1, 3] = 10 ** 6
     with turboquant.value_checks(False):
