@@ -8,15 +8,15 @@
 // Why a third kernel: the general kernel gives each 16-row tile (query token x head pairs) a
 // CTA whose warps split the KV tiles, and every warp decodes its FP4 tiles in registers: a
 // 16-token tile's decode (~150 integer instructions per lane) is paid once per 16 rows, which
-// caps a long chunk at ~130 TFLOP/s on the H100. Here a CTA holds PREFILL_ROWS rows (one
-// 16-row MMA tile per warp) and its warps walk the SAME KV steps: each step's codes are copied
+// caps a long chunk at ~130 TFLOP/s on the H100. Here a CTA holds PREFILL_ROWS rows (16 per
+// warp) and its warps walk the SAME KV steps: each step's codes are copied
 // once (cp.async ring) and decoded once into shared memory as fp16, which every warp reads: the
 // decode is shared by 8 row tiles. Two MMA paths over the same tiles, fp32 accumulation:
 //   SM90a: warpgroup MMAs (wgmma), a warpgroup's 64 rows per MMA; S = Q K^T with Q and K from
 //     shared memory, O += P' V with P' from registers; both asynchronous (below);
 //   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): FA2-style m16n8k16 mma.sync per warp, Q fragments in
 //     registers, K / V fragments by ldmatrix.
-// H100, 32/8/128, 1 x 2048 @ 16k, one run: wgmma 2150 us (240 TFLOP/s), mma.sync 2745 us.
+// H100, 32/8/128, 1 x 2048 @ 16k, one run: wgmma 2067 us (249 TFLOP/s), mma.sync 2685 us.
 // Grid (row groups * num_kv_heads, 1), kv head fastest: sequence s owns row groups
 //   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
 //   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
@@ -29,8 +29,10 @@
 //   decode: the same thread decodes what it copied (no barrier needed) into the step's fp16
 //     tile (dec_off: D / 64 panels of 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7):
 //     wgmma's 128-byte swizzle, and the 8 rows an ldmatrix reads hit distinct banks; three
-//     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the scale
-//     bytes as ints; the V-scale maximum of the step's visible tokens (255 excluded).
+//     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the K
+//     scales as floats (2^(kb-127), NaN for 255, 0 where not copied), the V bytes as ints; per
+//     32 tokens the V-scale maximum of the visible tokens (255 excluded) and whether a visible
+//     token's V byte is 255.
 //   compute (per MMA unit, a warpgroup's or a warp's rows): S = Q K^T (Q power-of-two
 //     prescaled per warp), logits = S * 2^(kb-127) * scale in the exp2
 //     domain, soft cap, causal / window masking by selection on boundary steps, online softmax
@@ -131,7 +133,7 @@ __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4
 }
 
 // grid (row groups * num_kv_heads, 1), block 32 * PREFILL_WARPS, dynamic smem
-// PrefillLayout<D, kE4m3>::TOTAL bytes. Requires cu_query_lens and num_partitions == 1
+// PrefillLayout<D, kE4m3, kWG>::TOTAL bytes (launch_prefill_attention). Requires cu_query_lens and num_partitions == 1
 // (tuning::use_prefill_kernel). kStates: the lse output or learned sinks are asked for (as the
 // general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
 template <int D, typename T, bool kStates, bool kE4m3>
@@ -144,7 +146,8 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
 #endif
   using L = PrefillLayout<D, kE4m3, kWG>;
   constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
-  static_assert(!kWG || (TK == 64 && L::W % 4 == 0), "wgmma path: 64-token steps, whole warpgroups");
+  static_assert(!kWG || (TK == 64 && L::W % 4 == 0 && L::NDEC >= 3),
+                "wgmma path: 64-token steps, whole warpgroups, three tiles (P V runs into the next step)");
   // one MMA unit: a warpgroup's 64 rows (wgmma) or a warp's 16 rows (mma.sync)
   constexpr int UROWS = kWG ? 64 : 16;
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -282,8 +285,8 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     st_issue = st_issue + 1 == ST ? 0 : st_issue + 1;
     if (i + 1 < nsteps) prefetch(i + 1);  // used one issue later
   };
-  // the thread decodes what it copied: codes -> fp16 rows; its scale byte (0 where not copied);
-  // the V-scale maximum of the step's visible tokens (warps holding the V words)
+  // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
+  // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps)
   auto decode = [&](int i) {
     const int sd = i % ST;
     const uint8_t* raw = smem + sd * L::RAW;
@@ -494,10 +497,10 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     // (for S and for step k - 1's O += P' V), softmax, O += P' V issued (it runs into the next
     // step). Three tiles: step k - 1's (P V), k's (S, then P V), k + 1's (written). Issuing
     // S(k + 1) before step k's softmax instead (two S accumulators, the decode two steps ahead)
-    // was slower: 2437 vs 2150 us at 1 x 2048 @ 16k (H100, two runs of the same bench). ncu of
-    // this loop there: ~1050 instructions per warp and step, issue slots 48 % busy (2 warps per
-    // scheduler, 0.71 eligible), tensor pipe 25 % active: bound by instruction latency and
-    // count, not by the tensor cores.
+    // was slower: 2437 vs 2150 us at 1 x 2048 @ 16k (H100, two runs of the same bench, before
+    // the K-scale floats). ncu of this loop now (2067 us): ~930 instructions per warp and step,
+    // issue slots 44 % busy (2 warps per scheduler, 0.65 eligible), tensor pipe 26 % active:
+    // bound by instruction latency and count, not by the tensor cores.
     const uint32_t qrows = raw_s + L::OFF_Q + (warp >> 2) * 64 * 128;  // the warpgroup's 64 rows
     uint32_t pa[TK / 16][4];  // P' of step k: read by its O += P' V until the next step's wait
 #pragma unroll 1
@@ -634,8 +637,9 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
 }
 
 // The prefill kernel's launch (torch-free). grid_x = row groups (tuning::use_prefill_kernel).
-// Shared memory: the wgmma layout's (three decode buffers) on SM90+ devices, whose binary is
-// built for sm_90a (the mma.sync build of the same kernel uses less), else the mma.sync layout's.
+// Shared memory: the wgmma layout's (three decode buffers, Q rows) on SM 9.x devices, for which
+// the extension is built as sm_90a (turboquant/_backends/cuda.py), else the mma.sync layout's
+// (SM80-SM89 and later GPUs, whose plain sm_XY build has no wgmma; SM12x allows 99 KB per CTA).
 template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   auto kern = paged_attention_fp4_prefill_kernel<D, T, kStates, kE4m3>;
@@ -645,7 +649,12 @@ cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e != cudaSuccess) return e;
-    const int total = major >= 9 ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
+#ifdef TQ_PREFILL_MMA_SYNC
+    const bool wg = false;
+#else
+    const bool wg = major == 9;
+#endif
+    const int total = wg ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
     e = set_smem_attributes(kern, total);
     if (e != cudaSuccess) return e;
     smem = total;

@@ -130,17 +130,19 @@ constexpr int DECODE_MIN_BLOCKS = TQ_DECODE_MIN_BLOCKS;
 
 // ---- prefill kernel (paged_attention_prefill.cuh: multi-token rows, D <= 128) ----
 // A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
-// sequence and kv head), one 16-row MMA tile per warp; all warps walk the same KV steps of
-// PREFILL_TILE tokens, whose FP4 codes are copied (PREFILL_STAGES-deep cp.async ring) and
-// decoded ONCE into shared memory as fp16, then read by every warp with ldmatrix. The general
-// kernel decodes each 16-token tile in registers once per 16-row tile.
+// sequence and kv head), 16 per warp; all warps walk the same KV steps of PREFILL_TILE tokens,
+// whose FP4 codes are copied (PREFILL_STAGES-deep cp.async ring) and decoded ONCE into shared
+// memory as fp16, then read by two warpgroups' wgmma (SM90a) or by every warp with ldmatrix.
+// The general kernel decodes each 16-token tile in registers once per 16-row tile.
 // Example 1 x 2048 query tokens at 16k context, 32/8/128: 8192 rows per kv head -> 64 CTAs x
 // 8 kv heads = 512 CTAs; each 64-token step's 8 KB of codes is decoded by 256 threads (32
 // elements of K and 32 of V each) and feeds 8 warps x 128 MMAs, where the general kernel
-// spends ~150 decode instructions per 32 MMAs. Registers: Q fragments (32), O (64), S (32)
-// -> one CTA of 8 warps per SM (~96 KB of shared memory).
-// (Overridable for tuning builds, e.g. -DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32: 64 rows per
-// CTA, two CTAs per SM; the V copy needs TILE * D / 32 <= 32 * WARPS.)
+// spends ~150 decode instructions per 32 MMAs. Registers: O (64), S (32), P (16), below SM90
+// Q fragments (32) -> one CTA of 8 warps per SM (163 KB of shared memory on SM90, below).
+// (Overridable for tuning builds, e.g. -DTQ_PREFILL_WARPS=12 (measured: mixed, see NOTES) or,
+// with -DTQ_PREFILL_MMA_SYNC on SM90 (the wgmma path needs 64-token steps and whole
+// warpgroups), -DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32: 64 rows per CTA, two CTAs per SM; the
+// V copy needs TILE * D / 32 <= 32 * WARPS.)
 #ifndef TQ_PREFILL_WARPS
 #define TQ_PREFILL_WARPS 8
 #endif

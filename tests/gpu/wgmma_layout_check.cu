@@ -52,6 +52,25 @@ __device__ void zero(float (&d)[N]) {
   for (int i = 0; i < N; ++i) d[i] = 0.f;
 }
 
+// O = P V through wgmma_n (m64nNk16, tnspB) from the tile of v's first N columns
+template <int N>
+__device__ void pv_product(uint8_t* smem, uint32_t base, const __half* p, const __half* v, float* out) {
+  fill_tile(smem, v, 128, N);
+  float o[N / 2];
+  zero(o);
+  wgmma_fence();
+  for (int u = 0; u < TK / 16; ++u) {
+    uint32_t a[4];
+    a_frag(a, p, 64, 16 * u);
+    wgmma_fence();
+    wgmma_n<N, 1>(o, a, wgmma_desc_sw128(base + u * 16 * 128, TK * 128, 1024));  // the kernel's P V call
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  reg_fence(o);
+  store_d<N>(o, out);
+}
+
 // grid 1, block 128 (one warpgroup); q [64][128], k [64][128], p [64][64], v [64][128]
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const __half* q, const __half* k, const __half* p,
                                                           const __half* v, float* s_out, float* o128_out,
@@ -78,39 +97,9 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __half* q, const
     store_d<64>(s, s_out);
     __syncthreads();
   }
-  {  // O = P V, N = 128
-    fill_tile(smem, v, 128, 128);
-    float o[64];
-    zero(o);
-    wgmma_fence();
-    for (int u = 0; u < TK / 16; ++u) {
-      uint32_t a[4];
-      a_frag(a, p, 64, 16 * u);
-      wgmma_fence();
-      wgmma_m64n128k16_f16<1>(o, a, wgmma_desc_sw128(base + u * 16 * 128, TK * 128, 1024));
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(o);
-    store_d<128>(o, o128_out);
-    __syncthreads();
-  }
-  {  // O = P V, N = 64 (the first 64 columns of v)
-    fill_tile(smem, v, 128, 64);
-    float o[32];
-    zero(o);
-    wgmma_fence();
-    for (int u = 0; u < TK / 16; ++u) {
-      uint32_t a[4];
-      a_frag(a, p, 64, 16 * u);
-      wgmma_fence();
-      wgmma_m64n64k16_f16<1>(o, a, wgmma_desc_sw128(base + u * 16 * 128, TK * 128, 1024));
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(o);
-    store_d<64>(o, o64_out);
-  }
+  pv_product<128>(smem, base, p, v, o128_out);
+  __syncthreads();
+  pv_product<64>(smem, base, p, v, o64_out);  // the first 64 columns of v
 }
 
 static int check(const char* what, const std::vector<float>& got, const std::vector<float>& want, int cols) {
