@@ -551,7 +551,7 @@ template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
   cudaError_t e;
   // the binding sized the grid (row groups) and the partitions (one) by the same rule
-  if (tuning::use_prefill_kernel(p.cu_query_lens != nullptr, D, p.num_tokens, p.num_seqs, p.group_size)) {
+  if (prefill_kernel_runs(p.cu_query_lens != nullptr, D, p.num_tokens, p.num_seqs, p.group_size, kE4m3)) {
     if constexpr (D <= 128) return launch_prefill_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
     return cudaErrorInvalidValue;
   }

@@ -133,8 +133,8 @@ __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4
 }
 
 // grid (row groups * num_kv_heads, 1), block 32 * PREFILL_WARPS, dynamic smem
-// PrefillLayout<D, kE4m3, kWG>::TOTAL bytes (launch_prefill_attention). Requires cu_query_lens and num_partitions == 1
-// (tuning::use_prefill_kernel). kStates: the lse output or learned sinks are asked for (as the
+// prefill_smem_bytes<D, kE4m3> bytes. Requires cu_query_lens and num_partitions == 1
+// (prefill_kernel_runs). kStates: the lse output or learned sinks are asked for (as the
 // general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
 template <int D, typename T, bool kStates, bool kE4m3>
 __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MIN_BLOCKS)
@@ -636,10 +636,39 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   }
 }
 
-// The prefill kernel's launch (torch-free). grid_x = row groups (tuning::use_prefill_kernel).
-// Shared memory: the wgmma layout's (three decode buffers, Q rows) on SM 9.x devices, for which
-// the extension is built as sm_90a (turboquant/_backends/cuda.py), else the mma.sync layout's
-// (SM80-SM89 and later GPUs, whose plain sm_XY build has no wgmma; SM12x allows 99 KB per CTA).
+// Dynamic shared memory of the prefill kernel on a device of compute capability `major`: the
+// wgmma layout's (three decode buffers, Q rows) on SM 9.x, for which the extension is built as
+// sm_90a (turboquant/_backends/cuda.py), else the warp-MMA layout's (SM80-SM89 and later GPUs,
+// whose plain sm_XY build has no wgmma).
+template <int D, bool kE4m3>
+int prefill_smem_bytes(int major) {
+#ifdef TQ_PREFILL_MMA_SYNC
+  const bool wg = false;
+#else
+  const bool wg = major == 9;
+#endif
+  return wg ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
+}
+
+// The dispatcher's choice: the prefill kernel where tuning::use_prefill_kernel picks it and its
+// shared memory fits the current device. SM86, SM89 and SM12x allow 99 KB per CTA; K8V4 keys at
+// D 128 take 107 KB in the warp-MMA layout, so there those calls run the general kernel.
+// Example: H100 (227 KB), 1 x 2048 @ 16k, FP4 or K8V4: prefill (160 / 172 KB); RTX 4090, the
+// same call with K8V4 keys: general kernel; with FP4 keys: prefill (95 KB).
+inline bool prefill_kernel_runs(bool multi, int D, long long num_tokens, long long num_seqs, int group_size,
+                                bool key_e4m3) {
+  if (!tuning::use_prefill_kernel(multi, D, num_tokens, num_seqs, group_size)) return false;
+  int dev = 0, major = 0, optin = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  const int need = D <= 64 ? (key_e4m3 ? prefill_smem_bytes<64, true>(major) : prefill_smem_bytes<64, false>(major))
+                           : (key_e4m3 ? prefill_smem_bytes<128, true>(major) : prefill_smem_bytes<128, false>(major));
+  return need <= optin;
+}
+
+// The prefill kernel's launch (torch-free). grid_x = row groups (prefill_kernel_runs).
 template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   auto kern = paged_attention_fp4_prefill_kernel<D, T, kStates, kE4m3>;
@@ -649,12 +678,7 @@ cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream
     cudaError_t e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e != cudaSuccess) return e;
-#ifdef TQ_PREFILL_MMA_SYNC
-    const bool wg = false;
-#else
-    const bool wg = major == 9;
-#endif
-    const int total = wg ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
+    const int total = prefill_smem_bytes<D, kE4m3>(major);
     e = set_smem_attributes(kern, total);
     if (e != cudaSuccess) return e;
     smem = total;

@@ -140,7 +140,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
     TORCH_CHECK(num_tokens == num_seqs, "decode: one query token per sequence");
   }
   namespace tn = turboquant::tuning;
-  const bool prefill = tn::use_prefill_kernel(multi, D, num_tokens, num_seqs, G);
+  const bool prefill = tq::prefill_kernel_runs(multi, D, num_tokens, num_seqs, G, key_cache.scalar_type() == at::kFloat8_e4m3fn);
   const int tiles_per_seq = (G + 15) / 16;
   // grid x: row groups of PREFILL_ROWS (prefill kernel), row tiles of 16 rows (general), sequences (decode)
   const long long grid_x = prefill ? (long long)num_seqs + ((long long)num_tokens * G) / tn::PREFILL_ROWS

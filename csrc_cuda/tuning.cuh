@@ -138,7 +138,7 @@ constexpr int DECODE_MIN_BLOCKS = TQ_DECODE_MIN_BLOCKS;
 // 8 kv heads = 512 CTAs; each 64-token step's 8 KB of codes is decoded by 256 threads (32
 // elements of K and 32 of V each) and feeds 8 warps x 128 MMAs, where the general kernel
 // spends ~150 decode instructions per 32 MMAs. Registers: O (64), S (32), P (16), below SM90
-// Q fragments (32) -> one CTA of 8 warps per SM (163 KB of shared memory on SM90, below).
+// Q fragments (32) -> one CTA of 8 warps per SM (160 KB of shared memory on SM90, below).
 // (Overridable for tuning builds, e.g. -DTQ_PREFILL_WARPS=12 (measured: mixed, see NOTES) or,
 // with -DTQ_PREFILL_MMA_SYNC on SM90 (the wgmma path needs 64-token steps and whole
 // warpgroups), -DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32: 64 rows per CTA, two CTAs per SM; the
@@ -158,8 +158,9 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 // asynchronously into step k + 1, while step k + 2 is decoded: three buffers. Below (warp MMAs,
 // synchronous): two, which also keeps SM86 / SM89's 99 KB per CTA. Example D 128, FP4 keys:
 // a 26 KB ring of raw codes (3 stages) + 3 x 34 KB tiles (1 KB-aligned) + 32 KB of fp16 Q rows
-// (wgmma reads Q from shared memory) = 163 KB on the H100 (one CTA per SM, as the registers
-// allow); with 2 tiles and Q in registers 97 KB on SM80-SM89.
+// (wgmma reads Q from shared memory) = 160 KB on the H100 (one CTA per SM, as the registers
+// allow); with 2 tiles and Q in registers 95 KB on SM80-SM89 (K8V4 keys at D 128: 107 KB, over
+// SM86 / SM89's 99 KB: prefill_kernel_runs sends those calls to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
 // benchmarks/prefill_peers_check.sh.)
 constexpr int PREFILL_DEC_BUFFERS_WGMMA = 3;
