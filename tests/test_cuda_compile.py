@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from _tools import find_nvcc, nvcc_link_flags
+from _tools import find_nvcc, find_tool, nvcc_link_flags
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc_cuda"
 NVCC = find_nvcc()
@@ -23,19 +23,60 @@ TARGETS = {
 }
 
 
-@pytest.mark.parametrize("target", sorted(TARGETS))
-def test_kernels_compile_without_spills(target, tmp_path):
-    cmd = [NVCC, "-std=c++17", "-O3", *TARGETS[target], "-c", str(CSRC / "compile_check.cu"),
-           "-o", str(tmp_path / "compile_check.o"), "-Xptxas", "-v"]
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def built(request, tmp_path_factory):
+    """compile_check.cu built for one target: (target, ptxas log, object file)."""
+    obj = tmp_path_factory.mktemp(request.param) / "compile_check.o"
+    cmd = [NVCC, "-std=c++17", "-O3", *TARGETS[request.param], "-c", str(CSRC / "compile_check.cu"),
+           "-o", str(obj), "-Xptxas", "-v"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
+    return request.param, log, obj
+
+
+def test_kernels_compile_without_spills(built):
+    _, log, _ = built
     kernels = re.findall(r"Compiling entry function '(\w+)'", log)
     assert any("paged_attention_fp4_kernel" in k for k in kernels), log[-2000:]
     assert any("paged_attention_reduce_kernel" in k for k in kernels), log[-2000:]
     assert any("reshape_and_cache_fp4_kernel" in k for k in kernels), log[-2000:]
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills and all(a == "0" and b == "0" for a, b in spills), log[-4000:]
+    assert "serialized" not in log, log[-4000:]  # ptxas: wgmma.mma_async serialized (a register hazard)
+
+
+def test_prefill_kernel_mma_instructions(built):
+    """SASS of every prefill-kernel instantiation: on sm_90a the warpgroup MMAs (S: D / 16
+    HGMMA 64x64x16 with A from shared memory; P V: 4 HGMMA 64xDx16 with A in registers and
+    V transposed, .tnspB) and no warp MMA; on sm_80 warp MMAs (HMMA.16816) only."""
+    target, _, obj = built
+    cuobj = find_tool("cuobjdump")
+    if cuobj is None:
+        pytest.skip("needs cuobjdump (tests/_tools.py; bash .ci/install gets it)")
+    sass = subprocess.run([cuobj, "-sass", str(obj)], capture_output=True, text=True, timeout=600).stdout
+    funcs = re.split(r"\n\s*Function : ", sass)[1:]
+    prefill = [f for f in funcs if "paged_attention_fp4_prefill_kernel" in f.split("\n", 1)[0]]
+    assert len(prefill) == 16, [f.split("\n", 1)[0] for f in funcs]
+    for f in prefill:
+        name, d = f.split("\n", 1)[0], int(re.search(r"prefill_kernelILi(\d+)E", f).group(1))
+        hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32 R\d+, (R\d+, )?gdesc\[UR\d+\](\.tnspB)?", f)
+        if target == "sm_90a":
+            s_mmas = [h for h in hgmma if h == ("64", "", "")]
+            pv_mmas = [h for h in hgmma if h[0] == str(d) and h[1] and h[2] == ".tnspB"]
+            assert len(s_mmas) == d // 16 and len(pv_mmas) == 4 and len(hgmma) == d // 16 + 4, (name, hgmma)
+            assert "HMMA" not in f.replace("HGMMA", ""), name
+        else:
+            assert not hgmma and "HMMA.16816.F32" in f, name
+
+
+def test_wgmma_layout_probe_compiles(tmp_path):
+    """The GPU probe of the wgmma wrappers (tests/gpu/wgmma_layout_check.cu) builds from the
+    kernel headers as they are (it runs on an SM90 GPU only)."""
+    src = Path(__file__).resolve().parent / "gpu" / "wgmma_layout_check.cu"
+    r = subprocess.run([NVCC, "-std=c++17", "-O2", *TARGETS["sm_90a"], f"-I{CSRC}", "-c", str(src),
+                        "-o", str(tmp_path / "probe.o")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
 def test_kernel_headers_are_torch_free():
