@@ -354,12 +354,12 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   __syncwarp();
   uint32_t qa[kWG ? 1 : D / 16][4];
   const float qmul = pow2i(qexp);
-  if constexpr (kWG) {  // 16-byte chunk c of row r: 8 values from qraw, at dec_off's place
+  if constexpr (kWG) {  // 16-byte chunk c of row r: 8 values from qraw, laid out as a tile of ROWS rows
 #pragma unroll
     for (int i = lane; i < 16 * D / 8; i += 32) {
       const int r = i / (D / 8), c = i % (D / 8);
       const float* a = qraw + r * D + 8 * c;
-      *reinterpret_cast<uint4*>(smem + L::OFF_Q + (c >> 3) * L::QPANEL + (16 * warp + r) * 128 + (((c & 7) ^ (r & 7)) << 4)) =
+      *reinterpret_cast<uint4*>(smem + L::OFF_Q + dec_off<L::ROWS>(16 * warp + r, c)) =
           make_uint4(pack_f16x2(a[0] * qmul, a[1] * qmul), pack_f16x2(a[2] * qmul, a[3] * qmul),
                      pack_f16x2(a[4] * qmul, a[5] * qmul), pack_f16x2(a[6] * qmul, a[7] * qmul));
     }
