@@ -6,19 +6,22 @@ Split rule: sequence s's KV blocks are cut into `world` contiguous runs of equal
 holds run r of every sequence in its own FP4 cache (its own block ids) and the sequences' state
 records (identical on every rank: each rank sees every sequence's first written chunk). A decode
 step on rank r is one `paged_attention_fp4(..., return_lse=True)` over its run
-(`holds_first_token=True` on rank 0 only: the sink token belongs to the run holding position 0),
-then one NCCL all-gather of the packed partial states (out and lse in one fp32 buffer: B x H x
-(D + 1) x 4 bytes per rank) and `turboquant.merge_attention_states` folded over the ranks, on
-every rank (what a tensor-parallel engine then feeds its output projection). Equal runs give
-every rank the same bytes to read; the cost of the rule is that a decode token's new KV lands on
-the last rank only (its run grows; an engine rebalances by appending whole blocks round-robin).
+(`holds_first_token=True` on rank 0 only: the sink token belongs to the run holding position 0)
+writing its out (bf16) and lse (fp32) straight into views of one byte buffer (B x H x (2 D + 4)
+bytes per rank: no packing copy), then one NCCL all-gather of those buffers and one
+`turboquant.merge_attention_states_n` over the world's views of the gathered buffer (the cuda
+merge kernel, one launch), on every rank (what a tensor-parallel engine then feeds its output
+projection). Equal runs give every rank the same bytes to read; the cost of the rule is that a
+decode token's new KV lands on the last rank only (its run grows; an engine rebalances by
+appending whole blocks round-robin).
 
 For every shape, in the same run: one GPU (rank 0) over the whole context, and the context-
-parallel step: its attention, all-gather and merge timed apart (CUDA events, each replayed as a
-CUDA graph) and together (one graph: attention, all-gather, merge); the merged output checked
-against the one-GPU output with the cuda tests' bounds (max abs error <= 2e-2, cosine >=
-0.9999) and the merged lse against the one-GPU lse (1e-4 relative). NVLink multicast stays off
-(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
+parallel step: its attention, all-gather and merge timed apart (each captured as a CUDA graph,
+CUDA events; the merge also through the PyTorch reference, for comparison) and together (one
+graph: attention, all-gather, merge); the merged output checked against the one-GPU output with
+the cuda tests' bounds (max abs error <= 2e-2, cosine >= 0.9999) and the merged lse against the
+one-GPU lse (1e-4 relative). NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1).
 """
 from __future__ import annotations
 
@@ -78,23 +81,39 @@ def build_cache(batch, ctx, run, world, device, seed):
     return cache, state, tables, lens
 
 
-def attention_graph(q, cache, state, tables, lens, holds_first_token):
-    """One paged_attention_fp4 call into preallocated (out, lse), validated once, as a function
-    that only launches the op (to be captured in a CUDA graph): -> (step, out, lse)."""
+def attention_graph(q, cache, state, tables, lens, holds_first_token, into=None):
+    """One paged_attention_fp4 call validated once, as a function that only launches the op
+    (to be captured in a CUDA graph), writing into ``into`` = (out, lse) views or new tensors:
+    -> step, or (step, out, lse) when ``into`` is None."""
     call = prepare_attention(q, *cache, tables, lens, D ** -0.5, seq_state=state,
                              state_ids=torch.arange(q.shape[0], dtype=torch.int32,
                                                     device=q.device),
                              max_seq_len=int(lens.max()), return_lse=True,
                              holds_first_token=holds_first_token)
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    out, lse = into if into is not None else (
+        torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
     op = torch.ops.turboquant.paged_attention_fp4_cuda
     args = attention_op_args(call, out, lse)
 
     def step():
         op(*args)
 
-    return step, out, lse
+    return step if into is not None else (step, out, lse)
+
+
+def state_views(buf, batch):
+    """The (out, lse) views of one rank's packed state: bf16 [batch, HQ, D] at byte 0, float32
+    [batch, HQ] after it (16-byte aligned: HQ * D * 2 is)."""
+    ob = batch * HQ * D * 2
+    return (buf[:ob].view(torch.bfloat16).view(batch, HQ, D),
+            buf[ob:].view(torch.float32).view(batch, HQ))
+
+
+def state_buffer(batch, device):
+    """One rank's send buffer (uint8, what the all-gather moves: B x H x (2 D + 4) bytes) and
+    its (out, lse) views, which the attention kernel writes directly: no packing copy."""
+    buf = torch.empty(batch * HQ * (2 * D + 4), dtype=torch.uint8, device=device)
+    return buf, state_views(buf, batch)
 
 
 def capture(fn):
@@ -157,46 +176,37 @@ def worker(rank, world, shapes, out_dir, port):
         dist.barrier()
         # the context-parallel step
         part = build_cache(batch, ctx, rank, world, device, seed=1)
-        step_a, out, lse = attention_graph(q, *part, holds_first_token=rank == 0)
-        packed = torch.empty(batch, HQ, D + 1, dtype=torch.float32, device=device)
-        gathered = torch.empty(world, batch, HQ, D + 1, dtype=torch.float32, device=device)
+        send, mine = state_buffer(batch, device)
+        gathered = torch.empty(world, send.numel(), dtype=torch.uint8, device=device)
+        parts = [state_views(gathered[r], batch) for r in range(world)]
+        step_a = attention_graph(q, *part, holds_first_token=rank == 0, into=mine)
         merged = torch.empty(batch, HQ, D, dtype=torch.bfloat16, device=device)
         merged_lse = torch.empty(batch, HQ, dtype=torch.float32, device=device)
 
-        def pack():
-            packed[..., :D].copy_(out)
-            packed[..., D].copy_(lse)
-
         def gather():
-            dist.all_gather_into_tensor(gathered, packed)
+            dist.all_gather_into_tensor(gathered, send)
 
-        def merge():
-            o, s = gathered[0, ..., :D], gathered[0, ..., D]
-            for i in range(1, world):
-                o, s = tq.merge_attention_states(o, s, gathered[i, ..., :D], gathered[i, ..., D])
-            merged.copy_(o)
-            merged_lse.copy_(s)
+        def merge(backend="cuda"):
+            tq.merge_attention_states_n([o for o, _ in parts], [s for _, s in parts],
+                                        out=merged, lse=merged_lse, backend=backend)
 
         def full():
             step_a()
-            pack()
             gather()
             merge()
 
         g_attn = capture(step_a)
+        g_gather = capture(gather)
         g_merge = capture(merge)
+        g_merge_ref = capture(lambda: merge("reference"))
         t_attn = time_us(g_attn.replay, group=True)
-        full()  # the packed states for the gather and merge timings
-        t_gather = time_us(lambda: (pack(), gather()), group=True)
+        g_attn.replay()  # the states for the gather and merge timings
+        t_gather = time_us(g_gather.replay, group=True)
         t_merge = time_us(g_merge.replay, group=True)
-        try:
-            g_full = capture(full)
-            t_step, how = time_us(g_full.replay, group=True), "one CUDA graph"
-            g_full.replay()
-        except RuntimeError as e:  # NCCL without graph support: the gather runs eagerly
-            t_step, how = time_us(lambda: (g_attn.replay(), pack(), gather(), g_merge.replay()),
-                                  group=True), f"graphs around an eager all-gather ({e})"
-            g_attn.replay(), pack(), gather(), g_merge.replay()
+        t_merge_ref = time_us(g_merge_ref.replay, group=True)
+        g_full = capture(full)
+        t_step = time_us(g_full.replay, group=True)
+        g_full.replay()
         torch.cuda.synchronize()
         if rank == 0:
             err = (merged.float() - ref_out.float()).abs().max().item()
@@ -206,16 +216,19 @@ def worker(rank, world, shapes, out_dir, port):
             ok = err <= 2e-2 and cos >= 0.9999 and lse_err <= 1e-4
             row = dict(batch=batch, context=ctx, world=world, one_gpu_us=t_one,
                        cp_attention_us=t_attn, cp_allgather_us=t_gather, cp_merge_us=t_merge,
-                       cp_step_us=t_step, step_timing=how,
+                       cp_merge_reference_us=t_merge_ref, cp_step_us=t_step,
+                       allgather_bytes_per_rank=send.numel(),
+                       nccl_proto=os.environ.get("NCCL_PROTO", "(NCCL's choice)"),
                        speedup=t_one / t_step, max_abs_err=err, cosine=cos, lse_rel_err=lse_err,
                        check="ok" if ok else "FAILED")
             rows.append(row)
             print(f"{batch} x {ctx}: one GPU {t_one:.1f} us | {world} GPUs: "
                   f"attention {t_attn:.1f}, "
-                  f"all-gather {t_gather:.1f}, merge {t_merge:.1f}, step {t_step:.1f} us ({how}) | "
+                  f"all-gather {t_gather:.1f}, merge {t_merge:.1f} (PyTorch reference "
+                  f"{t_merge_ref:.1f}), step {t_step:.1f} us (one CUDA graph) | "
                   f"speedup {t_one / t_step:.2f}x | vs one GPU: max abs err {err:.2e}, cosine "
                   f"{cos:.6f}, lse rel err {lse_err:.1e} -> {row['check']}", flush=True)
-        del part, g_attn, g_merge
+        del part, g_attn, g_gather, g_merge, g_merge_ref, g_full
         torch.cuda.empty_cache()
         dist.barrier()
     if rank == 0 and out_dir:

@@ -3,6 +3,7 @@
 //   nvcc -std=c++17 -arch=sm_90a -c csrc_cuda/compile_check.cu -Xptxas -v
 #include "paged_attention_decode.cuh"
 #include "cache_writer.cuh"
+#include "merge_states.cuh"
 
 namespace turboquant {
 namespace cuda_fp4 {
@@ -25,6 +26,10 @@ TQ_WRITE(__nv_bfloat16, 256)
 TQ_WRITE(float, 64)
 TQ_WRITE(float, 128)
 TQ_WRITE(float, 256)
+
+template cudaError_t launch_merge_states<__half>(const MergeParams<__half>&, cudaStream_t);
+template cudaError_t launch_merge_states<__nv_bfloat16>(const MergeParams<__nv_bfloat16>&, cudaStream_t);
+template cudaError_t launch_merge_states<float>(const MergeParams<float>&, cudaStream_t);
 
 }  // namespace cuda_fp4
 }  // namespace turboquant

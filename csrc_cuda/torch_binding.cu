@@ -1,6 +1,7 @@
 // turboquant cuda backend: the one torch file. Implements (CUDA dispatch key) the ops
 //   turboquant::paged_attention_fp4_cuda   (ATTENTION_SCHEMA in turboquant/ops.py)
 //   turboquant::reshape_and_cache_fp4_cuda (CACHE_WRITE_SCHEMA)
+//   turboquant::merge_attention_states_cuda (MERGE_STATES_SCHEMA)
 // The schemas are defined once, in Python (turboquant/_backends/cuda.py, from ops.py), before
 // this library is loaded; here only TORCH_LIBRARY_IMPL. Metadata checks only: no host sync.
 #include <ATen/ATen.h>
@@ -11,8 +12,10 @@
 
 #include <cmath>
 #include <optional>
+#include <vector>
 
 #include "cache_writer.cuh"
+#include "merge_states.cuh"
 #include "paged_attention_decode.cuh"
 
 namespace tq = turboquant::cuda_fp4;
@@ -274,9 +277,58 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
   C10_CUDA_CHECK(err);
 }
 
+template <typename T>
+void launch_merge(at::Tensor& out, at::Tensor& lse, const std::vector<at::Tensor>& outs,
+                  const std::vector<at::Tensor>& lses, cudaStream_t stream) {
+  tq::MergeParams<T> p{};
+  for (size_t r = 0; r < outs.size(); ++r) {
+    p.part_out[r] = static_cast<const T*>(outs[r].data_ptr());
+    p.part_lse[r] = lses[r].data_ptr<float>();
+  }
+  p.out = static_cast<T*>(out.data_ptr());
+  p.lse = lse.data_ptr<float>();
+  p.parts = (int)outs.size();
+  p.rows = (int)(out.size(0) * out.size(1));
+  p.D = (int)out.size(2);
+  C10_CUDA_CHECK(tq::launch_merge_states<T>(p, stream));
+}
+
+void merge_attention_states_cuda(at::Tensor& out,  // [num_tokens, num_heads, D] like each part
+                                 at::Tensor& lse,  // float32 [num_tokens, num_heads]
+                                 const std::vector<at::Tensor>& outs,   // R x [num_tokens, num_heads, D]
+                                 const std::vector<at::Tensor>& lses) {  // R x float32 [num_tokens, num_heads]
+  const int parts = (int)outs.size();
+  TORCH_CHECK(parts >= 1 && parts <= tq::kMaxMergeParts && (int)lses.size() == parts,
+              "outs/lses: expected 1 to ", tq::kMaxMergeParts, " parts, as many lses as outs");
+  TORCH_CHECK(out.is_cuda() && out.dim() == 3 && out.is_contiguous(), "out: expected a contiguous 3-D CUDA tensor");
+  TORCH_CHECK(out.size(2) % 2 == 0, "out: expected an even head dim");
+  TORCH_CHECK(out.size(0) * out.size(1) < (1LL << 31), "out: fewer than 2^31 rows");
+  const at::ScalarType dt = out.scalar_type();
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat, "out: expected float16, bfloat16 or float32");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 && lse.size(0) == out.size(0) &&
+                  lse.size(1) == out.size(1) && lse.device() == out.device(),
+              "lse: expected contiguous float32 [num_tokens, num_heads] on out's device");
+  const size_t align = dt == at::kFloat ? 8 : 4;  // the kernel's 2-element accesses
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(out.data_ptr()) % align == 0, "out: misaligned");
+  for (int r = 0; r < parts; ++r) {
+    TORCH_CHECK(outs[r].sizes() == out.sizes() && outs[r].scalar_type() == dt && outs[r].is_contiguous() &&
+                    outs[r].device() == out.device() && reinterpret_cast<uintptr_t>(outs[r].data_ptr()) % align == 0,
+                "outs[", r, "]: expected a contiguous, aligned tensor of out's shape, dtype and device");
+    TORCH_CHECK(lses[r].sizes() == lse.sizes() && lses[r].scalar_type() == at::kFloat && lses[r].is_contiguous() &&
+                    lses[r].device() == out.device(),
+                "lses[", r, "]: expected a contiguous float32 tensor of lse's shape on out's device");
+  }
+  const c10::cuda::CUDAGuard guard(out.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (dt == at::kHalf) launch_merge<__half>(out, lse, outs, lses, stream);
+  else if (dt == at::kBFloat16) launch_merge<__nv_bfloat16>(out, lse, outs, lses, stream);
+  else launch_merge<float>(out, lse, outs, lses, stream);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(turboquant, CUDA, m) {
   m.impl("paged_attention_fp4_cuda", &paged_attention_fp4_cuda);
   m.impl("reshape_and_cache_fp4_cuda", &reshape_and_cache_fp4_cuda);
+  m.impl("merge_attention_states_cuda", &merge_attention_states_cuda);
 }

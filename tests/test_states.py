@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import turboquant as tq
+from turboquant import registry
 from turboquant.cache import build_paged_problem
 from turboquant.config import PLAIN, QuantConfig
 from turboquant.reference import _gather_tokens
@@ -242,3 +243,141 @@ def test_kernels_without_states_decline_with_a_reason():
                              return_lse=True, sinks=torch.zeros(4), **prob.kwargs)
     reason = sm120.BACKEND.check_attention(call)
     assert "return_lse" in reason and "sinks" in reason, reason
+
+
+def _merge_case(parts, rows=(17, 5), d=64, dtype=torch.float32, device="cpu", seed=3):
+    """R parts with every edge rule on one row each: a part -inf with a NaN O (row 0), every
+    part -inf (row 1), a NaN lse (row 2), a +inf lse (row 3), a part 200 nats below the others
+    whose NaN O drops with its underflowed weight (row 4); the other rows random, lse spread
+    over +-20."""
+    gen = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(*rows, d, generator=gen) for _ in range(parts)]
+    lses = [torch.randn(*rows, generator=gen) * 20 for _ in range(parts)]
+    outs[0][0, 0] = NAN
+    lses[0][0, 0] = -math.inf
+    for s in lses:
+        s[0, 1] = -math.inf
+    lses[-1][0, 2] = NAN
+    lses[parts // 2][0, 3] = math.inf
+    if parts > 1:
+        outs[1][0, 4] = NAN
+        lses[1][0, 4] = lses[0][0, 4] - 200
+    return ([o.to(dtype).to(device) for o in outs], [s.to(device) for s in lses])
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_merge_n_follows_the_definition(parts):
+    """merge_attention_states_n against the formula in float64 and the edge rules."""
+    outs, lses = _merge_case(parts)
+    out, lse = tq.merge_attention_states_n(outs, lses)
+    ls = torch.stack(lses).double()
+    want_lse = torch.logsumexp(ls, 0)
+    w = torch.exp(ls - want_lse)
+    want = sum(torch.where(w[r, ..., None] > 0, w[r, ..., None] * outs[r].double(), 0.0)
+               for r in range(parts))
+    keep = torch.ones(17, 5, dtype=torch.bool)
+    keep[0, :5] = False  # the edge rows, checked below
+    torch.testing.assert_close(out[keep].double(), want[keep], rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse[keep].double(), want_lse[keep], rtol=1e-6, atol=1e-6)
+    if parts > 1:  # row 0: part 0 is empty, whatever its O
+        others = torch.stack(lses[1:]).double()[:, 0, 0]
+        wo = torch.exp(others - torch.logsumexp(others, 0))
+        want0 = sum(wo[r] * outs[r + 1][0, 0].double() for r in range(parts - 1))
+        torch.testing.assert_close(out[0, 0].double(), want0, rtol=2e-6, atol=2e-6)
+    else:
+        assert (out[0, 0] == 0).all() and lse[0, 0] == -math.inf
+    assert (out[0, 1] == 0).all() and lse[0, 1] == -math.inf
+    for r in (2, 3):
+        assert torch.isnan(out[0, r]).all() and torch.isnan(lse[0, r])
+    assert not torch.isnan(out[0, 4]).any()
+
+
+def test_merge_n_of_two_is_the_pairwise_merge():
+    outs, lses = _merge_case(2)
+    a = tq.merge_attention_states(outs[0], lses[0], outs[1], lses[1])
+    b = tq.merge_attention_states_n(outs, lses)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(CUDA_REASON is not None, reason=f"cuda backend: {CUDA_REASON}")
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("d", [64, 128, 256, 6])
+def test_merge_kernel_matches_the_reference(parts, dtype, d):
+    """The cuda merge kernel against the reference op on the same device, edge rows included
+    (17 tokens x 5 heads; D 6 is narrower than a warp's pair loads)."""
+    outs, lses = _merge_case(parts, d=d, dtype=dtype, device="cuda")
+    got = tq.merge_attention_states_n(outs, lses, backend="cuda")
+    want = tq.merge_attention_states_n(outs, lses, backend="reference")
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else {}
+    torch.testing.assert_close(got[0], want[0], equal_nan=True, **tol)
+    torch.testing.assert_close(got[1], want[1], equal_nan=True, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.isnan(got[0]), torch.isnan(want[0]))
+
+
+@pytest.mark.skipif(CUDA_REASON is not None, reason=f"cuda backend: {CUDA_REASON}")
+def test_merge_kernel_reads_views_of_one_buffer_under_a_cuda_graph():
+    """Context parallelism's layout: each rank's bf16 out and fp32 lse are views of one byte
+    buffer (an all-gather's output); the merge is captured in a CUDA graph (no host sync) and
+    its replay follows new contents of the buffer."""
+    world, t, h, d = 3, 4, 8, 128
+    ob = t * h * d * 2
+    buf = torch.empty(world, ob + t * h * 4, dtype=torch.uint8, device="cuda")
+    views = [(buf[r, :ob].view(torch.bfloat16).view(t, h, d),
+              buf[r, ob:].view(torch.float32).view(t, h)) for r in range(world)]
+    out = torch.empty(t, h, d, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(t, h, device="cuda")
+
+    def fill(seed):
+        outs, lses = _merge_case(world, rows=(t, h), d=d, dtype=torch.bfloat16, seed=seed)
+        for (o, s), o_new, s_new in zip(views, outs, lses):
+            o.copy_(o_new)
+            s.copy_(s_new)
+        return [o.cuda() for o in outs], [s.cuda() for s in lses]
+
+    fill(1)
+    merge = lambda: tq.merge_attention_states_n(  # noqa: E731
+        [o for o, _ in views], [s for _, s in views], out=out, lse=lse, backend="cuda")
+    merge()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        merge()
+    outs, lses = fill(2)
+    g.replay()
+    want = tq.merge_attention_states_n(outs, lses, backend="reference")
+    torch.testing.assert_close(out, want[0], equal_nan=True)
+    torch.testing.assert_close(lse, want[1], equal_nan=True, rtol=1e-6, atol=1e-6)
+
+
+def test_merge_backends_say_why_they_cannot_run():
+    """CPU tensors: only the reference merges them; the others give their reason, and a named
+    backend that cannot run raises with it."""
+    outs, lses = _merge_case(2)
+    call = registry.MergeCall(tuple(outs), tuple(lses), torch.empty_like(outs[0]),
+                              torch.empty_like(lses[0]))
+    for name in ("sm120", "aiter"):
+        assert "not implemented" in registry.get(name).check_merge(call)
+    assert "not on a CUDA device" in registry.get("cuda").check_merge(call)
+    with pytest.raises(ValueError, match="backend='cuda' cannot run this call: "):
+        tq.merge_attention_states_n(outs, lses, backend="cuda")
+    rows = registry.explain("merge", call)
+    assert [r["name"] for r in rows if r["chosen"]] == ["reference"]
+    assert all(r["reason"] for r in rows if not r["chosen"])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda o, s: tq.merge_attention_states_n([], []), "outs"),
+    (lambda o, s: tq.merge_attention_states_n([o] * 9, [s] * 9), "outs"),
+    (lambda o, s: tq.merge_attention_states_n([o, o], [s]), "lses"),
+    (lambda o, s: tq.merge_attention_states_n([o, o[:1]], [s, s]), r"outs\[1\]"),
+    (lambda o, s: tq.merge_attention_states_n([o, o], [s, s.double()]), r"lses\[1\]"),
+    (lambda o, s: tq.merge_attention_states_n([o, o], [s, s[:1]]), r"lses\[1\]"),
+    (lambda o, s: tq.merge_attention_states_n([o.int()], [s]), r"outs\[0\]"),
+    (lambda o, s: tq.merge_attention_states_n([o], [s], out=o.half()), "out"),
+    (lambda o, s: tq.merge_attention_states_n([o], [s], lse=s[:1]), "lse"),
+])
+def test_merge_n_rejects_bad_arguments_naming_them(call, match):
+    o, s = torch.zeros(2, 3, 8), torch.zeros(2, 3)
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(o, s)

@@ -11,6 +11,7 @@
                                    seq_state=None, state_ids=None, sinks=None,
                                    return_lse=False)   # -> out, or (out, lse)
     turboquant.merge_attention_states(out_a, lse_a, out_b, lse_b)   # -> (out, lse)
+    turboquant.merge_attention_states_n(outs, lses)   # R states -> (out, lse)
     turboquant.backends()  # every backend, whether it can run here, and why not
 """
 from . import _backends  # registers the vendor backends  # noqa: F401
@@ -20,10 +21,11 @@ from .cache import FP4Cache, allocate_cache
 from .config import QuantConfig
 from .format import dequantize_fp4, quantize_fp4
 from .smoothing import allocate_state, load_calibration, save_calibration
-from .states import merge_attention_states
+from .states import merge_attention_states, merge_attention_states_n
 
 __all__ = ["FP4Cache", "QuantConfig", "allocate_cache", "allocate_state", "backends", "explain",
-           "dequantize_fp4", "load_calibration", "merge_attention_states", "paged_attention_fp4",
+           "dequantize_fp4", "load_calibration", "merge_attention_states",
+           "merge_attention_states_n", "paged_attention_fp4",
            "quantize_fp4",
            "reshape_and_cache_fp4", "save_calibration", "value_checks"]
 __version__ = "0.1.0"

@@ -29,6 +29,13 @@ CACHE_WRITE_SCHEMA = (
     "Tensor? rotation_signs, Tensor? seq_state, Tensor? state_ids) -> ()"
 )
 
+# Merging R attention states of the same rows over disjoint keys (turboquant.states): out and
+# lse are written; outs / lses are the parts, [num_tokens, num_heads, D] and float32
+# [num_tokens, num_heads] each.
+MERGE_STATES_SCHEMA = (
+    "(Tensor(a!) out, Tensor(b!) lse, Tensor[] outs, Tensor[] lses) -> ()"
+)
+
 
 def define(qualname: str, schema: str) -> None:
     """Define ``qualname`` (``turboquant::<op>_<backend>``) with ``schema`` once, with a fake

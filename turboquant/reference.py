@@ -265,5 +265,12 @@ class ReferenceBackend(Backend):
         op = getattr(torch.ops.turboquant, CACHE_WRITE_OPS[write.scale_rule])
         op(*cache_write_op_args(write))
 
+    def check_merge(self, merge):
+        return None
+
+    def merge_states(self, merge):  # the op is defined beside the formula, in turboquant.states
+        torch.ops.turboquant.merge_attention_states_reference(merge.out, merge.lse,
+                                                              list(merge.outs), list(merge.lses))
+
 
 register(ReferenceBackend())

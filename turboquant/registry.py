@@ -5,8 +5,9 @@ and the test skips all ask the same two questions of a backend:
 
 - ``unavailable()``: a reason the backend cannot run on this machine at all (no GPU of its
   kind, extension failed to build), or ``None``.
-- ``check_attention(call)`` / ``check_cache_write(write)``: a reason it cannot run *these*
-  tensors (wrong device, unsupported head dim, scale group, ...), or ``None``.
+- ``check_attention(call)`` / ``check_cache_write(write)`` / ``check_merge(merge)``: a reason
+  it cannot run *these* tensors (wrong device, unsupported head dim, scale group, ...), or
+  ``None``.
 
 Backends are tried in priority order (higher first); ``reference`` has the lowest priority
 and accepts everything, so ``auto`` always finds one.
@@ -78,6 +79,25 @@ class CacheWrite:
     key_format: str = "fp4"  # or "fp8_e4m3": a K8V4 cache (E4M3 keys, FP4 values)
 
 
+@dataclass(frozen=True)
+class MergeCall:
+    """The validated arguments of one ``merge_attention_states_n`` call."""
+
+    outs: tuple  # R x [num_tokens, num_heads, D], one dtype and device
+    lses: tuple  # R x float32 [num_tokens, num_heads]
+    out: torch.Tensor  # [num_tokens, num_heads, D]: the merged output, written
+    lse: torch.Tensor  # float32 [num_tokens, num_heads]: the merged lse, written
+
+
+_CHECKS = {"attention": "check_attention", "cache_write": "check_cache_write",
+           "merge": "check_merge"}
+
+
+def _device(kind: str, arg) -> torch.device:
+    return {"attention": lambda: arg.query, "cache_write": lambda: arg.key,
+            "merge": lambda: arg.out}[kind]().device
+
+
 def transform_tensors_reason(call: AttentionCall) -> Optional[str]:
     """Why a kernel cannot take this call's transform tensors (rotation signs, state records and
     their slots; the API builds them right, this guards direct callers of a backend), or None."""
@@ -139,11 +159,17 @@ class Backend:
     def check_cache_write(self, write: CacheWrite) -> Optional[str]:
         return "the cache writer is not implemented by this backend"
 
+    def check_merge(self, merge: MergeCall) -> Optional[str]:
+        return "merging attention states is not implemented by this backend"
+
     def paged_attention(self, call: AttentionCall, out: torch.Tensor,
                         lse: Optional[torch.Tensor] = None) -> None:
         raise NotImplementedError
 
     def reshape_and_cache(self, write: CacheWrite) -> None:
+        raise NotImplementedError
+
+    def merge_states(self, merge: MergeCall) -> None:
         raise NotImplementedError
 
 
@@ -171,10 +197,10 @@ def ordered() -> list[Backend]:
 
 
 def explain(kind: str, arg) -> list[dict]:
-    """For ``arg`` (an AttentionCall for kind 'attention', a CacheWrite for 'cache_write'):
-    every backend in priority order with ``name``, ``reason`` (why it cannot run this call, or
-    "") and ``chosen`` (the one ``backend='auto'`` takes)."""
-    method = "check_attention" if kind == "attention" else "check_cache_write"
+    """For ``arg`` (an AttentionCall for kind 'attention', a CacheWrite for 'cache_write', a
+    MergeCall for 'merge'): every backend in priority order with ``name``, ``reason`` (why it
+    cannot run this call, or "") and ``chosen`` (the one ``backend='auto'`` takes)."""
+    method = _CHECKS[kind]
     rows, chosen = [], False
     for backend in ordered():
         reason = backend.unavailable() or getattr(backend, method)(arg)
@@ -191,7 +217,7 @@ def _warn_reference_on_device(kind: str, arg, rows: list) -> None:
     """One warning per distinct set of reasons when 'auto' runs the reference on tensors off
     the CPU: the reference is orders of magnitude slower than a kernel, and a serving engine
     should hear why none of them took the call."""
-    device = (arg.query if kind == "attention" else arg.key).device
+    device = _device(kind, arg)
     if device.type == "cpu" or torch.compiler.is_compiling():
         return
     why = "; ".join(f"{r['name']}: {r['reason']}" for r in rows if r["reason"])
@@ -205,10 +231,10 @@ def _warn_reference_on_device(kind: str, arg, rows: list) -> None:
 
 def select(name: str, kind: str, arg) -> Backend:
     """Pick the backend for ``arg`` (an AttentionCall for kind 'attention', a CacheWrite for
-    kind 'cache_write'). ``name='auto'`` takes the highest-priority backend that can run (and
-    warns once per reason when that is the reference on tensors off the CPU); a named backend
-    that cannot run raises a ValueError that says why."""
-    method = "check_attention" if kind == "attention" else "check_cache_write"
+    kind 'cache_write', a MergeCall for 'merge'). ``name='auto'`` takes the highest-priority
+    backend that can run (and warns once per reason when that is the reference on tensors off
+    the CPU); a named backend that cannot run raises a ValueError that says why."""
+    method = _CHECKS[kind]
     if name != "auto":
         backend = get(name)
         reason = backend.unavailable() or getattr(backend, method)(arg)

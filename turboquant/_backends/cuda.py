@@ -3,8 +3,8 @@ as a fallback), plus a CUDA cache writer. Kernels: ``csrc_cuda/`` (design note a
 ``csrc_cuda/paged_attention_decode.cuh`` for decode with at most 8 heads per kv head,
 ``csrc_cuda/paged_attention.cuh`` for the rest; tuning choices in ``csrc_cuda/tuning.cuh``).
 
-Importing this module builds nothing: it defines the two op schemas (from ``turboquant.ops``),
-their fake (meta) implementations, and registers the backend. The extension is compiled with
+Importing this module builds nothing: it defines the op schemas (from ``turboquant.ops``:
+attention, cache write, merge of attention states), their fake (meta) implementations, and registers the backend. The extension is compiled with
 ``torch.utils.cpp_extension.load`` on first use (``unavailable()`` or a call), for the present
 GPU's architecture only (sm_90a on H100/H200, sm_80 on A100, ...), and cached under
 ``$TURBOQUANT_BUILD_DIR`` or ``~/.cache/turboquant``; the build name carries a hash of every
@@ -34,13 +34,14 @@ from typing import Optional
 import torch
 
 from ..api import attention_op_args, cache_write_op_args
-from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
+from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, MERGE_STATES_SCHEMA, define
 from ._jit import load, sources_hash
-from ..registry import (AttentionCall, Backend, CacheWrite, register,
+from ..registry import (AttentionCall, Backend, CacheWrite, MergeCall, register,
                         transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
 CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_cuda"
+MERGE_STATES_OP = "turboquant::merge_attention_states_cuda"
 HEAD_DIMS = (64, 128, 256)
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 256  # the largest the GPU tests cover
@@ -50,6 +51,7 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc_cuda"
 
 define(ATTENTION_OP, ATTENTION_SCHEMA)
 define(CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)
+define(MERGE_STATES_OP, MERGE_STATES_SCHEMA)
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "error": None}
@@ -190,6 +192,26 @@ class CudaBackend(Backend):
         if not write.slot_mapping.is_contiguous():
             return "slot_mapping must be contiguous"
         return None
+
+    def check_merge(self, merge: MergeCall) -> Optional[str]:
+        out = merge.out
+        if not out.is_cuda:
+            return f"tensors are on {out.device}, not on a CUDA device"
+        if out.shape[2] % 2:
+            return f"head dim {out.shape[2]} is odd (the merge kernel reads element pairs)"
+        align = 8 if out.dtype == torch.float32 else 4
+        for t in (out,) + merge.outs:
+            if not t.is_contiguous() or not _aligned(t, align):
+                return f"outputs must be contiguous and {align}-byte aligned"
+        if not all(s.is_contiguous() for s in (merge.lse,) + merge.lses):
+            return "lse tensors must be contiguous"
+        if out.shape[0] * out.shape[1] >= 2 ** 31:
+            return "at most 2^31 - 1 rows (tokens x heads)"
+        return None
+
+    def merge_states(self, merge: MergeCall) -> None:
+        torch.ops.turboquant.merge_attention_states_cuda(merge.out, merge.lse, list(merge.outs),
+                                                         list(merge.lses))
 
     def paged_attention(self, call: AttentionCall, out: torch.Tensor,
                         lse: Optional[torch.Tensor] = None) -> None:
