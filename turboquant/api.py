@@ -428,7 +428,8 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                         seq_state: Optional[torch.Tensor] = None,
                         state_ids: Optional[torch.Tensor] = None,
                         sinks: Optional[torch.Tensor] = None,
-                        return_lse: bool = False, holds_first_token: bool = True):
+                        return_lse: bool = False, holds_first_token: bool = True,
+                        lse_out: Optional[torch.Tensor] = None):
     """Attention of ``query`` [num_tokens, num_heads, D] over the FP4 paged cache.
 
     ``max_seq_len`` (an extension to the contract's signature) is an optional host-side upper
@@ -451,7 +452,9 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     (``turboquant.merge_attention_states``). ``holds_first_token=False``: the call's blocks are
     a later part of every sequence (sequences split over calls), so their first key is an
     ordinary one and the sink token (the config's ``sink``) is not read from the record; the
-    call that holds the sequences' position 0 keeps the default.
+    call that holds the sequences' position 0 keeps the default. ``lse_out`` (with
+    ``return_lse``): a contiguous float32 [num_tokens, num_heads] tensor the lse is written
+    into, as ``out`` is for the output (e.g. views of a collective's send buffer).
     """
     call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
                              block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
@@ -467,8 +470,17 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
         _same_device(query.device, out=out)
         if not out.is_contiguous():
             raise ValueError("out: expected a contiguous tensor")
-    lse = (torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-           if return_lse else None)
+    if lse_out is not None:
+        if not return_lse:
+            raise ValueError("lse_out: given without return_lse=True")
+        _tensor("lse_out", lse_out, (torch.float32,), (2,))
+        _shape("lse_out", lse_out, query.shape[:2])
+        _same_device(query.device, lse_out=lse_out)
+        if not lse_out.is_contiguous():
+            raise ValueError("lse_out: expected a contiguous tensor")
+    lse = lse_out if lse_out is not None else (
+        torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        if return_lse else None)
     if query.shape[0]:
         registry.select(backend, "attention", call).paged_attention(call, out, lse)
     return (out, lse) if return_lse else out
