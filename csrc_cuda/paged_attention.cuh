@@ -2,8 +2,10 @@
 // Torch-free: plain CUDA C++ (the binding in torch_binding.cu is the only torch code).
 //
 // ============================== design note ==============================================
-// Decode with at most 8 heads per kv head runs the swapped kernel of
-// paged_attention_decode.cuh instead; this kernel serves multi-token queries and larger groups.
+// Decode with at most 8 heads per kv head, and short multi-token queries (speculative decoding,
+// tuning::use_spec_kernel), run the swapped kernel of paged_attention_decode.cuh instead; long
+// chunks run the prefill kernel; this kernel serves the rest (larger groups, D 256, mid-size
+// multi-token queries).
 // Grid: x = row tile (16 MMA rows each) x kv head, kv head fastest; y = KV partition
 //   (flash-decoding split).
 //   A row tile holds 16 (query token, head-in-GQA-group) pairs of ONE sequence, query-token
@@ -565,6 +567,26 @@ __device__ __forceinline__ void lazy_rescale(const float (&m_new)[2], int VM_new
 // AttnLayout<D, kE4m3>::TOTAL bytes. kStates: the lse output or learned sinks are asked for
 // (their code is compiled out of the other instantiation, which every plain call runs).
 // kE4m3: K8V4 keys (E4M3 bytes, decoded like FP4 in registers by decode_key8).
+// Multi-token queries: row tile `tile` of 16 (query token, head) rows, numbered base(s) + i with
+// base(s) = s + floor(cu[s] * G / 16) (strictly increasing, room for every sequence's tiles).
+// Returns its sequence s (binary search over cu_query_lens, no host sync) and sets the
+// sequence's first query token q0, its token count qn and the tile's index lt within it;
+// -1 for a spare tile.
+__device__ __forceinline__ int find_row_tile(const AttnParams& p, int tile, int& q0, int& qn, int& lt) {
+  const int* cu = p.cu_query_lens;
+  const int G = p.group_size;
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    const long long base = mid + ((long long)max(__ldg(cu + mid), 0) * G) / 16;
+    if (base <= tile) lo = mid; else hi = mid - 1;
+  }
+  q0 = max(__ldg(cu + lo), 0);
+  qn = min(__ldg(cu + lo + 1), p.num_tokens) - q0;
+  lt = tile - (lo + (int)(((long long)q0 * G) / 16));
+  return (lo >= p.num_seqs || qn <= 0 || lt < 0 || lt * 16 >= qn * G) ? -1 : lo;
+}
+
 template <int D, typename T, bool kStates, bool kE4m3>
 __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks<D>::value)
     paged_attention_fp4_kernel(const AttnParams p) {
@@ -591,19 +613,9 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     q0 = s;
     qn = 1;
   } else {
-    const int* cu = p.cu_query_lens;
-    int lo = 0, hi = p.num_seqs - 1;
-    while (lo < hi) {
-      int mid = (lo + hi + 1) >> 1;
-      long long base = mid + ((long long)max(__ldg(cu + mid), 0) * G) / 16;
-      if (base <= tile) lo = mid; else hi = mid - 1;
-    }
-    s = lo;
-    q0 = max(__ldg(cu + s), 0);
-    qn = min(__ldg(cu + s + 1), p.num_tokens) - q0;
-    lt = tile - (s + (int)(((long long)q0 * G) / 16));
+    s = find_row_tile(p, tile, q0, qn, lt);
+    if (s < 0) return;
   }
-  if (s >= p.num_seqs || qn <= 0 || lt < 0 || lt * 16 >= qn * G) return;
   const int nrows = qn * G;
   const int seq_len = __ldg(p.seq_lens + s);
   const int slot = state_slot(p, s);

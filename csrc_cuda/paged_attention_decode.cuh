@@ -1,5 +1,7 @@
 // turboquant cuda backend (SM80-SM90): the decode kernel, one query token per sequence and at
-// most 8 query heads per kv head, in the swapped form S^T = K Q^T, O^T = V^T P^T.
+// most 8 query heads per kv head, in the swapped form S^T = K Q^T, O^T = V^T P^T; and the same
+// kernel with 16 (query token, head) columns for short multi-token queries (speculative
+// decoding; NB = 2 below, tuning::use_spec_kernel).
 // Torch-free. Shares the parameters, the reduce pass and the register helpers with
 // paged_attention.cuh (the general kernel: multi-token queries and groups of more than 8 heads).
 //
@@ -61,23 +63,27 @@
 namespace turboquant {
 namespace cuda_fp4 {
 
-template <int D, bool kE4m3>
+// NB n-blocks of 8 MMA columns: NB = 1 for decode (the heads of one GQA group), NB = 2 for
+// short multi-token queries (16 (query token, head) columns).
+template <int D, bool kE4m3, int NB = 1>
 struct DecodeLayout : KVSlot<D, kE4m3> {
   static constexpr int W = tuning::DECODE_WARPS;
+  static constexpr int NC = 8 * NB;             // MMA columns: heads, or (query token, head) pairs
   static constexpr int ST = tuning::DecodeStages<D>::value;
   static constexpr int PIPE = W * ST * KVSlot<D, kE4m3>::STAGE;
-  static constexpr int QRAW = 8 * D * 4;        // Q rows in fp32, after the transforms
+  static constexpr int QRAW = NC * D * 4;       // Q rows in fp32, after the transforms
   static constexpr int MROW = D + 4;            // merge row pitch (floats)
-  static constexpr int MERGE = W * 8 * MROW * 4;
+  static constexpr int MERGE = W * NC * MROW * 4;
   static constexpr int OFF_QRAW = PIPE;
   static constexpr int BIG = (PIPE + QRAW) > MERGE ? (PIPE + QRAW) : MERGE;
-  static constexpr int OFF_QFRAG = BIG;         // (D/16) x 32 lanes x 2 words
-  static constexpr int OFF_M = OFF_QFRAG + (D / 16) * 32 * 8;
-  static constexpr int OFF_L = OFF_M + W * 8 * 4;
-  static constexpr int OFF_MISC = OFF_L + W * 8 * 4;
-  static constexpr int OFF_SINK = OFF_MISC + 16;  // 8 floats: q'.k0' of each head (sink)
-  static constexpr int OFF_QM = OFF_SINK + 8 * 4;  // 8 floats: scale * q.m of each head (soft cap)
-  static constexpr int TOTAL = OFF_QM + 8 * 4;
+  static constexpr int OFF_QFRAG = BIG;         // NB x (D/16) x 32 lanes x 2 words
+  static constexpr int OFF_M = OFF_QFRAG + NB * (D / 16) * 32 * 8;
+  static constexpr int OFF_L = OFF_M + W * NC * 4;
+  static constexpr int OFF_MISC = OFF_L + W * NC * 4;
+  static constexpr int OFF_SINK = OFF_MISC + 16;  // NC floats: q'.k0' of each column (sink)
+  static constexpr int OFF_QM = OFF_SINK + NC * 4;  // NC floats: scale * q.m of each column (soft cap)
+  static constexpr int OFF_CHI = OFF_QM + NC * 4;  // NC ints: each column's last key (multi-token)
+  static constexpr int TOTAL = OFF_CHI + NC * 4;
 };
 
 // V rows: token r is stored at row dv_row(r) with its 16-byte chunks XOR dv_swz(r). A V load
@@ -130,13 +136,22 @@ __device__ __forceinline__ void decode_v_pair(uint32_t a, uint32_t b, uint32_t (
   f16hi4_to_f16x2x2(h1, e[5], e[7]);
 }
 
-// grid (num_seqs * num_kv_heads, num_partitions), block 32 * DECODE_WARPS, dynamic smem
-// DecodeLayout<D, kE4m3>::TOTAL bytes. Requires cu_query_lens == nullptr and group_size <= 8.
-// kStates and kE4m3 (K8V4 keys) as for the general kernel.
-template <int D, typename T, bool kStates, bool kE4m3>
-__global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_BLOCKS)
+// NB = 1 (decode): grid (num_seqs * num_kv_heads, num_partitions); requires cu_query_lens ==
+//   nullptr and group_size <= 8; the 8 columns are the heads of the group (padded).
+// NB = 2 (short multi-token queries, tuning::use_spec_kernel): grid (row tiles * num_kv_heads,
+//   num_partitions) numbered as the general kernel's 16-row tiles: a CTA holds 16 (query token,
+//   head) columns of one sequence, token-major (column c of tile lt: R = 16 lt + c, query token
+//   R / G, head kvh G + R % G), so speculative decoding's q tokens x G heads read each KV tile
+//   once; every column has its own causal / window key range, applied by selection in the slow
+//   path (which every tile that any column does not wholly see takes).
+// block 32 * DECODE_WARPS, dynamic smem DecodeLayout<D, kE4m3, NB>::TOTAL bytes. kStates and
+// kE4m3 (K8V4 keys) as for the general kernel.
+template <int D, typename T, bool kStates, bool kE4m3, int NB>
+__global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBlocks<NB>::value)
     paged_attention_fp4_decode_kernel(const AttnParams p) {
-  using L = DecodeLayout<D, kE4m3>;
+  using L = DecodeLayout<D, kE4m3, NB>;
+  constexpr int NC = L::NC;
+  constexpr bool kMulti = NB > 1;
   constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR, KROW = L::KROW, KCPR = L::KCPR;
   constexpr int KW = KROW / 16;  // words per thread per K row (a quarter row)
   constexpr int NW = D / 64;  // FP4 words per thread per V row
@@ -144,10 +159,29 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int G = p.group_size;
-  // the kv heads of a sequence are consecutive CTAs (see the launch below)
-  const int s = blockIdx.x / p.num_kv_heads, kvh = blockIdx.x - s * p.num_kv_heads, part = blockIdx.y;
+  // the kv heads of a sequence (row tile) are consecutive CTAs (see the launch below)
+  const int tile = blockIdx.x / p.num_kv_heads, kvh = blockIdx.x - tile * p.num_kv_heads, part = blockIdx.y;
   pdl_wait();  // launched as a programmatic dependent (launch_programmatic)
   pdl_launch_dependents();  // see the general kernel
+  // sequence s, its query tokens [q0, q0 + qn), this CTA's columns [NC lt, NC lt + NC) of them
+  int s = tile, q0 = tile, qn = 1, lt = 0;
+  if constexpr (kMulti) {
+    s = find_row_tile(p, tile, q0, qn, lt);
+    if (s < 0) return;
+  }
+  // column c -> (query token, head); false for a padding column
+  auto column = [&](int c, int& tok, int& head) -> bool {
+    if constexpr (kMulti) {
+      const int R = NC * lt + c;
+      tok = q0 + R / G;
+      head = kvh * G + R % G;
+      return R < qn * G;
+    } else {
+      tok = s;
+      head = kvh * G + c;
+      return c < G;
+    }
+  };
 
   // The three loads of the prologue are independent and issued together: seq_len, this
   // thread's 16 bytes of Q, and the block ids of the warp's first 32 tiles, located from the
@@ -155,12 +189,15 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int seq_len = __ldg(p.seq_lens + s);
   const int slot = state_slot(p, s);
   const int P = p.partition_size, nparts = p.num_partitions;
-  static_assert(8 * D / 8 <= 32 * L::W, "one 16-byte Q chunk per thread");
-  const int q_r = tid / (D / 8), q_col = (tid % (D / 8)) * 8;  // Q chunk: head q_r, 8 elements
+  static_assert(NC * D / 8 <= 32 * L::W, "one 16-byte Q chunk per thread");
+  const int q_r = tid / (D / 8), q_col = (tid % (D / 8)) * 8;  // Q chunk: column q_r, 8 elements
   uint4 q_v = make_uint4(0, 0, 0, 0);
-  if (q_r < G)
-    q_v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) + s * p.q_stride_tok +
-                                          (kvh * G + q_r) * p.q_stride_head + q_col);
+  {
+    int q_tok, q_head;
+    if (q_r < NC && column(q_r, q_tok, q_head))
+      q_v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) + q_tok * p.q_stride_tok +
+                                            q_head * p.q_stride_head + q_col);
+  }
   const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
   const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
   const uint32_t blk_stride = (uint32_t)p.vc_stride_blk;  // K: KROW / ROW times it (binding checks)
@@ -184,24 +221,35 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   uint32_t srow_l;
   locate((part * P) >> 4, lane, load_bid((part * P) >> 4, lane), toff_l, srow_l);
 
-  // the query token (position seq_len - 1) sees keys [lo, seq_len - 1]; with the sink,
-  // position 0 comes from the state record, merged in by the CTA of partition 0
-  const int lo = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
-  const bool sink_here = p.sink && part == 0 && lo == 0 && seq_len > 0;
-  const int r_lo = max(p.sink ? max(lo, 1) : lo, part * P), r_hi = min(seq_len, part * P + P);  // [r_lo, r_hi)
+  // query token i of the sequence (position seq_len - qn + i) sees keys [key_lo(i), key_hi(i)];
+  // with the sink, position 0 comes from the state record, merged in by the CTA of partition 0
+  // for the columns whose range holds it
+  auto key_hi = [&](int i) { return seq_len - qn + i; };
+  auto key_lo = [&](int i) { return p.sliding_window > 0 ? max(0, key_hi(i) - p.sliding_window + 1) : 0; };
+  int i_first = 0, i_last = 0;  // the CTA's first and last query token
+  if constexpr (kMulti) {
+    i_first = NC * lt / G;
+    i_last = (min(NC * lt + NC, qn * G) - 1) / G;
+  }
+  const int lo_min = key_lo(i_first), lo_max = key_lo(i_last), hi_min = key_hi(i_first), hi_max = key_hi(i_last);
+  const bool sink_here = p.sink && part == 0 && lo_min == 0 && seq_len > 0;
+  // the keys some column sees, [r_lo, r_hi); every column sees [lo_max, hi_min]
+  const int r_lo = max(p.sink ? max(lo_min, 1) : lo_min, part * P), r_hi = min(hi_max + 1, part * P + P);
 
   // constant rows (empty partition: 0 / (-inf, 0); bad block id: NaN)
   auto write_const_rows = [&](float oval, float mval, float lval) {
-    for (int i = tid; i < G * D; i += blockDim.x) {
-      const int r = i / D, d = i % D, head = kvh * G + r;
+    for (int i = tid; i < NC * D; i += blockDim.x) {
+      const int c = i / D, d = i % D;
+      int tok, head;
+      if (!column(c, tok, head)) continue;
       if (nparts == 1) {
-        T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head;
+        T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
         o[d] = from_float<T>(oval);
         if constexpr (kStates) {
-          if (d == 0 && p.lse != nullptr) p.lse[(size_t)s * p.num_heads + head] = const_row_lse(p, head, mval);
+          if (d == 0 && p.lse != nullptr) p.lse[(size_t)tok * p.num_heads + head] = const_row_lse(p, head, mval);
         }
       } else {
-        const size_t idx = ((size_t)s * p.num_heads + head) * nparts + part;
+        const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
         if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
         if (d == 0) p.tmp_ml[idx] = make_float2(mval, lval);
       }
@@ -224,6 +272,18 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   if (tid == 0) {
     misc[0] = 0;  // Q amax bits
     misc[1] = 0;  // a block id was out of range
+    misc[2] = r_lo;  // NB 2 reads the union range here in the slow path (registers)
+    misc[3] = r_hi;
+  }
+  // multi-token: the last key each column sees, c_hi[c] (its first: key_lo of it), read only in
+  // the slow path (from shared memory: registers are what the 16 columns are short of); a
+  // padding column sees every key of the union
+  int* c_hi = reinterpret_cast<int*>(smem + L::OFF_CHI);
+  if constexpr (kMulti) {
+    if (tid < NC) {
+      int tok, head;
+      c_hi[tid] = column(tid, tok, head) ? key_hi(tok - q0) : seq_len;
+    }
   }
 
   // ---- tiles of this warp (the lanes hold where tiles kc .. kc + 31 are) ----
@@ -240,8 +300,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
 
   // ---- per-lane copy offsets (chunk 0; chunk i is dk_step / dv_step rows further) ----
   const int qk = lane / KCPR, jk = lane % KCPR;  // K: row, chunk
-  const int q0 = lane / CPR, j0 = lane % CPR;    // V
-  const int vt = dv_copy_token<D>(q0);
+  const int rv = lane / CPR, j0 = lane % CPR;    // V
+  const int vt = dv_copy_token<D>(rv);
   const uint32_t k_dst = qk * KROW + k_chunk<KROW>(qk, jk) * 16;
   const uint32_t v_dst = L::K_TILE + dv_row<D>(vt) * ROW + ((j0 ^ dv_swz<D>(vt)) * 16);
   const int s_tok = lane & 15;  // scale word: K of token s_tok (lanes 0-15), V (lanes 16-31)
@@ -276,14 +336,15 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
     cp_async_commit();
   }
 
-  // ---- Q: G rows (padded to 8), the transforms in fp32 (q * lam, rotation; D/8 lanes per
-  //      row), the sink's logit, tile amax, power-of-two prescale, fp16 B fragments ----
+  // ---- Q: the NC columns' rows (padding rows 0), the transforms in fp32 (q * lam, rotation;
+  //      D/8 lanes per row), the sink's logit, tile amax, power-of-two prescale, fp16 B
+  //      fragments ----
   float qv[8];
-  const int q_row = min(q_r, 7);  // threads past the 8 rows store nothing
-  prepare_q8<D, T, kStates>(p, qc, q_v, sink_here, q_r < 8 && q_col == 0, sinkS + q_row, qmS + q_row, qv, lane);
+  const int q_row = min(q_r, NC - 1);  // threads past the NC rows store nothing
+  prepare_q8<D, T, kStates>(p, qc, q_v, sink_here, q_r < NC && q_col == 0, sinkS + q_row, qmS + q_row, qv, lane);
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_QRAW);
   unsigned amax_bits = 0;
-  if (q_r < 8) {
+  if (q_r < NC) {
     *reinterpret_cast<float4*>(qraw + q_r * D + q_col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
     *reinterpret_cast<float4*>(qraw + q_r * D + q_col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
 #pragma unroll
@@ -292,44 +353,59 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
   const int qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(misc));
   const float qmul = pow2i(qexp);
   uint2* qf = reinterpret_cast<uint2*>(smem + L::OFF_QFRAG);
-  for (int idx = tid; idx < (D / 16) * 32; idx += blockDim.x) {
-    const int ks = idx >> 5, gg = (idx & 31) >> 2, tt = idx & 3;
-    // B fragment of k-step ks: Q^T rows (slots) 2t, 2t+1 | 2t+8, 2t+9 of head gg, in the
-    // permutation of decode_key8
+  for (int idx = tid; idx < NB * (D / 16) * 32; idx += blockDim.x) {
+    const int nb = idx / ((D / 16) * 32), ks = (idx >> 5) % (D / 16), gg = (idx & 31) >> 2, tt = idx & 3;
+    // B fragment of n-block nb, k-step ks: Q^T rows (slots) 2t, 2t+1 | 2t+8, 2t+9 of column
+    // 8 nb + gg, in the permutation of decode_key8
     const int E0 = tt * (D / 4) + 8 * (ks >> 1) + (ks & 1);
     const int A1 = 2, B0 = 4;
-    auto q = [&](int d) { return qraw[gg * D + d] * qmul; };
+    auto q = [&](int d) { return qraw[(8 * nb + gg) * D + d] * qmul; };
     qf[idx] = make_uint2(pack_f16x2(q(E0), q(E0 + A1)), pack_f16x2(q(E0 + B0), q(E0 + B0 + A1)));
   }
   __syncthreads();
-  constexpr bool QREG = D <= tuning::DECODE_QREG_MAX_D;
-  uint32_t qb[QREG ? D / 16 : 1][2];
+  constexpr bool QREG = NB * D <= tuning::DECODE_QREG_MAX_D;
+  uint32_t qb[QREG ? NB : 1][QREG ? D / 16 : 1][2];
   if constexpr (QREG) {
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint2 f = qf[ks * 32 + lane];
-      qb[ks][0] = f.x;
-      qb[ks][1] = f.y;
-    }
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        const uint2 f = qf[(nb * (D / 16) + ks) * 32 + lane];
+        qb[nb][ks][0] = f.x;
+        qb[nb][ks][1] = f.y;
+      }
   }
 
   const bool cap = p.soft_cap > 0.f;
   // logit = acc * 2^(b-127) * kmul (see the general kernel)
   const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
-  const float qm_head[2] = {cap_state ? qmS[2 * t4] : 0.f, cap_state ? qmS[2 * t4 + 1] : 0.f};
   const uint32_t k_sel = 0x4440u | (uint32_t)(((uintptr_t)p.key_scales + kvh + g * Hkv) & 3);
   const uint32_t v_sel = 0x4440u | (uint32_t)(((uintptr_t)p.value_scales + kvh + g * Hkv) & 3);
   constexpr float SLACK = (float)tuning::RESCALE_SLACK;
 
-  float acc[D / 16][4];
+  float acc[NB][D / 16][4];
 #pragma unroll
-  for (int j = 0; j < D / 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-  // per head 2t, 2t+1: reference maximum (-inf: none yet), the same with -inf -> 0 (used in
-  // exp2), the fast-path threshold, and this thread's share of the row sum
-  float m_ref[2] = {-INFINITY, -INFINITY}, m_use[2] = {0.f, 0.f}, m_thr[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) acc[nb][j][0] = acc[nb][j][1] = acc[nb][j][2] = acc[nb][j][3] = 0.f;
+  // per column 8 nb + 2t, 8 nb + 2t + 1: reference maximum (-inf: none yet), the same with
+  // -inf -> 0 (used in exp2), the fast-path threshold, and this thread's share of the row sum
+  float m_ref[NB][2], m_use[NB][2], m_thr[NB][2], l_run[NB][2];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      m_ref[nb][h] = m_thr[nb][h] = -INFINITY;
+      m_use[nb][h] = l_run[nb][h] = 0.f;
+    }
+  // NB 1 keeps the exp2 offset and the fast-path threshold in registers; NB 2 (twice the
+  // columns and accumulators) derives them from m_ref where used, within 128 registers
+  auto m_off = [&](int nb, int h) { return NB == 1 ? m_use[nb][h] : (m_ref[nb][h] == -INFINITY ? 0.f : m_ref[nb][h]); };
+  auto m_fast = [&](int nb, int h) { return NB == 1 ? m_thr[nb][h] : m_ref[nb][h] + SLACK; };
   int VM = 0;  // running maximum V-scale byte of the warp's visible tokens
+  // every column sees the keys [all_lo, all_hi): a tile inside needs no per-column mask
+  const int all_lo = max(r_lo, lo_max), all_hi = min(r_hi, hi_min + 1);
 
   uint32_t st_comp = 0;
   for (int k = 0; k < my_n; ++k) {
@@ -340,17 +416,22 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
     const uint8_t* st = smem + (warp * ST + st_comp) * L::STAGE;
     st_comp = (st_comp + 1 == ST) ? 0 : st_comp + 1;
     const int t0 = (tile_first + warp + L::W * k) * 16;
-    const bool need_mask = (t0 < r_lo) || (t0 + 16 > r_hi);
+    // a tile some column does not wholly see: masks (union range; per column for multi-token)
+    const bool need_mask = (t0 < all_lo) || (t0 + 16 > all_hi);
 
     const uint4 sw = *reinterpret_cast<const uint4*>(st + L::K_TILE + L::V_TILE + 16 * g);
     uint32_t kb0 = prmt(sw.x, 0, k_sel), kb1 = prmt(sw.y, 0, k_sel);  // tokens g, g+8
     uint32_t vb0 = prmt(sw.z, 0, v_sel), vb1 = prmt(sw.w, 0, v_sel);
 
-    // ---- S^T = K Q^T ----
+    // ---- S^T = K Q^T, per n-block ----
     uint32_t ka[KW], kb[KW];  // this thread's quarter of token rows g, g+8
     load_key_quarter<KROW>(st + g * KROW, g, t4, ka);
     load_key_quarter<KROW>(st + (g + 8) * KROW, g + 8, t4, kb);
-    float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};  // even / odd k-steps
+    float sa[NB][4], sb[NB][4];  // even / odd k-steps (NB 1; sa only for NB 2)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sa[nb][i] = sb[nb][i] = 0.f;
     constexpr int W8 = KeyRow<D, kE4m3>::WORDS8;
 #pragma unroll
     for (int w = 0; w < D / 32; ++w) {  // 8 elements of each row per step
@@ -359,65 +440,115 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
       decode_key8<kE4m3>(kb + W8 * w, h1);
       const uint32_t a_even[4] = {h0[0], h1[0], h0[1], h1[1]};
       const uint32_t a_odd[4] = {h0[2], h1[2], h0[3], h1[3]};
-      if constexpr (QREG) {
-        mma_m16n8k16_f16(sa, a_even, qb[2 * w][0], qb[2 * w][1]);
-        mma_m16n8k16_f16(sb, a_odd, qb[2 * w + 1][0], qb[2 * w + 1][1]);
-      } else {
-        const uint2 f0 = qf[(2 * w) * 32 + lane], f1 = qf[(2 * w + 1) * 32 + lane];
-        mma_m16n8k16_f16(sa, a_even, f0.x, f0.y);
-        mma_m16n8k16_f16(sb, a_odd, f1.x, f1.y);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        // NB 1: even and odd k-steps in two accumulators (two independent MMA chains); NB 2:
+        // the two n-blocks are the independent chains, one accumulator each (registers)
+        float (&odd_acc)[4] = NB == 1 ? sb[nb] : sa[nb];
+        if constexpr (QREG) {
+          mma_m16n8k16_f16(sa[nb], a_even, qb[nb][2 * w][0], qb[nb][2 * w][1]);
+          mma_m16n8k16_f16(odd_acc, a_odd, qb[nb][2 * w + 1][0], qb[nb][2 * w + 1][1]);
+        } else {
+          const uint2 f0 = qf[(nb * (D / 16) + 2 * w) * 32 + lane], f1 = qf[(nb * (D / 16) + 2 * w + 1) * 32 + lane];
+          mma_m16n8k16_f16(sa[nb], a_even, f0.x, f0.y);
+          mma_m16n8k16_f16(odd_acc, a_odd, f1.x, f1.y);
+        }
       }
     }
-    // x[0] token g head 2t, x[1] token g head 2t+1, x[2] token g+8 head 2t, x[3] token g+8 head 2t+1
-    float x[4];
+    // x[nb][0] token g column 2t, [1] token g column 2t+1, [2] token g+8 column 2t, [3] token
+    // g+8 column 2t+1 (columns of n-block nb)
+    float x[NB][4];
     {
       const float kf0 = __int_as_float(kb0 << 23) * kmul, kf1 = __int_as_float(kb1 << 23) * kmul;
-      x[0] = (sa[0] + sb[0]) * kf0;
-      x[1] = (sa[1] + sb[1]) * kf0;
-      x[2] = (sa[2] + sb[2]) * kf1;
-      x[3] = (sa[3] + sb[3]) * kf1;
-    }
-    if (cap) {  // warp-uniform; q.m of heads 2t, 2t+1 back in (records)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = cap_v * tanhf((x[i] + qm_head[i & 1]) * inv_cap) * LOG2E;
+      for (int nb = 0; nb < NB; ++nb) {
+        float d[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[i] = NB == 1 ? sa[nb][i] + sb[nb][i] : sa[nb][i];
+        x[nb][0] = d[0] * kf0;
+        x[nb][1] = d[1] * kf0;
+        x[nb][2] = d[2] * kf1;
+        x[nb][3] = d[3] * kf1;
+      }
     }
-    const bool odd = (fmaxf(x[0], x[2]) > m_thr[0]) || (fmaxf(x[1], x[3]) > m_thr[1]) ||
-                     (max(vb0, vb1) > (uint32_t)VM) || (max(kb0, kb1) == 255u);
+    if (cap) {  // warp-uniform; q.m of columns 2t, 2t+1 back in (records)
+      // (NB 2 recomputes 1 / cap here rather than keep it in a register through the loop)
+      const float rcap = NB == 1 ? inv_cap : 1.f / p.soft_cap;
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float qm = cap_state ? qmS[8 * nb + 2 * t4 + (i & 1)] : 0.f;
+          x[nb][i] = cap_v * tanhf((x[nb][i] + qm) * rcap) * LOG2E;
+        }
+    }
+    bool odd = (max(vb0, vb1) > (uint32_t)VM) || (max(kb0, kb1) == 255u);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+      odd = odd || (fmaxf(x[nb][0], x[nb][2]) > m_fast(nb, 0)) || (fmaxf(x[nb][1], x[nb][3]) > m_fast(nb, 1));
     float vf0, vf1;  // V-scale factors of tokens g, g+8 folded into P
     if (__any_sync(0xffffffffu, odd || need_mask)) {
       // ---- slow path: NaN scales, masking, exact maxima, rescale ----
       const float NaN = __int_as_float(0x7fc00000);
-      if (kb0 == 255u) x[0] = x[1] = NaN;
-      if (kb1 == 255u) x[2] = x[3] = NaN;
-      if (need_mask) {
-        const int tok0 = t0 + g, tok1 = t0 + g + 8;
-        if (tok0 < r_lo || tok0 >= r_hi) { x[0] = x[1] = -INFINITY; vb0 = 0u; }
-        if (tok1 < r_lo || tok1 >= r_hi) { x[2] = x[3] = -INFINITY; vb1 = 0u; }
+      const int tok0 = t0 + g, tok1 = t0 + g + 8;
+      const int u_lo = kMulti ? misc[2] : r_lo, u_hi = kMulti ? misc[3] : r_hi;
+      const bool out0 = tok0 < u_lo || tok0 >= u_hi, out1 = tok1 < u_lo || tok1 >= u_hi;  // no column sees it
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        if (kb0 == 255u) x[nb][0] = x[nb][1] = NaN;
+        if (kb1 == 255u) x[nb][2] = x[nb][3] = NaN;
+        if (need_mask) {
+          if (out0) x[nb][0] = x[nb][1] = -INFINITY;
+          if (out1) x[nb][2] = x[nb][3] = -INFINITY;
+          if constexpr (kMulti) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int tok = i < 2 ? tok0 : tok1, hi = c_hi[8 * nb + 2 * t4 + (i & 1)];
+              const int lo = p.sliding_window > 0 ? hi - p.sliding_window + 1 : 0;
+              if (tok < lo || tok > hi) x[nb][i] = -INFINITY;
+            }
+          }
+        }
       }
-      float mx[2] = {fmaxf(x[0], x[2]), fmaxf(x[1], x[3])};
+      if (need_mask) {  // tokens no column sees leave the V-scale maximum
+        if (out0) vb0 = 0u;
+        if (out1) vb1 = 0u;
+      }
+      float mx[NB][2];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        mx[nb][0] = fmaxf(x[nb][0], x[nb][2]);
+        mx[nb][1] = fmaxf(x[nb][1], x[nb][3]);
+      }
       int vmax = max(vb0 == 255u ? 0 : (int)vb0, vb1 == 255u ? 0 : (int)vb1);
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) {
-        mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], o));
-        mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], o));
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          mx[nb][0] = fmaxf(mx[nb][0], __shfl_xor_sync(0xffffffffu, mx[nb][0], o));
+          mx[nb][1] = fmaxf(mx[nb][1], __shfl_xor_sync(0xffffffffu, mx[nb][1], o));
+        }
         vmax = max(vmax, __shfl_xor_sync(0xffffffffu, vmax, o));
       }
       const int VM_new = max(VM, vmax);
       const float vr = pow2i(VM - VM_new);
-      float f[2];
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const float m_new = fmaxf(m_ref[rh], mx[rh]);
-        const float alpha = (m_new == -INFINITY) ? 1.f : fast_exp2(m_ref[rh] - m_new);
-        l_run[rh] *= alpha;
-        f[rh] = alpha * vr;
-        m_ref[rh] = m_new;
-        m_use[rh] = (m_new == -INFINITY) ? 0.f : m_new;
-        m_thr[rh] = m_new + SLACK;
-      }
+      for (int nb = 0; nb < NB; ++nb) {
+        float f[2];
 #pragma unroll
-      for (int j = 0; j < D / 16; ++j) {
-        acc[j][0] *= f[0]; acc[j][1] *= f[1]; acc[j][2] *= f[0]; acc[j][3] *= f[1];
+        for (int rh = 0; rh < 2; ++rh) {
+          const float m_new = fmaxf(m_ref[nb][rh], mx[nb][rh]);
+          const float alpha = (m_new == -INFINITY) ? 1.f : fast_exp2(m_ref[nb][rh] - m_new);
+          l_run[nb][rh] *= alpha;
+          f[rh] = alpha * vr;
+          m_ref[nb][rh] = m_new;
+          m_use[nb][rh] = (m_new == -INFINITY) ? 0.f : m_new;
+          m_thr[nb][rh] = m_new + SLACK;
+        }
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) {
+          acc[nb][j][0] *= f[0]; acc[nb][j][1] *= f[1]; acc[nb][j][2] *= f[0]; acc[nb][j][3] *= f[1];
+        }
       }
       VM = VM_new;
       vf0 = vb0 == 255u ? NaN : p_vscale(vb0, VM);
@@ -427,14 +558,23 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
       vf1 = p_vscale(vb1, VM);
     }
     // ---- P' (fp16), transposed into the B fragments of O^T = V^T P^T ----
-    uint32_t pb0, pb1;
-    {
-      const float p0 = fast_exp2(x[0] - m_use[0]), p1 = fast_exp2(x[1] - m_use[1]);
-      const float p2 = fast_exp2(x[2] - m_use[0]), p3 = fast_exp2(x[3] - m_use[1]);
-      l_run[0] += p0 + p2;
-      l_run[1] += p1 + p3;
-      pb0 = movmatrix_trans(pack_f16x2(p0 * vf0, p1 * vf0));
-      pb1 = movmatrix_trans(pack_f16x2(p2 * vf1, p3 * vf1));
+    uint32_t pb0[NB], pb1[NB];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const float u0 = m_off(nb, 0), u1 = m_off(nb, 1);
+      const float p0 = fast_exp2(x[nb][0] - u0), p1 = fast_exp2(x[nb][1] - u1);
+      const float p2 = fast_exp2(x[nb][2] - u0), p3 = fast_exp2(x[nb][3] - u1);
+      l_run[nb][0] += p0 + p2;
+      l_run[nb][1] += p1 + p3;
+      float pv[4] = {p0 * vf0, p1 * vf0, p2 * vf1, p3 * vf1};
+      if constexpr (kMulti) {  // a V scale of 255 is NaN only for the columns that see its token
+        if (need_mask) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pv[i] = x[nb][i] == -INFINITY ? 0.f : pv[i];
+        }
+      }
+      pb0[nb] = movmatrix_trans(pack_f16x2(pv[0], pv[1]));
+      pb1[nb] = movmatrix_trans(pack_f16x2(pv[2], pv[3]));
     }
 
     // ---- O^T += V^T P^T: tokens 2t, 2t+1 (a0, a1) and 2t+8, 2t+9 (a2, a3) ----
@@ -463,7 +603,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint32_t a[4] = {e01[i], e01[i + 4], e89[i], e89[i + 4]};
-          mma_m16n8k16_f16(acc[4 * w + i], a, pb0, pb1);
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb) mma_m16n8k16_f16(acc[nb][4 * w + i], a, pb0[nb], pb1[nb]);
         }
       }
     }
@@ -473,34 +614,43 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
 
   // ---- merge the warps ----
 #pragma unroll
-  for (int rh = 0; rh < 2; ++rh)
+  for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], o);
+    for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l_run[nb][rh] += __shfl_xor_sync(0xffffffffu, l_run[nb][rh], o);
   const bool any_bad = __any_sync(0xffffffffu, bad);
   // partition 0: the sink value elements this lane writes (loaded under the merge below)
   constexpr int EPL = D / 32;
   float sv[EPL];
-  if (sink_here) load_sink_value<D>(p, slot, kvh, lane * EPL, sv);
+  // (NB 2 reads the slot again rather than keep it in a register through the key loop)
+  if (sink_here) load_sink_value<D>(p, NB == 1 ? slot : state_slot(p, s), kvh, lane * EPL, sv);
   __syncthreads();  // every warp is done with its pipeline buffers
   if (any_bad && lane == 0) misc[1] = 1;
   if (g == 0) {
-    mS[warp * 8 + 2 * t4] = m_ref[0];
-    mS[warp * 8 + 2 * t4 + 1] = m_ref[1];
-    lS[warp * 8 + 2 * t4] = l_run[0];
-    lS[warp * 8 + 2 * t4 + 1] = l_run[1];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mS[warp * NC + 8 * nb + 2 * t4 + h] = m_ref[nb][h];
+        lS[warp * NC + 8 * nb + 2 * t4 + h] = l_run[nb][h];
+      }
   }
   {
-    float* mo = reinterpret_cast<float*>(smem);  // [W][8 heads][MROW], natural head-dim order
+    float* mo = reinterpret_cast<float*>(smem);  // [W][NC columns][MROW], natural head-dim order
     const float osc = pow2i(VM - 142 + TQ_SLACK + TQ_DEC_EXP);  // undo P's and the decode's powers of two
-    float* m0 = mo + (warp * 8 + 2 * t4) * L::MROW + g * (D / 8);
-    float* m1 = m0 + L::MROW;
 #pragma unroll
-    for (int j = 0; j < D / 16; ++j) {
-      const int d = 8 * (j >> 2) + (j & 3);
-      m0[d] = acc[j][0] * osc;
-      m1[d] = acc[j][1] * osc;
-      m0[d + 4] = acc[j][2] * osc;
-      m1[d + 4] = acc[j][3] * osc;
+    for (int nb = 0; nb < NB; ++nb) {
+      float* m0 = mo + (warp * NC + 8 * nb + 2 * t4) * L::MROW + g * (D / 8);
+      float* m1 = m0 + L::MROW;
+#pragma unroll
+      for (int j = 0; j < D / 16; ++j) {
+        const int d = 8 * (j >> 2) + (j & 3);
+        m0[d] = acc[nb][j][0] * osc;
+        m1[d] = acc[nb][j][1] * osc;
+        m0[d + 4] = acc[nb][j][2] * osc;
+        m1[d + 4] = acc[nb][j][3] * osc;
+      }
     }
   }
   __syncthreads();
@@ -508,71 +658,86 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DECODE_MIN_
     write_const_rows(__int_as_float(0x7fc00000), 0.f, __int_as_float(0x7fc00000));
     return;
   }
-  // warp r writes head r of the group; lane: D/32 consecutive elements
-  const int r = warp;
-  if (r >= G) return;
+  // warp w writes columns w, w + W, ..; lane: D/32 consecutive elements
   const float* mo = reinterpret_cast<const float*>(smem);
-  float wt[L::W], M;
-  float Ls = merge_weights(mS + r, lS + r, 8, wt, M);
-  const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
   const int d0 = lane * EPL;
-  float a[EPL];
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) a[e] = merge_sum(wt, mo + r * L::MROW + d0 + e, 8 * L::MROW) * inv;
-  // the sink joins as one more key (its logit in the exp2 domain)
-  if (sink_here) merge_sink<EPL>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
-  const int head = kvh * G + r;
-  if constexpr (kStates) {
-    M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f, M);
-    // a whole row: the learned sink and the lse here, else in the reduce pass
-    if (nparts == 1) finish_whole_row<EPL>(p, head, (size_t)s * p.num_heads + head, lane == 0, M, Ls, a);
-  }
-  // rotated partials are combined as they are; the reduce pass un-rotates the sum
-  if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
-  if (nparts == 1) {
-    T* o = reinterpret_cast<T*>(p.out) + s * p.o_stride_tok + head * p.o_stride_head + d0;
+  for (int r = warp; r < NC; r += L::W) {
+    int tok, head;
+    if (!column(r, tok, head)) break;  // warp-uniform; padding columns come last
+    float wt[L::W], M;
+    float Ls = merge_weights(mS + r, lS + r, NC, wt, M);
+    const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
+    float a[EPL];
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) o[e] = from_float<T>(a[e]);
-  } else {
-    const size_t idx = ((size_t)s * p.num_heads + head) * nparts + part;
-    float* o = p.tmp_out + idx * D + d0;
+    for (int e = 0; e < EPL; ++e) a[e] = merge_sum(wt, mo + r * L::MROW + d0 + e, NC * L::MROW) * inv;
+    // the sink joins the columns whose range holds position 0 as one more key (exp2 domain)
+    if (sink_here && (!kMulti || key_lo(tok - q0) == 0))
+      merge_sink<EPL>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
+    if constexpr (kStates) {
+      M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f, M);
+      // a whole row: the learned sink and the lse here, else in the reduce pass
+      if (nparts == 1) finish_whole_row<EPL>(p, head, (size_t)tok * p.num_heads + head, lane == 0, M, Ls, a);
+    }
+    // rotated partials are combined as they are; the reduce pass un-rotates the sum
+    if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
+    if (nparts == 1) {
+      T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) o[e] = a[e];
-    if (lane == 0) p.tmp_ml[idx] = make_float2(M, Ls);
+      for (int e = 0; e < EPL; ++e) o[e] = from_float<T>(a[e]);
+    } else {
+      const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
+      float* o = p.tmp_out + idx * D + d0;
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) o[e] = a[e];
+      if (lane == 0) p.tmp_ml[idx] = make_float2(M, Ls);
+    }
   }
 }
 
 // The decode kernel applies to single-token queries of groups of at most 8 heads.
 inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_token && group_size <= 8; }
 
-// The decode, prefill or general kernel, then the reduce pass when the KV range is split, for
-// one kStates (see the general kernel).
+// One instantiation of the decode kernel (NB = 1: decode; 2: short multi-token queries) on
+// grid (ctas * num_kv_heads, num_partitions).
+template <int D, typename T, bool kStates, bool kE4m3, int NB>
+cudaError_t launch_decode_kernel(const AttnParams& p, int ctas, cudaStream_t stream) {
+  using L = DecodeLayout<D, kE4m3, NB>;
+  auto kern = paged_attention_fp4_decode_kernel<D, T, kStates, kE4m3, NB>;
+  static bool attr_set = false;  // per instantiation
+  if (!attr_set) {
+    const cudaError_t e = set_smem_attributes(kern, L::TOTAL);
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  // CTA x = s * num_kv_heads + kv head: the kv heads of one sequence start together and walk
+  // their blocks in step, so the scale sectors they share ([block, token, kv head] bytes: a
+  // 32-byte sector holds 32 / num_kv_heads tokens of every head) come from DRAM once and from
+  // L2 for the other heads. With the sequence index fastest (the former order) the heads of a
+  // sequence ran num_seqs CTAs apart, often in different waves: ncu at 64 x 16k counted 5.8 %
+  // more DRAM bytes than the kernel needs, about what re-reading the scale sectors per head
+  // costs (224 of 2080 bytes per tile and head without reuse).
+  return launch_programmatic(kern, dim3(ctas * p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
+                             stream, p);
+}
+
+// The decode, prefill, short multi-token or general kernel, then the reduce pass when the KV
+// range is split, for one kStates (see the general kernel).
 template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
   cudaError_t e;
+  const bool multi = p.cu_query_lens != nullptr;
   // the binding sized the grid (row groups) and the partitions (one) by the same rule
-  if (prefill_kernel_runs(p.cu_query_lens != nullptr, D, p.num_tokens, p.num_seqs, p.group_size, kE4m3)) {
+  if (prefill_kernel_runs(multi, D, p.num_tokens, p.num_seqs, p.group_size, kE4m3)) {
     if constexpr (D <= 128) return launch_prefill_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
     return cudaErrorInvalidValue;
   }
-  if (use_decode_kernel(p.cu_query_lens != nullptr, p.group_size)) {
-    using L = DecodeLayout<D, kE4m3>;
-    auto kern = paged_attention_fp4_decode_kernel<D, T, kStates, kE4m3>;
-    static bool attr_set = false;  // per instantiation
-    if (!attr_set) {
-      e = set_smem_attributes(kern, L::TOTAL);
-      if (e != cudaSuccess) return e;
-      attr_set = true;
-    }
-    // CTA x = s * num_kv_heads + kv head: the kv heads of one sequence start together and walk
-    // their blocks in step, so the scale sectors they share ([block, token, kv head] bytes: a
-    // 32-byte sector holds 32 / num_kv_heads tokens of every head) come from DRAM once and from
-    // L2 for the other heads. With the sequence index fastest (the former order) the heads of a
-    // sequence ran num_seqs CTAs apart, often in different waves: ncu at 64 x 16k counted 5.8 %
-    // more DRAM bytes than the kernel needs, about what re-reading the scale sectors per head
-    // costs (224 of 2080 bytes per tile and head without reuse).
-    e = launch_programmatic(kern, dim3(p.num_seqs * p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
-                            stream, p);
+  if (use_decode_kernel(multi, p.group_size)) {
+    e = launch_decode_kernel<D, T, kStates, kE4m3, 1>(p, p.num_seqs, stream);
+  } else if (tuning::use_spec_kernel(multi, D, p.num_tokens, p.num_seqs, p.group_size)) {
+    // grid_x = the general kernel's 16-row tiles: a tile is a CTA's 16 columns
+    if constexpr (D <= 128) e = launch_decode_kernel<D, T, kStates, kE4m3, 2>(p, grid_x, stream);
+    else return cudaErrorInvalidValue;
   } else {
     e = launch_general_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
   }
@@ -580,8 +745,8 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
   return launch_reduce<D, T, kStates>(p, stream);
 }
 
-// Host launcher (torch-free). grid_x = row tiles (general kernel) = num_seqs (decode kernel) =
-// row groups (prefill kernel).
+// Host launcher (torch-free). grid_x = row tiles (general and short multi-token kernels) =
+// num_seqs (decode kernel) = row groups (prefill kernel).
 template <int D, typename T>
 cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   const bool states = p.lse != nullptr || p.sinks != nullptr;

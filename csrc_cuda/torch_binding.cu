@@ -154,9 +154,14 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   TORCH_CHECK(base < (1LL << 31), "query: too many (row tile, kv head) pairs for one grid");
   const int msl = (int)std::max<int64_t>(max_seq_len, 0);
   const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
+  // the short multi-token kernel's grid has spare tiles (base(s) leaves room for ragged
+  // sequences): its wave model counts the tiles of evenly split sequences
+  const bool spec = !prefill && tn::use_spec_kernel(multi, D, num_tokens, num_seqs, G);
+  const long long spec_ctas = std::max<long long>(num_seqs, ((long long)num_tokens * G + 15) / 16) * hkv;
   int P = prefill ? std::max(msl, 1)  // one partition
           : tq::use_decode_kernel(multi, G) ? tn::choose_decode_partition_size(msl, base_ctas, sms)
-                                            : tn::choose_partition_size(msl, base_ctas, sms);
+          : spec ? tn::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), sms)
+                 : tn::choose_partition_size(msl, base_ctas, sms);
   int nparts = std::max(1, (msl + P - 1) / P);
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 

@@ -127,6 +127,18 @@ template <int D> struct DecodeStages { static constexpr int value = TQ_DECODE_ST
 #endif
 constexpr int DECODE_QREG_MAX_D = TQ_DECODE_QREG_MAX_D;
 constexpr int DECODE_MIN_BLOCKS = TQ_DECODE_MIN_BLOCKS;
+// The decode kernel with 16 columns (NB = 2: short multi-token queries) holds twice the O^T
+// accumulators (64 registers at D 128) and its Q^T fragments come from shared memory past
+// D 64 (NB * D <= DECODE_QREG_MAX_D). Example D 128: at 2 CTAs per SM (128 registers, 0
+// spills: one accumulator chain per n-block, the exp2 offset and threshold derived from the
+// running maximum, the column ranges in shared memory) 64 x 4 @ 4k takes 144.7 us; at 1 CTA
+// (156 registers) 170.3 us, and with Q^T in registers too (180) 178.7 us (H100, same call).
+#ifndef TQ_SPEC_MIN_BLOCKS
+#define TQ_SPEC_MIN_BLOCKS 2
+#endif
+template <int NB> struct DecodeMinBlocks {
+  static constexpr int value = NB == 1 ? DECODE_MIN_BLOCKS : TQ_SPEC_MIN_BLOCKS;
+};
 
 // ---- prefill kernel (paged_attention_prefill.cuh: multi-token rows, D <= 128) ----
 // A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
@@ -170,12 +182,34 @@ constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
 // general kernel: its fp16 O and Q fragments would not fit). One partition: rows give the
 // parallelism.
 // Examples (G = 4): 1 x 2048 @ 16k: 8192 rows >= 128 -> prefill;
-// 64 sequences x 4 tokens (speculative decoding): 16 rows per sequence < 128 -> general kernel
-// (one row tile per sequence; the prefill kernel would leave 7 of its 8 warps idle); a mixed
+// 64 sequences x 4 tokens (speculative decoding): 16 rows per sequence < 128 -> not here
+// (use_spec_kernel below; the prefill kernel would leave 7 of its 8 warps idle); a mixed
 // step of 1 chunk of 512 tokens and 15 decode tokens: 2108 rows / 16 sequences = 132 -> prefill.
 inline bool use_prefill_kernel(bool multi, int head_dim, long long num_tokens, long long num_seqs, int group_size) {
   return multi && head_dim <= 128 &&
          num_tokens * group_size >= (long long)PREFILL_ROWS * num_seqs;
+}
+// Short multi-token queries (speculative decoding: 2-8 tokens per sequence) run the decode
+// kernel with 16 (query token, head) columns per CTA instead of the general kernel's 16 rows:
+// the same KV tiles read per 16 rows, but the swapped form's decode of K and V as MMA A
+// operands and its 4-logit softmax per n-block, and the decode kernel's tuned pipeline.
+// Counted from the sm_90a SASS (D 128, bf16, FP4, per 16-token tile and warp, fast path): the
+// general kernel 651 instructions for 16 rows, this form 504 for 16 columns (the decode kernel
+// 387 for 8). Measured on H100 against the general kernel in one call: 64 x 4 @ 4k 144.7 vs
+// 149.6 us, 16 x 4 @ 16k 136.8 vs 151.8, 16 x 8 @ 16k 253.3 vs 288.5, 128 x 2 @ 4k 270.1 vs
+// 280.2. Rule:
+// multi-token, D <= 128, at most SPEC_MAX_COLS (query token, head) pairs per sequence on
+// average, and not the prefill kernel's. Examples (32 q / 8 kv heads, G = 4): 64 x 4 tokens:
+// 16 columns -> one CTA per (sequence, kv head), each KV tile read once; 64 x 8: 32 -> two
+// CTAs per sequence, each reading the KV (as the general kernel's two row tiles do); 1 x 2048:
+// prefill kernel; 16 x 32 tokens: 128 -> general kernel.
+#ifndef TQ_SPEC_MAX_COLS
+#define TQ_SPEC_MAX_COLS 32
+#endif
+constexpr int SPEC_MAX_COLS = TQ_SPEC_MAX_COLS;  // -DTQ_SPEC_MAX_COLS=0: the general kernel (A/B builds)
+inline bool use_spec_kernel(bool multi, int head_dim, long long num_tokens, long long num_seqs, int group_size) {
+  return multi && head_dim <= 128 && num_tokens * group_size <= (long long)SPEC_MAX_COLS * num_seqs &&
+         !use_prefill_kernel(multi, head_dim, num_tokens, num_seqs, group_size);
 }
 
 // Reduce pass: one CTA of REDUCE_WARPS warps per (query token, head); each warp loads

@@ -66,3 +66,27 @@ def test_prefill_rule_matches_the_worked_examples(tmp_path):
                       for m, d, t, s, g, _ in PREFILL_RULE)
     got = [bool(int(x)) for x in _run_on_host(tmp_path, "prefill_rule", calls)]
     assert got == [c[-1] for c in PREFILL_RULE]
+
+
+# (multi, head_dim, num_tokens, num_seqs, group_size, 16-column decode kernel?)
+SPEC_RULE = [
+    (True, 128, 256, 64, 4, True),      # 64 x 4 tokens: 16 columns per sequence
+    (True, 128, 512, 64, 4, True),      # 64 x 8: 32 columns, two CTAs per sequence
+    (True, 128, 256, 128, 4, True),     # 128 x 2: 8 columns
+    (True, 64, 66, 17, 4, True),        # ragged 1-8 tokens, D 64
+    (True, 128, 576, 64, 4, False),     # 64 x 9: 36 columns -> general kernel
+    (True, 128, 2048, 1, 4, False),     # a 2048-token chunk: the prefill kernel's
+    (True, 256, 256, 64, 4, False),     # D 256: general kernel
+    (False, 128, 64, 64, 4, False),     # decode: the decode kernel's 8-column form
+]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_spec_rule_matches_the_worked_examples(tmp_path):
+    """tuning::use_spec_kernel takes short multi-token queries (speculative decoding, up to 32
+    (query token, head) pairs per sequence on average, D <= 128) and leaves decode, long chunks
+    and D 256 to their kernels."""
+    calls = "\n".join(f'  std::printf("%d\\n", (int)use_spec_kernel({str(m).lower()}, {d}, {t}, {s}, {g}));'
+                      for m, d, t, s, g, _ in SPEC_RULE)
+    got = [bool(int(x)) for x in _run_on_host(tmp_path, "spec_rule", calls)]
+    assert got == [c[-1] for c in SPEC_RULE]

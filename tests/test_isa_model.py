@@ -133,8 +133,9 @@ def sass(sass_text):
     return im.parse_sass(sass_text)
 
 
-@pytest.mark.parametrize("name", [im.CUDA_DECODE, im.CUDA_DECODE_K8V4], ids=["fp4", "k8v4"])
-def test_cuda_decode_loop_counts(sass, name):
+@pytest.mark.parametrize("name,nb", [(im.CUDA_DECODE, 1), (im.CUDA_DECODE_K8V4, 1), (im.CUDA_SPEC, 2)],
+                         ids=["fp4", "k8v4", "fp4-16-columns"])
+def test_cuda_decode_loop_counts(sass, name, nb):
     code = sass[name]
     head, back = im.find_key_loop(code)
     assert code[back].op == "BRA" and code[back].pred  # the conditional back-edge
@@ -142,13 +143,14 @@ def test_cuda_decode_loop_counts(sass, name):
     c = im.count_classes(hot)
     print(name, dict(c))
     # design note of csrc_cuda/paged_attention_decode.cuh: per 16-token tile a warp runs D/16
-    # MMAs for S^T = K Q^T and D/16 for O^T = V^T P^T: 16 at D 128
-    assert c["hmma"] == 2 * 128 // 16
+    # MMAs for S^T = K Q^T and D/16 for O^T = V^T P^T per n-block of 8 columns: 16 at D 128
+    assert c["hmma"] == nb * 2 * 128 // 16
     assert all(i.op == "HMMA.16816.F32" for i in hot if i.base == "HMMA")
-    assert im.count_classes(code[head:back + 1])["hmma"] == 16  # none off the hot path
+    assert im.count_classes(code[head:back + 1])["hmma"] == nb * 16  # none off the hot path
     for cls in ("fp32", "imad", "alu", "mufu", "shared", "global", "shuffle", "control"):
         assert c[cls] > 0, cls
-    assert c["mufu"] == 4  # exp2 of the thread's 4 logits
+    assert c["mufu"] == 4 * nb  # exp2 of the thread's 4 logits per n-block
+    assert not [i for i in hot if i.base in ("LDL", "STL")]  # no local memory in the key loop
     assert sum(i.base == "LDGSTS" for i in hot) >= 4  # the tile's K and V copies
     assert not [i for i in hot if i.base == "LDG"]    # the block-id refill is off the hot path
     cyc = im.cuda_tile_cycles(c)

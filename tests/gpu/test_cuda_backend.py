@@ -130,14 +130,20 @@ def test_long_partitions_cross_block_id_batches():
 
 
 @pytest.mark.parametrize("hq,hkv,qlens", [
-    (32, 8, [3, 8, 1, 2]), (8, 8, [8, 8, 8, 1]), (28, 4, [5, 2, 8, 7]), (64, 8, [4, 1, 8, 3])])
+    (32, 8, [3, 8, 1, 2]), (8, 8, [8, 8, 8, 1]), (28, 4, [5, 2, 8, 7]), (64, 8, [4, 1, 8, 3]),
+    (32, 8, [20, 30, 9, 33]), (64, 4, [3, 9, 1, 2])])
 @pytest.mark.parametrize("window,cap,config", [(0, 0.0, "default"), (64, 0.0, "default"),
                                                (0, 30.0, "plain"), (100, 10.0, "plain"),
                                                (0, 30.0, "default"), (100, 10.0, "default")])
 def test_multi_token(hq, hkv, qlens, window, cap, config):
+    """Multi-token queries: up to 32 (query token, head) pairs per sequence on average run the
+    decode kernel's 16-column form, more the general kernel (the last two cases: 92 and 60)."""
     prob, q, cu = _problem([700, 33, 9, 300], hq, hkv, 128, 16, qlens=qlens, seed=len(qlens),
                            config=config)
     kw = dict(sliding_window=window, logits_soft_cap=cap)
+    names = _kernel_names(lambda: _run("cuda", prob, q, cu, **kw))
+    general = sum(qlens) * (hq // hkv) > 32 * len(qlens)
+    assert any(("fp4_kernel" if general else "decode_kernel") in n for n in names), names
     _compare(_run("cuda", prob, q, cu, **kw), _run("reference", prob, q, cu, **kw))
 
 
@@ -438,9 +444,14 @@ def test_prefill_kernel_structured_keys_and_values(key_format):
     with j % D == i % D, so its output is a few known one-hots. A wrong K or V fragment map,
     ldmatrix address or swizzle of the prefill kernel moves the peaks (the output differs from
     the reference's by O(1)), which random data would show as noise only."""
-    d, hkv, hq = 128, 2, 8
-    n = 3 * d + 37
+    n = 3 * 128 + 37
+    _one_hot_check(key_format, [n, n - 70], [n - 5, n - 90], "prefill")
 
+
+def _one_hot_check(key_format, lens, qlens, kernel, d=128, hkv=2, hq=8):
+    """The one-hot probe: keys (token j: 4.0 at head-dim j % D) and values (token j: 1.0 at
+    (5 j + 3) % D), query token i one-hot (48.0) at element i % D; the call must run the kernel
+    whose name holds ``kernel``, and match the reference."""
     def factory(s, shape):
         idx = torch.arange(shape[0])
         k, v = torch.zeros(shape), torch.zeros(shape)
@@ -449,45 +460,30 @@ def test_prefill_kernel_structured_keys_and_values(key_format):
         return k.bfloat16(), v.bfloat16()
 
     g = torch.Generator().manual_seed(3)
-    prob = build_paged_problem([n, n - 70], hkv, d, 16, device="cuda", generator=g,
+    prob = build_paged_problem(lens, hkv, d, 16, device="cuda", generator=g,
                                write_backend="cuda", spare_blocks=2, config=PLAIN, kv_factory=factory,
                                key_format=key_format)
-    qlens = [n - 5, n - 90]
-    cu = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     q = torch.zeros(sum(qlens), hq, d, dtype=torch.bfloat16, device="cuda")
     tok = torch.arange(sum(qlens), device="cuda")
     q[tok, :, tok % d] = 48.0
     ref = _run("reference", prob, q, cu)
-    assert any("prefill" in nm for nm in _kernel_names(lambda: _run("cuda", prob, q, cu)))
+    assert any(kernel in nm for nm in _kernel_names(lambda: _run("cuda", prob, q, cu)))
     out = _run("cuda", prob, q, cu)
     _compare(out, ref)
     assert ref.float().abs().max() > 0.2  # the peaks are there
 
 
-@pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
-@pytest.mark.parametrize("states", ["none", "lse", "lse+sinks"])
-@pytest.mark.parametrize("case", ["ragged chunks, block 16", "d 64, GQA 7, block 32"])
-def test_prefill_kernel_states_and_k8v4(case, states, key_format):
-    """The prefill kernel with K8V4 keys (E4M3 bytes decoded into its fp16 tiles) and with the
-    lse output and learned sinks (the general kernel's epilogue semantics), default transforms,
-    a window and a soft cap: output and lse against the reference."""
-    lens, hq, hkv, d, bs, qlens, dtype = PREFILL_CASES[case]
-    prob, q, cu = _problem(lens, hq, hkv, d, bs, dtype=dtype, qlens=qlens, seed=len(states),
-                           key_format=key_format)
-    kw = dict(sliding_window=50, logits_soft_cap=20.0)
-    if states != "none":
-        kw["return_lse"] = True
-    if states == "lse+sinks":
-        kw["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(9)).cuda()
-    assert any("prefill" in n for n in _kernel_names(lambda: _run("cuda", prob, q, cu, **kw)))
-    ref, out = _run("reference", prob, q, cu, **kw), _run("cuda", prob, q, cu, **kw)
-    if states == "none":
-        _compare(out, ref)
-        return
-    _compare(out[0], ref[0])
-    fin = torch.isfinite(ref[1])
-    assert torch.equal(fin, torch.isfinite(out[1]))
-    assert torch.allclose(out[1][fin], ref[1][fin], atol=2e-3, rtol=1e-4)
+def _check_bad_block_gives_nan(prob, q, cu, first):
+    """Sequence 1's fourth block id out of range: its query rows (first ..) are NaN, the
+    others finite (value checks off; no read out of bounds)."""
+    bt = prob.block_tables.clone()
+    bt[1, 3] = 10 ** 6
+    with turboquant.value_checks(False):
+        out = turboquant.paged_attention_fp4(q, *prob.cache, bt, prob.seq_lens, 0.1, cu_query_lens=cu,
+                                             backend="cuda", **prob.kwargs)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[first:]).all() and torch.isfinite(out[:first]).all()
 
 
 @pytest.mark.parametrize("which", ["key_scales", "value_scales"])
@@ -506,13 +502,105 @@ def test_prefill_kernel_nan_scale_and_bad_block(which):
     assert torch.isnan(out[64:200, 4:8]).all() and torch.isfinite(out[:64, 4:8]).all()
     assert torch.isfinite(out[:, :4]).all() and torch.isfinite(out[200:]).all()
     scales[blk, 4, 1] = old
-    bt = prob.block_tables.clone()
-    bt[1, 3] = 10 ** 6
-    with turboquant.value_checks(False):
-        out = turboquant.paged_attention_fp4(q, *prob.cache, bt, prob.seq_lens, 0.1, cu_query_lens=cu,
-                                             backend="cuda", **prob.kwargs)
-    torch.cuda.synchronize()
-    assert torch.isnan(out[200:]).all() and torch.isfinite(out[:200]).all()
+    _check_bad_block_gives_nan(prob, q, cu, 200)
+
+
+# short multi-token queries (speculative decoding) through the decode kernel's 16-column form
+# (tuning::use_spec_kernel: at most 32 (query token, head) pairs per sequence on average):
+# (seq_lens, hq, hkv, d, bs, query tokens per sequence, dtype)
+SPEC_CASES = {
+    "batch 17, 1-8 tokens, block 16": ([1, 54, 97, 300, 16, 17, 33, 8, 700, 129, 5, 64, 65, 2, 250,
+                                        31, 1000], 32, 8, 128, 16,
+                                       [1, 4, 8, 2, 3, 5, 7, 1, 4, 6, 2, 8, 3, 2, 5, 1, 4], torch.bfloat16),
+    "d 64, GQA 7 (a token's heads across CTAs), block 32": ([300, 54, 97, 9], 28, 4, 64, 32, [3, 8, 2, 5],
+                                                            torch.float16),
+    "MHA, block 64": ([1000, 2, 513], 8, 8, 128, 64, [8, 2, 5], torch.bfloat16),
+    "GQA 16 (two CTAs per sequence), block 256": ([1500, 400], 32, 2, 128, 256, [2, 1], torch.bfloat16),
+    "long context (split into partitions)": ([20000, 9000], 32, 8, 128, 16, [4, 4], torch.bfloat16),
+}
+
+
+def _spec_ran(prob, q, cu, **kw):
+    names = _kernel_names(lambda: _run("cuda", prob, q, cu, **kw))
+    return any("decode_kernel" in n for n in names) and not any("fp4_kernel" in n for n in names)
+
+
+@pytest.mark.parametrize("window,cap,config", [(0, 0.0, "default"), (0, 0.0, "plain"),
+                                               (100, 0.0, "default"), (0, 30.0, "default"),
+                                               (37, 10.0, "plain"), (1, 0.0, "default"),
+                                               (3, 0.0, "default")])
+@pytest.mark.parametrize("case", sorted(SPEC_CASES))
+def test_spec_kernel_matches_reference(case, window, cap, config):
+    """Short multi-token queries run the decode kernel with (query token, head) columns, each
+    column with its own causal / window key range: against the reference on ragged query
+    counts (1-8 tokens, a sequence of 1 key with 1 query), batch 17, lengths 1 / 54 / 97,
+    blocks 16-256, shuffled blocks with 0xFF-poisoned unused slots, windows shorter than the
+    query count (W = 1, 3: each token sees a different set), soft caps, the transforms and the
+    sink, D 64 / 128, bf16 / fp16, GQA 1 / 4 / 7 / 16, split-KV partitions."""
+    lens, hq, hkv, d, bs, qlens, dtype = SPEC_CASES[case]
+    prob, q, cu = _problem(lens, hq, hkv, d, bs, dtype=dtype, qlens=qlens, seed=len(case) + window,
+                           config=config)
+    kw = dict(sliding_window=window, logits_soft_cap=cap)
+    assert _spec_ran(prob, q, cu, **kw)
+    _compare(_run("cuda", prob, q, cu, **kw), _run("reference", prob, q, cu, **kw))
+
+
+@pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
+@pytest.mark.parametrize("states", ["none", "lse", "lse+sinks"])
+@pytest.mark.parametrize("kernel,case", [
+    ("prefill", "ragged chunks, block 16"), ("prefill", "d 64, GQA 7, block 32"),
+    ("spec", "batch 17, 1-8 tokens, block 16"), ("spec", "long context (split into partitions)")])
+def test_multi_token_kernels_states_and_k8v4(kernel, case, states, key_format):
+    """The prefill kernel and the 16-column decode kernel with K8V4 keys (E4M3 bytes decoded
+    like FP4) and with the lse output and learned sinks (the general kernel's epilogue
+    semantics), default transforms, a window and a soft cap: output and lse against the
+    reference."""
+    lens, hq, hkv, d, bs, qlens, dtype = (PREFILL_CASES if kernel == "prefill" else SPEC_CASES)[case]
+    prob, q, cu = _problem(lens, hq, hkv, d, bs, dtype=dtype, qlens=qlens, seed=len(states),
+                           key_format=key_format)
+    kw = dict(sliding_window=50, logits_soft_cap=20.0)
+    if states != "none":
+        kw["return_lse"] = True
+    if states == "lse+sinks":
+        kw["sinks"] = torch.randn(hq, generator=torch.Generator().manual_seed(9)).cuda()
+    if kernel == "prefill":
+        assert any("prefill" in n for n in _kernel_names(lambda: _run("cuda", prob, q, cu, **kw)))
+    else:
+        assert _spec_ran(prob, q, cu, **kw)
+    ref, out = _run("reference", prob, q, cu, **kw), _run("cuda", prob, q, cu, **kw)
+    if states == "none":
+        _compare(out, ref)
+        return
+    _compare(out[0], ref[0])
+    fin = torch.isfinite(ref[1])
+    assert torch.equal(fin, torch.isfinite(out[1]))
+    assert torch.allclose(out[1][fin], ref[1][fin], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
+def test_spec_kernel_structured_keys_and_values(key_format):
+    """The one-hot probe through the 16-column decode kernel (4 and 8 query tokens)."""
+    _one_hot_check(key_format, [3 * 128 + 37, 300], [4, 8], "decode_kernel")
+
+
+@pytest.mark.parametrize("which", ["key_scales", "value_scales"])
+def test_spec_kernel_nan_scale_seen_by_later_tokens_only(which):
+    """A NaN key or value scale of the third-to-last key: of a sequence's 4 query tokens the
+    first (which does not see it) stays finite and the others are NaN, for the heads of that kv
+    head only; a value scale of 255 thus reaches a CTA whose other columns must not take it (P'
+    = 0 by selection, not 0 x NaN). An out-of-range block id makes the sequence's rows NaN."""
+    prob, q, cu = _problem([300, 200], 8, 2, 128, 16, qlens=[4, 4], seed=4)
+    assert _spec_ran(prob, q, cu)
+    pos = 297  # sequence 0's query tokens sit at positions 296..299
+    blk = prob.block_tables[0, pos // 16].item()
+    scales = getattr(prob.cache, which)
+    old = scales[blk, pos % 16, 1].item()
+    scales[blk, pos % 16, 1] = 255  # kv head 1: heads 4..7
+    out = _run("cuda", prob, q, cu)
+    assert torch.isnan(out[1:4, 4:8]).all() and torch.isfinite(out[0, 4:8]).all()
+    assert torch.isfinite(out[:, :4]).all() and torch.isfinite(out[4:]).all()
+    scales[blk, pos % 16, 1] = old
+    _check_bad_block_gives_nan(prob, q, cu, 4)
 
 
 def _bytes(t):
@@ -716,7 +804,9 @@ SANITIZER_CASE = textwrap.dedent("""
                                         (128, 16, [1, 54, 97, 0, 300], None, "default", "fp8_e4m3"),
                                         (64, 32, [70, 9], [3, 2], "plain", "fp8_e4m3"),
                                         (256, 16, [129, 5], None, "default", "fp8_e4m3"),
-                                        (256, 32, [129, 40], [3, 2], "default", "fp8_e4m3")):
+                                        (256, 32, [129, 40], [3, 2], "default", "fp8_e4m3"),
+                                        (128, 16, [5000, 60], [4, 8], "default", "fp4"),
+                                        (128, 16, [5000, 60], [4, 8], "default", "fp8_e4m3")):
         prob = build_paged_problem(lens, 2, d, bs, device="cuda", generator=g,
                                    write_backend="cuda", spare_blocks=2,
                                    config=turboquant.QuantConfig.parse(cfg), key_format=kf)
