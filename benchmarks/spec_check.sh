@@ -5,12 +5,29 @@
 # general kernel as before) and, when AB_TREE names a copy of an earlier tree, that tree. Then
 # the cuda GPU tests (TESTS: a pytest -k expression), the multi-token rows (ROWS) of this tree
 # and of every variant, and (DECODE=1) the decode rows of this tree and of AB_TREE, all in the
-# same run.
+# same run. NCU=1: only ncu (clock control off) of the decode kernel at 64 x 4k and of its
+# 16-column form at 64 x 4 @ 4k (speed of light, warp states, stall reasons per issue).
 #   run: AB_TREE=.ab bash benchmarks/spec_check.sh   (logs under $OUT or ./out, the bench
 #   files of every run in $OUT/bench.tgz)
 set -uo pipefail
 source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+if [ "${NCU:-0}" = 1 ]; then
+  python -c "from turboquant._backends import cuda; print('build:', cuda.ensure_loaded() or 'ok')"
+  STALLS=$(for r in long_scoreboard short_scoreboard wait math_pipe_throttle not_selected selected \
+    lg_throttle mio_throttle barrier dispatch_stall no_instruction branch_resolving drain misc; do
+    printf "smsp__average_warps_issue_stalled_%s_per_issue_active.ratio," "$r"; done | sed 's/,$//')
+  for c in "ncu_case.py 64 4096" "ncu_prefill_case.py 64 4 4096"; do
+    # shellcheck disable=SC2086
+    timeout 200 ncu --clock-control none --kernel-name regex:paged_attention_fp4_decode --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section Occupancy --section InstructionStats --metrics "$STALLS" python benchmarks/$c \
+      > "$OUT/ncu_${c%%.py*}.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|Issue Slots Busy|Issued Warp|No Eligible|Eligible Warps|Active Warps|Executed Ipc|Registers|stalled" \
+      "$OUT/ncu_${c%%.py*}.txt" | head -40
+  done
+  exit 0
+fi
 VARIANTS=${VARIANTS:-general:-DTQ_SPEC_MAX_COLS=0}
 build() {  # flags, tree, label
   (cd "$2" && TURBOQUANT_CUDA_EXTRA_FLAGS="$1" python -c \
