@@ -1065,7 +1065,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
 #pragma unroll
     for (int i = 0; i < DPT; ++i) a[i] = merge_sum(wt, mo + r * L::MROW + 8 * pv_slot(i) + c8, 16 * L::MROW) * inv;
     // the sink joins rows whose window holds position 0 as one more key (exp2 domain)
-    if (sink_here && valid && row_lo((lt * 16 + r) / G) == 0) {
+    if (sink_here && valid && row_lo((lt * 16 + r) / G) == 0 && row_hi((lt * 16 + r) / G) >= 0) {
       float sv[DPT];
       load_sink_value<D>(p, slot, kvh, d0, sv);
       merge_sink<DPT>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
@@ -1187,6 +1187,22 @@ cudaError_t set_smem_attributes(Kernel kern, int bytes) {
   return cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
 }
 
+// set_smem_attributes once per device: cudaFuncSetAttribute applies to the current device only,
+// so a process that drives several GPUs sets it on each. `done`: the caller's per-instantiation
+// flags.
+constexpr int kMaxDevices = 64;
+template <typename Kernel>
+cudaError_t set_smem_attributes_once(Kernel kern, int bytes, bool (&done)[kMaxDevices]) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const bool tracked = dev >= 0 && dev < kMaxDevices;
+  if (tracked && done[dev]) return cudaSuccess;
+  e = set_smem_attributes(kern, bytes);
+  if (e == cudaSuccess && tracked) done[dev] = true;
+  return e;
+}
+
 // The current device is sm_90 or later (programmatic dependent launch).
 inline bool sm90_or_later() {
   int dev = 0, major = 0;
@@ -1220,12 +1236,9 @@ template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_general_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   using L = AttnLayout<D, kE4m3>;
   auto kern = paged_attention_fp4_kernel<D, T, kStates, kE4m3>;
-  static bool attr_set = false;  // per instantiation; the limit is per function
-  if (!attr_set) {
-    cudaError_t e = set_smem_attributes(kern, L::TOTAL);
-    if (e != cudaSuccess) return e;
-    attr_set = true;
-  }
+  static bool attr_set[kMaxDevices] = {};  // per instantiation and device
+  const cudaError_t e = set_smem_attributes_once(kern, L::TOTAL, attr_set);
+  if (e != cudaSuccess) return e;
   // CTA x = row tile * num_kv_heads + kv head, as the decode kernel (see its launch)
   return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
                              stream, p);

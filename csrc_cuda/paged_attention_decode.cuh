@@ -12,7 +12,8 @@
 //   the (at most 8) heads its N dimension (m16n8k16): per 16-token tile a warp runs D/16 MMAs for
 //   S^T and D/16 for O^T instead of twice as many, O^T takes D/4 registers instead of D/2, and
 //   every thread holds 4 logits instead of 8.
-// Grid (num_seqs x num_kv_heads, num_partitions), DECODE_WARPS warps per CTA, each walking its
+// Grid (num_seqs x num_kv_heads, num_partitions) for decode (the 16-column form: the general
+//   kernel's row tiles x num_kv_heads, see the kernel), DECODE_WARPS warps per CTA, each walking its
 //   own 16-token tiles of the partition (tile k of warp w = w + W k) through a private
 //   STAGES-deep cp.async ring, then merged in shared memory like the general kernel; with more
 //   than one partition the CTA writes partials that paged_attention_reduce_kernel combines.
@@ -277,7 +278,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   }
   // multi-token: the last key each column sees, c_hi[c] (its first: key_lo of it), read only in
   // the slow path (from shared memory: registers are what the 16 columns are short of); a
-  // padding column sees every key of the union
+  // padding column's range is arbitrary (its output is never stored)
   int* c_hi = reinterpret_cast<int*>(smem + L::OFF_CHI);
   if constexpr (kMulti) {
     if (tid < NC) {
@@ -570,7 +571,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
       if constexpr (kMulti) {  // a V scale of 255 is NaN only for the columns that see its token
         if (need_mask) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) pv[i] = x[nb][i] == -INFINITY ? 0.f : pv[i];
+          for (int i = 0; i < 4; ++i) pv[i] = x[nb][i] == -INFINITY ? 0.f : pv[i];  // (a masked logit is
+        // -inf; a visible one only if q.k overflows fp32, where this gives 0 and the reference NaN)
         }
       }
       pb0[nb] = movmatrix_trans(pack_f16x2(pv[0], pv[1]));
@@ -671,8 +673,9 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
     float a[EPL];
 #pragma unroll
     for (int e = 0; e < EPL; ++e) a[e] = merge_sum(wt, mo + r * L::MROW + d0 + e, NC * L::MROW) * inv;
-    // the sink joins the columns whose range holds position 0 as one more key (exp2 domain)
-    if (sink_here && (!kMulti || key_lo(tok - q0) == 0))
+    // the sink joins the columns whose range holds position 0 as one more key (exp2 domain;
+    // not a query token at a negative position, with more query tokens than keys)
+    if (sink_here && (!kMulti || (key_lo(tok - q0) == 0 && key_hi(tok - q0) >= 0)))
       merge_sink<EPL>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
     if constexpr (kStates) {
       M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f, M);
@@ -704,12 +707,9 @@ template <int D, typename T, bool kStates, bool kE4m3, int NB>
 cudaError_t launch_decode_kernel(const AttnParams& p, int ctas, cudaStream_t stream) {
   using L = DecodeLayout<D, kE4m3, NB>;
   auto kern = paged_attention_fp4_decode_kernel<D, T, kStates, kE4m3, NB>;
-  static bool attr_set = false;  // per instantiation
-  if (!attr_set) {
-    const cudaError_t e = set_smem_attributes(kern, L::TOTAL);
-    if (e != cudaSuccess) return e;
-    attr_set = true;
-  }
+  static bool attr_set[kMaxDevices] = {};  // per instantiation and device
+  const cudaError_t e = set_smem_attributes_once(kern, L::TOTAL, attr_set);
+  if (e != cudaSuccess) return e;
   // CTA x = s * num_kv_heads + kv head: the kv heads of one sequence start together and walk
   // their blocks in step, so the scale sectors they share ([block, token, kv head] bytes: a
   // 32-byte sector holds 32 / num_kv_heads tokens of every head) come from DRAM once and from

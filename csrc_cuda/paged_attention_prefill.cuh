@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
       const float4 v = *reinterpret_cast<const float4*>(ob + r * L::OPITCH + d0 + i);
       a[i] = v.x * inv; a[i + 1] = v.y * inv; a[i + 2] = v.z * inv; a[i + 3] = v.w * inv;
     }
-    if (sink_here && valid && row_lo(R / G) == 0) {
+    if (sink_here && valid && row_lo(R / G) == 0 && row_hi(R / G) >= 0) {
       float sv[N];
       load_sink_value<D>(p, slot, kvh, d0, sv);
       merge_sink<N>(sink_logit(p, sinkS[16 * warp + r], cap_state ? qmS[16 * warp + r] : 0.f), sv, M, Ls, a);
@@ -672,17 +672,14 @@ inline bool prefill_kernel_runs(bool multi, int D, long long num_tokens, long lo
 template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   auto kern = paged_attention_fp4_prefill_kernel<D, T, kStates, kE4m3>;
-  static int smem = 0;  // per instantiation
-  if (smem == 0) {
-    int dev = 0, major = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (e != cudaSuccess) return e;
-    const int total = prefill_smem_bytes<D, kE4m3>(major);
-    e = set_smem_attributes(kern, total);
-    if (e != cudaSuccess) return e;
-    smem = total;
-  }
+  static bool attr_set[kMaxDevices] = {};  // per instantiation and device
+  int dev = 0, major = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e != cudaSuccess) return e;
+  const int smem = prefill_smem_bytes<D, kE4m3>(major);  // the layout follows the device (wgmma on SM 9.x)
+  e = set_smem_attributes_once(kern, smem, attr_set);
+  if (e != cudaSuccess) return e;
   // CTA x = row group * num_kv_heads + kv head, as the other kernels
   return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, 1), dim3(32 * tuning::PREFILL_WARPS), smem, stream, p);
 }

@@ -202,7 +202,7 @@ inline bool use_prefill_kernel(bool multi, int head_dim, long long num_tokens, l
 // average, and not the prefill kernel's. Examples (32 q / 8 kv heads, G = 4): 64 x 4 tokens:
 // 16 columns -> one CTA per (sequence, kv head), each KV tile read once; 64 x 8: 32 -> two
 // CTAs per sequence, each reading the KV (as the general kernel's two row tiles do); 1 x 2048:
-// prefill kernel; 16 x 32 tokens: 128 -> general kernel.
+// prefill kernel; 16 x 16 tokens: 64 -> general kernel.
 #ifndef TQ_SPEC_MAX_COLS
 #define TQ_SPEC_MAX_COLS 32
 #endif

@@ -603,6 +603,22 @@ def test_spec_kernel_nan_scale_seen_by_later_tokens_only(which):
     _check_bad_block_gives_nan(prob, q, cu, 4)
 
 
+@pytest.mark.parametrize("kernel,hq,hkv,lens,qlens", [
+    ("decode_kernel", 8, 2, [2, 40], [4, 1]),      # 16-column form: 10 columns per sequence
+    ("fp4_kernel", 32, 2, [2, 40], [4, 1]),        # general kernel: 40 columns per sequence
+    ("prefill", 8, 2, [2, 300], [4, 200])])        # prefill kernel: 408 rows per sequence
+def test_more_query_tokens_than_keys_with_the_sink(kernel, hq, hkv, lens, qlens):
+    """With value checks off, a sequence of 2 keys with 4 query tokens: tokens 0 and 1 sit at
+    positions -2 and -1 and see nothing, not even the sink token (position 0, from the state
+    record), so their rows are zeros as in the reference; the other rows match it too."""
+    prob, q, cu = _problem(lens, hq, hkv, 128, 16, qlens=qlens, seed=5)
+    with turboquant.value_checks(False):
+        assert any(kernel in n for n in _kernel_names(lambda: _run("cuda", prob, q, cu)))
+        out, ref = _run("cuda", prob, q, cu), _run("reference", prob, q, cu)
+    assert (out[:2] == 0).all() and (ref[:2] == 0).all()
+    _compare(out, ref)
+
+
 def _bytes(t):
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
