@@ -745,6 +745,40 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
   return launch_reduce<D, T, kStates>(p, stream);
 }
 
+// Shared memory per CTA of the kernel launch_attention_variant runs for these arguments
+// (`prefill`: prefill_kernel_runs's answer; its layout is that of a device of compute capability
+// `major`), and the kernel's name. The binding compares it with the device's opt-in limit, so a
+// kernel that cannot launch on a GPU is named in the error instead of failing at launch as a
+// bare CUDA error. Examples (this build, bytes): decode D 128, FP4: 58992; short multi-token
+// (16 columns) D 128, K8V4: 90320; general D 128, K8V4: 136336, over SM86 / SM89's 101376;
+// general D 256, FP4: 173200, over SM80's 166912 (tests/test_cuda_compile.py prints them).
+template <int D>
+int attention_smem_bytes_d(bool prefill, bool multi, long long num_tokens, long long num_seqs, int G,
+                           bool key_e4m3, int major, const char** kernel) {
+  if (prefill) {
+    *kernel = "prefill";
+    if constexpr (D <= 128) return key_e4m3 ? prefill_smem_bytes<D, true>(major) : prefill_smem_bytes<D, false>(major);
+    return 0;
+  }
+  if (use_decode_kernel(multi, G)) {
+    *kernel = "decode";
+    return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
+  }
+  if (tuning::use_spec_kernel(multi, D, num_tokens, num_seqs, G)) {
+    *kernel = "short multi-token (16-column decode)";
+    if constexpr (D <= 128) return key_e4m3 ? DecodeLayout<D, true, 2>::TOTAL : DecodeLayout<D, false, 2>::TOTAL;
+    return 0;
+  }
+  *kernel = "general";
+  return key_e4m3 ? AttnLayout<D, true>::TOTAL : AttnLayout<D, false>::TOTAL;
+}
+inline int attention_smem_bytes(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs, int G,
+                                bool key_e4m3, int major, const char** kernel) {
+  if (D == 64) return attention_smem_bytes_d<64>(prefill, multi, num_tokens, num_seqs, G, key_e4m3, major, kernel);
+  if (D == 128) return attention_smem_bytes_d<128>(prefill, multi, num_tokens, num_seqs, G, key_e4m3, major, kernel);
+  return attention_smem_bytes_d<256>(prefill, multi, num_tokens, num_seqs, G, key_e4m3, major, kernel);
+}
+
 // Host launcher (torch-free). grid_x = row tiles (general and short multi-token kernels) =
 // num_seqs (decode kernel) = row groups (prefill kernel).
 template <int D, typename T>

@@ -144,6 +144,15 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   }
   namespace tn = turboquant::tuning;
   const bool prefill = tq::prefill_kernel_runs(multi, D, num_tokens, num_seqs, G, key_cache.scalar_type() == at::kFloat8_e4m3fn);
+  {  // the kernel's shared memory must fit this GPU (a named error, not a failed launch)
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.get_device());
+    const char* kernel = "";
+    const int need = tq::attention_smem_bytes(prefill, multi, D, num_tokens, num_seqs, G, key_e4m3, prop->major, &kernel);
+    TORCH_CHECK(need <= (int)prop->sharedMemPerBlockOptin, "paged_attention_fp4 (cuda): the ", kernel,
+                " attention kernel needs ", need, " bytes of shared memory per block at head_dim ", D,
+                key_e4m3 ? " with K8V4 keys" : "", "; this GPU (SM ", prop->major, ".", prop->minor, ") allows ",
+                prop->sharedMemPerBlockOptin, ": run this call with backend='reference'");
+  }
   const int tiles_per_seq = (G + 15) / 16;
   // grid x: row groups of PREFILL_ROWS (prefill kernel), row tiles of 16 rows (general), sequences (decode)
   const long long grid_x = prefill ? (long long)num_seqs + ((long long)num_tokens * G) / tn::PREFILL_ROWS

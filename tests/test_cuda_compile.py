@@ -168,3 +168,53 @@ def test_e4m3_encode_matches_nearest_even_for_every_float(tmp_path):
     build) against a nearest-even search of the E4M3 grid, for every float32 in [0, 448] and
     its negative (sign from the sign bit: -0.0 gives 0x80)."""
     _run_host_check(E4M3_CHECK, tmp_path / "e4m3_check")
+
+
+SMEM_CHECK = r"""
+#include <cstdio>
+#include "paged_attention_decode.cuh"
+using namespace turboquant::cuda_fp4;
+int main() {
+  struct Case { bool prefill, multi; int d; long long t, s; int g; bool e4m3; int major; };
+  const Case cases[] = {
+    {false, false, 128, 64, 64, 4, false, 9},   // decode
+    {false, true, 128, 256, 64, 4, true, 8},    // 64 x 4 tokens, K8V4: 16 columns
+    {false, true, 128, 1024, 16, 4, true, 8},   // 16 x 64 tokens, K8V4: general
+    {false, true, 256, 256, 64, 4, false, 8},   // D 256 multi-token: general
+    {false, false, 256, 64, 64, 4, true, 8},    // D 256 decode, K8V4
+    {true, true, 128, 2048, 1, 4, false, 9},    // prefill on SM90 (wgmma layout)
+    {true, true, 128, 2048, 1, 4, false, 8},    // prefill below SM90
+  };
+  for (const Case& c : cases) {
+    const char* kernel = "";
+    const int b = attention_smem_bytes(c.prefill, c.multi, c.d, c.t, c.s, c.g, c.e4m3, c.major, &kernel);
+    printf("%s %d\n", kernel, b);
+  }
+  return 0;
+}
+"""
+
+
+def test_attention_smem_bytes_names_the_kernel_and_its_size(tmp_path):
+    """attention_smem_bytes (the binding's check against the device's opt-in limit) picks the
+    kernel the launcher runs and gives that kernel's shared memory: the 16-column kernel fits
+    SM86 / SM89's 99 KB (101376 bytes) at D 128 with K8V4 keys, the general kernel there does
+    not, nor does the D 256 general kernel fit SM80's 163 KB (166912 bytes); the prefill kernel's
+    layout follows the device (wgmma on SM 9.x)."""
+    src = tmp_path / "smem_check.cu"
+    src.write_text(SMEM_CHECK)
+    exe = tmp_path / "smem_check"
+    r = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", str(CSRC), str(src), "-o", str(exe),
+                        *nvcc_link_flags(NVCC)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    rows = [(line.rsplit(" ", 1)[0], int(line.rsplit(" ", 1)[1])) for line in out]
+    print(rows)
+    kernels = [k for k, _ in rows]
+    assert kernels == ["decode", "short multi-token (16-column decode)", "general", "general", "decode",
+                       "prefill", "prefill"]
+    size = [b for _, b in rows]
+    assert size[1] <= 101376 < size[2]     # SM86 / SM89: 16 columns fit, the general kernel not
+    assert size[3] > 166912                # SM80: the D 256 general kernel does not fit
+    assert size[5] > size[6] > 0           # the wgmma layout holds three fp16 tiles and Q
+    assert all(b > 0 for b in size)
