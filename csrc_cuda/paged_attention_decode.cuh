@@ -273,8 +273,10 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   if (tid == 0) {
     misc[0] = 0;  // Q amax bits
     misc[1] = 0;  // a block id was out of range
-    misc[2] = r_lo;  // NB 2 reads the union range here in the slow path (registers)
-    misc[3] = r_hi;
+    if constexpr (kMulti) {  // NB 2 reads the union range here in the slow path (registers)
+      misc[2] = r_lo;
+      misc[3] = r_hi;
+    }
   }
   // multi-token: the last key each column sees, c_hi[c] (its first: key_lo of it), read only in
   // the slow path (from shared memory: registers are what the 16 columns are short of); a
@@ -701,6 +703,17 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
 // The decode kernel applies to single-token queries of groups of at most 8 heads.
 inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_token && group_size <= 8; }
 
+// Which attention kernel a call runs: the one rule the launcher, the binding's shared-memory
+// check and its partition choice share (`prefill`: prefill_kernel_runs's answer).
+enum class AttnKernel { kPrefill, kDecode, kSpec, kGeneral };
+inline AttnKernel choose_attention_kernel(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs,
+                                          int group_size) {
+  if (prefill) return AttnKernel::kPrefill;
+  if (use_decode_kernel(multi, group_size)) return AttnKernel::kDecode;
+  if (tuning::use_spec_kernel(multi, D, num_tokens, num_seqs, group_size)) return AttnKernel::kSpec;
+  return AttnKernel::kGeneral;
+}
+
 // One instantiation of the decode kernel (NB = 1: decode; 2: short multi-token queries) on
 // grid (ctas * num_kv_heads, num_partitions).
 template <int D, typename T, bool kStates, bool kE4m3, int NB>
@@ -727,14 +740,17 @@ template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
   cudaError_t e;
   const bool multi = p.cu_query_lens != nullptr;
-  // the binding sized the grid (row groups) and the partitions (one) by the same rule
-  if (prefill_kernel_runs(multi, D, p.num_tokens, p.num_seqs, p.group_size, kE4m3)) {
+  // the binding sized the grid and the partitions by the same choice
+  const AttnKernel k = choose_attention_kernel(
+      prefill_kernel_runs(multi, D, p.num_tokens, p.num_seqs, p.group_size, kE4m3), multi, D, p.num_tokens,
+      p.num_seqs, p.group_size);
+  if (k == AttnKernel::kPrefill) {  // grid_x row groups, one partition
     if constexpr (D <= 128) return launch_prefill_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
     return cudaErrorInvalidValue;
   }
-  if (use_decode_kernel(multi, p.group_size)) {
+  if (k == AttnKernel::kDecode) {
     e = launch_decode_kernel<D, T, kStates, kE4m3, 1>(p, p.num_seqs, stream);
-  } else if (tuning::use_spec_kernel(multi, D, p.num_tokens, p.num_seqs, p.group_size)) {
+  } else if (k == AttnKernel::kSpec) {
     // grid_x = the general kernel's 16-row tiles: a tile is a CTA's 16 columns
     if constexpr (D <= 128) e = launch_decode_kernel<D, T, kStates, kE4m3, 2>(p, grid_x, stream);
     else return cudaErrorInvalidValue;
@@ -745,38 +761,35 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
   return launch_reduce<D, T, kStates>(p, stream);
 }
 
-// Shared memory per CTA of the kernel launch_attention_variant runs for these arguments
-// (`prefill`: prefill_kernel_runs's answer; its layout is that of a device of compute capability
-// `major`), and the kernel's name. The binding compares it with the device's opt-in limit, so a
-// kernel that cannot launch on a GPU is named in the error instead of failing at launch as a
+// Shared memory per CTA of kernel k (the prefill kernel's layout: that of a device of compute
+// capability `major`), and its name. The binding compares it with the device's opt-in limit, so
+// a kernel that cannot launch on a GPU is named in the error instead of failing at launch as a
 // bare CUDA error. Examples (this build, bytes): decode D 128, FP4: 58992; short multi-token
 // (16 columns) D 128, K8V4: 90320; general D 128, K8V4: 136336, over SM86 / SM89's 101376;
 // general D 256, FP4: 173200, over SM80's 166912 (tests/test_cuda_compile.py prints them).
 template <int D>
-int attention_smem_bytes_d(bool prefill, bool multi, long long num_tokens, long long num_seqs, int G,
-                           bool key_e4m3, int major, const char** kernel) {
-  if (prefill) {
-    *kernel = "prefill";
-    if constexpr (D <= 128) return key_e4m3 ? prefill_smem_bytes<D, true>(major) : prefill_smem_bytes<D, false>(major);
-    return 0;
+int attention_smem_bytes_d(AttnKernel k, bool key_e4m3, int major, const char** kernel) {
+  switch (k) {
+    case AttnKernel::kPrefill:
+      *kernel = "prefill";
+      if constexpr (D <= 128) return key_e4m3 ? prefill_smem_bytes<D, true>(major) : prefill_smem_bytes<D, false>(major);
+      return 0;
+    case AttnKernel::kDecode:
+      *kernel = "decode";
+      return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
+    case AttnKernel::kSpec:
+      *kernel = "short multi-token (16-column decode)";
+      if constexpr (D <= 128) return key_e4m3 ? DecodeLayout<D, true, 2>::TOTAL : DecodeLayout<D, false, 2>::TOTAL;
+      return 0;
+    default:
+      *kernel = "general";
+      return key_e4m3 ? AttnLayout<D, true>::TOTAL : AttnLayout<D, false>::TOTAL;
   }
-  if (use_decode_kernel(multi, G)) {
-    *kernel = "decode";
-    return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
-  }
-  if (tuning::use_spec_kernel(multi, D, num_tokens, num_seqs, G)) {
-    *kernel = "short multi-token (16-column decode)";
-    if constexpr (D <= 128) return key_e4m3 ? DecodeLayout<D, true, 2>::TOTAL : DecodeLayout<D, false, 2>::TOTAL;
-    return 0;
-  }
-  *kernel = "general";
-  return key_e4m3 ? AttnLayout<D, true>::TOTAL : AttnLayout<D, false>::TOTAL;
 }
-inline int attention_smem_bytes(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs, int G,
-                                bool key_e4m3, int major, const char** kernel) {
-  if (D == 64) return attention_smem_bytes_d<64>(prefill, multi, num_tokens, num_seqs, G, key_e4m3, major, kernel);
-  if (D == 128) return attention_smem_bytes_d<128>(prefill, multi, num_tokens, num_seqs, G, key_e4m3, major, kernel);
-  return attention_smem_bytes_d<256>(prefill, multi, num_tokens, num_seqs, G, key_e4m3, major, kernel);
+inline int attention_smem_bytes(AttnKernel k, int D, bool key_e4m3, int major, const char** kernel) {
+  if (D == 64) return attention_smem_bytes_d<64>(k, key_e4m3, major, kernel);
+  if (D == 128) return attention_smem_bytes_d<128>(k, key_e4m3, major, kernel);
+  return attention_smem_bytes_d<256>(k, key_e4m3, major, kernel);
 }
 
 // Host launcher (torch-free). grid_x = row tiles (general and short multi-token kernels) =

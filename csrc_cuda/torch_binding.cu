@@ -143,12 +143,13 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
     TORCH_CHECK(num_tokens == num_seqs, "decode: one query token per sequence");
   }
   namespace tn = turboquant::tuning;
-  const bool prefill = tq::prefill_kernel_runs(multi, D, num_tokens, num_seqs, G, key_cache.scalar_type() == at::kFloat8_e4m3fn);
+  const bool prefill = tq::prefill_kernel_runs(multi, D, num_tokens, num_seqs, G, key_e4m3);
+  const tq::AttnKernel kern = tq::choose_attention_kernel(prefill, multi, D, num_tokens, num_seqs, G);
   {  // the kernel's shared memory must fit this GPU (a named error, not a failed launch)
     const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.get_device());
-    const char* kernel = "";
-    const int need = tq::attention_smem_bytes(prefill, multi, D, num_tokens, num_seqs, G, key_e4m3, prop->major, &kernel);
-    TORCH_CHECK(need <= (int)prop->sharedMemPerBlockOptin, "paged_attention_fp4 (cuda): the ", kernel,
+    const char* name = "";
+    const int need = tq::attention_smem_bytes(kern, D, key_e4m3, prop->major, &name);
+    TORCH_CHECK(need <= (int)prop->sharedMemPerBlockOptin, "paged_attention_fp4 (cuda): the ", name,
                 " attention kernel needs ", need, " bytes of shared memory per block at head_dim ", D,
                 key_e4m3 ? " with K8V4 keys" : "", "; this GPU (SM ", prop->major, ".", prop->minor, ") allows ",
                 prop->sharedMemPerBlockOptin, ": run this call with backend='reference'");
@@ -165,12 +166,12 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
   // the short multi-token kernel's grid has spare tiles (base(s) leaves room for ragged
   // sequences): its wave model counts the tiles of evenly split sequences
-  const bool spec = !prefill && tn::use_spec_kernel(multi, D, num_tokens, num_seqs, G);
   const long long spec_ctas = std::max<long long>(num_seqs, ((long long)num_tokens * G + 15) / 16) * hkv;
-  int P = prefill ? std::max(msl, 1)  // one partition
-          : tq::use_decode_kernel(multi, G) ? tn::choose_decode_partition_size(msl, base_ctas, sms)
-          : spec ? tn::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), sms)
-                 : tn::choose_partition_size(msl, base_ctas, sms);
+  int P = kern == tq::AttnKernel::kPrefill ? std::max(msl, 1)  // one partition
+          : kern == tq::AttnKernel::kDecode ? tn::choose_decode_partition_size(msl, base_ctas, sms)
+          : kern == tq::AttnKernel::kSpec
+              ? tn::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), sms)
+              : tn::choose_partition_size(msl, base_ctas, sms);
   int nparts = std::max(1, (msl + P - 1) / P);
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 

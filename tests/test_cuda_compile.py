@@ -187,7 +187,8 @@ int main() {
   };
   for (const Case& c : cases) {
     const char* kernel = "";
-    const int b = attention_smem_bytes(c.prefill, c.multi, c.d, c.t, c.s, c.g, c.e4m3, c.major, &kernel);
+    const AttnKernel k = choose_attention_kernel(c.prefill, c.multi, c.d, c.t, c.s, c.g);
+    const int b = attention_smem_bytes(k, c.d, c.e4m3, c.major, &kernel);
     printf("%s %d\n", kernel, b);
   }
   return 0;
@@ -196,8 +197,9 @@ int main() {
 
 
 def test_attention_smem_bytes_names_the_kernel_and_its_size(tmp_path):
-    """attention_smem_bytes (the binding's check against the device's opt-in limit) picks the
-    kernel the launcher runs and gives that kernel's shared memory: the 16-column kernel fits
+    """choose_attention_kernel (the launcher's and the binding's one rule) and
+    attention_smem_bytes (the binding's check against the device's opt-in limit) give the kernel
+    a call runs and its shared memory: the 16-column kernel fits
     SM86 / SM89's 99 KB (101376 bytes) at D 128 with K8V4 keys, the general kernel there does
     not, nor does the D 256 general kernel fit SM80's 163 KB (166912 bytes); the prefill kernel's
     layout follows the device (wgmma on SM 9.x)."""
