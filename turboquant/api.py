@@ -82,6 +82,15 @@ def _shape(name: str, t: torch.Tensor, expected: tuple) -> None:
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
+def _output(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
+    """A caller-allocated output: its dtype, shape and device, and contiguous."""
+    _tensor(name, t, (dtype,), (len(shape),))
+    _shape(name, t, tuple(shape))
+    _same_device(device, **{name: t})
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
 def _same_device(device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != device:
@@ -465,19 +474,11 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     if out is None:
         out = torch.empty_like(query)
     else:
-        _tensor("out", out, (query.dtype,), (3,))
-        _shape("out", out, query.shape)
-        _same_device(query.device, out=out)
-        if not out.is_contiguous():
-            raise ValueError("out: expected a contiguous tensor")
+        _output("out", out, query.dtype, query.shape, query.device)
     if lse_out is not None:
         if not return_lse:
             raise ValueError("lse_out: given without return_lse=True")
-        _tensor("lse_out", lse_out, (torch.float32,), (2,))
-        _shape("lse_out", lse_out, query.shape[:2])
-        _same_device(query.device, lse_out=lse_out)
-        if not lse_out.is_contiguous():
-            raise ValueError("lse_out: expected a contiguous tensor")
+        _output("lse_out", lse_out, torch.float32, query.shape[:2], query.device)
     lse = lse_out if lse_out is not None else (
         torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         if return_lse else None)

@@ -93,9 +93,11 @@ _CHECKS = {"attention": "check_attention", "cache_write": "check_cache_write",
            "merge": "check_merge"}
 
 
+_DEVICE_TENSOR = {"attention": "query", "cache_write": "key", "merge": "out"}
+
+
 def _device(kind: str, arg) -> torch.device:
-    return {"attention": lambda: arg.query, "cache_write": lambda: arg.key,
-            "merge": lambda: arg.out}[kind]().device
+    return getattr(arg, _DEVICE_TENSOR[kind]).device
 
 
 def transform_tensors_reason(call: AttentionCall) -> Optional[str]:

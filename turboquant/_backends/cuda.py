@@ -4,9 +4,10 @@ as a fallback), plus a CUDA cache writer. Kernels: ``csrc_cuda/`` (design note a
 ``csrc_cuda/paged_attention.cuh`` for the rest; tuning choices in ``csrc_cuda/tuning.cuh``).
 
 Importing this module builds nothing: it defines the op schemas (from ``turboquant.ops``:
-attention, cache write, merge of attention states), their fake (meta) implementations, and registers the backend. The extension is compiled with
-``torch.utils.cpp_extension.load`` on first use (``unavailable()`` or a call), for the present
-GPU's architecture only (sm_90a on H100/H200, sm_80 on A100, ...), and cached under
+attention, cache write, merge of attention states), their fake (meta) implementations, and
+registers the backend. The extension is compiled with ``torch.utils.cpp_extension.load`` on
+first use (``unavailable()`` or a call), for the present GPU's architecture only (sm_90a on
+H100/H200, sm_80 on A100, ...), and cached under
 ``$TURBOQUANT_BUILD_DIR`` or ``~/.cache/turboquant``; the build name carries a hash of every
 file in ``csrc_cuda/``, so editing a header rebuilds. ``TURBOQUANT_CUDA_LIB=/path/lib.so``
 loads a prebuilt library instead.
