@@ -76,7 +76,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], const uint3
 #endif
 }
 // The same MMA with A from shared memory too (desc_a: A [64 x 16] K-major, wgmma_desc_sw128).
-__device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+// accumulate = false: D = A B, the previous contents of d ignored (no zeroing before a chain).
+__device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                                       bool accumulate = true) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -84,7 +86,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t 
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "%32, %33, p, 1, 1, 0, 0;\n}\n"
       : TQ_ACC8(d, 0), TQ_ACC8(d, 8), TQ_ACC8(d, 16), TQ_ACC8(d, 24)
-      : "l"(desc_a), "l"(desc_b), "r"(1)
+      : "l"(desc_a), "l"(desc_b), "r"((int)accumulate)
       : "memory");
 #else
   __trap();  // SM90a only
@@ -105,6 +107,12 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t 
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
   return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
          ((uint64_t)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+// The descriptor of the tile `bytes` (a multiple of 16) further on: one 32-bit add to the
+// start-address field, which holds address / 16 < 2^14 for every shared address (< 256 KB), so
+// the sum of two in-window addresses never carries into the fields above it.
+__device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
 }
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

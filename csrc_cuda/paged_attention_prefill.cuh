@@ -93,11 +93,11 @@ __device__ __forceinline__ int dec_off(int r, int c) {
   return (c >> 3) * (TK * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
 }
 
-// 32 FP4 codes (16 bytes: head-dim elements [32 q, 32 q + 32) of one token) -> fp16 values
-// E2M1 * 2^-14 in head-dim order, four 16-byte chunks of row r of the decoded tile. 11 integer
-// ops per 8.
-template <int TK>
-__device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* tile, int r, int q) {
+// 32 FP4 codes (16 bytes: head-dim elements [32 q, 32 q + 32) of one token r) -> fp16 values
+// E2M1 * 2^-14 in head-dim order, four 16-byte chunks of row r of the decoded tile, at
+// off ^ (i << 4) for off = dec_off(r, 4 q) (chunks 4 q + i of one panel: the swizzle's XOR
+// with r & 7 commutes with i < 4; the thread computes off once). 11 integer ops per 8.
+__device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* tile, uint32_t off) {
   const uint4 w4 = *reinterpret_cast<const uint4*>(src);
   const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
@@ -106,13 +106,13 @@ __device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* ti
     fp4x8_to_f16hi8(w[i], lo, hi);                          // lo: e0 e2 e4 e6, hi: e1 e3 e5 e7
     f16hi4_to_f16x2x2(prmt(lo, hi, 0x5140u), o[0], o[1]);  // (e0, e1) (e2, e3)
     f16hi4_to_f16x2x2(prmt(lo, hi, 0x7362u), o[2], o[3]);  // (e4, e5) (e6, e7)
-    *reinterpret_cast<uint4*>(tile + dec_off<TK>(r, 4 * q + i)) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4*>(tile + (off ^ (i << 4))) = make_uint4(o[0], o[1], o[2], o[3]);
   }
 }
 // 16 E4M3 key bytes (K8V4: head-dim elements [16 q, 16 q + 16)) -> fp16 values E4M3 * 2^-8 in
-// head-dim order (decode_key8's placement, without its permutation), two chunks of row r.
-template <int TK>
-__device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* tile, int r, int q) {
+// head-dim order (decode_key8's placement, without its permutation), two chunks of row r at
+// off ^ (i << 4), off = dec_off(r, 2 q).
+__device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* tile, uint32_t off) {
   const uint4 w4 = *reinterpret_cast<const uint4*>(src);
   const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
@@ -120,7 +120,7 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* t
     const uint4 o = make_uint4(e4m3hi_to_f16x2(prmt(w[2 * i], 0, 0x1404u)), e4m3hi_to_f16x2(prmt(w[2 * i], 0, 0x3424u)),
                                e4m3hi_to_f16x2(prmt(w[2 * i + 1], 0, 0x1404u)),
                                e4m3hi_to_f16x2(prmt(w[2 * i + 1], 0, 0x3424u)));
-    *reinterpret_cast<uint4*>(tile + dec_off<TK>(r, 2 * q + i)) = o;
+    *reinterpret_cast<uint4*>(tile + (off ^ (i << 4))) = o;
   }
 }
 
@@ -239,17 +239,26 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   const uint8_t* v_base = p.value_cache + kvh * p.vc_stride_head + (tid % L::VCPR) * 16;
   auto kchunk = [&](int i) { return tid + L::NT * i; };  // < KCH: token kchunk / KCPR
   const uint8_t* s_base = (tid < TK ? p.key_scales : p.value_scales) + kvh;
+  // the binding keeps a block's stride below 2^31 bytes: 32-bit factors of a 64-bit product
+  const uint32_t kc_blk = (uint32_t)p.kc_stride_blk, vc_blk = (uint32_t)p.vc_stride_blk;
   const uint32_t raw_s = (uint32_t)__cvta_generic_to_shared(smem);
   auto tok_of = [&](int i, int j) { return (tile_first + i) * TK + j; };
+  // a 16-token sub-tile is copied when it holds a token of [r_lo, r_hi) (its block may not
+  // exist otherwise); `whole`: every sub-tile of the step does (one test for the step)
+  const int sub_lo = r_lo & ~15, sub_hi = (r_hi + 15) & ~15;
   auto needed = [&](int tok) { const int sub = tok & ~15; return sub < r_hi && sub + 16 > r_lo; };
   auto raw_bid = [&](int tok) {  // the block table entry of tok's block (-1 past the table)
     const int col = tok >> lbs;
     return col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
   };
+  // FP4 keys: K chunk tid and V chunk tid are the same token's, so one block id serves both
+  constexpr bool kSameTok = NK == 1 && L::KCPR == L::VCPR;
   int b_k[NK], b_v = 0, b_s = 0;  // block ids of the next issue's tokens (prefetched)
   auto prefetch = [&](int i) {
+    if constexpr (!kSameTok) {
 #pragma unroll
-    for (int j = 0; j < NK; ++j) b_k[j] = raw_bid(tok_of(i, min(kchunk(j), L::KCH - 1) / L::KCPR));
+      for (int j = 0; j < NK; ++j) b_k[j] = raw_bid(tok_of(i, min(kchunk(j), L::KCH - 1) / L::KCPR));
+    }
     b_v = raw_bid(tok_of(i, cv));
     b_s = raw_bid(tok_of(i, cs));
   };
@@ -258,21 +267,25 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   bool bad = false;
   auto issue = [&](int i) {
     const uint32_t st = raw_s + st_issue * L::RAW;
-    auto bad_id = [&](int b) { return b < 0 || b >= p.num_blocks; };
+    const int t0 = tok_of(i, 0);
+    const bool whole = t0 >= sub_lo && t0 + TK <= sub_hi;
+    auto bad_id = [&](int b) { return (unsigned)b >= (unsigned)p.num_blocks; };
 #pragma unroll
     for (int j = 0; j < NK; ++j) {
-      const int c = kchunk(j), tk = tok_of(i, c / L::KCPR);
-      if (c >= L::KCH || !needed(tk)) continue;
-      if (bad_id(b_k[j])) { bad = true; continue; }
-      cp_async_16(st + c * 16, k_base + (long long)b_k[j] * p.kc_stride_blk + (tk & bs_mask) * L::KROWB + (c % L::KCPR) * 16);
+      const int c = kchunk(j), tk = t0 + c / L::KCPR;
+      if (c >= L::KCH || !(whole || needed(tk))) continue;
+      const int b = kSameTok ? b_v : b_k[j];
+      if (bad_id(b)) { bad = true; continue; }
+      cp_async_16(st + c * 16, k_base + (unsigned long long)(uint32_t)b * kc_blk +
+                                   (uint32_t)((tk & bs_mask) * L::KROWB + (c % L::KCPR) * 16));
     }
-    const int tv = tok_of(i, cv), tsc = tok_of(i, cs);
-    if (has_v && needed(tv)) {
+    const int tv = t0 + cv, tsc = t0 + cs;
+    if (has_v && (whole || needed(tv))) {
       if (bad_id(b_v)) bad = true;
-      else cp_async_16(st + L::RAW_K + tid * 16, v_base + (long long)b_v * p.vc_stride_blk + (tv & bs_mask) * L::VROWB);
+      else cp_async_16(st + L::RAW_K + tid * 16, v_base + (unsigned long long)(uint32_t)b_v * vc_blk + (uint32_t)((tv & bs_mask) * L::VROWB));
     }
     uint32_t nib = 0;
-    if (has_s && needed(tsc)) {
+    if (has_s && (whole || needed(tsc))) {
       if (bad_id(b_s)) {
         bad = true;
       } else {
@@ -287,18 +300,29 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   };
   // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
   // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps)
+  // where the thread's chunks go in a decoded tile (the same in every step)
+  uint32_t k_off[NK];
+#pragma unroll
+  for (int j = 0; j < NK; ++j) {
+    const int c = min(kchunk(j), L::KCH - 1);
+    k_off[j] = dec_off<TK>(c / L::KCPR, (c % L::KCPR) * (kE4m3 ? 2 : 4));
+  }
+  const uint32_t v_off = L::DEC_K + dec_off<TK>(cv, (tid % L::VCPR) * 4);
+  uint32_t st_dec = 0, buf_dec = 0;  // ring stage and decode buffer of the next decode
   auto decode = [&](int i) {
-    const int sd = i % ST;
-    const uint8_t* raw = smem + sd * L::RAW;
-    uint8_t* dec = smem + L::OFF_DEC + (i % L::NDEC) * L::DEC;
+    const int sd = (int)st_dec;
+    const uint8_t* raw = smem + st_dec * L::RAW;
+    uint8_t* dec = smem + L::OFF_DEC + buf_dec;
+    st_dec = st_dec + 1 == ST ? 0 : st_dec + 1;
+    buf_dec = buf_dec + L::DEC == L::NDEC * L::DEC ? 0 : buf_dec + L::DEC;
 #pragma unroll
     for (int j = 0; j < NK; ++j) {
-      const int c = kchunk(j), r = c / L::KCPR;
+      const int c = kchunk(j);
       if (c >= L::KCH) continue;
-      if constexpr (kE4m3) decode_e4m3_chunk<TK>(raw + c * 16, dec, r, c % L::KCPR);
-      else decode_fp4_chunk<TK>(raw + c * 16, dec, r, c % L::KCPR);
+      if constexpr (kE4m3) decode_e4m3_chunk(raw + c * 16, dec, k_off[j]);
+      else decode_fp4_chunk(raw + c * 16, dec, k_off[j]);
     }
-    if (has_v) decode_fp4_chunk<TK>(raw + L::RAW_K + tid * 16, dec + L::DEC_K, cv, tid % L::VCPR);
+    if (has_v) decode_fp4_chunk(raw + L::RAW_K + tid * 16, dec, v_off);
     if (has_s) {
       const uint32_t nib = (nib_ring >> (4 * sd)) & 15u;
       const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + L::RAW_K + L::RAW_V + (tid < TK ? 0 : L::RAW_S) + cs * 4);
@@ -401,16 +425,16 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   int VM = 0;
   const uint32_t dec_s = raw_s + L::OFF_DEC;
-  auto tile_k = [&](int k) { return dec_s + (k % L::NDEC) * L::DEC; };  // step k's K tile (V: + DEC_K)
   auto unit_does = [&](int k) {  // the MMA unit's rows see some token of step k (unit-uniform)
     const int t0 = (tile_first + k) * TK;
     return uactive && t0 <= u_hi_max && t0 + TK - 1 >= u_lo_min;
   };
   // step k's logits from S (this warp's 16 rows x TK tokens, the MMA C layout), the online
   // softmax, and P' packed as the A fragments of O += P' V
-  auto softmax_p = [&](int k, const float (&sacc)[TK / 8][4], uint32_t (&pa)[TK / 16][4]) {
+  // (buf: step k's decode buffer, (k % NDEC) * DEC)
+  auto softmax_p = [&](int k, uint32_t buf, const float (&sacc)[TK / 8][4], uint32_t (&pa)[TK / 16][4]) {
     const int t0 = (tile_first + k) * TK;
-    const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + (k % L::NDEC) * L::DEC + L::OFF_SB);
+    const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::OFF_SB);
     // ---- logits (exp2 domain): thread holds rows g, g+8 x tokens 8j + 2 t4 + {0, 1} ----
     float x[TK / 8][4];
 #pragma unroll
@@ -487,10 +511,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     for (int i = 0; i < TK / 32; ++i) nan_step |= sb[2 * TK + TK / 32 + i] != 0;
     if (nan_step) make_p(BoolConst<true>{}); else make_p(BoolConst<false>{});
   };
-  auto zero_s = [&](float (&sacc)[TK / 8][4]) {
-#pragma unroll
-    for (int j = 0; j < TK / 8; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
-  };
+  auto next_buf = [](uint32_t buf) { return buf + L::DEC == L::NDEC * L::DEC ? 0u : buf + L::DEC; };
 
   if constexpr (kWG) {
     // Per step k (one barrier): S = Q K^T issued, step k + 1 decoded while it runs, the wait
@@ -501,21 +522,24 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     // the K-scale floats). ncu of this loop now (2067 us): ~930 instructions per warp and step,
     // issue slots 44 % busy (2 warps per scheduler, 0.65 eligible), tensor pipe 26 % active:
     // bound by instruction latency and count, not by the tensor cores.
-    const uint32_t qrows = raw_s + L::OFF_Q + (warp >> 2) * 64 * 128;  // the warpgroup's 64 rows
+    // descriptors of the warpgroup's 64 Q rows and of decode buffer 0's K and V tiles; a k16
+    // slice and another buffer are byte offsets added to them (wgmma_desc_advance)
+    const uint64_t qdesc = wgmma_desc_sw128(raw_s + L::OFF_Q + (warp >> 2) * 64 * 128, 16, 1024);
+    const uint64_t kdesc = wgmma_desc_sw128(dec_s, 16, 1024);
+    const uint64_t vdesc = wgmma_desc_sw128(dec_s + L::DEC_K, L::DPANEL, 1024);
     uint32_t pa[TK / 16][4];  // P' of step k: read by its O += P' V until the next step's wait
+    uint32_t buf = 0;
 #pragma unroll 1
-    for (int k = 0; k < nsteps; ++k) {
+    for (int k = 0; k < nsteps; ++k, buf = next_buf(buf)) {
       const bool wdo = unit_does(k);
-      const uint32_t kdec = tile_k(k), vdec = kdec + L::DEC_K;
-      float sacc[TK / 8][4];
-      zero_s(sacc);
+      float sacc[TK / 8][4];  // written whole by the first MMA (no accumulate), read only if wdo
       if (wdo) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks)
           wgmma_m64n64k16_f16_ss(reinterpret_cast<float(&)[TK / 2]>(sacc),
-                                 wgmma_desc_sw128(qrows + (ks >> 2) * L::QPANEL + (ks & 3) * 32, 16, 1024),
-                                 wgmma_desc_sw128(kdec + (ks >> 2) * L::DPANEL + (ks & 3) * 32, 16, 1024));
+                                 wgmma_desc_advance(qdesc, (ks >> 2) * L::QPANEL + (ks & 3) * 32),
+                                 wgmma_desc_advance(kdesc, buf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
         wgmma_commit();
       }
       decode_next(k + 1);
@@ -524,12 +548,11 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
       reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
       reg_fence(pa);
       if (wdo) {
-        softmax_p(k, sacc, pa);
+        softmax_p(k, buf, sacc, pa);
         wgmma_fence();
 #pragma unroll
         for (int u = 0; u < TK / 16; ++u)
-          wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pa[u],
-                        wgmma_desc_sw128(vdec + u * 16 * 128, L::DPANEL, 1024));
+          wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pa[u], wgmma_desc_advance(vdesc, buf + u * 16 * 128));
         wgmma_commit();
       }
       __syncthreads();  // step k + 1's tile is complete; step k - 1's is free (waited above)
@@ -539,12 +562,14 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   } else {
     // Per step k (one barrier): S = Q K^T, decode step k + 1 (one warp's integer work overlaps
     // another's MMAs), softmax, O += P' V. Two tiles.
+    uint32_t buf = 0;
 #pragma unroll 1
-    for (int k = 0; k < nsteps; ++k) {
+    for (int k = 0; k < nsteps; ++k, buf = next_buf(buf)) {
       const bool wdo = unit_does(k);
-      const uint32_t kdec = tile_k(k), vdec = kdec + L::DEC_K;
+      const uint32_t kdec = dec_s + buf, vdec = kdec + L::DEC_K;
       float sacc[TK / 8][4];
-      zero_s(sacc);
+#pragma unroll
+      for (int j = 0; j < TK / 8; ++j) sacc[j][0] = sacc[j][1] = sacc[j][2] = sacc[j][3] = 0.f;
       if (wdo) {
 #pragma unroll
         for (int j = 0; j < TK / 8; ++j) {
@@ -561,7 +586,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
       decode_next(k + 1);
       if (wdo) {
         uint32_t pa[TK / 16][4];
-        softmax_p(k, sacc, pa);
+        softmax_p(k, buf, sacc, pa);
 #pragma unroll
         for (int u = 0; u < TK / 16; ++u) {
           const int r = 16 * u + (lane & 7) + 8 * ((lane >> 3) & 1);

@@ -63,7 +63,7 @@ __device__ void pv_product(uint8_t* smem, uint32_t base, const __half* p, const 
     uint32_t a[4];
     a_frag(a, p, 64, 16 * u);
     wgmma_fence();
-    wgmma_n<N, 1>(o, a, wgmma_desc_sw128(base + u * 16 * 128, TK * 128, 1024));  // the kernel's P V call
+    wgmma_n<N, 1>(o, a, wgmma_desc_advance(wgmma_desc_sw128(base, TK * 128, 1024), u * 16 * 128));  // the kernel's P V call
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -85,12 +85,15 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __half* q, const
     fill_tile<128>(qs, q, 128, 128);
     fill_tile(smem, k, 128, 128);
     const uint32_t qrows = base + TK * 256 + 64 * 128;
+    // the kernel's calls: descriptors of the tile starts advanced by the k16 slice's bytes, the
+    // first MMA not accumulating (s holds NaN before it: a scale-d error makes every S NaN)
     float s[32];
-    zero(s);
+    for (float& x : s) x = __int_as_float(0x7fc00000);
+    const uint64_t qdesc = wgmma_desc_sw128(qrows, 16, 1024), kdesc = wgmma_desc_sw128(base, 16, 1024);
     wgmma_fence();
     for (int ks = 0; ks < 8; ++ks)
-      wgmma_m64n64k16_f16_ss(s, wgmma_desc_sw128(qrows + (ks >> 2) * 128 * 128 + (ks & 3) * 32, 16, 1024),
-                             wgmma_desc_sw128(base + (ks >> 2) * TK * 128 + (ks & 3) * 32, 16, 1024));
+      wgmma_m64n64k16_f16_ss(s, wgmma_desc_advance(qdesc, (ks >> 2) * 128 * 128 + (ks & 3) * 32),
+                             wgmma_desc_advance(kdesc, (ks >> 2) * TK * 128 + (ks & 3) * 32), ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(s);
