@@ -515,11 +515,6 @@ __device__ __forceinline__ float merge_sum(const float (&wt)[W], const float* x,
 __device__ __forceinline__ float p_vscale(uint32_t b, int VM) {
   return __int_as_float(max((int)b - VM + 142 - TQ_SLACK, 0) << 23);
 }
-// The same factor for any byte b (a masked token's may exceed VM, or be 255): the exponent
-// field is kept <= 254, so the factor is finite and 0 * factor = 0.
-__device__ __forceinline__ float p_vscale_finite(uint32_t b, int VM) {
-  return __int_as_float(min(max((int)b - VM + 142 - TQ_SLACK, 0), 254) << 23);
-}
 
 // N consecutive output elements (N % 8 == 0, 16-byte aligned destination) as 16-byte stores.
 template <typename T, int N>

@@ -30,14 +30,16 @@
 //     tile (dec_off: D / 64 panels of 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7):
 //     wgmma's 128-byte swizzle, and the 8 rows an ldmatrix reads hit distinct banks; three
 //     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the K
-//     scales as floats (2^(kb-127), NaN for 255, 0 where not copied), the V bytes as ints; per
-//     32 tokens the V-scale maximum of the visible tokens (255 excluded) and whether a visible
-//     token's V byte is 255.
+//     scales as floats (2^(kb-127) times the logits' factor kmul, NaN for 255, 0 where not
+//     copied), the V bytes as ints; per 32 tokens the V-scale maximum vmax of the visible
+//     tokens (255 excluded), whether a visible token's V byte is 255, and per token
+//     2^(vb - vmax) (clamped to [0, 1]).
 //   compute (per MMA unit, a warpgroup's or a warp's rows): S = Q K^T (Q power-of-two
-//     prescaled per warp), logits = S * 2^(kb-127) * scale in the exp2
+//     prescaled per CTA), logits = S * 2^(kb-127) * scale in the exp2
 //     domain, soft cap, causal / window masking by selection on boundary steps, online softmax
 //     with the general kernel's lazy rescaling and V-scale folding (P' = p * 2^(vb - VM + 15 -
-//     SLACK)), O += P' V. Steps outside the unit's rows' key range skip the compute.
+//     SLACK) = p * 2^(vb - vmax) * 2^(vmax - VM + 15 - SLACK): one multiply per token), O += P' V.
+//     Steps outside the unit's rows' key range skip the compute.
 //   The next step's decode runs while this step's S MMAs do (wgmma: asynchronously; mma.sync:
 //   in other warps); one __syncthreads per step.
 // Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
@@ -69,10 +71,12 @@ struct PrefillLayout {
   // 128-byte row swizzled (dec_off): wgmma's SWIZZLE_128B atoms, read by ldmatrix below SM90.
   static constexpr int DPANEL = TK * 128;
   static constexpr int DEC_K = TK * 2 * D;
-  // 4-byte words: K scales as floats [TK], V bytes [TK], per 32 tokens the V-scale maximum
-  // [TK / 32] and whether a visible token's V byte is 255 [TK / 32]
+  // 4-byte words at OFF_SB: K scales as floats [TK], V bytes [TK], per 32 tokens the V-scale
+  // maximum vmax [TK / 32] and whether a visible token's V byte is 255 [TK / 32], per token
+  // 2^(V byte - its 32 tokens' vmax) as a float, clamped to [0, 1] [TK]
   static constexpr int OFF_SB = 2 * DEC_K;
-  static constexpr int DEC = (OFF_SB + (2 * TK + 2 * (TK / 32)) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
+  static constexpr int SB_KF = 0, SB_VB = TK, SB_VMAX = 2 * TK, SB_VNAN = SB_VMAX + TK / 32, SB_VG = SB_VNAN + TK / 32;
+  static constexpr int DEC = (OFF_SB + (SB_VG + TK) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
   static constexpr int NDEC = kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
   static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
   static constexpr int BIG_A = NDEC * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
@@ -82,7 +86,8 @@ struct PrefillLayout {
   // wgmma: the CTA's fp16 Q rows, D / 64 panels of [ROWS][128 bytes] swizzled as the tiles
   static constexpr int QPANEL = ROWS * 128, OFF_Q = (OFF_DEC + BIG + 1023) / 1024 * 1024, QBYTES = kWG ? ROWS * 2 * D : 0;
   static constexpr int OFF_ROWS = OFF_Q + QBYTES;    // per CTA row: q'.k0', scale * q.m, m, l
-  static constexpr int TOTAL = OFF_ROWS + 4 * ROWS * 4 + 1024;  // + the base's alignment to 1024
+  static constexpr int OFF_QAMAX = OFF_ROWS + 4 * ROWS * 4;  // one word: the CTA's max |q| (bits)
+  static constexpr int TOTAL = OFF_QAMAX + 16 + 1024;  // + the base's alignment to 1024
 };
 
 // Byte offset of 16-byte chunk c (head-dim elements 8c .. 8c+7) of token r in a decoded tile of
@@ -298,8 +303,12 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     st_issue = st_issue + 1 == ST ? 0 : st_issue + 1;
     if (i + 1 < nsteps) prefetch(i + 1);  // used one issue later
   };
-  // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
-  // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps)
+  // logit = S * 2^(kb - 127) * kmul: kmul folds 2^DEC_EXP (decode), 2^-qexp (the CTA's Q
+  // prescale), scale and, without a cap, log2(e) (exp2 domain); set once Q is prepared
+  float kmul = 0.f;
+  // the thread decodes what it copied: codes -> fp16 rows; its scale (K: 2^(kb - 127) * kmul,
+  // V: the byte; 0 where not copied); the V-scale maximum and 255 flag of the visible tokens
+  // (V warps)
   // where the thread's chunks go in a decoded tile (the same in every step)
   uint32_t k_off[NK];
 #pragma unroll
@@ -329,16 +338,19 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
       const int b = (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0;
       int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
       if (tid < TK) {
-        reinterpret_cast<float*>(sb)[tid] = e8m0_to_float((uint32_t)b);  // 255 -> NaN
+        reinterpret_cast<float*>(sb)[L::SB_KF + cs] = e8m0_to_float((uint32_t)b) * kmul;  // 255 -> NaN
       } else {
-        sb[tid] = b;
+        sb[L::SB_VB + cs] = b;
         const int tok = tok_of(i, cs);
         const bool vis = tok >= r_lo && tok < r_hi;
         const int v = __reduce_max_sync(0xffffffffu, (vis && b != 255) ? b : 0);
         const bool nan = __any_sync(0xffffffffu, vis && b == 255);
+        // the token's part of P's V-scale factor (make_p): finite for any byte (a masked
+        // token's may exceed v, or be 255), 0 below 2^-126
+        reinterpret_cast<float*>(sb)[L::SB_VG + cs] = __int_as_float(min(max(b - v + 127, 0), 127) << 23);
         if (lane == 0) {
-          sb[2 * TK + ((tid - TK) >> 5)] = v;
-          sb[2 * TK + TK / 32 + ((tid - TK) >> 5)] = nan;
+          sb[L::SB_VMAX + (cs >> 5)] = v;
+          sb[L::SB_VNAN + (cs >> 5)] = nan;
         }
       }
     }
@@ -351,14 +363,17 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   }
 
   // ---- Q: this warp's 16 rows, the transforms in fp32 (D/8 lanes per row), the sink's and
-  //      the cap's per-row terms, a per-warp power-of-two prescale, fp16 A fragments (mma.sync)
-  //      or fp16 rows in shared memory (wgmma: ptxas 13.0 reused the registers of an A
-  //      fragment read by every step's MMA for temporaries at D 64) ----
+  //      the cap's per-row terms, the CTA's power-of-two prescale (one per CTA, so that the K
+  //      scales can carry it), fp16 A fragments (mma.sync) or fp16 rows in shared memory (wgmma:
+  //      ptxas 13.0 reused the registers of an A fragment read by every step's MMA for
+  //      temporaries at D 64) ----
   constexpr int LPR = D / 8, RPP = 32 / LPR;  // lanes per row, rows per pass
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_DEC) + warp * 16 * D;  // aliases the decode buffers
   const int col = (lane % LPR) * 8;  // the lane's Q chunk, the same in every pass
   QChunk qc;  // its transform inputs (the CTA's rows share slot and kv head)
   load_q_chunk<D, kStates>(p, slot, kvh, col, sink_here, qc);
+  unsigned* qamax = reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX);
+  if (tid == 0) *qamax = 0u;  // before q_prescale_exponent's first barrier
   unsigned amax_bits = 0;
 #pragma unroll 1
   for (int r0 = 0; r0 < 16; r0 += RPP) {
@@ -374,8 +389,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
 #pragma unroll
     for (int e = 0; e < 8; ++e) amax_bits = max(amax_bits, __float_as_uint(fabsf(qv[e])));
   }
-  const int qexp = prescale_exponent(__reduce_max_sync(0xffffffffu, amax_bits));
-  __syncwarp();
+  const int qexp = q_prescale_exponent(amax_bits, qamax);  // also: the warp's qraw rows are written
   uint32_t qa[kWG ? 1 : D / 16][4];
   const float qmul = pow2i(qexp);
   if constexpr (kWG) {  // 16-byte chunk c of row r: 8 values from qraw, laid out as a tile of ROWS rows
@@ -400,9 +414,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     }
   }
   const float qm_row[2] = {cap_state ? qmS[16 * warp + g] : 0.f, cap_state ? qmS[16 * warp + g + 8] : 0.f};
-  // logit = S * 2^(kb - 127) * kmul: kmul folds 2^14 (decode), 2^-qexp, scale and, without a
-  // cap, log2(e) (exp2 domain)
-  const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
+  kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
   __syncthreads();  // every warp's Q is in registers or its rows: the decode buffers are free
 
@@ -439,12 +451,11 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     float x[TK / 8][4];
 #pragma unroll
     for (int j = 0; j < TK / 8; ++j) {
-      const float2 kb = *reinterpret_cast<const float2*>(sb + 8 * j + 2 * t4);
-      const float kf0 = kb.x * kmul, kf1 = kb.y * kmul;
-      x[j][0] = sacc[j][0] * kf0;
-      x[j][1] = sacc[j][1] * kf1;
-      x[j][2] = sacc[j][2] * kf0;
-      x[j][3] = sacc[j][3] * kf1;
+      const float2 kf = *reinterpret_cast<const float2*>(sb + L::SB_KF + 8 * j + 2 * t4);
+      x[j][0] = sacc[j][0] * kf.x;
+      x[j][1] = sacc[j][1] * kf.y;
+      x[j][2] = sacc[j][2] * kf.x;
+      x[j][3] = sacc[j][3] * kf.y;
     }
     if (cap) {
 #pragma unroll
@@ -475,23 +486,26 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     }
     int VM_new = VM;  // the step's V-scale maximum, one partial per warp of V-scale words
 #pragma unroll
-    for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[2 * TK + i]);
+    for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[L::SB_VMAX + i]);
     float ms[2];
     lazy_rescale(m_new, VM_new, m_run, l_run, VM, acc, ms);
-    // ---- P' = 2^(x - m) * V-scale factor; two copies behind a CTA-uniform branch: a step
-    //      with a visible V byte 255 (NaN) selects 0 for masked tokens, so that their NaN cannot
-    //      reach a row; other steps need no select (the factor is finite: p_vscale_finite) ----
+    // ---- P' = 2^(x - m) * V-scale factor 2^(b - VM + 15 - SLACK), as the product of the
+    //      token's 2^(b - vmax) (SB_VG) and its 32 tokens' 2^(vmax - VM + 15 - SLACK) (one per
+    //      32 tokens; vmax <= VM): one multiply per token. Two copies behind a CTA-uniform
+    //      branch: a step with a visible V byte 255 (NaN) selects 0 for masked tokens, so that
+    //      their NaN cannot reach a row; other steps need no select (every factor is finite) ----
+    float vhalf[TK / 32];
+#pragma unroll
+    for (int i = 0; i < TK / 32; ++i) vhalf[i] = p_vscale((uint32_t)sb[L::SB_VMAX + i], VM);
     auto make_p = [&](auto nan_path) {
 #pragma unroll
       for (int j = 0; j < TK / 8; ++j) {
-        const int2 vb = *reinterpret_cast<const int2*>(sb + TK + 8 * j + 2 * t4);
-        float vf0, vf1;
+        const float2 vg = *reinterpret_cast<const float2*>(sb + L::SB_VG + 8 * j + 2 * t4);
+        float vf0 = vg.x * vhalf[j / 4], vf1 = vg.y * vhalf[j / 4];
         if constexpr (decltype(nan_path)::value) {
-          vf0 = vb.x == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.x, VM);
-          vf1 = vb.y == 255 ? __int_as_float(0x7fc00000) : p_vscale((uint32_t)vb.y, VM);
-        } else {
-          vf0 = p_vscale_finite((uint32_t)vb.x, VM);
-          vf1 = p_vscale_finite((uint32_t)vb.y, VM);
+          const int2 vb = *reinterpret_cast<const int2*>(sb + L::SB_VB + 8 * j + 2 * t4);
+          if (vb.x == 255) vf0 = __int_as_float(0x7fc00000);
+          if (vb.y == 255) vf1 = __int_as_float(0x7fc00000);
         }
         float pv[4];
 #pragma unroll
@@ -508,7 +522,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     };
     bool nan_step = false;
 #pragma unroll
-    for (int i = 0; i < TK / 32; ++i) nan_step |= sb[2 * TK + TK / 32 + i] != 0;
+    for (int i = 0; i < TK / 32; ++i) nan_step |= sb[L::SB_VNAN + i] != 0;
     if (nan_step) make_p(BoolConst<true>{}); else make_p(BoolConst<false>{});
   };
   auto next_buf = [](uint32_t buf) { return buf + L::DEC == L::NDEC * L::DEC ? 0u : buf + L::DEC; };
