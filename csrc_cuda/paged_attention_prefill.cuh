@@ -16,7 +16,7 @@
 //     shared memory, O += P' V with P' from registers; both asynchronous (below);
 //   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): FA2-style m16n8k16 mma.sync per warp, Q fragments in
 //     registers, K / V fragments by ldmatrix.
-// H100, 32/8/128, 1 x 2048 @ 16k, one run: wgmma 2067 us (249 TFLOP/s), mma.sync 2685 us.
+// H100, 32/8/128, 1 x 2048 @ 16k (2026-11-27): wgmma 1840 us (280 TFLOP/s), mma.sync 2541 us.
 // Grid (row groups * num_kv_heads, 1), kv head fastest: sequence s owns row groups
 //   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
 //   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
@@ -533,9 +533,10 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     // step). Three tiles: step k - 1's (P V), k's (S, then P V), k + 1's (written). Issuing
     // S(k + 1) before step k's softmax instead (two S accumulators, the decode two steps ahead)
     // was slower: 2437 vs 2150 us at 1 x 2048 @ 16k (H100, two runs of the same bench, before
-    // the K-scale floats). ncu of this loop now (2067 us): ~930 instructions per warp and step,
-    // issue slots 44 % busy (2 warps per scheduler, 0.65 eligible), tensor pipe 26 % active:
-    // bound by instruction latency and count, not by the tensor cores.
+    // the K-scale floats). ncu of this loop now (1870 us under ncu): ~750 instructions per warp
+    // and step (717 M in all), 0.42 issued and 0.54 eligible warps of 2 per scheduler: bound by
+    // instruction latency and count, not by the tensor cores. Straight-line predicated copies
+    // instead of the branches in issue() were 1 % slower (H100, same call).
     // descriptors of the warpgroup's 64 Q rows and of decode buffer 0's K and V tiles; a k16
     // slice and another buffer are byte offsets added to them (wgmma_desc_advance)
     const uint64_t qdesc = wgmma_desc_sw128(raw_s + L::OFF_Q + (warp >> 2) * 64 * 128, 16, 1024);
