@@ -30,13 +30,13 @@
 //     tile (dec_off: D / 64 panels of 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7):
 //     wgmma's 128-byte swizzle, and the 8 rows an ldmatrix reads hit distinct banks; three
 //     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the K
-//     scales as floats (2^(kb-127) times the logits' factor kmul, NaN for 255, 0 where not
-//     copied), the V bytes as ints; per 32 tokens the V-scale maximum vmax of the visible
-//     tokens (255 excluded), whether a visible token's V byte is 255, and per token
+//     scales as floats (2^(kb-127), with wgmma times the logits' factor kmul; NaN for 255, 0
+//     where not copied), the V bytes as ints; per 32 tokens the V-scale maximum vmax of the
+//     visible tokens (255 excluded), whether a visible token's V byte is 255, and per token
 //     2^(vb - vmax) (clamped to [0, 1]).
 //   compute (per MMA unit, a warpgroup's or a warp's rows): S = Q K^T (Q power-of-two
-//     prescaled per CTA), logits = S * 2^(kb-127) * scale in the exp2
-//     domain, soft cap, causal / window masking by selection on boundary steps, online softmax
+//     prescaled per CTA with wgmma, per warp with mma.sync), logits = S * 2^(kb-127) * scale
+//     in the exp2 domain, soft cap, causal / window masking by selection on boundary steps, online softmax
 //     with the general kernel's lazy rescaling and V-scale folding (P' = p * 2^(vb - VM + 15 -
 //     SLACK) = p * 2^(vb - vmax) * 2^(vmax - VM + 15 - SLACK): one multiply per token), O += P' V.
 //     Steps outside the unit's rows' key range skip the compute.
@@ -86,7 +86,7 @@ struct PrefillLayout {
   // wgmma: the CTA's fp16 Q rows, D / 64 panels of [ROWS][128 bytes] swizzled as the tiles
   static constexpr int QPANEL = ROWS * 128, OFF_Q = (OFF_DEC + BIG + 1023) / 1024 * 1024, QBYTES = kWG ? ROWS * 2 * D : 0;
   static constexpr int OFF_ROWS = OFF_Q + QBYTES;    // per CTA row: q'.k0', scale * q.m, m, l
-  static constexpr int OFF_QAMAX = OFF_ROWS + 4 * ROWS * 4;  // one word: the CTA's max |q| (bits)
+  static constexpr int OFF_QAMAX = OFF_ROWS + 4 * ROWS * 4;  // wgmma: one word, the CTA's max |q| (bits)
   static constexpr int TOTAL = OFF_QAMAX + 16 + 1024;  // + the base's alignment to 1024
 };
 
@@ -303,12 +303,11 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     st_issue = st_issue + 1 == ST ? 0 : st_issue + 1;
     if (i + 1 < nsteps) prefetch(i + 1);  // used one issue later
   };
-  // logit = S * 2^(kb - 127) * kmul: kmul folds 2^DEC_EXP (decode), 2^-qexp (the CTA's Q
-  // prescale), scale and, without a cap, log2(e) (exp2 domain); set once Q is prepared
+  // logit = S * 2^(kb - 127) * kmul: kmul folds 2^DEC_EXP (decode), 2^-qexp (the Q prescale),
+  // scale and, without a cap, log2(e) (exp2 domain); set once Q is prepared
   float kmul = 0.f;
-  // the thread decodes what it copied: codes -> fp16 rows; its scale (K: 2^(kb - 127) * kmul,
-  // V: the byte; 0 where not copied); the V-scale maximum and 255 flag of the visible tokens
-  // (V warps)
+  // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
+  // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps)
   // where the thread's chunks go in a decoded tile (the same in every step)
   uint32_t k_off[NK];
 #pragma unroll
@@ -338,7 +337,8 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
       const int b = (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0;
       int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
       if (tid < TK) {
-        reinterpret_cast<float*>(sb)[L::SB_KF + cs] = e8m0_to_float((uint32_t)b) * kmul;  // 255 -> NaN
+        // 255 -> NaN; wgmma: times the logits' factor (kmul, one per CTA there)
+        reinterpret_cast<float*>(sb)[L::SB_KF + cs] = kWG ? e8m0_to_float((uint32_t)b) * kmul : e8m0_to_float((uint32_t)b);
       } else {
         sb[L::SB_VB + cs] = b;
         const int tok = tok_of(i, cs);
@@ -363,17 +363,18 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   }
 
   // ---- Q: this warp's 16 rows, the transforms in fp32 (D/8 lanes per row), the sink's and
-  //      the cap's per-row terms, the CTA's power-of-two prescale (one per CTA, so that the K
-  //      scales can carry it), fp16 A fragments (mma.sync) or fp16 rows in shared memory (wgmma:
-  //      ptxas 13.0 reused the registers of an A fragment read by every step's MMA for
-  //      temporaries at D 64) ----
+  //      the cap's per-row terms, a power-of-two prescale, fp16 A fragments (mma.sync) or fp16
+  //      rows in shared memory (wgmma: ptxas 13.0 reused the registers of an A fragment read by
+  //      every step's MMA for temporaries at D 64). The prescale: wgmma, one per CTA, so that
+  //      the K-scale floats carry kmul (16 multiplies fewer per step and thread); mma.sync, one
+  //      per warp (the CTA-wide one made the sm_80 build of the K8V4 kernel spill 20 bytes) ----
   constexpr int LPR = D / 8, RPP = 32 / LPR;  // lanes per row, rows per pass
   float* qraw = reinterpret_cast<float*>(smem + L::OFF_DEC) + warp * 16 * D;  // aliases the decode buffers
   const int col = (lane % LPR) * 8;  // the lane's Q chunk, the same in every pass
   QChunk qc;  // its transform inputs (the CTA's rows share slot and kv head)
   load_q_chunk<D, kStates>(p, slot, kvh, col, sink_here, qc);
   unsigned* qamax = reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX);
-  if (tid == 0) *qamax = 0u;  // before q_prescale_exponent's first barrier
+  if (kWG && tid == 0) *qamax = 0u;  // before q_prescale_exponent's first barrier
   unsigned amax_bits = 0;
 #pragma unroll 1
   for (int r0 = 0; r0 < 16; r0 += RPP) {
@@ -389,7 +390,13 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
 #pragma unroll
     for (int e = 0; e < 8; ++e) amax_bits = max(amax_bits, __float_as_uint(fabsf(qv[e])));
   }
-  const int qexp = q_prescale_exponent(amax_bits, qamax);  // also: the warp's qraw rows are written
+  int qexp;
+  if constexpr (kWG) {
+    qexp = q_prescale_exponent(amax_bits, qamax);  // also: the warp's qraw rows are written
+  } else {
+    qexp = prescale_exponent(__reduce_max_sync(0xffffffffu, amax_bits));
+    __syncwarp();
+  }
   uint32_t qa[kWG ? 1 : D / 16][4];
   const float qmul = pow2i(qexp);
   if constexpr (kWG) {  // 16-byte chunk c of row r: 8 values from qraw, laid out as a tile of ROWS rows
@@ -451,11 +458,12 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     float x[TK / 8][4];
 #pragma unroll
     for (int j = 0; j < TK / 8; ++j) {
-      const float2 kf = *reinterpret_cast<const float2*>(sb + L::SB_KF + 8 * j + 2 * t4);
-      x[j][0] = sacc[j][0] * kf.x;
-      x[j][1] = sacc[j][1] * kf.y;
-      x[j][2] = sacc[j][2] * kf.x;
-      x[j][3] = sacc[j][3] * kf.y;
+      const float2 kb = *reinterpret_cast<const float2*>(sb + L::SB_KF + 8 * j + 2 * t4);
+      const float kf0 = kWG ? kb.x : kb.x * kmul, kf1 = kWG ? kb.y : kb.y * kmul;
+      x[j][0] = sacc[j][0] * kf0;
+      x[j][1] = sacc[j][1] * kf1;
+      x[j][2] = sacc[j][2] * kf0;
+      x[j][3] = sacc[j][3] * kf1;
     }
     if (cap) {
 #pragma unroll
@@ -494,14 +502,16 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     //      32 tokens; vmax <= VM): one multiply per token. Two copies behind a CTA-uniform
     //      branch: a step with a visible V byte 255 (NaN) selects 0 for masked tokens, so that
     //      their NaN cannot reach a row; other steps need no select (every factor is finite) ----
+    // (mma.sync reads them where used: the array made its sm_80 build spill)
     float vhalf[TK / 32];
 #pragma unroll
-    for (int i = 0; i < TK / 32; ++i) vhalf[i] = p_vscale((uint32_t)sb[L::SB_VMAX + i], VM);
+    for (int i = 0; i < TK / 32; ++i) vhalf[i] = kWG ? p_vscale((uint32_t)sb[L::SB_VMAX + i], VM) : 0.f;
     auto make_p = [&](auto nan_path) {
 #pragma unroll
       for (int j = 0; j < TK / 8; ++j) {
         const float2 vg = *reinterpret_cast<const float2*>(sb + L::SB_VG + 8 * j + 2 * t4);
-        float vf0 = vg.x * vhalf[j / 4], vf1 = vg.y * vhalf[j / 4];
+        const float vh = kWG ? vhalf[j / 4] : p_vscale((uint32_t)sb[L::SB_VMAX + j / 4], VM);
+        float vf0 = vg.x * vh, vf1 = vg.y * vh;
         if constexpr (decltype(nan_path)::value) {
           const int2 vb = *reinterpret_cast<const int2*>(sb + L::SB_VB + 8 * j + 2 * t4);
           if (vb.x == 255) vf0 = __int_as_float(0x7fc00000);
