@@ -306,8 +306,6 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   // logit = S * 2^(kb - 127) * kmul: kmul folds 2^DEC_EXP (decode), 2^-qexp (the Q prescale),
   // scale and, without a cap, log2(e) (exp2 domain); set once Q is prepared
   float kmul = 0.f;
-  // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
-  // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps)
   // where the thread's chunks go in a decoded tile (the same in every step)
   uint32_t k_off[NK];
 #pragma unroll
@@ -317,6 +315,10 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   }
   const uint32_t v_off = L::DEC_K + dec_off<TK>(cv, (tid % L::VCPR) * 4);
   uint32_t st_dec = 0, buf_dec = 0;  // ring stage and decode buffer of the next decode
+  // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
+  // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps).
+  // (The buffer rotation below is next_buf's, written out: calling next_buf here moved ptxas's
+  // register allocation enough to spill 8 bytes in the sm_80 K8V4 build at 255 registers.)
   auto decode = [&](int i) {
     const int sd = (int)st_dec;
     const uint8_t* raw = smem + st_dec * L::RAW;
