@@ -44,8 +44,10 @@ __device__ __forceinline__ void mma_m16n8k16_f16(float (&c)[4], const uint32_t (
 // Shared memory written by ordinary stores must be published to the MMAs' (async) proxy by
 // fence_proxy_async() in the writing threads before the barrier that precedes the MMA.
 #define TQ_ACC8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+// accumulate = false: D = A B, the previous contents of d ignored (no zeroing before a chain).
 template <int kTransB>
-__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                    bool accumulate = true) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
@@ -53,7 +55,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16(float (&d)[32], const uint32
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
       : TQ_ACC8(d, 0), TQ_ACC8(d, 8), TQ_ACC8(d, 16), TQ_ACC8(d, 24)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate), "n"(kTransB)
       : "memory");
 #else
   __trap();  // SM90a only
@@ -138,6 +140,46 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
 }
+// ---- bar.sync / bar.arrive id, n (named barriers, SM70+) --------------------------------------
+// Barrier `id` (1-15; 0 is __syncthreads') completes once n threads (a multiple of 32, whole
+// warps) have reached it: bar.arrive counts this thread's warp and goes on, bar.sync counts it
+// and waits for completion (and orders the warp's earlier shared-memory accesses before the
+// waiting warps' later ones, as __syncthreads does). A producer / consumer hand-off: producers
+// arrive, consumers sync, n = both counts.
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t n) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t n) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(n) : "memory");
+}
+// bar.red.or.pred: bar.sync that also returns the OR of the n threads' predicates.
+__device__ __forceinline__ bool named_barrier_or(uint32_t id, uint32_t n, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r) : "r"((uint32_t)pred), "r"(id), "r"(n) : "memory");
+  return r != 0;
+}
+
+// ---- setmaxnreg.{dec,inc}.sync.aligned.u32 N (SM90a) -----------------------------------------
+// Gives back (dec) or claims (inc) registers for the rest of the warpgroup's run: every warp of a
+// warpgroup executes it; N in [24, 256], a multiple of 8. The kernel's own count comes from its
+// launch bounds; the sum over the CTA's warpgroups must stay within 64K registers per SM.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg count");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg count");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
 // Tells the compiler that the registers r may change here (no instruction): placed after
 // wgmma_wait so that no read of an asynchronously written accumulator moves above the wait.
 // (reg_fence on an A fragment after the wait keeps its registers from being reused earlier.)

@@ -469,14 +469,20 @@ __device__ __forceinline__ int prescale_exponent(unsigned amax_bits) {
   return min(max(15 - E, -100), 100);
 }
 // The same, CTA-wide, from each thread's amax bits. word: a shared word set to 0 before the
-// first __syncthreads of the kernel. Two __syncthreads.
-__device__ __forceinline__ int q_prescale_exponent(unsigned amax_bits, unsigned* word) {
+// first barrier of the kernel. Two barriers: cta_sync(), every thread of the CTA (__syncthreads
+// by default; a named barrier where the CTA's warps reach it from different code, as the
+// prefill kernel's producer and consumer warps do).
+template <typename Sync>
+__device__ __forceinline__ int q_prescale_exponent(unsigned amax_bits, unsigned* word, Sync cta_sync) {
 #pragma unroll
   for (int o = 16; o; o >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, o));
-  __syncthreads();
+  cta_sync();
   if ((threadIdx.x & 31) == 0) atomicMax(word, amax_bits);
-  __syncthreads();
+  cta_sync();
   return prescale_exponent(*word);
+}
+__device__ __forceinline__ int q_prescale_exponent(unsigned amax_bits, unsigned* word) {
+  return q_prescale_exponent(amax_bits, word, [] { __syncthreads(); });
 }
 
 // Merge weights of W per-warp softmax states (m, l) of one row (m[w * stride], l[w * stride]):

@@ -12,17 +12,21 @@
 // warp) and its warps walk the SAME KV steps: each step's codes are copied
 // once (cp.async ring) and decoded once into shared memory as fp16, which every warp reads: the
 // decode is shared by 8 row tiles. Two MMA paths over the same tiles, fp32 accumulation:
-//   SM90a: warpgroup MMAs (wgmma), a warpgroup's 64 rows per MMA; S = Q K^T with Q and K from
-//     shared memory, O += P' V with P' from registers; both asynchronous (below);
-//   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): FA2-style m16n8k16 mma.sync per warp, Q fragments in
-//     registers, K / V fragments by ldmatrix.
-// H100, 32/8/128, 1 x 2048 @ 16k (2026-11-27): wgmma 1840 us (280 TFLOP/s), mma.sync 2541 us.
+//   SM90a: warp-specialized. W producer warps copy and decode (setmaxnreg: 48 registers), W row
+//     warps (two warpgroups, 208 registers) run warpgroup MMAs (wgmma), a warpgroup's 64 rows
+//     per MMA: S = Q K^T with Q fragments in registers, K from shared memory, O += P' V with P'
+//     from registers, both asynchronous; the tiles change hands through named barriers (below);
+//   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): every warp copies, decodes and computes: FA2-style
+//     m16n8k16 mma.sync per warp, Q fragments in registers, K / V fragments by ldmatrix.
+// H200, 32/8/128, 1 x 2048 @ 16k (2026-11-27): 1548 us (333 TFLOP/s) warp-specialized, 1883 us
+// (274) when every warp of the wgmma path also decoded (H100, earlier: 1840 us, mma.sync 2541).
 // Grid (row groups * num_kv_heads, 1), kv head fastest: sequence s owns row groups
 //   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
 //   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
 //   Rows are query-token major as in the general kernel: row R -> token R / G, head R % G.
 // Per KV step of TK = PREFILL_TILE tokens (PREFILL_STAGES-deep ring of raw codes):
-//   copy: thread t copies 16-byte chunks t (+ 32 W i: E4M3 keys at D 128 have two) of the K
+//   copy (thread t of the NT = 32 W copying threads: the producer warps with wgmma, every warp
+//     below): thread t copies 16-byte chunks t (+ 32 W i: E4M3 keys at D 128 have two) of the K
 //     and chunk t of the V codes, and threads [0, 2 TK) one scale word each (K, then V);
 //     16-token sub-tiles outside the CTA's key range are not copied (their block may not
 //     exist); a bad block id of a needed sub-tile makes the CTA's rows NaN, never a read.
@@ -40,8 +44,10 @@
 //     with the general kernel's lazy rescaling and V-scale folding (P' = p * 2^(vb - VM + 15 -
 //     SLACK) = p * 2^(vb - vmax) * 2^(vmax - VM + 15 - SLACK): one multiply per token), O += P' V.
 //     Steps outside the unit's rows' key range skip the compute.
-//   The next step's decode runs while this step's S MMAs do (wgmma: asynchronously; mma.sync:
-//   in other warps); one __syncthreads per step.
+//   wgmma: the producers run up to two steps ahead (three tiles: FULL / EMPTY barriers); the
+//   row warps wait for step k's tile, issue S, wait for it (and for step k - 1's P V, whose tile
+//   they then hand back), do the softmax and issue P V. mma.sync: the next step's decode runs
+//   while other warps do this step's MMAs; one __syncthreads per step.
 // Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
 //   and the lse (kStates), the un-rotation, the store; no cross-warp merge (each warp owns its
 //   rows). One partition (no split-KV).
@@ -58,7 +64,9 @@ namespace cuda_fp4 {
 
 template <int D, bool kE4m3, bool kWG>
 struct PrefillLayout {
-  static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS, NT = 32 * W;
+  // W warps hold the rows (16 each); NT threads copy and decode: the same W warps below SM90,
+  // W more (producers) with wgmma; NTH threads in all
+  static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS, NT = 32 * W, NTH = kWG ? 2 * NT : NT;
   static constexpr int TK = tuning::PREFILL_TILE, ST = tuning::PREFILL_STAGES;
   static constexpr int KROWB = KeyRow<D, kE4m3>::BYTES, VROWB = D / 2;  // code bytes per token
   static constexpr int KCPR = KROWB / 16, VCPR = VROWB / 16;         // 16-byte chunks per token
@@ -78,14 +86,17 @@ struct PrefillLayout {
   static constexpr int SB_KF = 0, SB_VB = TK, SB_VMAX = 2 * TK, SB_VNAN = SB_VMAX + TK / 32, SB_VG = SB_VNAN + TK / 32;
   static constexpr int DEC = (OFF_SB + (SB_VG + TK) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
   static constexpr int NDEC = kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
+  // wgmma: named barriers FULL + b / EMPTY + b of decode buffer b, DONE after the main loop,
+  // and BAR_CTA for the whole CTA before the split's end (its warps reach it from two code paths:
+  // __syncthreads there is a divergent barrier, compute-sanitizer's synccheck says)
+  static constexpr int BAR_FULL = 1, BAR_EMPTY = 1 + NDEC, BAR_DONE = 1 + 2 * NDEC, BAR_CTA = 2 + 2 * NDEC;
+  static_assert(BAR_CTA < 16, "16 hardware barriers");
   static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
   static constexpr int BIG_A = NDEC * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
   static constexpr int BIG = BIG_A > BIG_B ? (BIG_A > BIG_C ? BIG_A : BIG_C) : (BIG_B > BIG_C ? BIG_B : BIG_C);
   static constexpr int OFF_DEC = (ST * RAW + 1023) / 1024 * 1024;  // NDEC decode buffers; aliased by
                                                      // the prologue's fp32 Q rows and the epilogue's O
-  // wgmma: the CTA's fp16 Q rows, D / 64 panels of [ROWS][128 bytes] swizzled as the tiles
-  static constexpr int QPANEL = ROWS * 128, OFF_Q = (OFF_DEC + BIG + 1023) / 1024 * 1024, QBYTES = kWG ? ROWS * 2 * D : 0;
-  static constexpr int OFF_ROWS = OFF_Q + QBYTES;    // per CTA row: q'.k0', scale * q.m, m, l
+  static constexpr int OFF_ROWS = OFF_DEC + BIG;     // per CTA row: q'.k0', scale * q.m, m, l
   static constexpr int OFF_QAMAX = OFF_ROWS + 4 * ROWS * 4;  // wgmma: one word, the CTA's max |q| (bits)
   static constexpr int TOTAL = OFF_QAMAX + 16 + 1024;  // + the base's alignment to 1024
 };
@@ -137,18 +148,19 @@ __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4
   else wgmma_m64n128k16_f16<kTransB>(d, a, desc_b);
 }
 
-// grid (row groups * num_kv_heads, 1), block 32 * PREFILL_WARPS, dynamic smem
-// prefill_smem_bytes<D, kE4m3> bytes. Requires cu_query_lens and num_partitions == 1
+// grid (row groups * num_kv_heads, 1), block prefill_threads(major) (32 * PREFILL_WARPS, twice
+// that on SM90a: the producer warps), dynamic smem prefill_smem_bytes<D, kE4m3> bytes. Requires cu_query_lens and num_partitions == 1
 // (prefill_kernel_runs). kStates: the lse output or learned sinks are asked for (as the
 // general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
-template <int D, typename T, bool kStates, bool kE4m3>
-__global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MIN_BLOCKS)
-    paged_attention_fp4_prefill_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(TQ_PREFILL_MMA_SYNC)
-  constexpr bool kWG = true;  // warpgroup MMAs (SM90a); ldmatrix + mma.sync below
+#define TQ_PREFILL_KWG true  // warpgroup MMAs, producer and consumer warps (SM90a)
 #else
-  constexpr bool kWG = false;
+#define TQ_PREFILL_KWG false  // ldmatrix + mma.sync, every warp both
 #endif
+template <int D, typename T, bool kStates, bool kE4m3>
+__global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, tuning::PREFILL_MIN_BLOCKS)
+    paged_attention_fp4_prefill_kernel(const AttnParams p) {
+  constexpr bool kWG = TQ_PREFILL_KWG;
   using L = PrefillLayout<D, kE4m3, kWG>;
   constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
   static_assert(!kWG || (TK == 64 && L::W % 4 == 0 && L::NDEC >= 3),
@@ -159,6 +171,10 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   uint8_t* const smem = smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
+  // wgmma: warps [0, W) copy and decode (producers), warps [W, 2 W) hold the rows (consumers);
+  // mma.sync: every warp does both. cw: the consumer warp's index (its rows 16 cw .. 16 cw + 15)
+  const bool producer = !kWG || warp < L::W;
+  const int cw = kWG ? warp - L::W : warp;
   const int G = p.group_size, Hkv = p.num_kv_heads;
   const int grp = blockIdx.x / Hkv, kvh = blockIdx.x - grp * Hkv;
   pdl_wait();
@@ -214,14 +230,14 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   const bool cap = p.soft_cap > 0.f, cap_state = cap && p.seq_state != nullptr;
 
   // ---- this warp's 16 rows and their key ranges ----
-  const int wrow0 = row0 + 16 * warp;
-  const bool wactive = wrow0 < nrows;
+  const int wrow0 = row0 + 16 * cw;
+  const bool wactive = wrow0 < nrows;  // (read by consumers only)
   const int wlast = min(wrow0 + 15, nrows - 1);
   const int sink_lo = p.sink ? 1 : 0;
   const int w_lo_max = max(row_lo(wlast / G), sink_lo);
   const int w_hi_min = row_hi(wrow0 / G);
   // the MMA unit's rows: its key range decides which steps it computes (unit-uniform)
-  const int urow0 = row0 + UROWS * (warp / (UROWS / 16)), ulast = min(urow0 + UROWS - 1, nrows - 1);
+  const int urow0 = row0 + UROWS * (cw / (UROWS / 16)), ulast = min(urow0 + UROWS - 1, nrows - 1);
   const bool uactive = urow0 < nrows;
   const int u_lo_min = max(row_lo(urow0 / G), sink_lo), u_hi_max = row_hi(ulast / G);
   int rlo[2], rhi[2];  // rows g, g+8 (rows past the sequence see nothing)
@@ -267,7 +283,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     b_v = raw_bid(tok_of(i, cv));
     b_s = raw_bid(tok_of(i, cs));
   };
-  if (nsteps > 0) prefetch(0);
+  if (producer && nsteps > 0) prefetch(0);
   uint32_t st_issue = 0, nib_ring = 0;  // nib_ring: per stage, copied (bit 2) | scale byte (bits 0-1)
   bool bad = false;
   auto issue = [&](int i) {
@@ -358,26 +374,74 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     }
     if constexpr (kWG) fence_proxy_async();  // the tile is read by wgmma after the next barrier
   };
+  // a barrier of every thread (wgmma: reached from the producer and the consumer code)
+  auto cta_sync = [] {
+    if constexpr (kWG) named_barrier_sync(L::BAR_CTA, L::NTH);
+    else __syncthreads();
+  };
+  auto first_copies = [&]() {  // steps 0 .. ST - 2
 #pragma unroll
-  for (int i = 0; i < ST - 1; ++i) {
-    if (i < nsteps) issue(i);
-    cp_async_commit();
+    for (int i = 0; i < ST - 1; ++i) {
+      if (i < nsteps) issue(i);
+      cp_async_commit();
+    }
+  };
+  // logit = S * 2^(kb - 127) * kmul (above), from Q's prescale exponent
+  auto logit_factor = [&](int qexp) { return p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E); };
+  if constexpr (kWG) {
+    // Producer and consumer warps, NDEC decoded tiles between them. Named barriers: FULL + b
+    // (tile b holds its step: producers arrive, consumers wait) and EMPTY + b (tile b's step has
+    // been read: consumers arrive, producers wait before writing it again); each takes every
+    // thread of the CTA, and each of its uses completes before the next begins (a producer
+    // writes tile b again only after EMPTY + b, which the consumers reach after FULL + b). DONE:
+    // the OR of the producers' bad block ids, once every warp is past its loop (the epilogue's
+    // O rows alias the tiles). The roles split here, before Q, and never join: ptxas allocates
+    // registers per setmaxnreg region, and code before a split or after a join has to fit the
+    // smaller count (the Q transforms spilled at 80 when the split came after them).
+    if (producer) {
+      // step j: the copy of step j + ST - 1 issued, step j's codes waited for and decoded
+      setmaxnreg_dec<tuning::PREFILL_PRODUCER_REGS>();
+      first_copies();
+      // the consumers prepare Q: the prescale's barriers (the maximum word zeroed before the
+      // first) and the one after it
+      unsigned* qamax = reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX);
+      if (tid == 0) *qamax = 0u;
+      kmul = logit_factor(q_prescale_exponent(0u, qamax, cta_sync));
+      cta_sync();
+      uint32_t b = 0;
+#pragma unroll 1
+      for (int j = 0; j < nsteps; ++j) {
+        if (j + ST - 1 < nsteps) issue(j + ST - 1);  // into the stage step j - 1 left
+        cp_async_commit();
+        if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + b, L::NTH);  // step j - NDEC's tile is free
+        cp_async_wait<ST - 1>();
+        decode(j);  // (fence_proxy_async: its tile is read by wgmma)
+        named_barrier_arrive(L::BAR_FULL + b, L::NTH);
+        b = b + 1 == L::NDEC ? 0 : b + 1;
+      }
+      cp_async_wait<0>();
+      if (named_barrier_or(L::BAR_DONE, L::NTH, bad)) write_const_rows(__int_as_float(0x7fc00000), 0.f);
+      return;
+    }
+    setmaxnreg_inc<tuning::PREFILL_CONSUMER_REGS>();
+  } else {
+    first_copies();
   }
 
   // ---- Q: this warp's 16 rows, the transforms in fp32 (D/8 lanes per row), the sink's and
-  //      the cap's per-row terms, a power-of-two prescale, fp16 A fragments (mma.sync) or fp16
-  //      rows in shared memory (wgmma: ptxas 13.0 reused the registers of an A fragment read by
-  //      every step's MMA for temporaries at D 64). The prescale: wgmma, one per CTA, so that
+  //      the cap's per-row terms, a power-of-two prescale, fp16 A fragments in registers (both
+  //      paths: with wgmma, S from registers reads 32 KB less shared memory per step than Q
+  //      rows in shared memory did; the row warps hold 200 registers). The prescale: wgmma, one per CTA, so that
   //      the K-scale floats carry kmul (16 multiplies fewer per step and thread); mma.sync, one
-  //      per warp (the CTA-wide one made the sm_80 build of the K8V4 kernel spill 20 bytes) ----
+  //      per warp (the CTA-wide one made the sm_80 build of the K8V4 kernel spill 20 bytes).
+  //      Its maximum is over the finite |q| (a NaN or Inf row stays so, and does not switch the
+  //      prescale off for the rows beside it). wgmma: the producer warps only join its barriers ----
   constexpr int LPR = D / 8, RPP = 32 / LPR;  // lanes per row, rows per pass
-  float* qraw = reinterpret_cast<float*>(smem + L::OFF_DEC) + warp * 16 * D;  // aliases the decode buffers
+  float* qraw = reinterpret_cast<float*>(smem + L::OFF_DEC) + cw * 16 * D;  // aliases the decode buffers
   const int col = (lane % LPR) * 8;  // the lane's Q chunk, the same in every pass
+  unsigned amax_bits = 0;
   QChunk qc;  // its transform inputs (the CTA's rows share slot and kv head)
   load_q_chunk<D, kStates>(p, slot, kvh, col, sink_here, qc);
-  unsigned* qamax = reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX);
-  if (kWG && tid == 0) *qamax = 0u;  // before q_prescale_exponent's first barrier
-  unsigned amax_bits = 0;
 #pragma unroll 1
   for (int r0 = 0; r0 < 16; r0 += RPP) {
     const int r = r0 + lane / LPR, R = wrow0 + r;
@@ -386,46 +450,37 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
       v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) + (q0 + R / G) * p.q_stride_tok +
                                           (kvh * G + R % G) * p.q_stride_head + col);
     float qv[8];
-    prepare_q8<D, T, kStates>(p, qc, v, sink_here, col == 0, sinkS + 16 * warp + r, qmS + 16 * warp + r, qv, lane);
+    prepare_q8<D, T, kStates>(p, qc, v, sink_here, col == 0, sinkS + 16 * cw + r, qmS + 16 * cw + r, qv, lane);
     *reinterpret_cast<float4*>(qraw + r * D + col) = make_float4(qv[0], qv[1], qv[2], qv[3]);
     *reinterpret_cast<float4*>(qraw + r * D + col + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) amax_bits = max(amax_bits, __float_as_uint(fabsf(qv[e])));
+    for (int e = 0; e < 8; ++e) {
+      const unsigned a = __float_as_uint(fabsf(qv[e]));
+      if (a < 0x7f800000u) amax_bits = max(amax_bits, a);
+    }
   }
   int qexp;
   if constexpr (kWG) {
-    qexp = q_prescale_exponent(amax_bits, qamax);  // also: the warp's qraw rows are written
+    qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX), cta_sync);  // also: the warp's qraw rows are written
   } else {
     qexp = prescale_exponent(__reduce_max_sync(0xffffffffu, amax_bits));
     __syncwarp();
   }
-  uint32_t qa[kWG ? 1 : D / 16][4];
+  uint32_t qa[D / 16][4];  // the A fragments of S = Q K^T (warp MMA and wgmma: the same layout)
   const float qmul = pow2i(qexp);
-  if constexpr (kWG) {  // 16-byte chunk c of row r: 8 values from qraw, laid out as a tile of ROWS rows
 #pragma unroll
-    for (int i = lane; i < 16 * D / 8; i += 32) {
-      const int r = i / (D / 8), c = i % (D / 8);
-      const float* a = qraw + r * D + 8 * c;
-      *reinterpret_cast<uint4*>(smem + L::OFF_Q + dec_off<L::ROWS>(16 * warp + r, c)) =
-          make_uint4(pack_f16x2(a[0] * qmul, a[1] * qmul), pack_f16x2(a[2] * qmul, a[3] * qmul),
-                     pack_f16x2(a[4] * qmul, a[5] * qmul), pack_f16x2(a[6] * qmul, a[7] * qmul));
-    }
-    fence_proxy_async();
-  } else {
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const float* a = qraw + g * D + 16 * ks + 2 * t4;
-      const float* b = a + 8 * D;  // row g + 8
-      qa[ks][0] = pack_f16x2(a[0] * qmul, a[1] * qmul);
-      qa[ks][1] = pack_f16x2(b[0] * qmul, b[1] * qmul);
-      qa[ks][2] = pack_f16x2(a[8] * qmul, a[9] * qmul);
-      qa[ks][3] = pack_f16x2(b[8] * qmul, b[9] * qmul);
-    }
+  for (int ks = 0; ks < D / 16; ++ks) {
+    const float* a = qraw + g * D + 16 * ks + 2 * t4;
+    const float* b = a + 8 * D;  // row g + 8
+    qa[ks][0] = pack_f16x2(a[0] * qmul, a[1] * qmul);
+    qa[ks][1] = pack_f16x2(b[0] * qmul, b[1] * qmul);
+    qa[ks][2] = pack_f16x2(a[8] * qmul, a[9] * qmul);
+    qa[ks][3] = pack_f16x2(b[8] * qmul, b[9] * qmul);
   }
-  const float qm_row[2] = {cap_state ? qmS[16 * warp + g] : 0.f, cap_state ? qmS[16 * warp + g + 8] : 0.f};
-  kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
+  const float qm_row[2] = {cap_state ? qmS[16 * cw + g] : 0.f, cap_state ? qmS[16 * cw + g + 8] : 0.f};
+  kmul = logit_factor(qexp);
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
-  __syncthreads();  // every warp's Q is in registers or its rows: the decode buffers are free
+  cta_sync();  // every warp's Q is in registers: the decode buffers are free
 
   // the next step's codes: wait for them, decode them, refill the ring (step j's decode is
   // followed by step j + ST - 1's copy, into the stage step j - 1 left)
@@ -437,8 +492,10 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     if (j + ST - 1 < nsteps) issue(j + ST - 1);
     cp_async_commit();
   };
-  decode_next(0);
-  __syncthreads();
+  if constexpr (!kWG) {  // (wgmma: the producer warps' loop above)
+    decode_next(0);
+    __syncthreads();
+  }
 
   float acc[D / 8][4];
 #pragma unroll
@@ -540,37 +597,31 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   auto next_buf = [](uint32_t buf) { return buf + L::DEC == L::NDEC * L::DEC ? 0u : buf + L::DEC; };
 
   if constexpr (kWG) {
-    // Per step k (one barrier): S = Q K^T issued, step k + 1 decoded while it runs, the wait
-    // (for S and for step k - 1's O += P' V), softmax, O += P' V issued (it runs into the next
-    // step). Three tiles: step k - 1's (P V), k's (S, then P V), k + 1's (written). Issuing
-    // S(k + 1) before step k's softmax instead (two S accumulators, the decode two steps ahead)
-    // was slower: 2437 vs 2150 us at 1 x 2048 @ 16k (H100, two runs of the same bench, before
-    // the K-scale floats). ncu of this loop now (1870 us under ncu): ~750 instructions per warp
-    // and step (717 M in all), 0.42 issued and 0.54 eligible warps of 2 per scheduler: bound by
-    // instruction latency and count, not by the tensor cores. Straight-line predicated copies
-    // instead of the branches in issue() were 1 % slower (H100, same call).
-    // descriptors of the warpgroup's 64 Q rows and of decode buffer 0's K and V tiles; a k16
-    // slice and another buffer are byte offsets added to them (wgmma_desc_advance)
-    const uint64_t qdesc = wgmma_desc_sw128(raw_s + L::OFF_Q + (warp >> 2) * 64 * 128, 16, 1024);
+    // Per step k: wait for its tile (FULL), S = Q K^T, the wait (for S and for step k - 1's
+    // O += P' V, whose tile is then handed back: EMPTY), softmax, O += P' V issued (it runs into
+    // the next step). Issuing S(k + 1) before step k's softmax instead (two S accumulators) was
+    // slower when every warp also decoded: 2437 vs 2150 us at 1 x 2048 @ 16k (H100).
+    // descriptors of decode buffer 0's K and V tiles; a k16 slice and another buffer are byte
+    // offsets added to them (wgmma_desc_advance)
     const uint64_t kdesc = wgmma_desc_sw128(dec_s, 16, 1024);
     const uint64_t vdesc = wgmma_desc_sw128(dec_s + L::DEC_K, L::DPANEL, 1024);
     uint32_t pa[TK / 16][4];  // P' of step k: read by its O += P' V until the next step's wait
-    uint32_t buf = 0;
+    uint32_t buf = 0, b = 0, b_prev = L::NDEC - 1;
 #pragma unroll 1
-    for (int k = 0; k < nsteps; ++k, buf = next_buf(buf)) {
+    for (int k = 0; k < nsteps; ++k) {
+      named_barrier_sync(L::BAR_FULL + b, L::NTH);
       const bool wdo = unit_does(k);
       float sacc[TK / 8][4];  // written whole by the first MMA (no accumulate), read only if wdo
       if (wdo) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks)
-          wgmma_m64n64k16_f16_ss(reinterpret_cast<float(&)[TK / 2]>(sacc),
-                                 wgmma_desc_advance(qdesc, (ks >> 2) * L::QPANEL + (ks & 3) * 32),
+          wgmma_m64n64k16_f16<0>(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks],
                                  wgmma_desc_advance(kdesc, buf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
         wgmma_commit();
       }
-      decode_next(k + 1);
-      wgmma_wait<0>();  // every unit: its tiles are reused
+      wgmma_wait<0>();  // every unit: the barrier hands its tiles back
+      if (k > 0 && k - 1 + L::NDEC < nsteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
       reg_fence(reinterpret_cast<float(&)[TK / 2]>(sacc));
       reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
       reg_fence(pa);
@@ -582,7 +633,9 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
           wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pa[u], wgmma_desc_advance(vdesc, buf + u * 16 * 128));
         wgmma_commit();
       }
-      __syncthreads();  // step k + 1's tile is complete; step k - 1's is free (waited above)
+      b_prev = b;
+      b = b + 1 == L::NDEC ? 0 : b + 1;
+      buf = next_buf(buf);
     }
     wgmma_wait<0>();
     reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
@@ -629,7 +682,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
       __syncthreads();  // step k's tile is free; step k + 1's is complete
     }
   }
-  cp_async_wait<0>();
+  cp_async_wait<0>();  // (wgmma: from here on the consumer warps only)
 
   // ---- epilogue: per row, O / l, the sink, the un-rotation, the store ----
 #pragma unroll
@@ -637,12 +690,14 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], 1);
     l_run[rh] += __shfl_xor_sync(0xffffffffu, l_run[rh], 2);
   }
-  if (__syncthreads_or(bad)) {  // also: every warp is done with the decode buffers
+  // the barrier (wgmma: DONE, which the producers reach after their loop) also: every warp is
+  // done with the decode buffers, which the O rows alias; true: a needed block id was out of range
+  if (kWG ? named_barrier_or(L::BAR_DONE, L::NTH, bad) : __syncthreads_or(bad)) {
     write_const_rows(__int_as_float(0x7fc00000), 0.f);
     return;
   }
   if (!wactive) return;
-  float* ob = reinterpret_cast<float*>(smem + L::OFF_DEC) + warp * 16 * L::OPITCH;
+  float* ob = reinterpret_cast<float*>(smem + L::OFF_DEC) + cw * 16 * L::OPITCH;
   {
     const float osc = pow2i(VM - 142 + TQ_SLACK + TQ_DEC_EXP);  // undo P's and the decode's powers of two
 #pragma unroll
@@ -652,10 +707,10 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
           make_float2(acc[j][2] * osc, acc[j][3] * osc);
     }
     if (t4 == 0) {
-      mS[16 * warp + g] = m_run[0];
-      mS[16 * warp + g + 8] = m_run[1];
-      lS[16 * warp + g] = l_run[0];
-      lS[16 * warp + g + 8] = l_run[1];
+      mS[16 * cw + g] = m_run[0];
+      mS[16 * cw + g + 8] = m_run[1];
+      lS[16 * cw + g] = l_run[0];
+      lS[16 * cw + g + 8] = l_run[1];
     }
   }
   __syncwarp();
@@ -664,7 +719,7 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
   for (int pass = 0; pass < 2; ++pass) {
     const int r = 8 * pass + (lane >> 2), d0 = (lane & 3) * N, R = wrow0 + r;
     const bool valid = R < nrows;  // rows past the sequence still join the shuffles
-    float M = mS[16 * warp + r], Ls = lS[16 * warp + r];
+    float M = mS[16 * cw + r], Ls = lS[16 * cw + r];
     const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
     float a[N];
 #pragma unroll
@@ -675,11 +730,11 @@ __global__ void __launch_bounds__(32 * tuning::PREFILL_WARPS, tuning::PREFILL_MI
     if (sink_here && valid && row_lo(R / G) == 0 && row_hi(R / G) >= 0) {
       float sv[N];
       load_sink_value<D>(p, slot, kvh, d0, sv);
-      merge_sink<N>(sink_logit(p, sinkS[16 * warp + r], cap_state ? qmS[16 * warp + r] : 0.f), sv, M, Ls, a);
+      merge_sink<N>(sink_logit(p, sinkS[16 * cw + r], cap_state ? qmS[16 * cw + r] : 0.f), sv, M, Ls, a);
     }
     const int tok = q0 + R / G, head = kvh * G + R % G;
     if constexpr (kStates) {  // the learned sink and the lse (true logits), as the general kernel
-      M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[16 * warp + r] : 0.f, M);
+      M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[16 * cw + r] : 0.f, M);
       if (valid) finish_whole_row<N>(p, head, (size_t)tok * p.num_heads + head, (lane & 3) == 0, M, Ls, a);
     }
     if (p.rot_signs != nullptr) unrotate_row<N, 4>(p, a, d0, lane);
@@ -702,10 +757,21 @@ int prefill_smem_bytes(int major) {
   return wg ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
 }
 
+// Threads of a prefill CTA on a device of compute capability `major` (as prefill_smem_bytes: the
+// wgmma build adds the producer warps).
+inline int prefill_threads(int major) {
+#ifdef TQ_PREFILL_MMA_SYNC
+  const bool wg = false;
+#else
+  const bool wg = major == 9;
+#endif
+  return wg ? PrefillLayout<128, false, true>::NTH : PrefillLayout<128, false, false>::NTH;
+}
+
 // The dispatcher's choice: the prefill kernel where tuning::use_prefill_kernel picks it and its
 // shared memory fits the current device. SM86, SM89 and SM12x allow 99 KB per CTA; K8V4 keys at
 // D 128 take 107 KB in the warp-MMA layout, so there those calls run the general kernel.
-// Example: H100 (227 KB), 1 x 2048 @ 16k, FP4 or K8V4: prefill (160 / 172 KB); RTX 4090, the
+// Example: H100 (227 KB), 1 x 2048 @ 16k, FP4 or K8V4: prefill (128 / 140 KB); RTX 4090, the
 // same call with K8V4 keys: general kernel; with FP4 keys: prefill (95 KB).
 inline bool prefill_kernel_runs(bool multi, int D, long long num_tokens, long long num_seqs, int group_size,
                                 bool key_e4m3) {
@@ -733,7 +799,7 @@ cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream
   e = set_smem_attributes_once(kern, smem, attr_set);
   if (e != cudaSuccess) return e;
   // CTA x = row group * num_kv_heads + kv head, as the other kernels
-  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, 1), dim3(32 * tuning::PREFILL_WARPS), smem, stream, p);
+  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, 1), dim3(prefill_threads(major)), smem, stream, p);
 }
 
 }  // namespace cuda_fp4

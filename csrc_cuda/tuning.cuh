@@ -144,13 +144,14 @@ template <int NB> struct DecodeMinBlocks {
 // A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
 // sequence and kv head), 16 per warp; all warps walk the same KV steps of PREFILL_TILE tokens,
 // whose FP4 codes are copied (PREFILL_STAGES-deep cp.async ring) and decoded ONCE into shared
-// memory as fp16, then read by two warpgroups' wgmma (SM90a) or by every warp with ldmatrix.
-// The general kernel decodes each 16-token tile in registers once per 16-row tile.
+// memory as fp16, then read by two warpgroups' wgmma (SM90a: PREFILL_WARPS more warps copy and
+// decode, below) or by every warp with ldmatrix. The general kernel decodes each 16-token tile
+// in registers once per 16-row tile.
 // Example 1 x 2048 query tokens at 16k context, 32/8/128: 8192 rows per kv head -> 64 CTAs x
 // 8 kv heads = 512 CTAs; each 64-token step's 8 KB of codes is decoded by 256 threads (32
 // elements of K and 32 of V each) and feeds 8 warps x 128 MMAs, where the general kernel
-// spends ~150 decode instructions per 32 MMAs. Registers: O (64), S (32), P (16), below SM90
-// Q fragments (32) -> one CTA of 8 warps per SM (160 KB of shared memory on SM90, below).
+// spends ~150 decode instructions per 32 MMAs. Registers of a row warp: O (64), S (32), P (16),
+// Q fragments (32) -> one CTA per SM (128 KB of shared memory on SM90, below).
 // (Overridable for tuning builds, e.g. -DTQ_PREFILL_WARPS=12 (measured: mixed, see NOTES) or,
 // with -DTQ_PREFILL_MMA_SYNC on SM90 (the wgmma path needs 64-token steps and whole
 // warpgroups), -DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32: 64 rows per CTA, two CTAs per SM; the
@@ -169,14 +170,25 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 // Decoded fp16 tiles in flight. SM90a (wgmma): a warpgroup's O += P V of step k runs
 // asynchronously into step k + 1, while step k + 2 is decoded: three buffers. Below (warp MMAs,
 // synchronous): two, which also keeps SM86 / SM89's 99 KB per CTA. Example D 128, FP4 keys:
-// a 26 KB ring of raw codes (3 stages) + 3 x 34 KB tiles (1 KB-aligned) + 32 KB of fp16 Q rows
-// (wgmma reads Q from shared memory) = 160 KB on the H100 (one CTA per SM, as the registers
-// allow); with 2 tiles and Q in registers 95 KB on SM80-SM89 (K8V4 keys at D 128: 107 KB, over
-// SM86 / SM89's 99 KB: prefill_kernel_runs sends those calls to the general kernel).
+// a 26 KB ring of raw codes (3 stages) + 3 x 34 KB tiles (1 KB-aligned) = 128 KB on the H100
+// (K8V4 keys: 140 KB; one CTA per SM, as the registers allow); with 2 tiles 95 KB on SM80-SM89
+// (K8V4 keys at D 128: 107 KB, over SM86 / SM89's 99 KB: prefill_kernel_runs sends those calls
+// to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
 // benchmarks/prefill_peers_check.sh.)
 constexpr int PREFILL_DEC_BUFFERS_WGMMA = 3;
 constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
+// SM90a: PREFILL_WARPS more warps per CTA copy and decode (producers) while the PREFILL_WARPS
+// row warps (consumers, two warpgroups) only compute; setmaxnreg moves registers from the
+// producers to the consumers: 512 threads x 128 registers (the launch bound) = 256 x
+// (PRODUCER + CONSUMER). Example D 128: a consumer holds O (64), S (32), P' (16) and Q (32)
+// fragments, the softmax's logits and state; a producer one step's 16-byte chunks in flight and
+// the copy addresses. The split is where ptxas (13.0) spills nothing in any of the 16
+// instantiations: 40 / 216 spilled 8-68 bytes (producers), 56 / 200 4-28 bytes (consumers,
+// once Q moved into registers).
+constexpr int PREFILL_PRODUCER_REGS = 48;
+constexpr int PREFILL_CONSUMER_REGS = 208;
+static_assert(PREFILL_PRODUCER_REGS + PREFILL_CONSUMER_REGS <= 256, "64K registers per SM");
 // The dispatcher's rule: multi-token calls whose rows average at least one prefill CTA per
 // sequence (num_tokens * group size >= PREFILL_ROWS * num_seqs), D <= 128 (D 256 runs in the
 // general kernel: its fp16 O and Q fragments would not fit). One partition: rows give the
