@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -849,13 +850,23 @@ SANITIZER_CASE = textwrap.dedent("""
 """)
 
 
+# memcheck: no out-of-bounds or misaligned access; racecheck: no shared-memory hazard between
+# threads (the prefill kernel's producer and consumer warps hand tiles over by named barriers).
+# (synccheck is not run: it reports "Divergent thread(s) in block" at the prefill kernel's first
+# named barrier that its producer and consumer warps reach from different code, which the PTX
+# barrier allows (bar.arrive / bar.sync hand-offs are that); NOTES_cuda.md, 2026-11-27 third.)
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
-def test_compute_sanitizer_memcheck(tmp_path):
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer(tmp_path, tool):
     script = tmp_path / "case.py"
     script.write_text(SANITIZER_CASE)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "3",
+    r = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3",
                         sys.executable, str(script)], capture_output=True, text=True, env=env,
                        timeout=900)
     assert r.returncode == 0 and "SANITIZER_CASE_OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "ERROR SUMMARY: 0 errors" in (r.stdout + r.stderr)
+    # memcheck / synccheck end with "ERROR SUMMARY: 0 errors", racecheck with "RACECHECK
+    # SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+    summary = re.search(r"(ERROR|RACECHECK) SUMMARY: (\d+) (errors|hazards displayed \((\d+) errors, (\d+) warnings\))",
+                        r.stdout + r.stderr)
+    assert summary and summary.group(2) == "0", r.stdout[-3000:] + r.stderr[-3000:]
