@@ -6,12 +6,12 @@
 # FlashInfer BF16 / FP8 paged prefill beside them (bench --peers), the variants on two chunk
 # rows, and ncu on one chunk (instruction mix, pipes, stalls).
 #   run: bash benchmarks/prefill_peers_check.sh   (writes under $OUT or ./out; carry .peers)
-# Knobs: VARIANTS="name=flags;..." (default: base and the mma.sync build), PEERS=0 (no
+# Knobs: VARIANTS="name=flags;..." (default: base and the mma.sync build; "" none), PEERS=0 (no
 # FlashInfer, no peer rows), TEST_FLAGS="flags;..." (the prefill tests again on a full build
 # with each, e.g. -DTQ_PREFILL_MMA_SYNC), VROWS (the variants' rows), NCU=0.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-IFS=';' read -ra VARIANTS <<< "${VARIANTS:-base=;mma_sync=-DTQ_PREFILL_MMA_SYNC}"
+IFS=';' read -ra VARIANTS <<< "${VARIANTS-base=;mma_sync=-DTQ_PREFILL_MMA_SYNC}"
 IFS=';' read -ra TEST_FLAGS <<< "${TEST_FLAGS:-}"
 PEERS=${PEERS:-1}
 (
@@ -29,7 +29,7 @@ PEERS=${PEERS:-1}
   wait
 ) 2>&1 | grep -v Warning | tail -20 | tee "$OUT/prewarm.log"
 python -m pytest -q -x -s tests/gpu/test_wgmma_layout.py 2>&1 | tail -8 | tee "$OUT/wgmma_layout.log"
-python -m pytest -q --maxfail=3 tests/gpu/test_cuda_backend.py -k "${TESTS:-prefill or sanitizer}" 2>&1 \
+python -m pytest -q -n 8 --maxfail=3 tests/gpu/test_cuda_backend.py -k "${TESTS:-prefill or sanitizer}" 2>&1 \
   | grep -E "^(FAILED|E  .*(error|assert)|[0-9]+ (passed|failed))" | tail -12 | tee "$OUT/gpu_tests.log"
 for f in "${TEST_FLAGS[@]}"; do
   echo "== $f"

@@ -2,10 +2,11 @@
 # One call on the device machine for speculative decoding through the decode kernel's
 # 16-column form and the prefill kernel (issue 18). Builds in parallel: this tree, each VARIANTS
 # build ("label:flag,flag" words; default: general:-DTQ_SPEC_MAX_COLS=0, where those calls run
-# the general kernel as before) and, when AB_TREE names a copy of an earlier tree, that tree.
-# Then the cuda GPU tests (TESTS: a pytest -k expression), the multi-token rows (ROWS) of this
-# tree, of every variant and of AB_TREE, and (DECODE=1) the decode rows of this tree and of
-# AB_TREE, all in the same run. NCU=1: only ncu (clock control off) of the decode kernel at 64 x 4k and of its
+# the general kernel as before) and every other tree: AB_TREES ("dir:label" words, each a copy
+# of another tree, e.g. `git archive` of an earlier commit, named in the device call's carry) or
+# AB_TREE (one dir, labelled before). Then the cuda GPU tests (TESTS: a pytest -k expression),
+# the multi-token rows (ROWS) of this tree, of every variant and of every other tree, and
+# (DECODE=1) the decode rows of this tree and of the other trees, all in the same run. NCU=1: only ncu (clock control off) of the decode kernel at 64 x 4k and of its
 # 16-column form at 64 x 4 @ 4k (speed of light, warp states, stall reasons per issue).
 #   run: AB_TREE=.ab bash benchmarks/spec_check.sh   (logs under $OUT or ./out, the bench
 #   files of every run in $OUT/bench.tgz)
@@ -35,9 +36,10 @@ build() {  # flags, tree, label
 }
 build "" . this &
 for v in $VARIANTS; do build "$(echo "${v#*:}" | tr , ' ')" . "${v%%:*}" & done
-[ -n "${AB_TREE:-}" ] && build "" "$AB_TREE" before &
+TREES=${AB_TREES:-${AB_TREE:+$AB_TREE:before}}
+for t in $TREES; do build "" "${t%%:*}" "${t#*:}" & done
 wait
-timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -rs -n 8 tests/gpu/test_cuda_backend.py ${TESTS:+-k "$TESTS"} \
+timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -rfs -n 8 tests/gpu/test_cuda_backend.py ${TESTS:+-k "$TESTS"} \
   2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
 B=$(mktemp -d)
 ROWS=${ROWS:-64x4@4k,16x4@16k,64x8@4k,128x2@4k,128x4@4k,16x8@16k,32x2@16k}
@@ -46,12 +48,14 @@ for v in this:"" $VARIANTS; do
   TURBOQUANT_CUDA_EXTRA_FLAGS="$(echo "${v#*:}" | tr , ' ')" python -m turboquant bench $MT \
     --out "$B/spec_${v%%:*}" 2>&1 | tee "$OUT/spec_${v%%:*}.log"
 done
-[ -n "${AB_TREE:-}" ] && (cd "$AB_TREE" && python -m turboquant bench $MT --out "$B/spec_before" 2>&1 \
-  | tee "$OUT/spec_before.log")
+for t in $TREES; do
+  (cd "${t%%:*}" && python -m turboquant bench $MT --out "$B/spec_${t#*:}" 2>&1 | tee "$OUT/spec_${t#*:}.log")
+done
 if [ "${DECODE:-1}" = 1 ]; then
   DEC="--shapes 32/8/128 --batches 1,16,64,128 --contexts 4k,16k,32k --no-sdpa --no-writer"
   python -m turboquant bench $DEC --out "$B/decode_this" 2>&1 | tee "$OUT/decode_this.log"
-  [ -n "${AB_TREE:-}" ] && (cd "$AB_TREE" && python -m turboquant bench $DEC --out "$B/decode_before" 2>&1 \
-    | tee "$OUT/decode_before.log")
+  for t in $TREES; do
+    (cd "${t%%:*}" && python -m turboquant bench $DEC --out "$B/decode_${t#*:}" 2>&1 | tee "$OUT/decode_${t#*:}.log")
+  done
 fi
 tar -czf "$OUT/bench.tgz" -C "$B" .
