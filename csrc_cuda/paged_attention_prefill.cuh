@@ -165,6 +165,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
   static_assert(!kWG || (TK == 64 && L::W % 4 == 0 && L::NDEC >= 3),
                 "wgmma path: 64-token steps, whole warpgroups, three tiles (P V runs into the next step)");
+  static_assert(!kWG || 32 * L::W * (tuning::PREFILL_PRODUCER_REGS + tuning::PREFILL_CONSUMER_REGS) <= 65536,
+                "wgmma path: the producer and row warps' registers within 64K (PREFILL_WARPS <= 8)");
   // one MMA unit: a warpgroup's 64 rows (wgmma) or a warp's 16 rows (mma.sync)
   constexpr int UROWS = kWG ? 64 : 16;
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -742,6 +744,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     store_row(reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0, a);
   }
 }
+#undef TQ_PREFILL_KWG
 
 // Dynamic shared memory of the prefill kernel on a device of compute capability `major`: the
 // wgmma layout's (three decode buffers, Q rows) on SM 9.x, for which the extension is built as

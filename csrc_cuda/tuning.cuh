@@ -152,7 +152,8 @@ template <int NB> struct DecodeMinBlocks {
 // elements of K and 32 of V each) and feeds 8 warps x 128 MMAs, where the general kernel
 // spends ~150 decode instructions per 32 MMAs. Registers of a row warp: O (64), S (32), P (16),
 // Q fragments (32) -> one CTA per SM (128 KB of shared memory on SM90, below).
-// (Overridable for tuning builds, e.g. -DTQ_PREFILL_WARPS=12 (measured: mixed, see NOTES) or,
+// (Overridable for tuning builds, e.g. -DTQ_PREFILL_WARPS=12 on the warp-MMA path (measured:
+// mixed, see NOTES; the SM90a build allows at most 8: its producer warps double the threads) or,
 // with -DTQ_PREFILL_MMA_SYNC on SM90 (the wgmma path needs 64-token steps and whole
 // warpgroups), -DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32: 64 rows per CTA, two CTAs per SM; the
 // V copy needs TILE * D / 32 <= 32 * WARPS.)
@@ -189,6 +190,7 @@ constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
 constexpr int PREFILL_PRODUCER_REGS = 48;
 constexpr int PREFILL_CONSUMER_REGS = 208;
 static_assert(PREFILL_PRODUCER_REGS + PREFILL_CONSUMER_REGS <= 256, "64K registers per SM");
+// (the SM90a kernel asserts the whole CTA's count: 32 PREFILL_WARPS x (PRODUCER + CONSUMER) <= 64K)
 // The dispatcher's rule: multi-token calls whose rows average at least one prefill CTA per
 // sequence (num_tokens * group size >= PREFILL_ROWS * num_seqs), D <= 128 (D 256 runs in the
 // general kernel: its fp16 O and Q fragments would not fit). One partition: rows give the

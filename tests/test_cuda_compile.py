@@ -221,5 +221,5 @@ def test_attention_smem_bytes_names_the_kernel_and_its_size(tmp_path):
     size = [b for _, b in rows]
     assert size[1] <= 101376 < size[2]     # SM86 / SM89: 16 columns fit, the general kernel not
     assert size[3] > 166912                # SM80: the D 256 general kernel does not fit
-    assert size[5] > size[6] > 0           # the wgmma layout holds three fp16 tiles and Q
+    assert size[5] > size[6] > 0           # the wgmma layout holds three fp16 tiles, the warp-MMA one two
     assert all(b > 0 for b in size)

@@ -10,7 +10,10 @@ first use (``unavailable()`` or a call), for the present GPU's architecture only
 H100/H200, sm_80 on A100, ...), and cached under
 ``$TURBOQUANT_BUILD_DIR`` or ``~/.cache/turboquant``; the build name carries a hash of every
 file in ``csrc_cuda/``, so editing a header rebuilds. ``TURBOQUANT_CUDA_LIB=/path/lib.so``
-loads a prebuilt library instead.
+loads a prebuilt library instead, which must be built the same way: on SM 9.x its prefill kernel
+is the sm_90a one (producer and row warps, 512 threads per CTA, the count the launcher uses
+there); a plain sm_90 build holds the 256-thread SM80-SM89 kernel, whose prefill launches would
+fail.
 
 Supported: query fp16/bf16 on a CUDA device; head_dim 64/128/256; block_size a power of two
 16 .. 256; one scale per (token, head) for attention (per-32 scales are declined with a reason;
