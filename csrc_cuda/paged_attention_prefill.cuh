@@ -149,8 +149,8 @@ __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4
 }
 
 // grid (row groups * num_kv_heads, 1), block prefill_threads(major) (32 * PREFILL_WARPS, twice
-// that on SM90a: the producer warps), dynamic smem prefill_smem_bytes<D, kE4m3> bytes. Requires cu_query_lens and num_partitions == 1
-// (prefill_kernel_runs). kStates: the lse output or learned sinks are asked for (as the
+// that on SM90a: the producer warps), dynamic smem prefill_smem_bytes<D, kE4m3> bytes. Requires
+// cu_query_lens and num_partitions == 1 (prefill_kernel_runs). kStates: the lse output or learned sinks are asked for (as the
 // general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(TQ_PREFILL_MMA_SYNC)
 #define TQ_PREFILL_KWG true  // warpgroup MMAs, producer and consumer warps (SM90a)
@@ -746,29 +746,24 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
 }
 #undef TQ_PREFILL_KWG
 
-// Dynamic shared memory of the prefill kernel on a device of compute capability `major`: the
-// wgmma layout's (three decode buffers, Q rows) on SM 9.x, for which the extension is built as
-// sm_90a (turboquant/_backends/cuda.py), else the warp-MMA layout's (SM80-SM89 and later GPUs,
-// whose plain sm_XY build has no wgmma).
+// The prefill kernel on a device of compute capability `major` is the wgmma one (producer and
+// row warps, three decode buffers) on SM 9.x, for which the extension is built as sm_90a
+// (turboquant/_backends/cuda.py), else the warp-MMA one (SM80-SM89 and later GPUs, whose plain
+// sm_XY build has no wgmma; and every GPU with -DTQ_PREFILL_MMA_SYNC).
+inline bool prefill_uses_wgmma(int major) {
+#ifdef TQ_PREFILL_MMA_SYNC
+  return false;
+#else
+  return major == 9;
+#endif
+}
+// Its dynamic shared memory and its threads per CTA (the wgmma build adds the producer warps).
 template <int D, bool kE4m3>
 int prefill_smem_bytes(int major) {
-#ifdef TQ_PREFILL_MMA_SYNC
-  const bool wg = false;
-#else
-  const bool wg = major == 9;
-#endif
-  return wg ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
+  return prefill_uses_wgmma(major) ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
 }
-
-// Threads of a prefill CTA on a device of compute capability `major` (as prefill_smem_bytes: the
-// wgmma build adds the producer warps).
 inline int prefill_threads(int major) {
-#ifdef TQ_PREFILL_MMA_SYNC
-  const bool wg = false;
-#else
-  const bool wg = major == 9;
-#endif
-  return wg ? PrefillLayout<128, false, true>::NTH : PrefillLayout<128, false, false>::NTH;
+  return prefill_uses_wgmma(major) ? PrefillLayout<128, false, true>::NTH : PrefillLayout<128, false, false>::NTH;
 }
 
 // The dispatcher's choice: the prefill kernel where tuning::use_prefill_kernel picks it and its
