@@ -78,6 +78,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_f16(float (&d)[64], const uint3
 #endif
 }
 // The same MMA with A from shared memory too (desc_a: A [64 x 16] K-major, wgmma_desc_sw128).
+// (The prefill kernel's S takes Q from registers; this form is the one of the variants waiting
+// in benchmarks/variants, and tests/gpu/wgmma_layout_check.cu checks it.)
 // accumulate = false: D = A B, the previous contents of d ignored (no zeroing before a chain).
 __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                                        bool accumulate = true) {

@@ -1,8 +1,9 @@
 // The prefill kernel's warpgroup MMAs on structured inputs, exactly as the kernel issues them:
 // B from a decoded tile in shared memory (paged_attention_prefill.cuh's dec_off panels, 128-byte
-// swizzle) through wgmma_desc_sw128; A from shared memory (Q rows, the second warpgroup's of a
-// 128-row CTA, the first 64 rows poisoned) or from registers (P, fp4_common.cuh's layout).
-//   S = Q K^T: Q [64 x 128], K [64 tokens x 128] K-major, 8 x m64n64k16 _ss (the kernel's S)
+// swizzle) through wgmma_desc_sw128; A from registers (Q and P, fp4_common.cuh's layout) or from
+// shared memory (Q rows, the second warpgroup's of a 128-row CTA, the first 64 rows poisoned).
+//   S = Q K^T: Q [64 x 128], K [64 tokens x 128] K-major, 8 x m64n64k16 with Q in registers
+//              (the kernel's S) and 8 x m64n64k16 _ss (the form of benchmarks/variants)
 //   O = P V:   P [64 x 64], V [64 tokens x N] N-major, 4 x m64nNk16 with tnspB, N = 128 and 64
 // Entries are small integers, so every product is exact in fp32 and the check is equality; a
 // mismatch prints its first positions (a wrong descriptor or fragment map moves whole rows,
@@ -73,20 +74,38 @@ __device__ void pv_product(uint8_t* smem, uint32_t base, const __half* p, const 
 
 // grid 1, block 128 (one warpgroup); q [64][128], k [64][128], p [64][64], v [64][128]
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const __half* q, const __half* k, const __half* p,
-                                                          const __half* v, float* s_out, float* o128_out,
-                                                          float* o64_out) {
+                                                          const __half* v, float* s_out, float* s_ss_out,
+                                                          float* o128_out, float* o64_out) {
   extern __shared__ __align__(16) uint8_t smem_raw[];  // 1024-aligned below, as the kernel's
   uint8_t* const smem = smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
-  {  // S = Q K^T
+  {  // S = Q K^T as the kernel issues it: Q fragments in registers, the first MMA not
+     // accumulating (s holds NaN before it: a scale-d error makes every S NaN)
+    fill_tile(smem, k, 128, 128);
+    float s[32];
+    for (float& x : s) x = __int_as_float(0x7fc00000);
+    const uint64_t kdesc = wgmma_desc_sw128(base, 16, 1024);
+    for (int ks = 0; ks < 8; ++ks) {
+      uint32_t a[4];
+      a_frag(a, q, 128, 16 * ks);
+      wgmma_fence();
+      wgmma_m64n64k16_f16<0>(s, a, wgmma_desc_advance(kdesc, (ks >> 2) * TK * 128 + (ks & 3) * 32), ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(s);
+    store_d<64>(s, s_out);
+    __syncthreads();
+  }
+  {  // S = Q K^T with Q rows in shared memory (_ss)
     uint8_t* qs = smem + TK * 256;  // 128 Q rows, 2 panels of 128 x 128 bytes
     for (int e = threadIdx.x; e < 128 * 128; e += blockDim.x) reinterpret_cast<__half*>(qs)[e] = __float2half(99.f);
     __syncthreads();
     fill_tile<128>(qs, q, 128, 128);
     fill_tile(smem, k, 128, 128);
     const uint32_t qrows = base + TK * 256 + 64 * 128;
-    // the kernel's calls: descriptors of the tile starts advanced by the k16 slice's bytes, the
-    // first MMA not accumulating (s holds NaN before it: a scale-d error makes every S NaN)
+    // descriptors of the tile starts advanced by the k16 slice's bytes, the first MMA not
+    // accumulating (s holds NaN before it)
     float s[32];
     for (float& x : s) x = __int_as_float(0x7fc00000);
     const uint64_t qdesc = wgmma_desc_sw128(qrows, 16, 1024), kdesc = wgmma_desc_sw128(base, 16, 1024);
@@ -97,7 +116,7 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __half* q, const
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(s);
-    store_d<64>(s, s_out);
+    store_d<64>(s, s_ss_out);
     __syncthreads();
   }
   pv_product<128>(smem, base, p, v, o128_out);
@@ -139,27 +158,29 @@ int main() {
     for (int n = 0; n < 64; ++n) o64[i * 64 + n] = o128[i * 128 + n];
   }
   __half *dq, *dk, *dp, *dv;
-  float *ds, *do128, *do64;
+  float *ds, *dss, *do128, *do64;
   cudaMalloc(&dq, hq.size() * 2); cudaMalloc(&dk, hk.size() * 2); cudaMalloc(&dp, hp.size() * 2);
   cudaMalloc(&dv, hv.size() * 2);
-  cudaMalloc(&ds, s.size() * 4); cudaMalloc(&do128, o128.size() * 4); cudaMalloc(&do64, o64.size() * 4);
+  cudaMalloc(&ds, s.size() * 4); cudaMalloc(&dss, s.size() * 4); cudaMalloc(&do128, o128.size() * 4); cudaMalloc(&do64, o64.size() * 4);
   cudaMemcpy(dq, hq.data(), hq.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dk, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dp, hp.data(), hp.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dv, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice);
   const int smem = TK * 256 + 128 * 256 + 1024;
   cudaFuncSetAttribute(wgmma_check_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  wgmma_check_kernel<<<1, 128, smem>>>(dq, dk, dp, dv, ds, do128, do64);
+  wgmma_check_kernel<<<1, 128, smem>>>(dq, dk, dp, dv, ds, dss, do128, do64);
   const cudaError_t e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
     printf("launch: %s\n", cudaGetErrorString(e));
     return 2;
   }
-  std::vector<float> gs(s.size()), g128(o128.size()), g64(o64.size());
+  std::vector<float> gs(s.size()), gss(s.size()), g128(o128.size()), g64(o64.size());
   cudaMemcpy(gs.data(), ds, gs.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(gss.data(), dss, gss.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(g128.data(), do128, g128.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(g64.data(), do64, g64.size() * 4, cudaMemcpyDeviceToHost);
-  const int bad = check("S = Q K^T (m64n64k16 ss, K-major)", gs, s, 64) +
+  const int bad = check("S = Q K^T (m64n64k16, Q in registers, K-major)", gs, s, 64) +
+                  check("S = Q K^T (m64n64k16 ss, K-major)", gss, s, 64) +
                   check("O = P V (m64n128k16, N-major)", g128, o128, 128) +
                   check("O = P V (m64n64k16, N-major)", g64, o64, 64);
   return bad ? 1 : 0;
