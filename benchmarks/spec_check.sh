@@ -6,8 +6,9 @@
 # of another tree, e.g. `git archive` of an earlier commit, named in the device call's carry) or
 # AB_TREE (one dir, labelled before). Then the cuda GPU tests (TESTS: a pytest -k expression),
 # the multi-token rows (ROWS) of this tree, of every variant and of every other tree, and
-# (DECODE=1) the decode rows of this tree and of the other trees, all in the same run. NCU=1: only ncu (clock control off) of the decode kernel at 64 x 4k and of its
-# 16-column form at 64 x 4 @ 4k (speed of light, warp states, stall reasons per issue).
+# (DECODE=1) the decode rows of this tree and of the other trees, all in the same run. NCU=1:
+# only ncu (clock control off) of the decode kernel at 64 x 4k and of its 16-column form at
+# 64 x 4 @ 4k (speed of light, warp states, stall reasons per issue).
 #   run: AB_TREE=.ab bash benchmarks/spec_check.sh   (logs under $OUT or ./out, the bench
 #   files of every run in $OUT/bench.tgz)
 set -uo pipefail
