@@ -1,15 +1,21 @@
 """Compiling a backend's CUDA extension on first use (torch.utils.cpp_extension), cached.
 
 The cache lives under ``$TURBOQUANT_BUILD_DIR`` (default ``~/.cache/turboquant``); each build's
-name carries a hash of its source folder, so editing a kernel header rebuilds.
+name carries a hash of its source folder, so editing a kernel header rebuilds. A library built
+elsewhere under the same name (``benchmarks/prebuild_cuda.py``: on a machine without a GPU, for
+the device's torch) is loaded instead of compiling when ``$TURBOQUANT_PREBUILT_DIR`` holds it as
+``torch-<torch version>/<name>.so``.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
+from typing import Optional
 
 SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
+CUDA_CFLAGS = ["-O3", "-std=c++17"]  # beside torch's own nvcc flags and the caller's
 
 
 def build_dir() -> Path:
@@ -27,10 +33,27 @@ def sources_hash(folder: Path) -> str:
     return h.hexdigest()[:12]
 
 
+def prebuilt(name: str, torch_version: str) -> Optional[Path]:
+    """The prebuilt library ``name`` for ``torch_version`` under ``$TURBOQUANT_PREBUILT_DIR``,
+    or None."""
+    shelf = os.environ.get("TURBOQUANT_PREBUILT_DIR")
+    lib = Path(shelf) / f"torch-{torch_version}" / f"{name}.so" if shelf else None
+    return lib if lib is not None and lib.is_file() else None
+
+
 def load(name: str, source: Path, cuda_flags: list) -> None:
-    """Build (or reuse) ``source`` as the torch library ``name`` and load it; raises on failure.
-    ``cuda_flags`` holds the architecture flags and any extra defines."""
+    """Load the prebuilt library ``name`` or build (or reuse) ``source`` as it and load it;
+    raises on failure. ``cuda_flags`` holds the architecture flags and any extra defines."""
+    import torch
     from torch.utils import cpp_extension
+
+    lib = prebuilt(name, torch.__version__)
+    if lib is not None:
+        try:
+            torch.ops.load_library(str(lib))
+            return
+        except OSError as e:  # e.g. built against another torch build of the same version
+            warnings.warn(f"the prebuilt {lib} did not load ({e}); compiling {name} instead")
 
     bdir = build_dir() / name
     bdir.mkdir(parents=True, exist_ok=True)
@@ -39,7 +62,7 @@ def load(name: str, source: Path, cuda_flags: list) -> None:
         sources=[str(source)],
         extra_include_paths=[str(source.parent)],
         extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17"] + cuda_flags,
+        extra_cuda_cflags=CUDA_CFLAGS + cuda_flags,
         build_directory=str(bdir),
         is_python_module=False,
         verbose=os.environ.get("TURBOQUANT_BUILD_VERBOSE", "0") == "1",

@@ -9,7 +9,9 @@ registers the backend. The extension is compiled with ``torch.utils.cpp_extensio
 first use (``unavailable()`` or a call), for the present GPU's architecture only (sm_90a on
 H100/H200, sm_80 on A100, ...), and cached under
 ``$TURBOQUANT_BUILD_DIR`` or ``~/.cache/turboquant``; the build name carries a hash of every
-file in ``csrc_cuda/``, so editing a header rebuilds. ``TURBOQUANT_CUDA_LIB=/path/lib.so``
+file in ``csrc_cuda/``, so editing a header rebuilds (``TURBOQUANT_PREBUILT_DIR``: a library of
+the same name built without a GPU by benchmarks/prebuild_cuda.py is loaded instead, see
+``_jit``). ``TURBOQUANT_CUDA_LIB=/path/lib.so``
 loads a prebuilt library instead, which must be built the same way: on SM 9.x its prefill kernel
 is the sm_90a one (producer and row warps, 512 threads per CTA, the count the launcher uses
 there); a plain sm_90 build holds the 256-thread SM80-SM89 kernel, whose prefill launches would
@@ -69,18 +71,25 @@ def _arch_flags(major: int, minor: int) -> tuple[str, str]:
     return f"-gencode=arch=compute_{cc},code=sm_{cc}", f"sm{cc}"
 
 
+def build_spec(major: int, minor: int, extra: list) -> tuple[str, list]:
+    """(name, nvcc flags) of the extension for compute capability major.minor with the extra
+    flags: what ``_load`` builds, and what benchmarks/prebuild_cuda.py builds on a machine
+    without the GPU. The name carries the architecture, a hash of csrc_cuda/ and one of ``extra``."""
+    gencode, tag = _arch_flags(major, minor)
+    suffix = hashlib.sha256(" ".join(extra).encode()).hexdigest()[:6] if extra else ""
+    name = f"turboquant_cuda_{tag}_{sources_hash(CSRC)}{'_' + suffix if suffix else ''}"
+    return name, [gencode, "-lineinfo"] + list(extra)
+
+
 def _load() -> None:
     """Build (or reuse) and load the extension; raises on failure."""
     prebuilt = os.environ.get("TURBOQUANT_CUDA_LIB")
     if prebuilt:
         torch.ops.load_library(prebuilt)
         return
-    major, minor = torch.cuda.get_device_capability()
-    gencode, tag = _arch_flags(major, minor)
     extra = os.environ.get("TURBOQUANT_CUDA_EXTRA_FLAGS", "").split()  # tuning variants
-    suffix = hashlib.sha256(" ".join(extra).encode()).hexdigest()[:6] if extra else ""
-    name = f"turboquant_cuda_{tag}_{sources_hash(CSRC)}{'_' + suffix if suffix else ''}"
-    load(name, CSRC / "torch_binding.cu", [gencode, "-lineinfo"] + extra)
+    name, flags = build_spec(*torch.cuda.get_device_capability(), extra)
+    load(name, CSRC / "torch_binding.cu", flags)
 
 
 def ensure_loaded() -> Optional[str]:
