@@ -176,8 +176,14 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 // (K8V4 keys at D 128: 107 KB, over SM86 / SM89's 99 KB: prefill_kernel_runs sends those calls
 // to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
-// benchmarks/prefill_peers_check.sh.)
-constexpr int PREFILL_DEC_BUFFERS_WGMMA = 3;
+// benchmarks/prefill_peers_check.sh.) -DTQ_PREFILL_DEC_BUFFERS=4 (SM90a: 162 KB) lets the
+// producers run three steps ahead: measured 2026-11-27 (fourth session, H100, one call) on the
+// S-ahead variant of benchmarks/variants/, 4.7 / 6.8 / 1.6 % faster at 1 x 512 @ 4k, 1 x 2048 @
+// 16k, 1 x 8192 @ 64k than the same kernel with three; not yet timed or tested on this kernel.
+#ifndef TQ_PREFILL_DEC_BUFFERS
+#define TQ_PREFILL_DEC_BUFFERS 3
+#endif
+constexpr int PREFILL_DEC_BUFFERS_WGMMA = TQ_PREFILL_DEC_BUFFERS;
 constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
 // SM90a: PREFILL_WARPS more warps per CTA copy and decode (producers) while the PREFILL_WARPS
 // row warps (consumers, two warpgroups) only compute; setmaxnreg moves registers from the
