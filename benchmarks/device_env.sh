@@ -5,6 +5,7 @@
 # for the trees and flag variants built there; any other build still compiles).
 OUT=${OUT:-out}
 mkdir -p "$OUT/bench"
+OUT=$(cd "$OUT" && pwd)  # absolute: scripts write logs from inside other trees too
 export PYTHONUNBUFFERED=1 TURBOQUANT_BUILD_DIR=${TURBOQUANT_BUILD_DIR:-$PWD/.tqbuild}
 if [ -d .prebuilt ]; then export TURBOQUANT_PREBUILT_DIR=$PWD/.prebuilt; fi
 # a build's lock left by a command killed while loading (timeout) makes every later load wait

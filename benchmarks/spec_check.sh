@@ -8,7 +8,12 @@
 # the multi-token rows (ROWS) of this tree, of every variant and of every other tree, and
 # (DECODE=1) the decode rows of this tree and of the other trees, all in the same run. NCU=1:
 # only ncu (clock control off) of the decode kernel at 64 x 4k and of its 16-column form at
-# 64 x 4 @ 4k (speed of light, warp states, stall reasons per issue).
+# 64 x 4 @ 4k (speed of light, warp states, stall reasons per issue); NCU=prefill: only ncu of
+# the prefill kernel at 1 x 2048 @ 16k in this tree and every other one (pipes, shared memory,
+# stall reasons, the source lines where warps stall: producer or row-warp code). After the rows:
+# TEST_TREES=1 runs the tests in every other tree too, SYNCCHECK=1 compute-sanitizer synccheck
+# on the GPU test's sanitizer case in this tree and every other one. Carry .prebuilt
+# (benchmarks/prebuild_cuda.py, every tree and VARIANTS flag set) and nothing is compiled here.
 #   run: AB_TREE=.ab bash benchmarks/spec_check.sh   (logs under $OUT or ./out, the bench
 #   files of every run in $OUT/bench.tgz)
 set -uo pipefail
@@ -30,6 +35,19 @@ if [ "${NCU:-0}" = 1 ]; then
   done
   exit 0
 fi
+TREES=${AB_TREES:-${AB_TREE:+$AB_TREE:before}}
+if [ "${NCU:-0}" = prefill ]; then
+  METRICS=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__cycles_elapsed.avg
+  for t in .:this $TREES; do
+    (cd "${t%%:*}" && timeout 240 ncu --clock-control none --kernel-name regex:fp4_prefill_kernel --launch-skip 2 \
+      --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section SourceCounters --metrics "$METRICS" \
+      python benchmarks/ncu_prefill_case.py 1 2048 16384) > "$OUT/ncu_prefill_${t#*:}.txt" 2>&1
+    grep -E "Duration|Throughput|Pipe|Issue Slots|Eligible|No Eligible|Stall|hmma|wavefronts|Warp Cycles" \
+      "$OUT/ncu_prefill_${t#*:}.txt" | head -40
+  done
+  exit 0
+fi
 VARIANTS=${VARIANTS:-general:-DTQ_SPEC_MAX_COLS=0}
 build() {  # flags, tree, label
   (cd "$2" && TURBOQUANT_CUDA_EXTRA_FLAGS="$1" python -c \
@@ -37,11 +55,14 @@ build() {  # flags, tree, label
 }
 build "" . this &
 for v in $VARIANTS; do build "$(echo "${v#*:}" | tr , ' ')" . "${v%%:*}" & done
-TREES=${AB_TREES:-${AB_TREE:+$AB_TREE:before}}
 for t in $TREES; do build "" "${t%%:*}" "${t#*:}" & done
 wait
-timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -rfs -n 8 tests/gpu/test_cuda_backend.py ${TESTS:+-k "$TESTS"} \
-  2>&1 | tail -30 | tee "$OUT/gpu_tests.log"
+gpu_tests() {  # the log's name
+  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -rfs -n 8 tests/gpu/test_cuda_backend.py ${TESTS:+-k "$TESTS"} \
+    > "$OUT/$1_full.log" 2>&1
+  tail -30 "$OUT/$1_full.log" | tee "$OUT/$1.log"
+}
+gpu_tests gpu_tests
 B=$(mktemp -d)
 ROWS=${ROWS:-64x4@4k,16x4@16k,64x8@4k,128x2@4k,128x4@4k,16x8@16k,32x2@16k}
 MT="--shapes 32/8/128 --no-decode --no-writer --no-sdpa --multi-token $ROWS"
@@ -60,3 +81,14 @@ if [ "${DECODE:-1}" = 1 ]; then
   done
 fi
 tar -czf "$OUT/bench.tgz" -C "$B" .
+if [ "${TEST_TREES:-0}" = 1 ]; then
+  for t in $TREES; do (cd "${t%%:*}" && gpu_tests "gpu_tests_${t#*:}"); done
+fi
+if [ "${SYNCCHECK:-0}" = 1 ]; then
+  python -c "import sys; sys.path.insert(0, 'tests/gpu'); import test_cuda_backend as t; open('/tmp/case.py', 'w').write(t.SANITIZER_CASE)"
+  for t in .:this $TREES; do
+    (cd "${t%%:*}" && PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} timeout "${SYNC_TIMEOUT:-400}" compute-sanitizer \
+      --tool synccheck --error-exitcode 3 python /tmp/case.py > "$OUT/synccheck_${t#*:}.log" 2>&1
+     echo "synccheck ${t#*:}: rc $?"; tail -3 "$OUT/synccheck_${t#*:}.log")
+  done
+fi
