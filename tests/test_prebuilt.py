@@ -5,6 +5,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils import cpp_extension
 
 from turboquant._backends import _jit, cuda
 
@@ -16,6 +18,16 @@ def _script():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _shelf(tmp_path, monkeypatch, name: str, content: bytes) -> Path:
+    """A prebuilt library ``name`` for this torch under tmp_path, TURBOQUANT_PREBUILT_DIR there;
+    its path."""
+    lib = tmp_path / f"torch-{torch.__version__}" / f"{name}.so"
+    lib.parent.mkdir()
+    lib.write_bytes(content)
+    monkeypatch.setenv("TURBOQUANT_PREBUILT_DIR", str(tmp_path))
+    return lib
 
 
 def test_prebuilt_library_is_found_by_name_and_torch_version(tmp_path, monkeypatch):
@@ -31,15 +43,9 @@ def test_prebuilt_library_is_found_by_name_and_torch_version(tmp_path, monkeypat
 
 
 def test_load_takes_the_prebuilt_library_instead_of_compiling(tmp_path, monkeypatch):
-    import torch
-    from torch.utils import cpp_extension
-
     name = "turboquant_cuda_sm90a_feedfacecafe"
-    lib = tmp_path / f"torch-{torch.__version__}" / f"{name}.so"
-    lib.parent.mkdir()
-    lib.write_bytes(b"")
+    lib = _shelf(tmp_path, monkeypatch, name, b"")
     loaded = []
-    monkeypatch.setenv("TURBOQUANT_PREBUILT_DIR", str(tmp_path))
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("compiled"))
     _jit.load(name, ROOT / "csrc_cuda" / "torch_binding.cu", [])
@@ -59,15 +65,9 @@ def test_the_script_names_its_builds_as_the_backend_does():
 
 
 def test_a_prebuilt_library_that_does_not_load_is_compiled_with_a_warning(tmp_path, monkeypatch):
-    import torch
-    from torch.utils import cpp_extension
-
     name = "turboquant_cuda_sm90a_badbadbadbad"
-    lib = tmp_path / f"torch-{torch.__version__}" / f"{name}.so"
-    lib.parent.mkdir()
-    lib.write_bytes(b"not an ELF file")
+    _shelf(tmp_path, monkeypatch, name, b"not an ELF file")
     compiled = []
-    monkeypatch.setenv("TURBOQUANT_PREBUILT_DIR", str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: compiled.append(kw["name"]))
     with pytest.warns(UserWarning, match="did not load"):
         _jit.load(name, ROOT / "csrc_cuda" / "torch_binding.cu", [])
