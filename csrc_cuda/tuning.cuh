@@ -177,9 +177,9 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 // to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
 // benchmarks/prefill_peers_check.sh.) -DTQ_PREFILL_DEC_BUFFERS=4 (SM90a: 162 KB) lets the
-// producers run three steps ahead: measured 2026-11-27 (fourth session, H100, one call) on the
-// S-ahead variant of benchmarks/variants/, 4.7 / 6.8 / 1.6 % faster at 1 x 512 @ 4k, 1 x 2048 @
-// 16k, 1 x 8192 @ 64k than the same kernel with three; not yet timed or tested on this kernel.
+// producers run three steps ahead: measured 2026-11-27 (fourth session, H100, one call) 4.7 /
+// 6.5 / 1.3 % faster at 1 x 512 @ 4k, 1 x 2048 @ 16k, 1 x 8192 @ 64k than three (two copies of
+// the three-tile tree in the same call differed by 0.1-0.6 %); its GPU tests not yet run.
 #ifndef TQ_PREFILL_DEC_BUFFERS
 #define TQ_PREFILL_DEC_BUFFERS 3
 #endif
