@@ -114,12 +114,23 @@ def spec(tree: Path, arch: str, flags: list) -> tuple:
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def cuda_toolkit() -> tuple:
+    """(the CUDA toolkit's root, its libcudart) for nvcc's headers and the link: $CUDA_HOME, the
+    folder above the nvcc on PATH, or /usr/local/cuda, whichever holds include/cuda_runtime.h."""
+    nvcc = shutil.which("nvcc")
+    for home in (os.environ.get("CUDA_HOME"), nvcc and Path(nvcc).resolve().parents[1], "/usr/local/cuda"):
+        if home and (Path(home) / "include" / "cuda_runtime.h").is_file():
+            libs = sorted(Path(home).glob("lib*/libcudart.so*")) + sorted(Path(home).glob("targets/*/lib/libcudart.so*"))
+            if libs:
+                return Path(home), libs[0]
+    raise SystemExit("no CUDA toolkit with include/cuda_runtime.h and libcudart found (set CUDA_HOME)")
+
+
 def build(tc: Path, out: Path, name: str, flags: list, csrc: str, jit_flags: list) -> str:
     lib, csrc = out / f"{name}.so", Path(csrc)
     if lib.is_file():
         return f"{name}: present"
-    cuda_home = Path(os.environ.get("CUDA_HOME") or Path(shutil.which("nvcc")).resolve().parents[1])
-    cudart_dir = next(d for d in (cuda_home / "lib64", cuda_home / "lib") if d.is_dir())
+    cuda_home, cudart = cuda_toolkit()
     with tempfile.TemporaryDirectory() as tmp:
         obj = Path(tmp) / "torch_binding.o"
         cmd = (["nvcc", f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
@@ -133,7 +144,7 @@ def build(tc: Path, out: Path, name: str, flags: list, csrc: str, jit_flags: lis
         if r.returncode != 0:
             return f"{name}: nvcc failed\n{r.stderr[-4000:]}"
         link = ["c++", str(obj), "-shared", f"-L{tc / 'lib'}", "-lc10", "-lc10_cuda", "-ltorch_cpu",
-                "-ltorch_cuda", "-ltorch", f"-L{cudart_dir}", "-lcudart", "-o", str(lib) + ".part"]
+                "-ltorch_cuda", "-ltorch", f"-L{cudart.parent}", f"-l:{cudart.name}", "-o", str(lib) + ".part"]
         r = subprocess.run(link, capture_output=True, text=True)
         if r.returncode != 0:
             return f"{name}: link failed\n{r.stderr[-4000:]}"
