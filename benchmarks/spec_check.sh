@@ -49,6 +49,8 @@ if [ "${NCU:-0}" = prefill ]; then
   exit 0
 fi
 VARIANTS=${VARIANTS:-general:-DTQ_SPEC_MAX_COLS=0}
+T0=$SECONDS
+phase() { echo "[spec_check +$((SECONDS - T0)) s] $*"; }  # where a call's time goes
 build() {  # flags, tree, label
   (cd "$2" && TURBOQUANT_CUDA_EXTRA_FLAGS="$1" python -c \
     "from turboquant._backends import cuda; print('$3 build:', cuda.ensure_loaded() or 'ok')")
@@ -57,21 +59,25 @@ build "" . this &
 for v in $VARIANTS; do build "$(echo "${v#*:}" | tr , ' ')" . "${v%%:*}" & done
 for t in $TREES; do build "" "${t%%:*}" "${t#*:}" & done
 wait
+phase builds done
 gpu_tests() {  # the log's name
   timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -rfs -n 8 tests/gpu/test_cuda_backend.py ${TESTS:+-k "$TESTS"} \
     > "$OUT/$1_full.log" 2>&1
   tail -30 "$OUT/$1_full.log" | tee "$OUT/$1.log"
 }
 gpu_tests gpu_tests
+phase tests done
 B=$(mktemp -d)
 ROWS=${ROWS:-64x4@4k,16x4@16k,64x8@4k,128x2@4k,128x4@4k,16x8@16k,32x2@16k}
 MT="--shapes 32/8/128 --no-decode --no-writer --no-sdpa --multi-token $ROWS"
 for v in this:"" $VARIANTS; do
   TURBOQUANT_CUDA_EXTRA_FLAGS="$(echo "${v#*:}" | tr , ' ')" python -m turboquant bench $MT \
     --out "$B/spec_${v%%:*}" 2>&1 | tee "$OUT/spec_${v%%:*}.log"
+  phase "bench ${v%%:*} done"
 done
 for t in $TREES; do
   (cd "${t%%:*}" && python -m turboquant bench $MT --out "$B/spec_${t#*:}" 2>&1 | tee "$OUT/spec_${t#*:}.log")
+  phase "bench ${t#*:} done"
 done
 if [ "${DECODE:-1}" = 1 ]; then
   DEC="--shapes 32/8/128 --batches 1,16,64,128 --contexts 4k,16k,32k --no-sdpa --no-writer"
