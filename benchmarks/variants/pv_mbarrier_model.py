@@ -23,12 +23,14 @@ def run(NDEC, N, W, rng):
     writes = [dict() for _ in range(NDEC)]  # tile -> {step: warps written}
     released = {}                      # step -> consumer warps that handed its tile back
     reading = [set() for _ in range(NDEC)]  # consumer warps still reading tile b
-    def producer(w):
+    def cta_syncs():  # the Q prescale's two CTA barriers and the one after Q
         ph = 0
         for _ in range(3):
-            CTA.arrive(); p = ph
-            while not CTA.passed(p): yield
+            CTA.arrive()
+            while not CTA.passed(ph): yield
             ph ^= 1
+    def producer(w):
+        yield from cta_syncs()
         b = rnd = 0
         for j in range(N):
             if j >= NDEC:
@@ -42,11 +44,7 @@ def run(NDEC, N, W, rng):
         DONE.arrive()
         while not DONE.passed(0): yield
     def consumer(w):
-        ph = 0
-        for _ in range(3):
-            CTA.arrive(); p = ph
-            while not CTA.passed(p): yield
-            ph ^= 1
+        yield from cta_syncs()
         b = rnd = 0; b_prev = NDEC - 1
         for k in range(N + 1):
             if k < N:
