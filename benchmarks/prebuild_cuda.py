@@ -20,6 +20,11 @@ The device's torch (wheel and CUDA headers) is fetched once from the package ind
     python benchmarks/prebuild_cuda.py                      # this tree, no extra flags
     python benchmarks/prebuild_cuda.py --tree .ab --variant nd4:-DTQ_PREFILL_DEC_BUFFERS=4
     (then the device call: carry .prebuilt, and the build step finds every library built)
+
+--check-load PYTHON: load each library, in its tree, with a Python that has the device's torch
+(e.g. a venv with `pip install torch==2.11.0 numpy`, 4.7 GB; no GPU needed) and check that the
+backend's three CUDA ops are registered, without compiling: a library that would not load on
+the device fails here instead of costing a device call.
 """
 from __future__ import annotations
 
@@ -152,6 +157,31 @@ def build(tc: Path, out: Path, name: str, flags: list, csrc: str, jit_flags: lis
     return f"{name}: built ({lib.stat().st_size / 2**20:.1f} MiB)"
 
 
+LOAD_CHECK = """
+import sys, warnings
+sys.path.insert(0, ".")
+import torch
+from torch.utils import cpp_extension
+warnings.simplefilter("error")  # a prebuilt library that does not load warns, then compiles
+cpp_extension.load = lambda **kw: sys.exit("not prebuilt: would compile " + kw["name"])
+from turboquant._backends import _jit, cuda
+name, flags = cuda.build_spec({major}, {minor}, {flags!r})
+_jit.load(name, cuda.CSRC / "torch_binding.cu", flags)
+ops = ("paged_attention_fp4_cuda", "reshape_and_cache_fp4_cuda", "merge_attention_states_cuda")
+missing = [o for o in ops if not torch._C._dispatch_has_kernel_for_dispatch_key("turboquant::" + o, "CUDA")]
+print(name, "loads, CUDA ops registered" if not missing else "loads, MISSING " + str(missing))
+sys.exit(1 if missing else 0)
+"""
+
+
+def check_load(python: str, tree: Path, arch: str, flags: list, shelf: Path) -> bool:
+    major, minor = arch.split(".")
+    r = subprocess.run([python, "-c", LOAD_CHECK.format(major=major, minor=minor, flags=flags)], cwd=tree,
+                       capture_output=True, text=True, env=dict(os.environ, TURBOQUANT_PREBUILT_DIR=str(shelf)))
+    print(f"{tree}: " + (r.stdout.strip() or r.stderr.strip().splitlines()[-1]), flush=True)
+    return r.returncode == 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", action="append", help="a checkout to build (repeatable; default .)")
@@ -162,15 +192,19 @@ def main() -> None:
     ap.add_argument("--torch", default="torch==2.11.0", help="the device's torch (KINDS.md)")
     ap.add_argument("--out", default=str(REPO / ".prebuilt"))
     ap.add_argument("-j", type=int, default=os.cpu_count() or 1, help="parallel nvcc processes")
+    ap.add_argument("--check-load", metavar="PYTHON", help="load each library with this Python (the device's torch)")
     args = ap.parse_args()
     tc = toolchain(args.torch)
     out = Path(args.out) / f"torch-{(tc / 'version.txt').read_text().strip()}"
     out.mkdir(parents=True, exist_ok=True)
     variants = ([] if args.no_plain else [[]]) + [v.split(":", 1)[1].split(",") for v in args.variant]
-    jobs = [spec(Path(t).resolve(), args.arch, v) for t in (args.tree or ["."]) for v in variants]
+    trees = [(Path(t).resolve(), v) for t in (args.tree or ["."]) for v in variants]
+    jobs = [spec(t, args.arch, v) for t, v in trees]
     with cf.ThreadPoolExecutor(args.j) as pool:
         for line in pool.map(lambda j: build(tc, out, *j), jobs):
             print(line, flush=True)
+    if args.check_load and not all([check_load(args.check_load, t, args.arch, v, Path(args.out)) for t, v in trees]):
+        raise SystemExit("a library did not load")
 
 
 if __name__ == "__main__":
