@@ -72,7 +72,8 @@ def toolchain(torch_spec: str) -> Path:
     home = CACHE / torch_spec.replace("=", "")
     if (home / "version.txt").is_file():
         return home
-    with tempfile.TemporaryDirectory(dir=CACHE.parent if CACHE.parent.is_dir() else None) as tmp:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # on the cache's file system: moves are renames
         tmp = Path(tmp)
         part = home.with_name(home.name + ".part")
         shutil.rmtree(part, ignore_errors=True)
