@@ -14,6 +14,8 @@
 # TEST_TREES=1 runs the tests in every other tree too, SYNCCHECK=1 compute-sanitizer synccheck
 # on the GPU test's sanitizer case in this tree and every other one. Carry .prebuilt
 # (benchmarks/prebuild_cuda.py, every tree and VARIANTS flag set) and nothing is compiled here.
+# TEST_TIMEOUT (300 s), BENCH_TIMEOUT (300 s, each bench process), SYNC_TIMEOUT (400 s): a
+# kernel that hangs costs one of them, not the call.
 #   run: AB_TREE=.ab bash benchmarks/spec_check.sh   (logs under $OUT or ./out, the bench
 #   files of every run in $OUT/bench.tgz)
 set -uo pipefail
@@ -71,12 +73,12 @@ B=$(mktemp -d)
 ROWS=${ROWS:-64x4@4k,16x4@16k,64x8@4k,128x2@4k,128x4@4k,16x8@16k,32x2@16k}
 MT="--shapes 32/8/128 --no-decode --no-writer --no-sdpa --multi-token $ROWS"
 for v in this:"" $VARIANTS; do
-  TURBOQUANT_CUDA_EXTRA_FLAGS="$(echo "${v#*:}" | tr , ' ')" python -m turboquant bench $MT \
+  TURBOQUANT_CUDA_EXTRA_FLAGS="$(echo "${v#*:}" | tr , ' ')" timeout "${BENCH_TIMEOUT:-300}" python -m turboquant bench $MT \
     --out "$B/spec_${v%%:*}" 2>&1 | tee "$OUT/spec_${v%%:*}.log"
   phase "bench ${v%%:*} done"
 done
 for t in $TREES; do
-  (cd "${t%%:*}" && python -m turboquant bench $MT --out "$B/spec_${t#*:}" 2>&1 | tee "$OUT/spec_${t#*:}.log")
+  (cd "${t%%:*}" && timeout "${BENCH_TIMEOUT:-300}" python -m turboquant bench $MT --out "$B/spec_${t#*:}" 2>&1 | tee "$OUT/spec_${t#*:}.log")
   phase "bench ${t#*:} done"
 done
 if [ "${DECODE:-1}" = 1 ]; then

@@ -19,15 +19,17 @@
 //   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): every warp copies, decodes and computes: FA2-style
 //     m16n8k16 mma.sync per warp, Q fragments in registers, K / V fragments by ldmatrix.
 // H200, 32/8/128, 1 x 2048 @ 16k (2026-11-27): 1548 us (333 TFLOP/s) warp-specialized, 1883 us
-// (274) when every warp of the wgmma path also decoded (H100, earlier: 1840 us, mma.sync 2541).
+// (274) when every warp of the wgmma path also decoded (H100, earlier: 1840 us, mma.sync 2541);
+// 1472 us (350) with conflict-free decode stores and the warpgroups' turns (fifth session).
 // Grid (row groups * num_kv_heads, 1), kv head fastest: sequence s owns row groups
 //   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
 //   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
 //   Rows are query-token major as in the general kernel: row R -> token R / G, head R % G.
 // Per KV step of TK = PREFILL_TILE tokens (PREFILL_STAGES-deep ring of raw codes):
 //   copy (thread t of the NT = 32 W copying threads: the producer warps with wgmma, every warp
-//     below): thread t copies 16-byte chunks t (+ 32 W i: E4M3 keys at D 128 have two) of the K
-//     and chunk t of the V codes, and threads [0, 2 TK) one scale word each (K, then V);
+//     below): thread t copies 16-byte chunks c(t) (+ 32 W i: E4M3 keys at D 128 have two) of
+//     the K and chunk c(t) of the V codes (c: chunk_of_thread, a permutation inside each warp
+//     that keeps the decode's stores free of bank conflicts), and threads [0, 2 TK) one scale word each (K, then V);
 //     16-token sub-tiles outside the CTA's key range are not copied (their block may not
 //     exist); a bad block id of a needed sub-tile makes the CTA's rows NaN, never a read.
 //   decode: the same thread decodes what it copied (no barrier needed) into the step's fp16
@@ -46,7 +48,8 @@
 //     Steps outside the unit's rows' key range skip the compute.
 //   wgmma: the producers run up to two steps ahead (three tiles: FULL / EMPTY barriers); the
 //   row warps wait for step k's tile, issue S, wait for it (and for step k - 1's P V, whose tile
-//   they then hand back), do the softmax and issue P V. mma.sync: the next step's decode runs
+//   they then hand back), do the softmax and issue P V; the two warpgroups take turns to issue
+//   (ping-pong: one's MMAs under the other's softmax). mma.sync: the next step's decode runs
 //   while other warps do this step's MMAs; one __syncthreads per step.
 // Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
 //   and the lse (kStates), the un-rotation, the store; no cross-warp merge (each warp owns its
@@ -86,11 +89,16 @@ struct PrefillLayout {
   static constexpr int SB_KF = 0, SB_VB = TK, SB_VMAX = 2 * TK, SB_VNAN = SB_VMAX + TK / 32, SB_VG = SB_VNAN + TK / 32;
   static constexpr int DEC = (OFF_SB + (SB_VG + TK) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
   static constexpr int NDEC = kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
-  // wgmma: named barriers FULL + b / EMPTY + b of decode buffer b, DONE after the main loop,
-  // and BAR_CTA for the whole CTA before the split's end (its warps reach it from two code paths:
-  // __syncthreads there is a divergent barrier, compute-sanitizer's synccheck says)
-  static constexpr int BAR_FULL = 1, BAR_EMPTY = 1 + NDEC, BAR_DONE = 1 + 2 * NDEC, BAR_CTA = 2 + 2 * NDEC;
-  static_assert(BAR_CTA < 16, "16 hardware barriers");
+  // wgmma: named barriers FULL + NDEC w + b (decode buffer b is full, for warpgroup w of rows:
+  // one per warpgroup, so that neither waits for the other at a tile), EMPTY + b (buffer b has
+  // been read by both), BAR_CTA for the whole CTA before the split's end (its warps reach it
+  // from two code paths: __syncthreads there is a divergent barrier, compute-sanitizer's
+  // synccheck says) and again, as DONE, after the main loop, and TURN + w (warpgroup w's turn
+  // to issue its MMAs, the ping-pong below)
+  static constexpr int WGS = W / 4;  // warpgroups of rows
+  static constexpr int BAR_FULL = 1, BAR_EMPTY = 1 + WGS * NDEC, BAR_CTA = BAR_EMPTY + NDEC, BAR_DONE = BAR_CTA;
+  static constexpr int BAR_TURN = BAR_CTA + 1;
+  static_assert(BAR_TURN + 1 < 16, "16 hardware barriers");
   static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
   static constexpr int BIG_A = NDEC * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
   static constexpr int BIG = BIG_A > BIG_B ? (BIG_A > BIG_C ? BIG_A : BIG_C) : (BIG_B > BIG_C ? BIG_B : BIG_C);
@@ -138,6 +146,34 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* t
                                e4m3hi_to_f16x2(prmt(w[2 * i + 1], 0, 0x3424u)));
     *reinterpret_cast<uint4*>(tile + (off ^ (i << 4))) = o;
   }
+}
+
+// The 16-byte code chunk (of CPR per token) that thread t copies and decodes in every step, a
+// permutation inside each warp's 32 chunks (the warp still copies one 512-byte run of codes).
+// A 16-byte access is served 8 threads at a time, and both ends of a chunk's trip must use 8
+// distinct bank groups (16-byte slots modulo 128 bytes): its raw slot (16 c: c % 8) and, in the
+// decoded tile, each of its store instructions' positions (dec_off: (chunk in the panel)
+// ^ (token % 8)). In token-major order (c = t) the raw side is distinct, but at D 128 a token's
+// chunks fill two panels and chunks q and q + CPR / 2 land on the same position of each: every
+// decode store was 2-way conflicted (ncu, 1 x 2048 @ 16k: 35.2 M excess wavefronts, 19 % of
+// the kernel's shared traffic). The fix pairs each first-panel chunk of one token with a
+// second-panel chunk of its neighbour inside a group of 8 threads; bit k of t is bk:
+//   CPR 4 (FP4 at D 128): token 4 b4 + 2 b2 + b1, chunk 2 (b2 ^ b3) + b0: threads 0-7 hold
+//     (token, chunk) (0,0) (0,1) (1,0) (1,1) (2,2) (2,3) (3,2) (3,3): raw slots 0 1 4 5 2 3 6 7,
+//     decoded positions (store i) (4 (chunk & 1) + i) ^ token: i ^ {0 4 1 5 2 6 3 7}: distinct;
+//   CPR 2 or 4 at D 64 (one panel): token-major order is already conflict-free;
+//   K8V4 (E4M3 keys: CPR 8 at D 128) keeps token-major order for both K and V, and their 2-way
+//     conflicts: the permutation for the keys (token 2 b4 + (b2 ^ b3), chunk t % 8) and, with
+//     the warpgroups' turns, the V chunks' alone cost its 48-register producers 20 bytes of
+//     spills (one more live chunk index; nvcc 13.0);
+//   and below SM90a (kWG false: every warp copies, decodes and computes at 255 registers) the
+//     permutation spilled 12 bytes in two D 128 instantiations of sm_80: token-major there.
+template <int CPR, int D, bool kWG>
+__device__ __forceinline__ int chunk_of_thread(int t) {
+  if constexpr (kWG && D == 128 && CPR == 4)
+    return (t & ~15) | ((t & 6) << 1) | ((((t >> 2) ^ (t >> 3)) & 1) << 1) | (t & 1);
+  else
+    return t;
 }
 
 // O += P V through the wgmma of N = D columns (64 or 128).
@@ -256,11 +292,13 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   const int tile_first = r_lo / TK;
   const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;
   // K chunks tid + NT i (i < NK), V chunk tid, scale word of token cs (threads [0, 2 TK))
+  // (kc0, vc0: the thread's K and V chunks of its warp's 32, chunk_of_thread; K8V4: its own)
+  const int kc0 = chunk_of_thread<L::KCPR, D, kWG>(tid), vc0 = kE4m3 ? tid : chunk_of_thread<L::VCPR, D, kWG>(tid);
   const bool has_v = tid < L::VCH, has_s = tid < 2 * TK;
-  const int cv = tid / L::VCPR, cs = tid & (TK - 1);  // V chunk's token; scale token
+  const int cv = vc0 / L::VCPR, cs = tid & (TK - 1);  // V chunk's token; scale token
   const uint8_t* k_base = p.key_cache + kvh * p.kc_stride_head;
-  const uint8_t* v_base = p.value_cache + kvh * p.vc_stride_head + (tid % L::VCPR) * 16;
-  auto kchunk = [&](int i) { return tid + L::NT * i; };  // < KCH: token kchunk / KCPR
+  const uint8_t* v_base = p.value_cache + kvh * p.vc_stride_head + (vc0 % L::VCPR) * 16;
+  auto kchunk = [&](int i) { return kc0 + L::NT * i; };  // < KCH: token kchunk / KCPR
   const uint8_t* s_base = (tid < TK ? p.key_scales : p.value_scales) + kvh;
   // the binding keeps a block's stride below 2^31 bytes: 32-bit factors of a 64-bit product
   const uint32_t kc_blk = (uint32_t)p.kc_stride_blk, vc_blk = (uint32_t)p.vc_stride_blk;
@@ -305,7 +343,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     const int tv = t0 + cv, tsc = t0 + cs;
     if (has_v && (whole || needed(tv))) {
       if (bad_id(b_v)) bad = true;
-      else cp_async_16(st + L::RAW_K + tid * 16, v_base + (unsigned long long)(uint32_t)b_v * vc_blk + (uint32_t)((tv & bs_mask) * L::VROWB));
+      else cp_async_16(st + L::RAW_K + vc0 * 16, v_base + (unsigned long long)(uint32_t)b_v * vc_blk + (uint32_t)((tv & bs_mask) * L::VROWB));
     }
     uint32_t nib = 0;
     if (has_s && (whole || needed(tsc))) {
@@ -331,7 +369,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     const int c = min(kchunk(j), L::KCH - 1);
     k_off[j] = dec_off<TK>(c / L::KCPR, (c % L::KCPR) * (kE4m3 ? 2 : 4));
   }
-  const uint32_t v_off = L::DEC_K + dec_off<TK>(cv, (tid % L::VCPR) * 4);
+  const uint32_t v_off = L::DEC_K + dec_off<TK>(cv, (vc0 % L::VCPR) * 4);
   uint32_t st_dec = 0, buf_dec = 0;  // ring stage and decode buffer of the next decode
   // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
   // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps).
@@ -350,7 +388,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       if constexpr (kE4m3) decode_e4m3_chunk(raw + c * 16, dec, k_off[j]);
       else decode_fp4_chunk(raw + c * 16, dec, k_off[j]);
     }
-    if (has_v) decode_fp4_chunk(raw + L::RAW_K + tid * 16, dec, v_off);
+    if (has_v) decode_fp4_chunk(raw + L::RAW_K + vc0 * 16, dec, v_off);
     if (has_s) {
       const uint32_t nib = (nib_ring >> (4 * sd)) & 15u;
       const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + L::RAW_K + L::RAW_V + (tid < TK ? 0 : L::RAW_S) + cs * 4);
@@ -418,7 +456,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
         if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + b, L::NTH);  // step j - NDEC's tile is free
         cp_async_wait<ST - 1>();
         decode(j);  // (fence_proxy_async: its tile is read by wgmma)
-        named_barrier_arrive(L::BAR_FULL + b, L::NTH);
+#pragma unroll
+        for (int w = 0; w < L::WGS; ++w) named_barrier_arrive(L::BAR_FULL + w * L::NDEC + b, L::NT + 128);
         b = b + 1 == L::NDEC ? 0 : b + 1;
       }
       cp_async_wait<0>();
@@ -600,18 +639,31 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
 
   if constexpr (kWG) {
     // Per step k: wait for its tile (FULL), S = Q K^T, the wait (for S and for step k - 1's
-    // O += P' V, whose tile is then handed back: EMPTY), softmax, O += P' V issued (it runs into
-    // the next step). Issuing S(k + 1) before step k's softmax instead (two S accumulators) was
+    // O += P' V, whose tile is then handed back: EMPTY), softmax, the turn, O += P' V issued (it
+    // runs into the next step). Issuing S(k + 1) before step k's softmax instead (two S accumulators) was
     // slower when every warp also decoded: 2437 vs 2150 us at 1 x 2048 @ 16k (H100).
     // descriptors of decode buffer 0's K and V tiles; a k16 slice and another buffer are byte
     // offsets added to them (wgmma_desc_advance)
     const uint64_t kdesc = wgmma_desc_sw128(dec_s, 16, 1024);
     const uint64_t vdesc = wgmma_desc_sw128(dec_s + L::DEC_K, L::DPANEL, 1024);
+    // Ping-pong (FA3's order between the two warpgroups): a warpgroup issues step k - 1's
+    // O += P' V and step k's S only in its turn, then gives the turn to the other, so that the
+    // tensor cores run one warpgroup's MMAs while the other does its softmax (without it both
+    // issue together and run the softmax together). Each waits for its tiles on its own FULL
+    // barrier: with one FULL for both, a warpgroup waiting for its turn would hold the other at
+    // the tile (a deadlock). Warpgroup 0 goes first; warpgroup 1 waits for its first turn
+    // before the loop, warpgroup 0 gives one turn more after it (each waits once per step plus
+    // that once, each gives one per step). (One warpgroup of rows, PREFILL_WARPS 4: no turns.)
+    constexpr bool kTurns = L::W == 8;
+    const int wg = cw / 4;
+    auto turn_wait = [&] { if constexpr (kTurns) named_barrier_sync(L::BAR_TURN + wg, 2 * 128); };
+    auto turn_give = [&] { if constexpr (kTurns) named_barrier_arrive(L::BAR_TURN + (wg ^ 1), 2 * 128); };
     uint32_t pa[TK / 16][4];  // P' of step k: read by its O += P' V until the next step's wait
     uint32_t buf = 0, b = 0, b_prev = L::NDEC - 1;
+    if (wg == 1) turn_wait();
 #pragma unroll 1
     for (int k = 0; k < nsteps; ++k) {
-      named_barrier_sync(L::BAR_FULL + b, L::NTH);
+      named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
       const bool wdo = unit_does(k);
       float sacc[TK / 8][4];  // written whole by the first MMA (no accumulate), read only if wdo
       if (wdo) {
@@ -622,13 +674,15 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
                                  wgmma_desc_advance(kdesc, buf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
         wgmma_commit();
       }
+      turn_give();
       wgmma_wait<0>();  // every unit: the barrier hands its tiles back
       if (k > 0 && k - 1 + L::NDEC < nsteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
       reg_fence(reinterpret_cast<float(&)[TK / 2]>(sacc));
       reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
       reg_fence(pa);
+      if (wdo) softmax_p(k, buf, sacc, pa);
+      turn_wait();
       if (wdo) {
-        softmax_p(k, buf, sacc, pa);
         wgmma_fence();
 #pragma unroll
         for (int u = 0; u < TK / 16; ++u)
@@ -639,6 +693,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       b = b + 1 == L::NDEC ? 0 : b + 1;
       buf = next_buf(buf);
     }
+    if (wg == 0) turn_give();
     wgmma_wait<0>();
     reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
   } else {
