@@ -46,7 +46,7 @@
 //     with the general kernel's lazy rescaling and V-scale folding (P' = p * 2^(vb - VM + 15 -
 //     SLACK) = p * 2^(vb - vmax) * 2^(vmax - VM + 15 - SLACK): one multiply per token), O += P' V.
 //     Steps outside the unit's rows' key range skip the compute.
-//   wgmma: the producers run up to two steps ahead (three tiles: FULL / EMPTY barriers); the
+//   wgmma: the producers run up to NDEC - 1 steps ahead (NDEC tiles, four: FULL / EMPTY); the
 //   row warps wait for step k's tile, issue S, wait for it (and for step k - 1's P V, whose tile
 //   they then hand back), do the softmax and issue P V; the two warpgroups take turns to issue
 //   (ping-pong: one's MMAs under the other's softmax). mma.sync: the next step's decode runs

@@ -475,6 +475,23 @@ def _one_hot_check(key_format, lens, qlens, kernel, d=128, hkv=2, hq=8):
     assert ref.float().abs().max() > 0.2  # the peaks are there
 
 
+@pytest.mark.parametrize("config", ["default", "plain"])
+def test_prefill_kernel_scale_spread(config):
+    """Key scales lowered by 0-24 binades per token and value scales by 0-20 (the writer's
+    stay within a few of each other; lowered only, so that the output keeps its magnitude and
+    the absolute bound holds): P' carries each token's 2^(V byte - VM) and the logits its
+    2^(K byte - 127) over the whole range; against the reference."""
+    prob, q, cu = _problem([700, 300], 32, 8, 128, 16, qlens=[300, 300], seed=9, config=config)
+    g = torch.Generator().manual_seed(5)
+    for name, lo, hi in (("key_scales", -24, 0), ("value_scales", -20, 0)):
+        s = getattr(prob.cache, name)
+        d = torch.randint(lo, hi + 1, s.shape, generator=g).to(s.device)
+        s.copy_((s.int() + d).clamp(1, 254).to(s.dtype))
+    ref = _run("reference", prob, q, cu)
+    assert any("prefill" in n for n in _kernel_names(lambda: _run("cuda", prob, q, cu)))
+    _compare(_run("cuda", prob, q, cu), ref)
+
+
 def _check_bad_block_gives_nan(prob, q, cu, first):
     """Sequence 1's fourth block id out of range: its query rows (first ..) are NaN, the
     others finite (value checks off; no read out of bounds)."""
