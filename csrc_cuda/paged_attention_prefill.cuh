@@ -29,7 +29,8 @@
 //   copy (thread t of the NT = 32 W copying threads: the producer warps with wgmma, every warp
 //     below): thread t copies 16-byte chunks c(t) (+ 32 W i: E4M3 keys at D 128 have two) of
 //     the K and chunk c(t) of the V codes (c: chunk_of_thread, a permutation inside each warp
-//     that keeps the decode's stores free of bank conflicts), and threads [0, 2 TK) one scale word each (K, then V);
+//     that keeps the decode's stores free of bank conflicts), and threads [0, 2 TK) one scale
+//     word each (K, then V);
 //     16-token sub-tiles outside the CTA's key range are not copied (their block may not
 //     exist); a bad block id of a needed sub-tile makes the CTA's rows NaN, never a read.
 //   decode: the same thread decodes what it copied (no barrier needed) into the step's fp16
@@ -291,8 +292,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
   const int tile_first = r_lo / TK;
   const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;
-  // K chunks tid + NT i (i < NK), V chunk tid, scale word of token cs (threads [0, 2 TK))
-  // (kc0, vc0: the thread's K and V chunks of its warp's 32, chunk_of_thread; K8V4: its own)
+  // K chunks kc0 + NT i (i < NK), V chunk vc0, scale word of token cs (threads [0, 2 TK));
+  // kc0, vc0: the thread's K and V chunks of its warp's 32 (chunk_of_thread; K8V4: tid)
   const int kc0 = chunk_of_thread<L::KCPR, D, kWG>(tid), vc0 = kE4m3 ? tid : chunk_of_thread<L::VCPR, D, kWG>(tid);
   const bool has_v = tid < L::VCH, has_s = tid < 2 * TK;
   const int cv = vc0 / L::VCPR, cs = tid & (TK - 1);  // V chunk's token; scale token
