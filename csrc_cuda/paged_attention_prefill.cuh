@@ -641,8 +641,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   if constexpr (kWG) {
     // Per step k: wait for its tile (FULL), S = Q K^T, the wait (for S and for step k - 1's
     // O += P' V, whose tile is then handed back: EMPTY), softmax, the turn, O += P' V issued (it
-    // runs into the next step). Issuing S(k + 1) before step k's softmax instead (two S accumulators) was
-    // slower when every warp also decoded: 2437 vs 2150 us at 1 x 2048 @ 16k (H100).
+    // runs into the next step). Issuing S(k + 1) before step k's softmax instead (two S
+    // accumulators) was slower when every warp also decoded: 2437 vs 2150 us at 1 x 2048 @ 16k
+    // (H100).
     // descriptors of decode buffer 0's K and V tiles; a k16 slice and another buffer are byte
     // offsets added to them (wgmma_desc_advance)
     const uint64_t kdesc = wgmma_desc_sw128(dec_s, 16, 1024);
@@ -655,7 +656,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     // the tile (a deadlock). Warpgroup 0 goes first; warpgroup 1 waits for its first turn
     // before the loop, warpgroup 0 gives one turn more after it (each waits once per step plus
     // that once, each gives one per step). (One warpgroup of rows, PREFILL_WARPS 4: no turns.)
-    constexpr bool kTurns = L::W == 8;
+    constexpr bool kTurns = L::WGS == 2;
     const int wg = cw / 4;
     auto turn_wait = [&] { if constexpr (kTurns) named_barrier_sync(L::BAR_TURN + wg, 2 * 128); };
     auto turn_give = [&] { if constexpr (kTurns) named_barrier_arrive(L::BAR_TURN + (wg ^ 1), 2 * 128); };

@@ -170,17 +170,17 @@ constexpr int PREFILL_STAGES = 3;
 constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  // 8 warps per SM
 // Decoded fp16 tiles in flight. SM90a (wgmma): a warpgroup's O += P V of step k runs
 // asynchronously into step k + 1, while step k + 2 is decoded: at least three buffers. Below
-// (warp MMAs, synchronous): two, which also keeps SM86 / SM89's 99 KB per CTA. Example D 128, FP4 keys:
-// a 26 KB ring of raw codes (3 stages) + 3 x 34 KB tiles (1 KB-aligned) = 128 KB on the H100
-// (K8V4 keys: 140 KB; one CTA per SM, as the registers allow); with 2 tiles 95 KB on SM80-SM89
-// (K8V4 keys at D 128: 107 KB, over SM86 / SM89's 99 KB: prefill_kernel_runs sends those calls
-// to the general kernel).
+// (warp MMAs, synchronous): two, which also keeps SM86 / SM89's 99 KB per CTA. Example D 128,
+// FP4 keys: a 26 KB ring of raw codes (3 stages) + 4 x 34 KB tiles (1 KB-aligned) = 162 KB on
+// the H100 (K8V4 keys: 174 KB; one CTA per SM, as the registers allow); with 2 tiles 95 KB on
+// SM80-SM89 (K8V4 keys at D 128: 107 KB, over SM86 / SM89's 99 KB: prefill_kernel_runs sends
+// those calls to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
-// benchmarks/prefill_peers_check.sh.) SM90a takes four tiles (162 KB; K8V4 keys 174 KB), so
-// that the producers run three steps ahead: measured 2026-11-27 (fifth session, H200, one
-// call, the tree with the warpgroups' turns) 0.5 / 1.4 / 0.8 / 0.7 % faster at 1 x 512 @ 4k,
-// 1 x 2048 @ 16k, 1 x 8192 @ 64k, 4 x 2048 @ 16k than three (fourth session, H100, before the
-// turns: 4.7 / 6.5 / 1.3 %); -DTQ_PREFILL_DEC_BUFFERS=3 builds three.
+// benchmarks/prefill_peers_check.sh.) SM90a takes four tiles, so that the producers run three
+// steps ahead: measured 2026-11-27 (fifth session, H200, one call, the tree with the
+// warpgroups' turns) 0.5 / 1.4 / 0.8 / 0.7 % faster at 1 x 512 @ 4k, 1 x 2048 @ 16k,
+// 1 x 8192 @ 64k, 4 x 2048 @ 16k than three (fourth session, H100, before the turns: 4.7 / 6.5
+// / 1.3 %); -DTQ_PREFILL_DEC_BUFFERS=3 builds three.
 #ifndef TQ_PREFILL_DEC_BUFFERS
 #define TQ_PREFILL_DEC_BUFFERS 4
 #endif
