@@ -534,34 +534,43 @@ __device__ __forceinline__ void store_row(T* o, const float (&a)[N]) {
   }
 }
 
-// Lazy rescaling of a warp's softmax state, rows g and g + 8 of the m16n8 C layout (acc[j][0..1]
-// row g, acc[j][2..3] row g + 8; the general and the prefill kernel): a stale row maximum is
-// kept while the new one m_new exceeds it by at most RESCALE_SLACK (exp2 domain), so p <=
-// 2^SLACK relative to it (see tuning.cuh); the V-scale maximum VM is kept exact (VM_new). One
-// vote per warp decides. ms: the maxima to subtract from the logits (-inf -> 0).
+// Rescale of a warp's softmax state, rows g and g + 8 of the m16n8 C layout (acc[j][0..1] row
+// g, acc[j][2..3] row g + 8; the general and the prefill kernel): to the row maxima m_new (>=
+// m_run) and the V-scale maximum VM_new (>= VM).
+template <int NJ>
+__device__ __forceinline__ void rescale_state(const float (&m_new)[2], int VM_new, float (&m_run)[2], float (&l_run)[2],
+                                              int& VM, float (&acc)[NJ][4]) {
+  const float vr = pow2i(VM - VM_new);
+  float f[2];
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const float alpha = (m_new[rh] == -INFINITY) ? 1.f : fast_exp2(m_run[rh] - m_new[rh]);
+    l_run[rh] *= alpha;
+    f[rh] = alpha * vr;
+    m_run[rh] = m_new[rh];
+  }
+#pragma unroll
+  for (int j = 0; j < NJ; ++j) {
+    acc[j][0] *= f[0]; acc[j][1] *= f[0]; acc[j][2] *= f[1]; acc[j][3] *= f[1];
+  }
+  VM = VM_new;
+}
+// The maximum a row's logits are taken relative to (exp2 domain): its running maximum, 0 while
+// it has none.
+__device__ __forceinline__ float max_offset(float m_run) { return m_run == -INFINITY ? 0.f : m_run; }
+
+// Lazy rescaling (the general kernel): a stale row maximum is kept while the new one m_new
+// exceeds it by at most RESCALE_SLACK (exp2 domain), so p <= 2^SLACK relative to it (see
+// tuning.cuh); the V-scale maximum VM is kept exact (VM_new). One vote per warp decides. ms:
+// the maxima to subtract from the logits (max_offset).
 template <int NJ>
 __device__ __forceinline__ void lazy_rescale(const float (&m_new)[2], int VM_new, float (&m_run)[2], float (&l_run)[2],
                                              int& VM, float (&acc)[NJ][4], float (&ms)[2]) {
   constexpr float SLACK = (float)tuning::RESCALE_SLACK;
   const bool changed = (m_new[0] > m_run[0] + SLACK) || (m_new[1] > m_run[1] + SLACK) || (VM_new != VM);
-  if (__any_sync(0xffffffffu, changed)) {
-    const float vr = pow2i(VM - VM_new);
-    float f[2];
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      const float alpha = (m_new[rh] == -INFINITY) ? 1.f : fast_exp2(m_run[rh] - m_new[rh]);
-      l_run[rh] *= alpha;
-      f[rh] = alpha * vr;
-      m_run[rh] = m_new[rh];
-    }
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      acc[j][0] *= f[0]; acc[j][1] *= f[0]; acc[j][2] *= f[1]; acc[j][3] *= f[1];
-    }
-    VM = VM_new;
-  }
-  ms[0] = m_run[0] == -INFINITY ? 0.f : m_run[0];
-  ms[1] = m_run[1] == -INFINITY ? 0.f : m_run[1];
+  if (__any_sync(0xffffffffu, changed)) rescale_state(m_new, VM_new, m_run, l_run, VM, acc);
+  ms[0] = max_offset(m_run[0]);
+  ms[1] = max_offset(m_run[1]);
 }
 
 // grid (row_tiles * num_kv_heads, num_partitions), block 32 * ATTN_WARPS (256), dynamic smem

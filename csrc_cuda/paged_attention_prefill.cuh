@@ -83,12 +83,25 @@ struct PrefillLayout {
   // 128-byte row swizzled (dec_off): wgmma's SWIZZLE_128B atoms, read by ldmatrix below SM90.
   static constexpr int DPANEL = TK * 128;
   static constexpr int DEC_K = TK * 2 * D;
-  // 4-byte words at OFF_SB: K scales as floats [TK], V bytes [TK], per 32 tokens the V-scale
-  // maximum vmax [TK / 32] and whether a visible token's V byte is 255 [TK / 32], per token
-  // 2^(V byte - its 32 tokens' vmax) as a float, clamped to [0, 1] [TK]
+  // 4-byte words at OFF_SB: K scales as floats [4 SB_PITCH], V bytes [TK], per 32 tokens the
+  // V-scale maximum vmax [TK / 32] and whether a visible token's V byte is 255 [TK / 32], per
+  // token 2^(V byte - its 32 tokens' vmax) as a float, clamped to [0, 1] [4 SB_PITCH]. The K
+  // scales and V factors sit at sb_slot(token): with wgmma, part (token / 2) % 4 holds tokens
+  // 8 j + 2 t4 + {0, 1} (j = 0 .. TK / 8 - 1) in order, which is what the row warps' thread t4
+  // reads, as 16-byte words (SB_PITCH = TK / 4 + 4: the four parts' words hit distinct banks);
+  // with mma.sync token order, read in pairs (the permuted order made the sm_80 build spill 8
+  // bytes at 255 registers). The V bytes, read on NaN steps only, are in token order.
   static constexpr int OFF_SB = 2 * DEC_K;
-  static constexpr int SB_KF = 0, SB_VB = TK, SB_VMAX = 2 * TK, SB_VNAN = SB_VMAX + TK / 32, SB_VG = SB_VNAN + TK / 32;
-  static constexpr int DEC = (OFF_SB + (SB_VG + TK) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
+  static constexpr int SB_PITCH = TK / 4 + 4;
+  static constexpr int SB_KF = 0, SB_VB = 4 * SB_PITCH, SB_VMAX = SB_VB + TK, SB_VNAN = SB_VMAX + TK / 32;
+  static constexpr int SB_VG = SB_VNAN + TK / 32;
+  static_assert(SB_VG % 4 == 0, "SB_VG: 16-byte aligned");
+  static __device__ __forceinline__ int sb_slot(int tok) {
+    return kWG ? ((tok >> 1) & 3) * SB_PITCH + (tok >> 3) * 2 + (tok & 1) : tok;
+  }
+  // the word of tokens 8 j + 2 t4 + {0, 1} (with wgmma and j even: the 16-byte word of j, j + 1)
+  static __device__ __forceinline__ int sb_pair(int t4, int j) { return kWG ? SB_PITCH * t4 + 2 * j : 8 * j + 2 * t4; }
+  static constexpr int DEC = (OFF_SB + (SB_VG + 4 * SB_PITCH) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
   static constexpr int NDEC = kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
   // wgmma: named barriers FULL + NDEC w + b (decode buffer b is full, for warpgroup w of rows:
   // one per warpgroup, so that neither waits for the other at a tile), EMPTY + b (buffer b has
@@ -397,7 +410,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
       if (tid < TK) {
         // 255 -> NaN; wgmma: times the logits' factor (kmul, one per CTA there)
-        reinterpret_cast<float*>(sb)[L::SB_KF + cs] = kWG ? e8m0_to_float((uint32_t)b) * kmul : e8m0_to_float((uint32_t)b);
+        reinterpret_cast<float*>(sb)[L::SB_KF + L::sb_slot(cs)] = kWG ? e8m0_to_float((uint32_t)b) * kmul : e8m0_to_float((uint32_t)b);
       } else {
         sb[L::SB_VB + cs] = b;
         const int tok = tok_of(i, cs);
@@ -406,7 +419,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
         const bool nan = __any_sync(0xffffffffu, vis && b == 255);
         // the token's part of P's V-scale factor (make_p): finite for any byte (a masked
         // token's may exceed v, or be 255), 0 below 2^-126
-        reinterpret_cast<float*>(sb)[L::SB_VG + cs] = __int_as_float(min(max(b - v + 127, 0), 127) << 23);
+        reinterpret_cast<float*>(sb)[L::SB_VG + L::sb_slot(cs)] = __int_as_float(min(max(b - v + 127, 0), 127) << 23);
         if (lane == 0) {
           sb[L::SB_VMAX + (cs >> 5)] = v;
           sb[L::SB_VNAN + (cs >> 5)] = nan;
@@ -555,23 +568,42 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   auto softmax_p = [&](int k, uint32_t buf, const float (&sacc)[TK / 8][4], uint32_t (&pa)[TK / 16][4]) {
     const int t0 = (tile_first + k) * TK;
     const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::OFF_SB);
-    // ---- logits (exp2 domain): thread holds rows g, g+8 x tokens 8j + 2 t4 + {0, 1} ----
-    float x[TK / 8][4];
+    const float* sbf = reinterpret_cast<const float*>(sb);
+    // ---- y = logit - ms (exp2 domain), ms the row maxima the state holds before this step
+    //      (max_offset): without a cap one FFMA per logit, and the exponentials below wait for
+    //      no reduction (the row maxima are taken only when the state has to move). The thread
+    //      holds rows g, g+8 x tokens 8j + 2 t4 + {0, 1}; K-scale floats at sb_pair (wgmma:
+    //      one 16-byte word for j = 2q, 2q + 1) ----
+    float ms[2] = {max_offset(m_run[0]), max_offset(m_run[1])};
+    float y[TK / 8][4];
+    auto logits = [&](auto capped) {
 #pragma unroll
-    for (int j = 0; j < TK / 8; ++j) {
-      const float2 kb = *reinterpret_cast<const float2*>(sb + L::SB_KF + 8 * j + 2 * t4);
-      const float kf0 = kWG ? kb.x : kb.x * kmul, kf1 = kWG ? kb.y : kb.y * kmul;
-      x[j][0] = sacc[j][0] * kf0;
-      x[j][1] = sacc[j][1] * kf1;
-      x[j][2] = sacc[j][2] * kf0;
-      x[j][3] = sacc[j][3] * kf1;
-    }
-    if (cap) {
+      for (int q = 0; q < TK / 16; ++q) {
+        float kfs[4];
+        if constexpr (kWG) {
+          const float4 kq = *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * q));
+          kfs[0] = kq.x; kfs[1] = kq.y; kfs[2] = kq.z; kfs[3] = kq.w;  // (times kmul already)
+        }
 #pragma unroll
-      for (int j = 0; j < TK / 8; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * q + h;
+          if constexpr (!kWG) {
+            const float2 kp = *reinterpret_cast<const float2*>(sbf + L::SB_KF + L::sb_pair(t4, j));
+            kfs[2 * h] = kp.x * kmul;
+            kfs[2 * h + 1] = kp.y * kmul;
+          }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[j][i] = cap_v * tanhf((x[j][i] + qm_row[i >> 1]) * inv_cap) * LOG2E;
-    }
+          for (int i = 0; i < 4; ++i) {
+            const float kf = kfs[2 * h + (i & 1)];
+            if constexpr (decltype(capped)::value)
+              y[j][i] = cap_v * tanhf((sacc[j][i] * kf + qm_row[i >> 1]) * inv_cap) * LOG2E - ms[i >> 1];
+            else
+              y[j][i] = fmaf(sacc[j][i], kf, -ms[i >> 1]);
+          }
+        }
+      }
+    };
+    if (cap) logits(BoolConst<true>{}); else logits(BoolConst<false>{});
     const bool need_mask = t0 < w_lo_max || t0 + TK - 1 > w_hi_min || wlast - wrow0 < 15;
     if (need_mask) {
 #pragma unroll
@@ -579,56 +611,90 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tok = t0 + 8 * j + 2 * t4 + (i & 1);
-          if (tok < rlo[i >> 1] || tok > rhi[i >> 1]) x[j][i] = -INFINITY;
+          if (tok < rlo[i >> 1] || tok > rhi[i >> 1]) y[j][i] = -INFINITY;
         }
     }
-    // ---- online softmax with lazy rescaling (as the general kernel) ----
-    float m_new[2];
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < TK / 8; ++j) mx = fmaxf(mx, fmaxf(x[j][2 * rh], x[j][2 * rh + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      m_new[rh] = fmaxf(m_run[rh], mx);
-    }
+    // ---- online softmax with lazy rescaling (the general kernel's rule, lazy_rescale): the
+    //      state moves only when some logit exceeds its row's maximum by more than SLACK (a row
+    //      without one takes its first) or the V-scale maximum grows. Each thread tests its own
+    //      y, one vote per warp; only then the row maxima are reduced (shuffles), the state
+    //      rescaled and y moved to the new maxima ----
     int VM_new = VM;  // the step's V-scale maximum, one partial per warp of V-scale words
 #pragma unroll
     for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[L::SB_VMAX + i]);
-    float ms[2];
-    lazy_rescale(m_new, VM_new, m_run, l_run, VM, acc, ms);
-    // ---- P' = 2^(x - m) * V-scale factor 2^(b - VM + 15 - SLACK), as the product of the
-    //      token's 2^(b - vmax) (SB_VG) and its 32 tokens' 2^(vmax - VM + 15 - SLACK) (one per
-    //      32 tokens; vmax <= VM): one multiply per token. Two copies behind a CTA-uniform
-    //      branch: a step with a visible V byte 255 (NaN) selects 0 for masked tokens, so that
-    //      their NaN cannot reach a row; other steps need no select (every factor is finite) ----
+    float mloc[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < TK / 8; ++j) {
+      mloc[0] = fmaxf(mloc[0], fmaxf(y[j][0], y[j][1]));
+      mloc[1] = fmaxf(mloc[1], fmaxf(y[j][2], y[j][3]));
+    }
+    constexpr float SLACK = (float)tuning::RESCALE_SLACK;
+    const bool grow = mloc[0] > (m_run[0] == -INFINITY ? -INFINITY : SLACK) ||
+                      mloc[1] > (m_run[1] == -INFINITY ? -INFINITY : SLACK) || VM_new != VM;
+    if (__any_sync(0xffffffffu, grow)) {
+      float m_new[2];
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        float mx = mloc[rh];
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        m_new[rh] = fmaxf(m_run[rh], mx + ms[rh]);
+      }
+      rescale_state(m_new, VM_new, m_run, l_run, VM, acc);
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const float d = max_offset(m_run[rh]) - ms[rh];
+#pragma unroll
+        for (int j = 0; j < TK / 8; ++j) {
+          y[j][2 * rh] -= d;
+          y[j][2 * rh + 1] -= d;
+        }
+      }
+    }
+    // ---- P' = 2^y * V-scale factor 2^(b - VM + 15 - SLACK), as the product of the token's
+    //      2^(b - vmax) (SB_VG, at sb_slot like the K scales) and its 32 tokens'
+    //      2^(vmax - VM + 15 - SLACK) (one per 32 tokens; vmax <= VM): one multiply per token.
+    //      Two copies behind a CTA-uniform branch: a step with a visible V byte 255 (NaN)
+    //      selects 0 for masked tokens, so that their NaN cannot reach a row; other steps need
+    //      no select (every factor is finite) ----
     // (mma.sync reads them where used: the array made its sm_80 build spill)
     float vhalf[TK / 32];
 #pragma unroll
     for (int i = 0; i < TK / 32; ++i) vhalf[i] = kWG ? p_vscale((uint32_t)sb[L::SB_VMAX + i], VM) : 0.f;
     auto make_p = [&](auto nan_path) {
 #pragma unroll
-      for (int j = 0; j < TK / 8; ++j) {
-        const float2 vg = *reinterpret_cast<const float2*>(sb + L::SB_VG + 8 * j + 2 * t4);
-        const float vh = kWG ? vhalf[j / 4] : p_vscale((uint32_t)sb[L::SB_VMAX + j / 4], VM);
-        float vf0 = vg.x * vh, vf1 = vg.y * vh;
-        if constexpr (decltype(nan_path)::value) {
-          const int2 vb = *reinterpret_cast<const int2*>(sb + L::SB_VB + 8 * j + 2 * t4);
-          if (vb.x == 255) vf0 = __int_as_float(0x7fc00000);
-          if (vb.y == 255) vf1 = __int_as_float(0x7fc00000);
+      for (int q = 0; q < TK / 16; ++q) {
+        float vgs[4];
+        if constexpr (kWG) {
+          const float4 vq = *reinterpret_cast<const float4*>(sbf + L::SB_VG + L::sb_pair(t4, 2 * q));
+          vgs[0] = vq.x; vgs[1] = vq.y; vgs[2] = vq.z; vgs[3] = vq.w;
         }
-        float pv[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float pr = fast_exp2(x[j][i] - ms[i >> 1]);
-          l_run[i >> 1] += pr;
-          const float vf = (i & 1) ? vf1 : vf0;
-          if constexpr (decltype(nan_path)::value) pv[i] = x[j][i] == -INFINITY ? 0.f : pr * vf;
-          else pv[i] = pr * vf;  // masked: pr = 0
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * q + h;
+          const float vh = kWG ? vhalf[j / 4] : p_vscale((uint32_t)sb[L::SB_VMAX + j / 4], VM);
+          if constexpr (!kWG) {
+            const float2 vp = *reinterpret_cast<const float2*>(sbf + L::SB_VG + L::sb_pair(t4, j));
+            vgs[2 * h] = vp.x; vgs[2 * h + 1] = vp.y;
+          }
+          float vf0 = vgs[2 * h] * vh, vf1 = vgs[2 * h + 1] * vh;
+          if constexpr (decltype(nan_path)::value) {
+            const int2 vb = *reinterpret_cast<const int2*>(sb + L::SB_VB + 8 * j + 2 * t4);
+            if (vb.x == 255) vf0 = __int_as_float(0x7fc00000);
+            if (vb.y == 255) vf1 = __int_as_float(0x7fc00000);
+          }
+          float pv[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float pr = fast_exp2(y[j][i]);
+            l_run[i >> 1] += pr;
+            const float vf = (i & 1) ? vf1 : vf0;
+            if constexpr (decltype(nan_path)::value) pv[i] = y[j][i] == -INFINITY ? 0.f : pr * vf;
+            else pv[i] = pr * vf;  // masked: pr = 0
+          }
+          pa[j >> 1][(j & 1) * 2] = pack_f16x2(pv[0], pv[1]);      // row g
+          pa[j >> 1][(j & 1) * 2 + 1] = pack_f16x2(pv[2], pv[3]);  // row g + 8
         }
-        pa[j >> 1][(j & 1) * 2] = pack_f16x2(pv[0], pv[1]);      // row g
-        pa[j >> 1][(j & 1) * 2 + 1] = pack_f16x2(pv[2], pv[3]);  // row g + 8
       }
     };
     bool nan_step = false;
