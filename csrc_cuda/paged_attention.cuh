@@ -379,6 +379,12 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&h);
 }
+// a * b on two fp16 lanes, rounded to nearest (never contracted into an FMA)
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
 
 // Folds the sink (logit ls in the exp2 domain, value row v of N elements at d0) into a row's
 // merged state (M, Ls, a = O / Ls) as one more key: the two-way log-sum-exp merge.

@@ -85,14 +85,17 @@ struct PrefillLayout {
   static constexpr int DEC_K = TK * 2 * D;
   // 4-byte words at OFF_SB: K scales as floats [4 SB_PITCH], V bytes [TK], per 32 tokens the
   // V-scale maximum vmax [TK / 32] and whether a visible token's V byte is 255 [TK / 32], per
-  // token 2^(V byte - its 32 tokens' vmax) as a float, clamped to [0, 1] [4 SB_PITCH]. The K
-  // scales and V factors sit at sb_slot(token): with wgmma, part (token / 2) % 4 holds tokens
+  // token 2^(V byte - its 32 tokens' vmax), clamped to [0, 1] [4 SB_PITCH] (wgmma: as fp16, in
+  // the first half of that). Token tok's K scale (float) and V factor (fp16 with wgmma, float
+  // below) have index sb_slot(tok) in their arrays: with wgmma, part (tok / 2) % 4 holds tokens
   // 8 j + 2 t4 + {0, 1} (j = 0 .. TK / 8 - 1) in order, which is what the row warps' thread t4
-  // reads, as 16-byte words (SB_PITCH = TK / 4 + 4: the four parts' words hit distinct banks);
-  // with mma.sync token order, read in pairs (the permuted order made the sm_80 build spill 8
-  // bytes at 255 registers). The V bytes, read on NaN steps only, are in token order.
+  // reads, as 16-byte words: two K-scale pairs, four V-factor pairs. SB_PITCH = TK / 4 + 8: the
+  // four parts start 96 bytes apart (floats) and 48 bytes apart (halves), so that each read's
+  // four words hit distinct banks and the halves' words stay 16-byte aligned. With mma.sync,
+  // token order, read in pairs (the permuted order made the sm_80 build spill 8 bytes at 255
+  // registers). The V bytes, read on NaN steps only, are in token order.
   static constexpr int OFF_SB = 2 * DEC_K;
-  static constexpr int SB_PITCH = TK / 4 + 4;
+  static constexpr int SB_PITCH = TK / 4 + 8;
   static constexpr int SB_KF = 0, SB_VB = 4 * SB_PITCH, SB_VMAX = SB_VB + TK, SB_VNAN = SB_VMAX + TK / 32;
   static constexpr int SB_VG = SB_VNAN + TK / 32;
   static_assert(SB_VG % 4 == 0, "SB_VG: 16-byte aligned");
@@ -419,7 +422,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
         const bool nan = __any_sync(0xffffffffu, vis && b == 255);
         // the token's part of P's V-scale factor (make_p): finite for any byte (a masked
         // token's may exceed v, or be 255), 0 below 2^-126
-        reinterpret_cast<float*>(sb)[L::SB_VG + L::sb_slot(cs)] = __int_as_float(min(max(b - v + 127, 0), 127) << 23);
+        const float vg = __int_as_float(min(max(b - v + 127, 0), 127) << 23);
+        if constexpr (kWG) reinterpret_cast<__half*>(sb + L::SB_VG)[L::sb_slot(cs)] = __float2half_rn(vg);
+        else reinterpret_cast<float*>(sb)[L::SB_VG + L::sb_slot(cs)] = vg;
         if (lane == 0) {
           sb[L::SB_VMAX + (cs >> 5)] = v;
           sb[L::SB_VNAN + (cs >> 5)] = nan;
@@ -652,48 +657,63 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       }
     }
     // ---- P' = 2^y * V-scale factor 2^(b - VM + 15 - SLACK), as the product of the token's
-    //      2^(b - vmax) (SB_VG, at sb_slot like the K scales) and its 32 tokens'
-    //      2^(vmax - VM + 15 - SLACK) (one per 32 tokens; vmax <= VM): one multiply per token.
+    //      2^(b - vmax) (SB_VG) and its 32 tokens' 2^(vmax - VM + 15 - SLACK) (one per 32
+    //      tokens; vmax <= VM). wgmma: in fp16 pairs (the factors' product, exact down to
+    //      2^-24 below which P' flushes anyway, then one multiply per pair of P, after P's
+    //      rounding to fp16); mma.sync: in fp32, one multiply per token, then the rounding.
     //      Two copies behind a CTA-uniform branch: a step with a visible V byte 255 (NaN)
-    //      selects 0 for masked tokens, so that their NaN cannot reach a row; other steps need
-    //      no select (every factor is finite) ----
-    // (mma.sync reads them where used: the array made its sm_80 build spill)
-    float vhalf[TK / 32];
-#pragma unroll
-    for (int i = 0; i < TK / 32; ++i) vhalf[i] = kWG ? p_vscale((uint32_t)sb[L::SB_VMAX + i], VM) : 0.f;
+    //      selects 0 for masked tokens (in fp32), so that their NaN cannot reach a row; other
+    //      steps need no select (every factor is finite) ----
     auto make_p = [&](auto nan_path) {
-#pragma unroll
-      for (int q = 0; q < TK / 16; ++q) {
-        float vgs[4];
-        if constexpr (kWG) {
-          const float4 vq = *reinterpret_cast<const float4*>(sbf + L::SB_VG + L::sb_pair(t4, 2 * q));
-          vgs[0] = vq.x; vgs[1] = vq.y; vgs[2] = vq.z; vgs[3] = vq.w;
+      constexpr bool kNan = decltype(nan_path)::value;
+      // P' of block j from P (fp32) and the factors vf0, vf1 of its two tokens; (wgmma) vfh:
+      // the same as an fp16 pair
+      auto put = [&](int j, float vf0, float vf1, uint32_t vfh) {
+        if constexpr (kNan) {
+          const int2 vb = *reinterpret_cast<const int2*>(sb + L::SB_VB + 8 * j + 2 * t4);
+          if (vb.x == 255) vf0 = __int_as_float(0x7fc00000);
+          if (vb.y == 255) vf1 = __int_as_float(0x7fc00000);
         }
+        float pr[4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int j = 2 * q + h;
-          const float vh = kWG ? vhalf[j / 4] : p_vscale((uint32_t)sb[L::SB_VMAX + j / 4], VM);
-          if constexpr (!kWG) {
-            const float2 vp = *reinterpret_cast<const float2*>(sbf + L::SB_VG + L::sb_pair(t4, j));
-            vgs[2 * h] = vp.x; vgs[2 * h + 1] = vp.y;
-          }
-          float vf0 = vgs[2 * h] * vh, vf1 = vgs[2 * h + 1] * vh;
-          if constexpr (decltype(nan_path)::value) {
-            const int2 vb = *reinterpret_cast<const int2*>(sb + L::SB_VB + 8 * j + 2 * t4);
-            if (vb.x == 255) vf0 = __int_as_float(0x7fc00000);
-            if (vb.y == 255) vf1 = __int_as_float(0x7fc00000);
-          }
-          float pv[4];
+        for (int i = 0; i < 4; ++i) {
+          pr[i] = fast_exp2(y[j][i]);
+          l_run[i >> 1] += pr[i];
+          if constexpr (kNan) pr[i] = y[j][i] == -INFINITY ? 0.f : pr[i] * ((i & 1) ? vf1 : vf0);
+          else if constexpr (!kWG) pr[i] *= (i & 1) ? vf1 : vf0;  // masked: pr = 0
+        }
+        uint32_t lo = pack_f16x2(pr[0], pr[1]), hi = pack_f16x2(pr[2], pr[3]);  // rows g, g + 8
+        if constexpr (kWG && !kNan) {
+          lo = mul_f16x2(lo, vfh);
+          hi = mul_f16x2(hi, vfh);
+        }
+        pa[j >> 1][(j & 1) * 2] = lo;
+        pa[j >> 1][(j & 1) * 2 + 1] = hi;
+      };
+      if constexpr (kWG) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float pr = fast_exp2(y[j][i]);
-            l_run[i >> 1] += pr;
-            const float vf = (i & 1) ? vf1 : vf0;
-            if constexpr (decltype(nan_path)::value) pv[i] = y[j][i] == -INFINITY ? 0.f : pr * vf;
-            else pv[i] = pr * vf;  // masked: pr = 0
+        for (int q = 0; q < TK / 32; ++q) {  // blocks j = 4 q .. 4 q + 3: one word of factors, one vmax
+          const uint4 w = *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
+          const uint32_t vgh[4] = {w.x, w.y, w.z, w.w};
+          const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + q], VM);
+          const uint32_t vhh = pack_f16x2(vh, vh);
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            const uint32_t vfh = mul_f16x2(vgh[h], vhh);
+            if constexpr (kNan) {
+              const __half2 f = *reinterpret_cast<const __half2*>(&vfh);
+              put(4 * q + h, __low2float(f), __high2float(f), vfh);
+            } else {
+              put(4 * q + h, 0.f, 0.f, vfh);
+            }
           }
-          pa[j >> 1][(j & 1) * 2] = pack_f16x2(pv[0], pv[1]);      // row g
-          pa[j >> 1][(j & 1) * 2 + 1] = pack_f16x2(pv[2], pv[3]);  // row g + 8
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < TK / 8; ++j) {
+          const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + j / 4], VM);
+          const float2 vg = *reinterpret_cast<const float2*>(sbf + L::SB_VG + L::sb_pair(t4, j));
+          put(j, vg.x * vh, vg.y * vh, 0u);
         }
       }
     };
