@@ -218,8 +218,12 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
   static_assert(!kWG || (TK == 64 && L::W % 4 == 0 && L::NDEC >= 3),
                 "wgmma path: 64-token steps, whole warpgroups, three tiles (P V runs into the next step)");
-  static_assert(!kWG || 32 * L::W * (tuning::PREFILL_PRODUCER_REGS + tuning::PREFILL_CONSUMER_REGS) <= 65536,
-                "wgmma path: the producer and row warps' registers within 64K (PREFILL_WARPS <= 8)");
+  // setmaxnreg moves registers inside the CTA's launch allocation (NTH threads x the launch
+  // bound's count, 65536 / NTH rounded down to 8): a .inc the producers' .dec cannot cover
+  // waits forever (a four-producer-warp build at 96 / 208 hung on the device: NOTES_cuda)
+  static_assert(!kWG || 32 * L::W * (tuning::PREFILL_PRODUCER_REGS + tuning::PREFILL_CONSUMER_REGS) <=
+                               L::NTH * ((65536 / L::NTH) & ~7),
+                "wgmma path: the producer and row warps' registers within the CTA's launch allocation");
   // one MMA unit: a warpgroup's 64 rows (wgmma) or a warp's 16 rows (mma.sync)
   constexpr int UROWS = kWG ? 64 : 16;
   extern __shared__ __align__(16) uint8_t smem_raw[];
