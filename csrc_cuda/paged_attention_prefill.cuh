@@ -663,8 +663,11 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     // ---- P' = 2^y * V-scale factor 2^(b - VM + 15 - SLACK), as the product of the token's
     //      2^(b - vmax) (SB_VG) and its 32 tokens' 2^(vmax - VM + 15 - SLACK) (one per 32
     //      tokens; vmax <= VM). wgmma: in fp16 pairs (the factors' product, exact down to
-    //      2^-24 below which P' flushes anyway, then one multiply per pair of P, after P's
-    //      rounding to fp16); mma.sync: in fp32, one multiply per token, then the rounding.
+    //      2^-24, then one multiply per pair of P, after P's rounding to fp16); mma.sync: in
+    //      fp32, one multiply per token, then the rounding. (In fp16 a factor below 2^-24, a V
+    //      scale more than 31 binades below the running maximum or more than 24 below its 32
+    //      tokens' maximum, is 0; the fp32 product kept it while P' >= 2^-24, P being up to
+    //      2^SLACK.)
     //      Two copies behind a CTA-uniform branch: a step with a visible V byte 255 (NaN)
     //      selects 0 for masked tokens (in fp32), so that their NaN cannot reach a row; other
     //      steps need no select (every factor is finite) ----
