@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
         const int v = __reduce_max_sync(0xffffffffu, (vis && b != 255) ? b : 0);
         const bool nan = __any_sync(0xffffffffu, vis && b == 255);
         // the token's part of P's V-scale factor (make_p): finite for any byte (a masked
-        // token's may exceed v, or be 255), 0 below 2^-126
+        // token's may exceed v, or be 255), 0 below 2^-126 (wgmma, in fp16: below 2^-24)
         const float vg = __int_as_float(min(max(b - v + 127, 0), 127) << 23);
         if constexpr (kWG) reinterpret_cast<__half*>(sb + L::SB_VG)[L::sb_slot(cs)] = __float2half_rn(vg);
         else reinterpret_cast<float*>(sb)[L::SB_VG + L::sb_slot(cs)] = vg;
