@@ -25,7 +25,7 @@
 //   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
 //   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
 //   Rows are query-token major as in the general kernel: row R -> token R / G, head R % G.
-// Per KV step of TK = PREFILL_TILE tokens (PREFILL_STAGES-deep ring of raw codes):
+// Per KV step of TK = PREFILL_TILE tokens (a ring of raw codes, PREFILL_STAGES_* deep):
 //   copy (thread t of the NT = 32 W copying threads: the producer warps with wgmma, every warp
 //     below): thread t copies 16-byte chunks c(t) (+ 32 W i: E4M3 keys at D 128 have two) of
 //     the K and chunk c(t) of the V codes (c: chunk_of_thread, a permutation inside each warp
@@ -71,7 +71,7 @@ struct PrefillLayout {
   // W warps hold the rows (16 each); NT threads copy and decode: the same W warps below SM90,
   // W more (producers) with wgmma; NTH threads in all
   static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS, NT = 32 * W, NTH = kWG ? 2 * NT : NT;
-  static constexpr int TK = tuning::PREFILL_TILE, ST = tuning::PREFILL_STAGES;
+  static constexpr int TK = tuning::PREFILL_TILE, ST = kWG ? tuning::PREFILL_STAGES_WGMMA : tuning::PREFILL_STAGES_MMA;
   static constexpr int KROWB = KeyRow<D, kE4m3>::BYTES, VROWB = D / 2;  // code bytes per token
   static constexpr int KCPR = KROWB / 16, VCPR = VROWB / 16;         // 16-byte chunks per token
   static constexpr int KCH = TK * KCPR, VCH = TK * VCPR;              // chunks per step
@@ -918,9 +918,9 @@ inline int prefill_threads(int major) {
 
 // The dispatcher's choice: the prefill kernel where tuning::use_prefill_kernel picks it and its
 // shared memory fits the current device. SM86, SM89 and SM12x allow 99 KB per CTA; K8V4 keys at
-// D 128 take 107 KB in the warp-MMA layout, so there those calls run the general kernel.
-// Example: H100 (227 KB), 1 x 2048 @ 16k, FP4 or K8V4: prefill (128 / 140 KB); RTX 4090, the
-// same call with K8V4 keys: general kernel; with FP4 keys: prefill (95 KB).
+// D 128 take 109 KB in the warp-MMA layout, so there those calls run the general kernel.
+// Example: H100 (227 KB), 1 x 2048 @ 16k, FP4 or K8V4: prefill (182 / 202 KB); RTX 4090, the
+// same call with K8V4 keys: general kernel; with FP4 keys: prefill (97 KB).
 inline bool prefill_kernel_runs(bool multi, int D, long long num_tokens, long long num_seqs, int group_size,
                                 bool key_e4m3) {
   if (!tuning::use_prefill_kernel(multi, D, num_tokens, num_seqs, group_size)) return false;

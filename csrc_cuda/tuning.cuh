@@ -143,7 +143,7 @@ template <int NB> struct DecodeMinBlocks {
 // ---- prefill kernel (paged_attention_prefill.cuh: multi-token rows, D <= 128) ----
 // A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
 // sequence and kv head), 16 per warp; all warps walk the same KV steps of PREFILL_TILE tokens,
-// whose FP4 codes are copied (PREFILL_STAGES-deep cp.async ring) and decoded ONCE into shared
+// whose FP4 codes are copied (PREFILL_STAGES_*-deep cp.async ring) and decoded ONCE into shared
 // memory as fp16, then read by two warpgroups' wgmma (SM90a: PREFILL_WARPS more warps copy and
 // decode, below) or by every warp with ldmatrix. The general kernel decodes each 16-token tile
 // in registers once per 16-row tile.
@@ -166,15 +166,27 @@ template <int NB> struct DecodeMinBlocks {
 constexpr int PREFILL_WARPS = TQ_PREFILL_WARPS;
 constexpr int PREFILL_ROWS = 16 * PREFILL_WARPS;
 constexpr int PREFILL_TILE = TQ_PREFILL_TILE;
-constexpr int PREFILL_STAGES = 3;
+// The raw-code ring (cp.async, one stage per step): SM90a (wgmma) copies four steps ahead
+// (five stages): ncu there (2026-11-27, sixth session, H100, 1 x 2048 @ 16k) had the producers'
+// wait for their own copies (cp.async.wait_group) as their largest stall (17 % of their
+// samples) and the row warps waiting for tiles (FULL) 7 % of theirs, and five stages measured
+// 2.3 / 1.3 / 1.1 / 1.9 % faster than three at 1 x 512 @ 4k, 1 x 2048 @ 16k, 1 x 8192 @ 64k,
+// 4 x 2048 @ 16k (one call, four stages within 0.5 %), for 17 KB more shared memory (D 128 FP4:
+// 8.7 KB a stage; K8V4 12.8 KB). Below SM90a three, which keeps SM86 / SM89's 99 KB (below).
+// (-DTQ_PREFILL_STAGES=N sets the SM90a count.)
+#ifndef TQ_PREFILL_STAGES
+#define TQ_PREFILL_STAGES 5
+#endif
+constexpr int PREFILL_STAGES_WGMMA = TQ_PREFILL_STAGES;
+constexpr int PREFILL_STAGES_MMA = 3;
 constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  // 8 warps per SM
 // Decoded fp16 tiles in flight. SM90a (wgmma): a warpgroup's O += P V of step k runs
 // asynchronously into step k + 1, while step k + 2 is decoded: at least three buffers. Below
 // (warp MMAs, synchronous): two, which also keeps SM86 / SM89's 99 KB per CTA. Example D 128,
-// FP4 keys: a 26 KB ring of raw codes (3 stages) + 4 x 34 KB tiles (1 KB-aligned) = 162 KB on
-// the H100 (K8V4 keys: 174 KB; one CTA per SM, as the registers allow); with 2 tiles 95 KB on
-// SM80-SM89 (K8V4 keys at D 128: 107 KB, over SM86 / SM89's 99 KB: prefill_kernel_runs sends
-// those calls to the general kernel).
+// FP4 keys: a 43 KB ring of raw codes (5 stages) + 4 x 34 KB tiles (1 KB-aligned) + the rows'
+// words = 182 KB on the H100 (K8V4 keys: 202 KB; one CTA per SM, as the registers allow); with
+// 3 stages and 2 tiles 97 KB on SM80-SM89 (K8V4 keys at D 128: 109 KB, over SM86 / SM89's 99 KB:
+// prefill_kernel_runs sends those calls to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
 // benchmarks/prefill_peers_check.sh.) SM90a takes four tiles, so that the producers run three
 // steps ahead: measured 2026-11-27 (fifth session, H200, one call, the tree with the
