@@ -12,7 +12,8 @@
 # the prefill kernel at 1 x 2048 @ 16k in this tree and every other one (pipes, shared memory,
 # stall reasons, the source lines where warps stall: producer or row-warp code). After the rows:
 # TEST_TREES=1 runs the tests in every other tree too, SYNCCHECK=1 compute-sanitizer synccheck
-# on the GPU test's sanitizer case in this tree and every other one. Carry .prebuilt
+# on the GPU test's sanitizer case in this tree and every other one, VARIANT_TESTS (a pytest -k
+# expression) the GPU tests it selects under every VARIANTS flag set. Carry .prebuilt
 # (benchmarks/prebuild_cuda.py, every tree and VARIANTS flag set) and nothing is compiled here.
 # TEST_TIMEOUT (300 s), BENCH_TIMEOUT (300 s, each bench process), SYNC_TIMEOUT (400 s): a
 # kernel that hangs costs one of them, not the call.
@@ -91,6 +92,11 @@ fi
 tar -czf "$OUT/bench.tgz" -C "$B" .
 if [ "${TEST_TREES:-0}" = 1 ]; then
   for t in $TREES; do (cd "${t%%:*}" && gpu_tests "gpu_tests_${t#*:}"); done
+fi
+if [ -n "${VARIANT_TESTS:-}" ]; then
+  for v in $VARIANTS; do
+    TURBOQUANT_CUDA_EXTRA_FLAGS="$(echo "${v#*:}" | tr , ' ')" TESTS="$VARIANT_TESTS" gpu_tests "gpu_tests_${v%%:*}"
+  done
 fi
 if [ "${SYNCCHECK:-0}" = 1 ]; then
   python -c "import sys; sys.path.insert(0, 'tests/gpu'); import test_cuda_backend as t; open('/tmp/case.py', 'w').write(t.SANITIZER_CASE)"
