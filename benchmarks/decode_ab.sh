@@ -13,25 +13,21 @@ source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 T0=$SECONDS
 phase() { echo "[decode_ab +$((SECONDS - T0)) s] $*"; }
-flags() { echo "${1#*:}" | tr , ' '; }
 python -c "from turboquant._backends import cuda; print('this build:', cuda.ensure_loaded() or 'ok')"
-timeout "${TEST_TIMEOUT:-420}" python -m pytest -q -rfs -n 8 tests/gpu/test_cuda_backend.py -k "${TESTS:-not prefill}" \
-  > "$OUT/gpu_tests_full.log" 2>&1
-tail -12 "$OUT/gpu_tests_full.log"
+TESTS=${TESTS:-not prefill} TEST_TIMEOUT=${TEST_TIMEOUT:-420} gpu_tests gpu_tests
 phase tests done
-for v in ${VARIANTS:-}; do
-  if [ -n "${VARIANT_TESTS:-}" ]; then
-    TURBOQUANT_CUDA_EXTRA_FLAGS="$(flags "$v")" timeout "${TEST_TIMEOUT:-420}" python -m pytest -q -rfs -n 8 \
-      tests/gpu/test_cuda_backend.py -k "$VARIANT_TESTS" > "$OUT/gpu_tests_${v%%:*}.log" 2>&1
-    tail -3 "$OUT/gpu_tests_${v%%:*}.log"
-  fi
-done
+if [ -n "${VARIANT_TESTS:-}" ]; then
+  for v in ${VARIANTS:-}; do
+    TURBOQUANT_CUDA_EXTRA_FLAGS="$(variant_flags "$v")" TESTS="$VARIANT_TESTS" TEST_TIMEOUT=${TEST_TIMEOUT:-420} \
+      gpu_tests "gpu_tests_${v%%:*}"
+  done
+fi
 phase variant tests done
 B=$(mktemp -d)
 DEC=${DEC:-"--shapes 32/8/128 --batches 1,16,64 --contexts 4k,16k,32k --no-sdpa --no-writer"}
 # builds: ". this" (flags ""), ". <variant>" (its flags), "<tree> <label>"
 BUILDS=(". this ")
-for v in ${VARIANTS:-}; do BUILDS+=(". ${v%%:*} $(flags "$v")"); done
+for v in ${VARIANTS:-}; do BUILDS+=(". ${v%%:*} $(variant_flags "$v")"); done
 for t in ${AB_TREES:-}; do BUILDS+=("${t%%:*} ${t#*:} "); done
 n=${#BUILDS[@]}
 for ((r = 0; r < ${ROUNDS:-2}; r++)); do

@@ -15,3 +15,14 @@ export FLASHINFER_WORKSPACE_BASE=$PWD/.fiws MAX_JOBS=${MAX_JOBS:-16}
 if [ -f .peers/peers_site.tar.xz ]; then
   tar -xJf .peers/peers_site.tar.xz -C /tmp && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# A flag set "label:flag,flag" (VARIANTS words) -> its flags, space-separated, for
+# TURBOQUANT_CUDA_EXTRA_FLAGS.
+variant_flags() { echo "${1#*:}" | tr , ' '; }
+# The cuda backend's GPU tests that TESTS (a pytest -k expression; all when unset) selects, in
+# this tree and build, within TEST_TIMEOUT (300 s): the whole log in $OUT/NAME_full.log, its
+# tail printed and in $OUT/NAME.log.
+gpu_tests() {  # NAME
+  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -rfs -n 8 tests/gpu/test_cuda_backend.py ${TESTS:+-k "$TESTS"} \
+    > "$OUT/$1_full.log" 2>&1
+  tail -30 "$OUT/$1_full.log" | tee "$OUT/$1.log"
+}

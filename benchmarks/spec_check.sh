@@ -59,22 +59,17 @@ build() {  # flags, tree, label
     "from turboquant._backends import cuda; print('$3 build:', cuda.ensure_loaded() or 'ok')")
 }
 build "" . this &
-for v in $VARIANTS; do build "$(echo "${v#*:}" | tr , ' ')" . "${v%%:*}" & done
+for v in $VARIANTS; do build "$(variant_flags "$v")" . "${v%%:*}" & done
 for t in $TREES; do build "" "${t%%:*}" "${t#*:}" & done
 wait
 phase builds done
-gpu_tests() {  # the log's name
-  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -rfs -n 8 tests/gpu/test_cuda_backend.py ${TESTS:+-k "$TESTS"} \
-    > "$OUT/$1_full.log" 2>&1
-  tail -30 "$OUT/$1_full.log" | tee "$OUT/$1.log"
-}
 gpu_tests gpu_tests
 phase tests done
 B=$(mktemp -d)
 ROWS=${ROWS:-64x4@4k,16x4@16k,64x8@4k,128x2@4k,128x4@4k,16x8@16k,32x2@16k}
 MT="--shapes 32/8/128 --no-decode --no-writer --no-sdpa --multi-token $ROWS"
 for v in this:"" $VARIANTS; do
-  TURBOQUANT_CUDA_EXTRA_FLAGS="$(echo "${v#*:}" | tr , ' ')" timeout "${BENCH_TIMEOUT:-300}" python -m turboquant bench $MT \
+  TURBOQUANT_CUDA_EXTRA_FLAGS="$(variant_flags "$v")" timeout "${BENCH_TIMEOUT:-300}" python -m turboquant bench $MT \
     --out "$B/spec_${v%%:*}" 2>&1 | tee "$OUT/spec_${v%%:*}.log"
   phase "bench ${v%%:*} done"
 done
@@ -95,7 +90,7 @@ if [ "${TEST_TREES:-0}" = 1 ]; then
 fi
 if [ -n "${VARIANT_TESTS:-}" ]; then
   for v in $VARIANTS; do
-    TURBOQUANT_CUDA_EXTRA_FLAGS="$(echo "${v#*:}" | tr , ' ')" TESTS="$VARIANT_TESTS" gpu_tests "gpu_tests_${v%%:*}"
+    TURBOQUANT_CUDA_EXTRA_FLAGS="$(variant_flags "$v")" TESTS="$VARIANT_TESTS" gpu_tests "gpu_tests_${v%%:*}"
   done
 fi
 if [ "${SYNCCHECK:-0}" = 1 ]; then
