@@ -82,6 +82,20 @@ def test_wgmma_layout_probe_compiles(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
 
 
+def test_wgmma_rate_benchmark_compiles_unserialized(tmp_path):
+    """benchmarks/wgmma_rate.cu (the tensor rate of the prefill kernel's MMA forms, run on the
+    device) builds from the kernel headers, and ptxas keeps its MMA chains asynchronous: a
+    serialized wgmma would make it time the hazard instead of the tensor cores."""
+    src = CSRC.parent / "benchmarks" / "wgmma_rate.cu"
+    r = subprocess.run([NVCC, "-std=c++17", "-O3", *TARGETS["sm_90a"], f"-I{CSRC}", "-c", str(src),
+                        "-o", str(tmp_path / "rate.o"), "-Xptxas", "-v"], capture_output=True, text=True,
+                       timeout=600)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    assert len(re.findall(r"Compiling entry function '\w*rate_kernel", log)) == 6, log[-3000:]
+    assert "serialized" not in log, log[-3000:]
+
+
 def test_kernel_headers_are_torch_free():
     for f in CSRC.glob("*.cuh"):
         text = f.read_text()
