@@ -96,6 +96,28 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t 
   __trap();  // SM90a only
 #endif
 }
+// FP8 S for the prefill kernel's planned FP8 path (NOTES_cuda, eighth session): D[64x64] +=
+// A[64x32] B[32x64] with A E4M3 from registers and B E5M2 from shared memory, K-major (the only
+// layout FP8 wgmma reads). A fragment (8-bit, k32): warp w of the group, lane 4g + t holds
+// a[0] = A[16w+g][4t .. 4t+3], a[1] = A[16w+g+8][4t .. 4t+3], a[2] = A[16w+g][16+4t .. 16+4t+3],
+// a[3] = A[16w+g+8][16+4t .. 16+4t+3], byte i of a word = column +i; D as the fp16 MMAs'.
+// E2M1 codes times 2^-14 are E5M2 bytes as fp4x8_to_f16hi8 makes them (the fp16 high bytes).
+// tests/gpu/wgmma_layout_check.cu checks the layout with codes decoded that way.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_e5m2(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                          bool accumulate = true) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e5m2 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : TQ_ACC8(d, 0), TQ_ACC8(d, 8), TQ_ACC8(d, 16), TQ_ACC8(d, 24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+      : "memory");
+#else
+  __trap();  // SM90a only
+#endif
+}
 #undef TQ_ACC8
 
 // Shared-memory matrix descriptor of a 128-byte-swizzled tile: start address / 16 (bits 0-13),
