@@ -96,7 +96,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_f16_ss(float (&d)[32], uint64_t 
   __trap();  // SM90a only
 #endif
 }
-// FP8 S for the prefill kernel's planned FP8 path (NOTES_cuda, eighth session): D[64x64] +=
+// FP8 S of the prefill kernel (tuning::PREFILL_FP8_S): D[64x64] +=
 // A[64x32] B[32x64] with A E4M3 from registers and B E5M2 from shared memory, K-major (the only
 // layout FP8 wgmma reads). A fragment (8-bit, k32): warp w of the group, lane 4g + t holds
 // a[0] = A[16w+g][4t .. 4t+3], a[1] = A[16w+g+8][4t .. 4t+3], a[2] = A[16w+g][16+4t .. 16+4t+3],
@@ -292,6 +292,30 @@ __device__ __forceinline__ void fp4x8_to_f16hi8(uint32_t x, uint32_t& lo, uint32
 __device__ __forceinline__ void f16hi4_to_f16x2x2(uint32_t x, uint32_t& d0, uint32_t& d1) {
   asm("prmt.b32 %0, %1, 0, 0x1404;\n" : "=r"(d0) : "r"(x));
   asm("prmt.b32 %0, %1, 0, 0x3424;\n" : "=r"(d1) : "r"(x));
+}
+
+// ---- cvt.rn.satfinite.e4m3x2.f32 and cvt.rn.f16x2.e4m3x2 (SM89+) ----------------------------
+// Two floats -> two E4M3 bytes (byte 0 from lo, byte 1 from hi; round to nearest even, |x| above
+// 448 saturates to 448, NaN stays NaN), and two E4M3 bytes -> fp16x2 (exact).
+__device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  __trap();  // SM89+ only
+  return 0;
+#endif
+}
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"((uint16_t)x));
+  return d;
+#else
+  __trap();  // SM89+ only
+  return 0;
+#endif
 }
 
 // ---- prmt.b32 (byte permute) ----------------------------------------------------------------

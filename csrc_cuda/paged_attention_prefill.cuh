@@ -16,6 +16,8 @@
 //     warps (two warpgroups, 208 registers) run warpgroup MMAs (wgmma), a warpgroup's 64 rows
 //     per MMA: S = Q K^T with Q fragments in registers, K from shared memory, O += P' V with P'
 //     from registers, both asynchronous; the tiles change hands through named barriers (below);
+//     with FP4 keys at D 128, S on FP8 tensor cores (tuning::PREFILL_FP8_S: K tiles of E5M2
+//     bytes, Q as two E4M3 terms);
 //   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): every warp copies, decodes and computes: FA2-style
 //     m16n8k16 mma.sync per warp, Q fragments in registers, K / V fragments by ldmatrix.
 // H200, 32/8/128, 1 x 2048 @ 16k (2026-11-27): 1548 us (333 TFLOP/s) warp-specialized, 1883 us
@@ -34,7 +36,9 @@
 //     16-token sub-tiles outside the CTA's key range are not copied (their block may not
 //     exist); a bad block id of a needed sub-tile makes the CTA's rows NaN, never a read.
 //   decode: the same thread decodes what it copied (no barrier needed) into the step's fp16
-//     tile (dec_off: D / 64 panels of 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7):
+//     tile (FP8 S: K as E5M2 bytes, one 128-byte row per token, each 8 codes' bytes in the
+//     order 0 2 4 6 1 3 5 7 that Q's E4M3 columns follow)
+//     (dec_off: D / 64 panels of 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7):
 //     wgmma's 128-byte swizzle, and the 8 rows an ldmatrix reads hit distinct banks; three
 //     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the K
 //     scales as floats (2^(kb-127), with wgmma times the logits' factor kmul; NaN for 255, 0
@@ -82,7 +86,10 @@ struct PrefillLayout {
   // A decoded fp16 tile [TK tokens][D] is D / 64 panels of [TK][64 elements = 128 bytes], each
   // 128-byte row swizzled (dec_off): wgmma's SWIZZLE_128B atoms, read by ldmatrix below SM90.
   static constexpr int DPANEL = TK * 128;
-  static constexpr int DEC_K = TK * 2 * D;
+  // FP8 S (tuning::PREFILL_FP8_S: FP4 keys, D 128, wgmma): the K tile holds E5M2 bytes, one
+  // 128-byte row per token (K-major, 128-byte swizzle: chunk c of row r at c ^ (r & 7))
+  static constexpr bool S8 = tuning::PREFILL_FP8_S && kWG && !kE4m3 && D == 128;
+  static constexpr int DEC_K = S8 ? TK * D : TK * 2 * D, DEC_V = TK * 2 * D;
   // 4-byte words at OFF_SB: K scales as floats [4 SB_PITCH], V bytes [TK], per 32 tokens the
   // V-scale maximum vmax [TK / 32] and whether a visible token's V byte is 255 [TK / 32], per
   // token 2^(V byte - its 32 tokens' vmax), clamped to [0, 1] [4 SB_PITCH] (wgmma: as fp16, in
@@ -94,7 +101,7 @@ struct PrefillLayout {
   // four words hit distinct banks and the halves' words stay 16-byte aligned. With mma.sync,
   // token order, read in pairs (the permuted order made the sm_80 build spill 8 bytes at 255
   // registers). The V bytes, read on NaN steps only, are in token order.
-  static constexpr int OFF_SB = 2 * DEC_K;
+  static constexpr int OFF_SB = DEC_K + DEC_V;
   static constexpr int SB_PITCH = TK / 4 + 8;
   static constexpr int SB_KF = 0, SB_VB = 4 * SB_PITCH, SB_VMAX = SB_VB + TK, SB_VNAN = SB_VMAX + TK / 32;
   static constexpr int SB_VG = SB_VNAN + TK / 32;
@@ -149,6 +156,19 @@ __device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* ti
     f16hi4_to_f16x2x2(prmt(lo, hi, 0x7362u), o[2], o[3]);  // (e4, e5) (e6, e7)
     *reinterpret_cast<uint4*>(tile + (off ^ (i << 4))) = make_uint4(o[0], o[1], o[2], o[3]);
   }
+}
+// 32 FP4 codes -> 32 E5M2 bytes E2M1 * 2^-14 (fp4x8_to_f16hi8's high bytes, each 8 codes' in its
+// order 0 2 4 6 1 3 5 7, which Q's columns follow): two 16-byte chunks of a 128-byte K-major row,
+// at off and off ^ 16 (chunks 2 q and 2 q + 1 under the swizzle). 7 integer ops per 8.
+__device__ __forceinline__ void decode_fp4_chunk_e5m2(const uint8_t* src, uint8_t* tile, uint32_t off) {
+  const uint4 w4 = *reinterpret_cast<const uint4*>(src);
+  uint32_t lo[4], hi[4];
+  fp4x8_to_f16hi8(w4.x, lo[0], hi[0]);
+  fp4x8_to_f16hi8(w4.y, lo[1], hi[1]);
+  fp4x8_to_f16hi8(w4.z, lo[2], hi[2]);
+  fp4x8_to_f16hi8(w4.w, lo[3], hi[3]);
+  *reinterpret_cast<uint4*>(tile + off) = make_uint4(lo[0], hi[0], lo[1], hi[1]);
+  *reinterpret_cast<uint4*>(tile + (off ^ 16)) = make_uint4(lo[2], hi[2], lo[3], hi[3]);
 }
 // 16 E4M3 key bytes (K8V4: head-dim elements [16 q, 16 q + 16)) -> fp16 values E4M3 * 2^-8 in
 // head-dim order (decode_key8's placement, without its permutation), two chunks of row r at
@@ -388,7 +408,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
 #pragma unroll
   for (int j = 0; j < NK; ++j) {
     const int c = min(kchunk(j), L::KCH - 1);
-    k_off[j] = dec_off<TK>(c / L::KCPR, (c % L::KCPR) * (kE4m3 ? 2 : 4));
+    const int r = c / L::KCPR, q = c % L::KCPR;
+    k_off[j] = L::S8 ? r * 128 + (((2 * q) ^ (r & 7)) << 4) : dec_off<TK>(r, q * (kE4m3 ? 2 : 4));
   }
   const uint32_t v_off = L::DEC_K + dec_off<TK>(cv, (vc0 % L::VCPR) * 4);
   uint32_t st_dec = 0, buf_dec = 0;  // ring stage and decode buffer of the next decode
@@ -407,6 +428,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       const int c = kchunk(j);
       if (c >= L::KCH) continue;
       if constexpr (kE4m3) decode_e4m3_chunk(raw + c * 16, dec, k_off[j]);
+      else if constexpr (L::S8) decode_fp4_chunk_e5m2(raw + c * 16, dec, k_off[j]);
       else decode_fp4_chunk(raw + c * 16, dec, k_off[j]);
     }
     if (has_v) decode_fp4_chunk(raw + L::RAW_K + vc0 * 16, dec, v_off);
@@ -469,7 +491,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       // first) and the one after it
       unsigned* qamax = reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX);
       if (tid == 0) *qamax = 0u;
-      kmul = logit_factor(q_prescale_exponent(0u, qamax, cta_sync));
+      kmul = logit_factor(q_prescale_exponent(0u, qamax, cta_sync) - (L::S8 ? 7 : 0));
       cta_sync();
       uint32_t b = 0;
 #pragma unroll 1
@@ -526,20 +548,51 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   int qexp;
   if constexpr (kWG) {
     qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX), cta_sync);  // also: the warp's qraw rows are written
+    if constexpr (L::S8) qexp -= 7;  // max |q| 2^qexp in [2^7, 2^8): E4M3 (to 448)
   } else {
     qexp = prescale_exponent(__reduce_max_sync(0xffffffffu, amax_bits));
     __syncwarp();
   }
   uint32_t qa[D / 16][4];  // the A fragments of S = Q K^T (warp MMA and wgmma: the same layout)
   const float qmul = pow2i(qexp);
+  if constexpr (L::S8) {
+    // FP8 S: Q = Q1 + Q2, both E4M3 (qa[ks], qa[D / 32 + ks] for the k32 slice ks), each 8
+    // columns in the K tile's byte order (0 2 4 6 1 3 5 7): byte b of the thread's word holds
+    // column c0 + 2 b, c0 = 32 ks + 8 (t4 / 2) + t4 % 2 (+ 16 for words 2, 3). An infinite q
+    // becomes NaN (E4M3 would saturate it to 448): non-finite in, NaN out.
+    auto two_terms = [&](const float* x, uint32_t& w1, uint32_t& w2) {  // x[0], x[2], x[4], x[6]
+      float v[4];
 #pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    const float* a = qraw + g * D + 16 * ks + 2 * t4;
-    const float* b = a + 8 * D;  // row g + 8
-    qa[ks][0] = pack_f16x2(a[0] * qmul, a[1] * qmul);
-    qa[ks][1] = pack_f16x2(b[0] * qmul, b[1] * qmul);
-    qa[ks][2] = pack_f16x2(a[8] * qmul, a[9] * qmul);
-    qa[ks][3] = pack_f16x2(b[8] * qmul, b[9] * qmul);
+      for (int b = 0; b < 4; ++b) {
+        v[b] = x[2 * b] * qmul;
+        if (isinf(v[b])) v[b] = __int_as_float(0x7fc00000);
+      }
+      const uint32_t h01 = f32x2_to_e4m3x2(v[0], v[1]), h23 = f32x2_to_e4m3x2(v[2], v[3]);
+      const uint32_t r01 = e4m3x2_to_f16x2(h01), r23 = e4m3x2_to_f16x2(h23);
+      const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(&r01));
+      const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(&r23));
+      w1 = h01 | (h23 << 16);
+      w2 = f32x2_to_e4m3x2(v[0] - f01.x, v[1] - f01.y) | (f32x2_to_e4m3x2(v[2] - f23.x, v[3] - f23.y) << 16);
+    };
+#pragma unroll
+    for (int ks = 0; ks < D / 32; ++ks) {
+      const float* a = qraw + g * D + 32 * ks + 8 * (t4 >> 1) + (t4 & 1);
+      const float* b = a + 8 * D;  // row g + 8
+      two_terms(a, qa[ks][0], qa[D / 32 + ks][0]);
+      two_terms(b, qa[ks][1], qa[D / 32 + ks][1]);
+      two_terms(a + 16, qa[ks][2], qa[D / 32 + ks][2]);
+      two_terms(b + 16, qa[ks][3], qa[D / 32 + ks][3]);
+    }
+  } else {
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const float* a = qraw + g * D + 16 * ks + 2 * t4;
+      const float* b = a + 8 * D;  // row g + 8
+      qa[ks][0] = pack_f16x2(a[0] * qmul, a[1] * qmul);
+      qa[ks][1] = pack_f16x2(b[0] * qmul, b[1] * qmul);
+      qa[ks][2] = pack_f16x2(a[8] * qmul, a[9] * qmul);
+      qa[ks][3] = pack_f16x2(b[8] * qmul, b[9] * qmul);
+    }
   }
   const float qm_row[2] = {cap_state ? qmS[16 * cw + g] : 0.f, cap_state ? qmS[16 * cw + g + 8] : 0.f};
   kmul = logit_factor(qexp);
@@ -765,10 +818,17 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       float sacc[TK / 8][4];  // written whole by the first MMA (no accumulate), read only if wdo
       if (wdo) {
         wgmma_fence();
+        if constexpr (L::S8) {  // Q1 K then Q2 K, k32 slices of the 128-byte rows
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-          wgmma_m64n64k16_f16<0>(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks],
-                                 wgmma_desc_advance(kdesc, buf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
+          for (int ks = 0; ks < D / 16; ++ks)
+            wgmma_m64n64k32_e4m3_e5m2(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks],
+                                      wgmma_desc_advance(kdesc, buf + (ks % (D / 32)) * 32), ks > 0);
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks)
+            wgmma_m64n64k16_f16<0>(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks],
+                                   wgmma_desc_advance(kdesc, buf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
+        }
         wgmma_commit();
       }
       turn_give();

@@ -198,6 +198,21 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 #endif
 constexpr int PREFILL_DEC_BUFFERS_WGMMA = TQ_PREFILL_DEC_BUFFERS;
 constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
+// SM90a, FP4 keys at D 128: S = Q K^T on FP8 tensor cores. The producers decode K to E5M2 bytes
+// (E2M1 * 2^-14 is exact in E5M2: fp4x8_to_f16hi8's fp16 high bytes, 7 integer ops per 8 codes
+// where fp16 takes 11, and half the tile stores), Q is split into two E4M3 terms (Q1 = e4m3(q),
+// Q2 = e4m3(q - Q1)), and S = Q1 K + Q2 K: 8 m64n64k32 FP8 MMAs where fp16 issues 8 m64n64k16, the
+// same tensor time. The cost is Q's rounding: two E4M3 terms keep ~2^-8 of q's 2^-4 residual.
+// Measured 2026-11-28 (H100, one call, two rounds; NOTES_cuda): 1 x 512 @ 4k 311 -> 326 TFLOP/s,
+// 1 x 2048 @ 16k 379 -> 391-396, 1 x 8192 @ 64k 398 -> 419, 4 x 2048 @ 16k 382 -> 403-404; the
+// output's relative (Frobenius) error against the fp32 reference 1.0e-3 -> 2.1e-3 (default
+// config; plain 0.75e-3 -> 1.27e-3), beside the bf16 output's own rounding of ~1.1e-3. Example:
+// 1 x 2048 @ 16k, bf16, FP4 keys: FP8 S; K8V4 keys (E4M3 bytes) and D 64 keep fp16 S (their K
+// tile layouts are not written for it yet). (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
+#ifndef TQ_PREFILL_FP8_S
+#define TQ_PREFILL_FP8_S 1
+#endif
+constexpr bool PREFILL_FP8_S = TQ_PREFILL_FP8_S;
 // SM90a: PREFILL_WARPS more warps per CTA copy and decode (producers) while the PREFILL_WARPS
 // row warps (consumers, two warpgroups) only compute; setmaxnreg moves registers from the
 // producers to the consumers: 512 threads x 128 registers (the launch bound) = 256 x
