@@ -57,27 +57,6 @@ struct CacheWriteParams {
   int key_e4m3;  // K8V4: key_cache holds E4M3 bytes, D per row (one scale per row)
 };
 
-// fp32 arithmetic with round to nearest, for the device and for the host check of the encode.
-// Device passes: NVIDIA's (__CUDA_ARCH__) and, after hipify, AMD's (__HIP_DEVICE_COMPILE__).
-__host__ __device__ __forceinline__ float fma_rn(float a, float b, float c) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fmaf_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
-__host__ __device__ __forceinline__ float add_rn(float a, float b) {
-#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-__host__ __device__ __forceinline__ uint32_t float_bits(float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return u;
-}
 __host__ __device__ __forceinline__ uint32_t umin(uint32_t a, uint32_t b) { return a < b ? a : b; }
 
 // The largest magnitude of a code format as c * 2^kMaxExp with c in [0.5, 1), and c's
@@ -163,35 +142,6 @@ __device__ __forceinline__ uint32_t abs_max_bits(const float* f) {
     umax = max(umax, __float_as_uint(f[i]));
   }
   return max((uint32_t)smax & 0x7fffffffu, umax & 0x7fffffffu);
-}
-
-// E4M3 byte of q, |q| <= 448 (the scale rule guarantees it; NaN never comes here): the sign bit
-// and the magnitude rounded to nearest, ties to even, as torch's float8_e4m3fn conversion.
-// Normal range (|q| >= 2^-6): the fp32 mantissa rounded to 3 bits by adding 2^19 - 1 plus the
-// kept lsb, the exponent rebiased from 127 to 7 by one subtraction (a carry out of the mantissa
-// moves the exponent, as it should; 448 stays 448). Below (subnormal steps of 2^-9): |q| + 2^14
-// rounds |q| to a multiple of ulp(2^14) = 2^-9, leaving the code in the low bits (2^-6 gives
-// code 8, the smallest normal: the two ranges meet). The software path for SM80; SM89+ has the
-// conversion instruction (cvt_e4m3x2). tests/test_cuda_compile.py checks this host build
-// against a nearest-even search for every float32 magnitude up to 448.
-__host__ __device__ __forceinline__ uint32_t e4m3_byte(float q) {
-  const uint32_t u = float_bits(q);
-  const uint32_t a = u & 0x7fffffffu;
-  const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
-  const uint32_t subnormal = float_bits(add_rn(fabsf(q), 16384.f)) - 0x46800000u;
-  return ((u >> 24) & 0x80u) | (a < 0x3c800000u ? subnormal : normal);
-}
-
-// Two E4M3 bytes, lo in bits 0..7 and hi in 8..15.
-// cvt.rn.satfinite.e4m3x2.f32 (SM89+): the first source goes to the upper byte.
-__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-#else
-  return e4m3_byte(lo) | (e4m3_byte(hi) << 8);
-#endif
 }
 
 // The writer's two code formats: elements per 32-bit word of codes and the word's encode

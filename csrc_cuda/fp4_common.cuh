@@ -294,19 +294,8 @@ __device__ __forceinline__ void f16hi4_to_f16x2x2(uint32_t x, uint32_t& d0, uint
   asm("prmt.b32 %0, %1, 0, 0x3424;\n" : "=r"(d1) : "r"(x));
 }
 
-// ---- cvt.rn.satfinite.e4m3x2.f32 and cvt.rn.f16x2.e4m3x2 (SM89+) ----------------------------
-// Two floats -> two E4M3 bytes (byte 0 from lo, byte 1 from hi; round to nearest even, |x| above
-// 448 saturates to 448, NaN stays NaN), and two E4M3 bytes -> fp16x2 (exact).
-__device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  uint16_t d;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(d) : "f"(hi), "f"(lo));
-  return d;
-#else
-  __trap();  // SM89+ only
-  return 0;
-#endif
-}
+// ---- cvt.rn.f16x2.e4m3x2 (SM89+): two E4M3 bytes (bits 0..7 and 8..15) -> fp16x2, exact ----
+// (the other direction, cvt.rn.satfinite.e4m3x2.f32, is fp4_portable.cuh's cvt_e4m3x2)
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   uint32_t d;
