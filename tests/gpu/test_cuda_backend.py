@@ -523,6 +523,24 @@ def test_prefill_kernel_nan_scale_and_bad_block(which):
     _check_bad_block_gives_nan(prob, q, cu, 200)
 
 
+def test_prefill_kernel_non_finite_query_rows():
+    """A NaN or an infinite query element makes exactly its (token, head) row NaN, and leaves the
+    CTA's other rows as the reference has them: the Q prescale takes the finite maximum, and the
+    FP8 S path (two E4M3 terms, whose conversion would saturate an infinity to 448) turns an
+    infinity into NaN."""
+    prob, q, cu = _problem([300, 200], 8, 2, 128, 16, qlens=[200, 150], seed=5)
+    q[10, 1, 7] = float("nan")
+    q[70, 5, 100] = float("inf")
+    q[250, 6, 0] = -float("inf")
+    assert any("prefill" in n for n in _kernel_names(lambda: _run("cuda", prob, q, cu)))
+    out, ref = _run("cuda", prob, q, cu), _run("reference", prob, q, cu)
+    bad = torch.zeros(out.shape[:2], dtype=torch.bool, device=out.device)
+    bad[10, 1] = bad[70, 5] = bad[250, 6] = True
+    assert torch.isnan(out[bad]).all()
+    assert torch.isfinite(out[~bad]).all()
+    _compare(out[~bad], ref[~bad])
+
+
 # short multi-token queries (speculative decoding) through the decode kernel's 16-column form
 # (tuning::use_spec_kernel: at most 32 (query token, head) pairs per sequence on average):
 # (seq_lens, hq, hkv, d, bs, query tokens per sequence, dtype)
