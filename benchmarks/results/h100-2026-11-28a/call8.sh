@@ -3,6 +3,8 @@
 # decoded by fp4x8_to_f16hi8 alone, Q as two E4M3 terms; FP4 keys at D 128) against the same tree
 # without the flag (HEAD's prefill SASS): the prefill GPU tests and the error against the
 # reference under the flag, then both builds timed in two rounds. Carry .prebuilt.
+# (Run when FP8 S was behind the flag; since a8c3a2d it is the default and -DTQ_PREFILL_FP8_S=0
+# builds the fp16-S kernel.)
 set -uo pipefail
 source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
