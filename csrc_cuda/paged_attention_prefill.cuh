@@ -90,6 +90,9 @@ struct PrefillLayout {
   // 128-byte row per token (K-major, 128-byte swizzle: chunk c of row r at c ^ (r & 7))
   static constexpr bool S8 = tuning::PREFILL_FP8_S && kWG && !kE4m3 && D == 128;
   static constexpr int DEC_K = S8 ? TK * D : TK * 2 * D, DEC_V = TK * 2 * D;
+  // binades the Q prescale's target lies below fp16's [2^14, 2^15) (prescale_exponent): FP8 S
+  // puts max |q| 2^e in [2^7, 2^8), inside E4M3's 448; producers and row warps both subtract it
+  static constexpr int QEXP_DROP = S8 ? 7 : 0;
   // 4-byte words at OFF_SB: K scales as floats [4 SB_PITCH], V bytes [TK], per 32 tokens the
   // V-scale maximum vmax [TK / 32] and whether a visible token's V byte is 255 [TK / 32], per
   // token 2^(V byte - its 32 tokens' vmax), clamped to [0, 1] [4 SB_PITCH] (wgmma: as fp16, in
@@ -491,7 +494,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       // first) and the one after it
       unsigned* qamax = reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX);
       if (tid == 0) *qamax = 0u;
-      kmul = logit_factor(q_prescale_exponent(0u, qamax, cta_sync) - (L::S8 ? 7 : 0));
+      kmul = logit_factor(q_prescale_exponent(0u, qamax, cta_sync) - L::QEXP_DROP);
       cta_sync();
       uint32_t b = 0;
 #pragma unroll 1
@@ -547,13 +550,14 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   }
   int qexp;
   if constexpr (kWG) {
-    qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX), cta_sync);  // also: the warp's qraw rows are written
-    if constexpr (L::S8) qexp -= 7;  // max |q| 2^qexp in [2^7, 2^8): E4M3 (to 448)
+    qexp = q_prescale_exponent(amax_bits, reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX), cta_sync) -
+           L::QEXP_DROP;  // also: the warp's qraw rows are written
   } else {
     qexp = prescale_exponent(__reduce_max_sync(0xffffffffu, amax_bits));
     __syncwarp();
   }
-  uint32_t qa[D / 16][4];  // the A fragments of S = Q K^T (warp MMA and wgmma: the same layout)
+  // the A fragments of S = Q K^T (warp MMA and wgmma: the same layout; FP8 S: Q's two E4M3 terms)
+  uint32_t qa[D / 16][4];
   const float qmul = pow2i(qexp);
   if constexpr (L::S8) {
     // FP8 S: Q = Q1 + Q2, both E4M3 (qa[ks], qa[D / 32 + ks] for the k32 slice ks), each 8
