@@ -118,6 +118,23 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_e5m2(float (&d)[32], const 
   __trap();  // SM90a only
 #endif
 }
+// The same MMA with B E4M3 too (K8V4 keys: their bytes as stored, each 8 reordered as the
+// FP4 decode orders its E5M2 bytes, so that Q's fragments are the same); layout as above.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                          bool accumulate = true) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : TQ_ACC8(d, 0), TQ_ACC8(d, 8), TQ_ACC8(d, 16), TQ_ACC8(d, 24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+      : "memory");
+#else
+  __trap();  // SM90a only
+#endif
+}
 #undef TQ_ACC8
 
 // Shared-memory matrix descriptor of a 128-byte-swizzled tile: start address / 16 (bits 0-13),

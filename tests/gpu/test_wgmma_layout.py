@@ -2,7 +2,8 @@
 issues them (fp4_common.cuh's wrappers and descriptor, paged_attention_prefill.cuh's decoded-tile
 layout): S = Q K^T with K-major K (Q in registers as the kernel has it, and Q from shared
 memory as the variants in benchmarks/variants), O = P V with N-major V at N 128 and 64, and the
-FP8 S of the planned FP8 path (E4M3 Q in registers, E5M2 K decoded from FP4 codes), each checked
+FP8 S of the kernel's FP8 path (E4M3 Q in registers, E5M2 K decoded from FP4 codes, and E4M3
+K8V4 key bytes), each checked
 for equality with a host product (wgmma_layout_check.cu). A descriptor or fragment-map error shows
 here as moved rows, columns or blocks, before it shows in attention as noise."""
 from __future__ import annotations
@@ -37,4 +38,4 @@ def test_wgmma_fragments_and_descriptors(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count(": 0 of") == 5, run.stdout
+    assert run.stdout.count(": 0 of") == 6, run.stdout

@@ -9,6 +9,9 @@
 //              fp4x8_to_f16hi8 (E5M2 bytes E2M1 * 2^-14) into 128-byte K-major rows, each 8
 //              codes' bytes in the decode's order (0 2 4 6 1 3 5 7) and Q's columns permuted
 //              alike: 4 x m64n64k32 (wgmma_m64n64k32_e4m3_e5m2)
+//   K8V4 FP8 S: the same Q, K [64 tokens x 128] as E4M3 bytes in the same rows, each 8 bytes
+//              in that order (the producers' reorder_e4m3_chunk): 4 x m64n64k32
+//              (wgmma_m64n64k32_e4m3_e4m3)
 // Entries are small integers, so every product is exact in fp32 and the check is equality; a
 // mismatch prints its first positions (a wrong descriptor or fragment map moves whole rows,
 // columns or 8 x 8 blocks). Built and run by tests/gpu/test_wgmma_layout.py (SM90a only).
@@ -81,13 +84,21 @@ __device__ void pv_product(uint8_t* smem, uint32_t base, const __half* p, const 
 // The decode's byte order within 8 codes: position b of the 8 E5M2 bytes holds element PERM8[b].
 __host__ __device__ inline int perm8(int b) { return b < 4 ? 2 * b : 2 * (b - 4) + 1; }
 
-// FP8 S = Q K^T: codes [64 tokens][64 bytes] (two E2M1 codes a byte, element 2i in the low
-// nibble), q8 [64][128] E4M3 bytes with the columns of each 8 already in perm8 order
+// FP8 S = Q K^T: kE4m3K false: codes [64 tokens][64 bytes] (two E2M1 codes a byte, element 2i
+// in the low nibble); true: [64 tokens][128] E4M3 key bytes; q8 [64][128] E4M3 bytes with the
+// columns of each 8 already in perm8 order
+template <bool kE4m3K>
 __device__ void fp8_s_product(uint8_t* smem, uint32_t base, const uint32_t* codes, const uint8_t* q8, float* out) {
-  for (int e = threadIdx.x; e < 64 * 16; e += blockDim.x) {  // word j (elements 8j .. 8j+7) of token r
+  for (int e = threadIdx.x; e < 64 * 16; e += blockDim.x) {  // elements 8j .. 8j+7 of token r
     const int r = e / 16, j = e % 16;
     uint32_t lo, hi;
-    fp4x8_to_f16hi8(codes[r * 16 + j], lo, hi);
+    if constexpr (kE4m3K) {
+      const uint32_t w0 = codes[r * 32 + 2 * j], w1 = codes[r * 32 + 2 * j + 1];
+      lo = prmt(w0, w1, 0x6420u);
+      hi = prmt(w0, w1, 0x7531u);
+    } else {
+      fp4x8_to_f16hi8(codes[r * 16 + j], lo, hi);
+    }
     *reinterpret_cast<uint2*>(smem + dec_off<TK>(r, j / 2) + (j & 1) * 8) = make_uint2(lo, hi);
   }
   fence_proxy_async();
@@ -102,7 +113,8 @@ __device__ void fp8_s_product(uint8_t* smem, uint32_t base, const uint32_t* code
     const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(r0), *reinterpret_cast<const uint32_t*>(r1),
                            *reinterpret_cast<const uint32_t*>(r0 + 16), *reinterpret_cast<const uint32_t*>(r1 + 16)};
     wgmma_fence();
-    wgmma_m64n64k32_e4m3_e5m2(s, a, wgmma_desc_advance(kdesc, 32 * ks), ks > 0);
+    if constexpr (kE4m3K) wgmma_m64n64k32_e4m3_e4m3(s, a, wgmma_desc_advance(kdesc, 32 * ks), ks > 0);
+    else wgmma_m64n64k32_e4m3_e5m2(s, a, wgmma_desc_advance(kdesc, 32 * ks), ks > 0);
   }
   wgmma_commit();
   wgmma_wait<0>();
@@ -113,8 +125,8 @@ __device__ void fp8_s_product(uint8_t* smem, uint32_t base, const uint32_t* code
 // grid 1, block 128 (one warpgroup); q [64][128], k [64][128], p [64][64], v [64][128]
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const __half* q, const __half* k, const __half* p,
                                                           const __half* v, const uint32_t* codes, const uint8_t* q8,
-                                                          float* s_out, float* s_ss_out, float* o128_out,
-                                                          float* o64_out, float* s8_out) {
+                                                          const uint32_t* k8, float* s_out, float* s_ss_out,
+                                                          float* o128_out, float* o64_out, float* s8_out, float* sk8_out) {
   extern __shared__ __align__(16) uint8_t smem_raw[];  // 1024-aligned below, as the kernel's
   uint8_t* const smem = smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
@@ -162,7 +174,9 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __half* q, const
   __syncthreads();
   pv_product<64>(smem, base, p, v, o64_out);  // the first 64 columns of v
   __syncthreads();
-  fp8_s_product(smem, base, codes, q8, s8_out);
+  fp8_s_product<false>(smem, base, codes, q8, s8_out);
+  __syncthreads();
+  fp8_s_product<true>(smem, base, k8, q8, sk8_out);
 }
 
 static int check(const char* what, const std::vector<float>& got, const std::vector<float>& want, int cols) {
@@ -194,7 +208,7 @@ int main() {
   // element j), Q small integers in E4M3 with each 8 columns in perm8 order
   static const float e2m1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
   std::vector<uint32_t> codes(64 * 16, 0u);
-  std::vector<uint8_t> q8(64 * 128);
+  std::vector<uint8_t> q8(64 * 128), k8(64 * 128);  // k8: E4M3 bytes of K (small integers, exact)
   std::vector<float> s8(64 * 64, 0.f);
   auto code_at = [](int i, int j) { return (unsigned)((i * 5 + j * 3 + (i ^ j)) % 16); };
   for (int i = 0; i < 64; ++i)
@@ -202,6 +216,7 @@ int main() {
       codes[i * 16 + j / 8] |= code_at(i, j) << (4 * (j % 8));
       const int src = (j & ~7) + perm8(j & 7);  // the Q column this byte holds
       q8[i * 128 + j] = __nv_fp8_e4m3(fq[i * 128 + src]).__x;
+      k8[i * 128 + j] = __nv_fp8_e4m3(fk[i * 128 + j]).__x;
     }
   for (int i = 0; i < 64; ++i)
     for (int t = 0; t < 64; ++t)
@@ -220,8 +235,11 @@ int main() {
   __half *dq, *dk, *dp, *dv;
   float *ds, *dss, *do128, *do64, *ds8;
   uint32_t* dcodes;
-  uint8_t* dq8;
+  uint8_t *dq8, *dk8;
+  float* dsk8;
   cudaMalloc(&dcodes, codes.size() * 4); cudaMalloc(&dq8, q8.size()); cudaMalloc(&ds8, s8.size() * 4);
+  cudaMalloc(&dk8, k8.size()); cudaMalloc(&dsk8, s.size() * 4);
+  cudaMemcpy(dk8, k8.data(), k8.size(), cudaMemcpyHostToDevice);
   cudaMemcpy(dcodes, codes.data(), codes.size() * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(dq8, q8.data(), q8.size(), cudaMemcpyHostToDevice);
   cudaMalloc(&dq, hq.size() * 2); cudaMalloc(&dk, hk.size() * 2); cudaMalloc(&dp, hp.size() * 2);
@@ -233,13 +251,15 @@ int main() {
   cudaMemcpy(dv, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice);
   const int smem = TK * 256 + 128 * 256 + 1024;
   cudaFuncSetAttribute(wgmma_check_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  wgmma_check_kernel<<<1, 128, smem>>>(dq, dk, dp, dv, dcodes, dq8, ds, dss, do128, do64, ds8);
+  wgmma_check_kernel<<<1, 128, smem>>>(dq, dk, dp, dv, dcodes, dq8, reinterpret_cast<const uint32_t*>(dk8), ds, dss,
+                                       do128, do64, ds8, dsk8);
   const cudaError_t e = cudaDeviceSynchronize();
   if (e != cudaSuccess) {
     printf("launch: %s\n", cudaGetErrorString(e));
     return 2;
   }
-  std::vector<float> gs(s.size()), gss(s.size()), g128(o128.size()), g64(o64.size()), gs8(s8.size());
+  std::vector<float> gs(s.size()), gss(s.size()), g128(o128.size()), g64(o64.size()), gs8(s8.size()), gsk8(s.size());
+  cudaMemcpy(gsk8.data(), dsk8, gsk8.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(gs8.data(), ds8, gs8.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(gs.data(), ds, gs.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(gss.data(), dss, gss.size() * 4, cudaMemcpyDeviceToHost);
@@ -249,6 +269,7 @@ int main() {
                   check("S = Q K^T (m64n64k16 ss, K-major)", gss, s, 64) +
                   check("O = P V (m64n128k16, N-major)", g128, o128, 128) +
                   check("O = P V (m64n64k16, N-major)", g64, o64, 64) +
-                  check("FP8 S = Q K^T (m64n64k32 e4m3 x e5m2, K from FP4 codes)", gs8, s8, 64);
+                  check("FP8 S = Q K^T (m64n64k32 e4m3 x e5m2, K from FP4 codes)", gs8, s8, 64) +
+                  check("K8V4 FP8 S = Q K^T (m64n64k32 e4m3 x e4m3, E4M3 key bytes)", gsk8, s, 64);
   return bad ? 1 : 0;
 }
