@@ -16,8 +16,8 @@
 //     warps (two warpgroups, 208 registers) run warpgroup MMAs (wgmma), a warpgroup's 64 rows
 //     per MMA: S = Q K^T with Q fragments in registers, K from shared memory, O += P' V with P'
 //     from registers, both asynchronous; the tiles change hands through named barriers (below);
-//     with FP4 keys at D 128, S on FP8 tensor cores (tuning::PREFILL_FP8_S: K tiles of E5M2
-//     bytes, Q as two E4M3 terms);
+//     at D 128, S on FP8 tensor cores (tuning::PREFILL_FP8_S: K tiles of E5M2 bytes from FP4
+//     keys or of K8V4's E4M3 key bytes as they are, Q as two E4M3 terms);
 //   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): every warp copies, decodes and computes: FA2-style
 //     m16n8k16 mma.sync per warp, Q fragments in registers, K / V fragments by ldmatrix.
 // H200, 32/8/128, 1 x 2048 @ 16k (2026-11-27): 1548 us (333 TFLOP/s) warp-specialized, 1883 us
@@ -36,8 +36,8 @@
 //     16-token sub-tiles outside the CTA's key range are not copied (their block may not
 //     exist); a bad block id of a needed sub-tile makes the CTA's rows NaN, never a read.
 //   decode: the same thread decodes what it copied (no barrier needed) into the step's fp16
-//     tile (FP8 S: K as E5M2 bytes, one 128-byte row per token, each 8 codes' bytes in the
-//     order 0 2 4 6 1 3 5 7 that Q's E4M3 columns follow)
+//     tile (FP8 S: K as E5M2 bytes, or K8V4's E4M3 bytes moved, one 128-byte row per token,
+//     each 8 elements' bytes in the order 0 2 4 6 1 3 5 7 that Q's E4M3 columns follow)
 //     (dec_off: D / 64 panels of 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7):
 //     wgmma's 128-byte swizzle, and the 8 rows an ldmatrix reads hit distinct banks; three
 //     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the K
@@ -86,9 +86,12 @@ struct PrefillLayout {
   // A decoded fp16 tile [TK tokens][D] is D / 64 panels of [TK][64 elements = 128 bytes], each
   // 128-byte row swizzled (dec_off): wgmma's SWIZZLE_128B atoms, read by ldmatrix below SM90.
   static constexpr int DPANEL = TK * 128;
-  // FP8 S (tuning::PREFILL_FP8_S: FP4 keys, D 128, wgmma): the K tile holds E5M2 bytes, one
-  // 128-byte row per token (K-major, 128-byte swizzle: chunk c of row r at c ^ (r & 7))
-  static constexpr bool S8 = tuning::PREFILL_FP8_S && kWG && !kE4m3 && D == 128;
+  // FP8 S (tuning::PREFILL_FP8_S: D 128, wgmma): the K tile holds E5M2 bytes (FP4 keys) or the
+  // E4M3 key bytes (K8V4), one 128-byte row per token (K-major, 128-byte swizzle: chunk c of row
+  // r at c ^ (r & 7)), each 8 bytes in the order 0 2 4 6 1 3 5 7
+  static constexpr bool S8 = tuning::PREFILL_FP8_S && kWG && D == 128;
+  // decoded key value = code value * 2^-KDEC_EXP (FP8 S: the E4M3 key bytes as they are)
+  static constexpr int KDEC_EXP = S8 && kE4m3 ? 0 : KeyRow<D, kE4m3>::DEC_EXP;
   static constexpr int DEC_K = S8 ? TK * D : TK * 2 * D, DEC_V = TK * 2 * D;
   // binades the Q prescale's target lies below fp16's [2^14, 2^15) (prescale_exponent): FP8 S
   // puts max |q| 2^e in [2^7, 2^8), inside E4M3's 448; producers and row warps both subtract it
@@ -172,6 +175,14 @@ __device__ __forceinline__ void decode_fp4_chunk_e5m2(const uint8_t* src, uint8_
   fp4x8_to_f16hi8(w4.w, lo[3], hi[3]);
   *reinterpret_cast<uint4*>(tile + off) = make_uint4(lo[0], hi[0], lo[1], hi[1]);
   *reinterpret_cast<uint4*>(tile + (off ^ 16)) = make_uint4(lo[2], hi[2], lo[3], hi[3]);
+}
+// 16 E4M3 key bytes (K8V4: head-dim elements [16 q, 16 q + 16)) -> the same 16 bytes with each
+// 8 in the order 0 2 4 6 1 3 5 7 (FP8 S's K row, as decode_fp4_chunk_e5m2 orders its bytes):
+// chunk q of a 128-byte K-major row, at off. 4 byte permutes, no conversion.
+__device__ __forceinline__ void reorder_e4m3_chunk(const uint8_t* src, uint8_t* tile, uint32_t off) {
+  const uint4 w = *reinterpret_cast<const uint4*>(src);
+  *reinterpret_cast<uint4*>(tile + off) =
+      make_uint4(prmt(w.x, w.y, 0x6420u), prmt(w.x, w.y, 0x7531u), prmt(w.z, w.w, 0x6420u), prmt(w.z, w.w, 0x7531u));
 }
 // 16 E4M3 key bytes (K8V4: head-dim elements [16 q, 16 q + 16)) -> fp16 values E4M3 * 2^-8 in
 // head-dim order (decode_key8's placement, without its permutation), two chunks of row r at
@@ -412,7 +423,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   for (int j = 0; j < NK; ++j) {
     const int c = min(kchunk(j), L::KCH - 1);
     const int r = c / L::KCPR, q = c % L::KCPR;
-    k_off[j] = L::S8 ? r * 128 + (((2 * q) ^ (r & 7)) << 4) : dec_off<TK>(r, q * (kE4m3 ? 2 : 4));
+    // FP8 S: a K8V4 chunk is 16 of the row's bytes (chunk q), an FP4 chunk becomes 32 (2 q, 2 q + 1)
+    k_off[j] = L::S8 ? r * 128 + (((kE4m3 ? q : 2 * q) ^ (r & 7)) << 4) : dec_off<TK>(r, q * (kE4m3 ? 2 : 4));
   }
   const uint32_t v_off = L::DEC_K + dec_off<TK>(cv, (vc0 % L::VCPR) * 4);
   uint32_t st_dec = 0, buf_dec = 0;  // ring stage and decode buffer of the next decode
@@ -430,7 +442,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     for (int j = 0; j < NK; ++j) {
       const int c = kchunk(j);
       if (c >= L::KCH) continue;
-      if constexpr (kE4m3) decode_e4m3_chunk(raw + c * 16, dec, k_off[j]);
+      if constexpr (kE4m3 && L::S8) reorder_e4m3_chunk(raw + c * 16, dec, k_off[j]);
+      else if constexpr (kE4m3) decode_e4m3_chunk(raw + c * 16, dec, k_off[j]);
       else if constexpr (L::S8) decode_fp4_chunk_e5m2(raw + c * 16, dec, k_off[j]);
       else decode_fp4_chunk(raw + c * 16, dec, k_off[j]);
     }
@@ -475,7 +488,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     }
   };
   // logit = S * 2^(kb - 127) * kmul (above), from Q's prescale exponent
-  auto logit_factor = [&](int qexp) { return p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E); };
+  auto logit_factor = [&](int qexp) { return p.scale * pow2i(L::KDEC_EXP - qexp) * (cap ? 1.f : LOG2E); };
   if constexpr (kWG) {
     // Producer and consumer warps, NDEC decoded tiles between them. Named barriers: FULL + b
     // (tile b holds its step: producers arrive, consumers wait) and EMPTY + b (tile b's step has
@@ -824,9 +837,11 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
         wgmma_fence();
         if constexpr (L::S8) {  // Q1 K then Q2 K, k32 slices of the 128-byte rows
 #pragma unroll
-          for (int ks = 0; ks < D / 16; ++ks)
-            wgmma_m64n64k32_e4m3_e5m2(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks],
-                                      wgmma_desc_advance(kdesc, buf + (ks % (D / 32)) * 32), ks > 0);
+          for (int ks = 0; ks < D / 16; ++ks) {
+            const uint64_t kd = wgmma_desc_advance(kdesc, buf + (ks % (D / 32)) * 32);
+            if constexpr (kE4m3) wgmma_m64n64k32_e4m3_e4m3(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks], kd, ks > 0);
+            else wgmma_m64n64k32_e4m3_e5m2(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks], kd, ks > 0);
+          }
         } else {
 #pragma unroll
           for (int ks = 0; ks < D / 16; ++ks)

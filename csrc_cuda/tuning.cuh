@@ -206,9 +206,14 @@ constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
 // Measured 2026-11-28 (H100, one call, two rounds; NOTES_cuda): 1 x 512 @ 4k 311 -> 326 TFLOP/s,
 // 1 x 2048 @ 16k 379 -> 391-396, 1 x 8192 @ 64k 398 -> 419, 4 x 2048 @ 16k 382 -> 403-404; the
 // output's relative (Frobenius) error against the fp32 reference 1.0e-3 -> 2.1e-3 (default
-// config; plain 0.75e-3 -> 1.27e-3), beside the bf16 output's own rounding of ~1.1e-3. Example:
-// 1 x 2048 @ 16k, bf16, FP4 keys: FP8 S; K8V4 keys (E4M3 bytes) and D 64 keep fp16 S (their K
-// tile layouts are not written for it yet). (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
+// config; plain 0.75e-3 -> 1.27e-3), beside the bf16 output's own rounding of ~1.1e-3. K8V4 keys
+// take the same path with their E4M3 bytes as they are (each 8 reordered like the FP4 decode's
+// bytes, 4 byte permutes per 16 keys' elements, no conversion; E4M3 x E4M3 MMAs): measured
+// 2026-11-28 (H100, one call, two rounds): 1 x 512 @ 4k 274-276 -> 302-305 TFLOP/s, 1 x 2048 @
+// 16k 325 -> 363, 1 x 8192 @ 64k 338 -> 382-383, 4 x 2048 @ 16k 326 -> 367-370; relative error
+// 1.0e-3 -> 2.2e-3 (default), 0.74e-3 -> 1.63e-3 (plain). Example: 1 x 2048 @ 16k, bf16, FP4 or
+// K8V4 keys at D 128: FP8 S; D 64 keeps fp16 S (its K tile layout is not written for it yet).
+// (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
 #ifndef TQ_PREFILL_FP8_S
 #define TQ_PREFILL_FP8_S 1
 #endif
