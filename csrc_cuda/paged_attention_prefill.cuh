@@ -16,8 +16,8 @@
 //     warps (two warpgroups, 208 registers) run warpgroup MMAs (wgmma), a warpgroup's 64 rows
 //     per MMA: S = Q K^T with Q fragments in registers, K from shared memory, O += P' V with P'
 //     from registers, both asynchronous; the tiles change hands through named barriers (below);
-//     at D 128, S on FP8 tensor cores (tuning::PREFILL_FP8_S: K tiles of E5M2 bytes from FP4
-//     keys or of K8V4's E4M3 key bytes as they are, Q as two E4M3 terms);
+//     S on FP8 tensor cores (tuning::PREFILL_FP8_S: K tiles of E5M2 bytes from FP4 keys at D 64
+//     and 128, or of K8V4's E4M3 key bytes as they are at D 128, Q as two E4M3 terms);
 //   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): every warp copies, decodes and computes: FA2-style
 //     m16n8k16 mma.sync per warp, Q fragments in registers, K / V fragments by ldmatrix.
 // H200, 32/8/128, 1 x 2048 @ 16k (2026-11-27): 1548 us (333 TFLOP/s) warp-specialized, 1883 us
@@ -86,13 +86,14 @@ struct PrefillLayout {
   // A decoded fp16 tile [TK tokens][D] is D / 64 panels of [TK][64 elements = 128 bytes], each
   // 128-byte row swizzled (dec_off): wgmma's SWIZZLE_128B atoms, read by ldmatrix below SM90.
   static constexpr int DPANEL = TK * 128;
-  // FP8 S (tuning::PREFILL_FP8_S: D 128, wgmma): the K tile holds E5M2 bytes (FP4 keys) or the
-  // E4M3 key bytes (K8V4), one 128-byte row per token (K-major, 128-byte swizzle: chunk c of row
-  // r at c ^ (r & 7)), each 8 bytes in the order 0 2 4 6 1 3 5 7
-  static constexpr bool S8 = tuning::PREFILL_FP8_S && kWG && D == 128;
+  // FP8 S (tuning::PREFILL_FP8_S, wgmma: FP4 keys at D 64 and 128, K8V4 at D 128): the K tile
+  // holds E5M2 bytes (FP4 keys) or the E4M3 key bytes (K8V4), one 128-byte row per token
+  // (K-major, 128-byte swizzle: chunk c of row r at c ^ (r & 7); D 64 uses its first half),
+  // each 8 bytes in the order 0 2 4 6 1 3 5 7
+  static constexpr bool S8 = tuning::PREFILL_FP8_S && kWG && (D == 128 || !kE4m3);
   // decoded key value = code value * 2^-KDEC_EXP (FP8 S: the E4M3 key bytes as they are)
   static constexpr int KDEC_EXP = S8 && kE4m3 ? 0 : KeyRow<D, kE4m3>::DEC_EXP;
-  static constexpr int DEC_K = S8 ? TK * D : TK * 2 * D, DEC_V = TK * 2 * D;
+  static constexpr int DEC_K = S8 ? TK * 128 : TK * 2 * D, DEC_V = TK * 2 * D;
   // binades the Q prescale's target lies below fp16's [2^14, 2^15) (prescale_exponent): FP8 S
   // puts max |q| 2^e in [2^7, 2^8), inside E4M3's 448; producers and row warps both subtract it
   static constexpr int QEXP_DROP = S8 ? 7 : 0;
@@ -212,17 +213,25 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* t
 //   CPR 4 (FP4 at D 128): token 4 b4 + 2 b2 + b1, chunk 2 (b2 ^ b3) + b0: threads 0-7 hold
 //     (token, chunk) (0,0) (0,1) (1,0) (1,1) (2,2) (2,3) (3,2) (3,3): raw slots 0 1 4 5 2 3 6 7,
 //     decoded positions (store i) (4 (chunk & 1) + i) ^ token: i ^ {0 4 1 5 2 6 3 7}: distinct;
-//   CPR 2 or 4 at D 64 (one panel): token-major order is already conflict-free;
+//   CPR 2 or 4 at D 64 (one panel): token-major order is already conflict-free, except for
+//     FP4 keys on FP8 S (kFp8Rows): a chunk's 32 E5M2 bytes go to slots 2 q, 2 q + 1 of a
+//     128-byte row (^ token % 8, the row's first half only), where tokens r, r ^ 2 collide;
+//     there token 8 b4 + 2 b1 + b0 + 4 (b2 ^ b3), chunk b2: threads 0-7 hold tokens 0-3 with
+//     chunk 0 and 4-7 with chunk 1: raw slots 0 2 4 6 1 3 5 7, stores {0 1 2 3 6 7 4 5} and
+//     its ^ 1 (threads 8-15: tokens 4-7 with chunk 0, 0-3 with chunk 1, alike); V (fp16) stays
+//     token-major, and a warp's K and V chunks stay in its 16-token run (one block);
 //   K8V4 (E4M3 keys: CPR 8 at D 128) keeps token-major order for both K and V, and their 2-way
 //     conflicts: the permutation for the keys (token 2 b4 + (b2 ^ b3), chunk t % 8) and, with
 //     the warpgroups' turns, the V chunks' alone cost its 48-register producers 20 bytes of
 //     spills (one more live chunk index; nvcc 13.0);
 //   and below SM90a (kWG false: every warp copies, decodes and computes at 255 registers) the
 //     permutation spilled 12 bytes in two D 128 instantiations of sm_80: token-major there.
-template <int CPR, int D, bool kWG>
+template <int CPR, int D, bool kWG, bool kFp8Rows = false>
 __device__ __forceinline__ int chunk_of_thread(int t) {
   if constexpr (kWG && D == 128 && CPR == 4)
     return (t & ~15) | ((t & 6) << 1) | ((((t >> 2) ^ (t >> 3)) & 1) << 1) | (t & 1);
+  else if constexpr (kFp8Rows && D == 64 && CPR == 2)
+    return (t & ~15) | ((((t >> 2) ^ (t >> 3)) & 1) << 3) | ((t & 3) << 1) | ((t >> 2) & 1);
   else
     return t;
 }
@@ -348,7 +357,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;
   // K chunks kc0 + NT i (i < NK), V chunk vc0, scale word of token cs (threads [0, 2 TK));
   // kc0, vc0: the thread's K and V chunks of its warp's 32 (chunk_of_thread; K8V4: tid)
-  const int kc0 = chunk_of_thread<L::KCPR, D, kWG>(tid), vc0 = kE4m3 ? tid : chunk_of_thread<L::VCPR, D, kWG>(tid);
+  const int kc0 = chunk_of_thread<L::KCPR, D, kWG, L::S8>(tid), vc0 = kE4m3 ? tid : chunk_of_thread<L::VCPR, D, kWG>(tid);
   const bool has_v = tid < L::VCH, has_s = tid < 2 * TK;
   const int cv = vc0 / L::VCPR, cs = tid & (TK - 1);  // V chunk's token; scale token
   const uint8_t* k_base = p.key_cache + kvh * p.kc_stride_head;
@@ -367,7 +376,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     const int col = tok >> lbs;
     return col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
   };
-  // FP4 keys: K chunk tid and V chunk tid are the same token's, so one block id serves both
+  // FP4 keys: a thread's K and V chunks are tokens of one aligned 16-token run (the same token,
+  // or at D 64 with FP8 S the same 8-token group), so one block id serves both
   constexpr bool kSameTok = NK == 1 && L::KCPR == L::VCPR;
   int b_k[NK], b_v = 0, b_s = 0;  // block ids of the next issue's tokens (prefetched)
   auto prefetch = [&](int i) {

@@ -211,9 +211,12 @@ constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
 // bytes, 4 byte permutes per 16 keys' elements, no conversion; E4M3 x E4M3 MMAs): measured
 // 2026-11-28 (H100, one call, two rounds): 1 x 512 @ 4k 274-276 -> 302-305 TFLOP/s, 1 x 2048 @
 // 16k 325 -> 363, 1 x 8192 @ 64k 338 -> 382-383, 4 x 2048 @ 16k 326 -> 367-370; relative error
-// 1.0e-3 -> 2.2e-3 (default), 0.74e-3 -> 1.63e-3 (plain). Example: 1 x 2048 @ 16k, bf16, FP4 or
-// K8V4 keys at D 128: FP8 S; D 64 keeps fp16 S (its K tile layout is not written for it yet).
-// (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
+// 1.0e-3 -> 2.2e-3 (default), 0.74e-3 -> 1.63e-3 (plain). FP4 keys at D 64 (gpt-oss's head dim)
+// too, in 128-byte K rows half used: 64/8/64, same call, 1 x 512 @ 4k 217 -> 226-228 TFLOP/s,
+// 1 x 2048 @ 16k 251 -> 264, 1 x 8192 @ 64k 261 -> 274-276, 4 x 2048 @ 16k 251 -> 264-265;
+// relative error 1.05e-3 -> 1.86e-3 (default). Example: 1 x 2048 @ 16k, bf16: FP8 S for FP4
+// keys at D 64 and 128 and for K8V4 keys at D 128; K8V4 at D 64 keeps fp16 S (its 64-byte key
+// rows need their own conflict-free store map). (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
 #ifndef TQ_PREFILL_FP8_S
 #define TQ_PREFILL_FP8_S 1
 #endif
