@@ -16,8 +16,8 @@
 //     warps (two warpgroups, 208 registers) run warpgroup MMAs (wgmma), a warpgroup's 64 rows
 //     per MMA: S = Q K^T with Q fragments in registers, K from shared memory, O += P' V with P'
 //     from registers, both asynchronous; the tiles change hands through named barriers (below);
-//     S on FP8 tensor cores (tuning::PREFILL_FP8_S: K tiles of E5M2 bytes from FP4 keys at D 64
-//     and 128, or of K8V4's E4M3 key bytes as they are at D 128, Q as two E4M3 terms);
+//     S on FP8 tensor cores (tuning::PREFILL_FP8_S: K tiles of E5M2 bytes from FP4 keys or of
+//     K8V4's E4M3 key bytes as they are, Q as two E4M3 terms);
 //   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): every warp copies, decodes and computes: FA2-style
 //     m16n8k16 mma.sync per warp, Q fragments in registers, K / V fragments by ldmatrix.
 // H200, 32/8/128, 1 x 2048 @ 16k (2026-11-27): 1548 us (333 TFLOP/s) warp-specialized, 1883 us
@@ -86,11 +86,11 @@ struct PrefillLayout {
   // A decoded fp16 tile [TK tokens][D] is D / 64 panels of [TK][64 elements = 128 bytes], each
   // 128-byte row swizzled (dec_off): wgmma's SWIZZLE_128B atoms, read by ldmatrix below SM90.
   static constexpr int DPANEL = TK * 128;
-  // FP8 S (tuning::PREFILL_FP8_S, wgmma: FP4 keys at D 64 and 128, K8V4 at D 128): the K tile
+  // FP8 S (tuning::PREFILL_FP8_S, wgmma; D 64 and 128, FP4 and K8V4 keys): the K tile
   // holds E5M2 bytes (FP4 keys) or the E4M3 key bytes (K8V4), one 128-byte row per token
   // (K-major, 128-byte swizzle: chunk c of row r at c ^ (r & 7); D 64 uses its first half),
   // each 8 bytes in the order 0 2 4 6 1 3 5 7
-  static constexpr bool S8 = tuning::PREFILL_FP8_S && kWG && (D == 128 || !kE4m3);
+  static constexpr bool S8 = tuning::PREFILL_FP8_S && kWG;
   // decoded key value = code value * 2^-KDEC_EXP (FP8 S: the E4M3 key bytes as they are)
   static constexpr int KDEC_EXP = S8 && kE4m3 ? 0 : KeyRow<D, kE4m3>::DEC_EXP;
   static constexpr int DEC_K = S8 ? TK * 128 : TK * 2 * D, DEC_V = TK * 2 * D;
@@ -214,16 +214,21 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* t
 //     (token, chunk) (0,0) (0,1) (1,0) (1,1) (2,2) (2,3) (3,2) (3,3): raw slots 0 1 4 5 2 3 6 7,
 //     decoded positions (store i) (4 (chunk & 1) + i) ^ token: i ^ {0 4 1 5 2 6 3 7}: distinct;
 //   CPR 2 or 4 at D 64 (one panel): token-major order is already conflict-free, except for
-//     FP4 keys on FP8 S (kFp8Rows): a chunk's 32 E5M2 bytes go to slots 2 q, 2 q + 1 of a
-//     128-byte row (^ token % 8, the row's first half only), where tokens r, r ^ 2 collide;
-//     there token 8 b4 + 2 b1 + b0 + 4 (b2 ^ b3), chunk b2: threads 0-7 hold tokens 0-3 with
-//     chunk 0 and 4-7 with chunk 1: raw slots 0 2 4 6 1 3 5 7, stores {0 1 2 3 6 7 4 5} and
-//     its ^ 1 (threads 8-15: tokens 4-7 with chunk 0, 0-3 with chunk 1, alike); V (fp16) stays
-//     token-major, and a warp's K and V chunks stay in its 16-token run (one block);
-//   K8V4 (E4M3 keys: CPR 8 at D 128) keeps token-major order for both K and V, and their 2-way
-//     conflicts: the permutation for the keys (token 2 b4 + (b2 ^ b3), chunk t % 8) and, with
-//     the warpgroups' turns, the V chunks' alone cost its 48-register producers 20 bytes of
-//     spills (one more live chunk index; nvcc 13.0);
+//     the keys on FP8 S (kFp8Rows: 128-byte K rows, the first half used), where tokens r, r ^ 2
+//     (FP4) or r, r ^ 1 (K8V4) collide:
+//     FP4 (CPR 2; a chunk's 32 E5M2 bytes at slots 2 q, 2 q + 1, ^ token % 8): token 8 b4 +
+//       2 b1 + b0 + 4 (b2 ^ b3), chunk b2: threads 0-7 hold tokens 0-3 with chunk 0 and 4-7
+//       with chunk 1: raw slots 0 2 4 6 1 3 5 7, stores {0 1 2 3 6 7 4 5} and its ^ 1 (threads
+//       8-15: tokens 4-7 with chunk 0, 0-3 with chunk 1, alike); a warp's K and V chunks stay
+//       in its 16-token run (one block);
+//     K8V4 (CPR 4; chunk q at slot q ^ token % 8): token b2 + 2 b3 + 4 (b2 ^ b4), chunk
+//       b0 + 2 b1: threads 0-7 hold tokens 0 and 5 (8-15: 2, 7; 16-23: 4, 1; 24-31: 6, 3), each
+//       with chunks 0-3: raw slots 0-7, stores {0 1 2 3 5 4 7 6} (and the others' alike);
+//     V (fp16) stays token-major;
+//   K8V4 (E4M3 keys: CPR 8 at D 128) keeps token-major order for both K and V: on FP8 S a
+//     token's 8 key chunks fill its 128-byte row's 8 slots (no conflict); V keeps its 2-way
+//     conflicts, since (with the warpgroups' turns) a V permutation cost the 48-register
+//     producers 20 bytes of spills (one more live chunk index; nvcc 13.0);
 //   and below SM90a (kWG false: every warp copies, decodes and computes at 255 registers) the
 //     permutation spilled 12 bytes in two D 128 instantiations of sm_80: token-major there.
 template <int CPR, int D, bool kWG, bool kFp8Rows = false>
@@ -232,6 +237,8 @@ __device__ __forceinline__ int chunk_of_thread(int t) {
     return (t & ~15) | ((t & 6) << 1) | ((((t >> 2) ^ (t >> 3)) & 1) << 1) | (t & 1);
   else if constexpr (kFp8Rows && D == 64 && CPR == 2)
     return (t & ~15) | ((((t >> 2) ^ (t >> 3)) & 1) << 3) | ((t & 3) << 1) | ((t >> 2) & 1);
+  else if constexpr (kFp8Rows && D == 64 && CPR == 4)
+    return (t & ~31) | (((t >> 2) & 1) << 2) | (((t >> 3) & 1) << 3) | ((((t >> 2) ^ (t >> 4)) & 1) << 4) | (t & 3);
   else
     return t;
 }

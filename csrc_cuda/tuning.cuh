@@ -198,25 +198,26 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 #endif
 constexpr int PREFILL_DEC_BUFFERS_WGMMA = TQ_PREFILL_DEC_BUFFERS;
 constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
-// SM90a, FP4 keys at D 128: S = Q K^T on FP8 tensor cores. The producers decode K to E5M2 bytes
+// SM90a: S = Q K^T on FP8 tensor cores. With FP4 keys the producers decode K to E5M2 bytes
 // (E2M1 * 2^-14 is exact in E5M2: fp4x8_to_f16hi8's fp16 high bytes, 7 integer ops per 8 codes
 // where fp16 takes 11, and half the tile stores), Q is split into two E4M3 terms (Q1 = e4m3(q),
 // Q2 = e4m3(q - Q1)), and S = Q1 K + Q2 K: 8 m64n64k32 FP8 MMAs where fp16 issues 8 m64n64k16, the
 // same tensor time. The cost is Q's rounding: two E4M3 terms keep ~2^-8 of q's 2^-4 residual.
-// Measured 2026-11-28 (H100, one call, two rounds; NOTES_cuda): 1 x 512 @ 4k 311 -> 326 TFLOP/s,
-// 1 x 2048 @ 16k 379 -> 391-396, 1 x 8192 @ 64k 398 -> 419, 4 x 2048 @ 16k 382 -> 403-404; the
+// Measured 2026-11-28 (H100, one call, two rounds; NOTES_cuda), FP4 keys at D 128 (32/8/128):
+// 1 x 512 @ 4k 311 -> 326 TFLOP/s, 1 x 2048 @ 16k 379 -> 391-396, 1 x 8192 @ 64k 398 -> 419,
+// 4 x 2048 @ 16k 382 -> 403-404; the
 // output's relative (Frobenius) error against the fp32 reference 1.0e-3 -> 2.1e-3 (default
 // config; plain 0.75e-3 -> 1.27e-3), beside the bf16 output's own rounding of ~1.1e-3. K8V4 keys
 // take the same path with their E4M3 bytes as they are (each 8 reordered like the FP4 decode's
 // bytes, 4 byte permutes per 16 keys' elements, no conversion; E4M3 x E4M3 MMAs): measured
-// 2026-11-28 (H100, one call, two rounds): 1 x 512 @ 4k 274-276 -> 302-305 TFLOP/s, 1 x 2048 @
+// the same way (ninth session): 1 x 512 @ 4k 274-276 -> 302-305 TFLOP/s, 1 x 2048 @
 // 16k 325 -> 363, 1 x 8192 @ 64k 338 -> 382-383, 4 x 2048 @ 16k 326 -> 367-370; relative error
 // 1.0e-3 -> 2.2e-3 (default), 0.74e-3 -> 1.63e-3 (plain). FP4 keys at D 64 (gpt-oss's head dim)
-// too, in 128-byte K rows half used: 64/8/64, same call, 1 x 512 @ 4k 217 -> 226-228 TFLOP/s,
+// too, in 128-byte K rows half used (64/8/64, another call): 1 x 512 @ 4k 217 -> 226-228 TFLOP/s,
 // 1 x 2048 @ 16k 251 -> 264, 1 x 8192 @ 64k 261 -> 274-276, 4 x 2048 @ 16k 251 -> 264-265;
-// relative error 1.05e-3 -> 1.86e-3 (default). Example: 1 x 2048 @ 16k, bf16: FP8 S for FP4
-// keys at D 64 and 128 and for K8V4 keys at D 128; K8V4 at D 64 keeps fp16 S (its 64-byte key
-// rows need their own conflict-free store map). (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
+// relative error 1.05e-3 -> 1.86e-3 (default); K8V4 keys at D 64: 210 -> 220-221, 244 -> 258-260,
+// 251 -> 269, 244 -> 260; 1.04e-3 -> 1.97e-3. Example: every SM90a prefill instantiation (D 64
+// and 128, FP4 and K8V4 keys) runs FP8 S. (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
 #ifndef TQ_PREFILL_FP8_S
 #define TQ_PREFILL_FP8_S 1
 #endif

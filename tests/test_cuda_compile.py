@@ -48,11 +48,9 @@ def test_kernels_compile_without_spills(built):
 
 def test_prefill_kernel_mma_instructions(built):
     """SASS of every prefill-kernel instantiation: on sm_90a the warpgroup MMAs (S: D / 16
-    HGMMA 64x64x16 with Q in registers and K-major K, or on FP8 S (FP4 keys at D 64 and 128,
-    K8V4 keys at D 128) D / 16 QGMMA 64x64x32, E4M3 x E5M2 with FP4 keys and E4M3 x E4M3 with
-    K8V4 keys, Q's two terms in registers; P V:
-    4 HGMMA 64xDx16 with P' in registers
-    and V transposed, .tnspB), no warp MMA, and the register split of its producer and consumer
+    QGMMA 64x64x32 (FP8 S), E4M3 x E5M2 with FP4 keys and E4M3 x E4M3 with K8V4 keys, Q's two
+    terms in registers and K-major K; P V: 4 HGMMA 64xDx16 with P' in registers and V
+    transposed, .tnspB), no warp MMA, and the register split of its producer and consumer
     warps (one USETMAXREG down, one up); on sm_80 warp MMAs (HMMA.16816) only."""
     target, _, obj = built
     cuobj = find_tool("cuobjdump")
@@ -67,11 +65,9 @@ def test_prefill_kernel_mma_instructions(built):
         hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32 R\d+, (R\d+, )?gdesc\[UR\d+\](\.tnspB)?", f)
         qgmma = re.findall(r"QGMMA\.64x64x32\.F32\.E4M3\.(E5M2|E4M3) R\d+, R\d+, gdesc\[UR\d+\]", f)
         if target == "sm_90a":
-            fp4_keys = "Lb0EEEv" in name  # kE4m3 false
-            fp8_s = d == 128 or fp4_keys  # K's type: E5M2 for FP4 keys, E4M3 for K8V4
-            key_type = "E5M2" if fp4_keys else "E4M3"
+            key_type = "E5M2" if "Lb0EEEv" in name else "E4M3"  # FP4 keys (kE4m3 false) or K8V4
             assert all(k == key_type for k in qgmma), (name, qgmma)
-            s_mmas = qgmma if fp8_s else [h for h in hgmma if h[0] == "64" and h[1] and not h[2]]
+            s_mmas = qgmma
             pv_mmas = [h for h in hgmma if h[0] == str(d) and h[1] and h[2] == ".tnspB"]
             assert len(s_mmas) == d // 16 and len(pv_mmas) == 4, (name, hgmma, qgmma)
             assert len(hgmma) + len(qgmma) == d // 16 + 4, (name, hgmma, qgmma)
