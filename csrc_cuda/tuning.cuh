@@ -183,8 +183,9 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 // Decoded fp16 tiles in flight. SM90a (wgmma): a warpgroup's O += P V of step k runs
 // asynchronously into step k + 1, while step k + 2 is decoded: at least three buffers. Below
 // (warp MMAs, synchronous): two, which also keeps SM86 / SM89's 99 KB per CTA. Example D 128,
-// FP4 keys: a 43 KB ring of raw codes (5 stages) + 4 x 34 KB tiles (1 KB-aligned) + the rows'
-// words = 182 KB on the H100 (K8V4 keys: 202 KB; one CTA per SM, as the registers allow); with
+// FP4 keys: a 43 KB ring of raw codes (5 stages) + 4 x 26 KB tiles (FP8 S's 8 KB of K rows,
+// 16 KB of fp16 V, the scale words; 1 KB-aligned) + the rows' words = 150 KB on the H100 (K8V4
+// keys: a 63 KB ring, 170 KB; one CTA per SM, as the registers allow); with
 // 3 stages and 2 tiles 97 KB on SM80-SM89 (K8V4 keys at D 128: 109 KB, over SM86 / SM89's 99 KB:
 // prefill_kernel_runs sends those calls to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
