@@ -7,6 +7,8 @@
 # builds rotated each round so that no build always runs first on a warm or cold GPU. Carry
 # .prebuilt (benchmarks/prebuild_cuda.py for every tree and flag set): nothing compiles here.
 #   run: AB_TREES=".B:head" VARIANTS="st4:-DTQ_DECODE_STAGES=4" bash benchmarks/decode_ab.sh
+#   a prefill change: VARIANTS="fp16s:-DTQ_PREFILL_FP8_S=0" TESTS="prefill or sanitizer" DEC="--shapes
+#   32/8/128 --no-decode --no-writer --no-sdpa --configs default,k8v4 --multi-token 1x2048@16k,..."
 #   (logs under $OUT or ./out, every bench's files in $OUT/bench.tgz)
 set -uo pipefail
 source benchmarks/device_env.sh
@@ -47,13 +49,18 @@ from pathlib import Path
 rows = {}
 for f in sorted(Path(sys.argv[1]).glob("*/bench.json")):
     label = f.parent.name
-    for rec in json.loads(f.read_text()).get("rows", []):
+    doc = json.loads(f.read_text())
+    for rec in doc.get("rows", []):
         if rec.get("status") == "ok":
-            key = (rec["batch"], rec["context"])
+            key = f"{rec['batch']} x {rec['context']}"
             rows.setdefault(key, {})[label] = (rec["fp4_us"], rec["fp4_us_single"])
+    for rec in doc.get("multi_token_rows", []):  # us / TFLOP/s of each multi-token row
+        if rec.get("status") == "ok":
+            key = f"{rec['shape']} {rec['config']} {rec['batch']} x {rec['query_len']} @ {rec['context']}"
+            rows.setdefault(key, {})[label] = (rec["fp4_us"], rec["tflops"])
 labels = sorted({l for r in rows.values() for l in r})
-print("batch x ctx | " + " | ".join(f"{l} chained/single us" for l in labels))
+print("row | " + " | ".join(f"{l} chained/single us (multi-token: us / TFLOP/s)" for l in labels))
 for key in sorted(rows):
     cells = [rows[key].get(l) for l in labels]
-    print(f"{key[0]} x {key[1]} | " + " | ".join(f"{c[0]:.1f} / {c[1]:.1f}" if c else "-" for c in cells))
+    print(f"{key} | " + " | ".join(f"{c[0]:.1f} / {c[1]:.1f}" if c else "-" for c in cells))
 EOF

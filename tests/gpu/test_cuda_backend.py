@@ -894,6 +894,7 @@ SANITIZER_CASE = textwrap.dedent("""
     for d, bs, lens, qlens, cfg, kf in ((128, 16, [1, 54, 97, 0, 300], None, "default", "fp4"),
                                         (128, 16, [300, 97], [150, 40], "default", "fp4"),
                                         (64, 32, [260, 70], [90, 70], "plain", "fp4"),
+                                        (64, 16, [260, 70], [90, 70], "default", "fp8_e4m3"),
                                         (128, 16, [300, 97], [150, 40], "default", "fp8_e4m3"),
                                         (64, 32, [70, 9], [3, 2], "default", "fp4"),
                                         (256, 64, [129, 5], None, "plain", "fp4"),
