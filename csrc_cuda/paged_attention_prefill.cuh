@@ -39,8 +39,9 @@
 //     tile (FP8 S: K as E5M2 bytes, or K8V4's E4M3 bytes moved, one 128-byte row per token,
 //     each 8 elements' bytes in the order 0 2 4 6 1 3 5 7 that Q's E4M3 columns follow)
 //     (dec_off: D / 64 panels of 128-byte rows, 16-byte chunk c of row r at c ^ (r & 7):
-//     wgmma's 128-byte swizzle, and the 8 rows an ldmatrix reads hit distinct banks; three
-//     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys: * 2^-8); the K
+//     wgmma's 128-byte swizzle, and the 8 rows an ldmatrix reads hit distinct banks; four
+//     tiles with wgmma, two with mma.sync): values E2M1 * 2^-14 (E4M3 keys in fp16 tiles:
+//     * 2^-8; on FP8 S as stored); the K
 //     scales as floats (2^(kb-127), with wgmma times the logits' factor kmul; NaN for 255, 0
 //     where not copied), the V bytes as ints; per 32 tokens the V-scale maximum vmax of the
 //     visible tokens (255 excluded), whether a visible token's V byte is 255, and per token
