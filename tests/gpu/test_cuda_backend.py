@@ -438,15 +438,17 @@ def test_prefill_kernel_matches_reference(case, window, cap, config):
     _compare(_run("cuda", prob, q, cu, **kw), ref)
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
-def test_prefill_kernel_structured_keys_and_values(key_format):
+def test_prefill_kernel_structured_keys_and_values(key_format, d):
     """One-hot keys (token j: 4.0 at head-dim j % D) and values (token j: 1.0 at (5 j + 3) % D),
     query token i one-hot (48.0) at element i % D: each row's weight sits on the visible tokens
     with j % D == i % D, so its output is a few known one-hots. A wrong K or V fragment map,
-    ldmatrix address or swizzle of the prefill kernel moves the peaks (the output differs from
-    the reference's by O(1)), which random data would show as noise only."""
+    ldmatrix address, swizzle or chunk map of the prefill kernel (D 64's half-used FP8 K rows
+    included) moves the peaks (the output differs from the reference's by O(1)), which random
+    data would show as noise only."""
     n = 3 * 128 + 37
-    _one_hot_check(key_format, [n, n - 70], [n - 5, n - 90], "prefill")
+    _one_hot_check(key_format, [n, n - 70], [n - 5, n - 90], "prefill", d=d)
 
 
 def _one_hot_check(key_format, lens, qlens, kernel, d=128, hkv=2, hq=8):
