@@ -172,7 +172,9 @@ constexpr int PREFILL_TILE = TQ_PREFILL_TILE;
 // samples) and the row warps waiting for tiles (FULL) 7 % of theirs, and five stages measured
 // 2.3 / 1.3 / 1.1 / 1.9 % faster than three at 1 x 512 @ 4k, 1 x 2048 @ 16k, 1 x 8192 @ 64k,
 // 4 x 2048 @ 16k (one call, four stages within 0.5 %), for 17 KB more shared memory (D 128 FP4:
-// 8.7 KB a stage; K8V4 12.8 KB). Below SM90a three, which keeps SM86 / SM89's 99 KB (below).
+// 8.7 KB a stage; K8V4 12.8 KB). With FP8 S's smaller tiles (2026-11-28, ninth session, H100,
+// one call, FP4 and K8V4 rows): six stages within 0.2 % of five, seven 2.3 % slower with K8V4
+// keys (198 KB per CTA). Below SM90a three, which keeps SM86 / SM89's 99 KB (below).
 // (-DTQ_PREFILL_STAGES=N sets the SM90a count.)
 #ifndef TQ_PREFILL_STAGES
 #define TQ_PREFILL_STAGES 5
