@@ -107,9 +107,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-CUDA_DECODE = "_ZN10turboquant8cuda_fp433paged_attention_fp4_decode_kernelILi128E13__nv_bfloat16Lb0ELb0ELi1EEEvNS0_10AttnParamsE"
+CUDA_DECODE = "_ZN10turboquant8cuda_fp433paged_attention_fp4_decode_kernelILi128E13__nv_bfloat16Lb0ELb0ELi1ELb0EEEvNS0_10AttnParamsE"
 CUDA_DECODE_K8V4 = CUDA_DECODE.replace("Lb0ELb0E", "Lb0ELb1E")
-CUDA_SPEC = CUDA_DECODE.replace("ELi1EEEv", "ELi2EEEv")  # 16 (query token, head) columns
+CUDA_SPEC = CUDA_DECODE.replace("ELi1ELb0EEEv", "ELi2ELb1EEEv")  # 16 (query token, head) columns
+CUDA_SPEC8 = CUDA_DECODE.replace("ELi1ELb0EEEv", "ELi1ELb1EEEv")  # 8 (query token, head) columns
 TILE_TOKENS = 16
 FP4_TILE_BYTES = TILE_TOKENS * (64 + 64 + 2)     # D 128: K codes + V codes + 2 scale bytes
 K8V4_TILE_BYTES = TILE_TOKENS * (128 + 64 + 2)   # E4M3 keys

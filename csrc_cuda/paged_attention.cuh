@@ -583,24 +583,26 @@ __device__ __forceinline__ void lazy_rescale(const float (&m_new)[2], int VM_new
 // AttnLayout<D, kE4m3>::TOTAL bytes. kStates: the lse output or learned sinks are asked for
 // (their code is compiled out of the other instantiation, which every plain call runs).
 // kE4m3: K8V4 keys (E4M3 bytes, decoded like FP4 in registers by decode_key8).
-// Multi-token queries: row tile `tile` of 16 (query token, head) rows, numbered base(s) + i with
-// base(s) = s + floor(cu[s] * G / 16) (strictly increasing, room for every sequence's tiles).
+// Multi-token queries: row tile `tile` of TR (query token, head) rows (16 here; the decode
+// kernel's short multi-token forms use their 8 or 16 columns), numbered base(s) + i with
+// base(s) = s + floor(cu[s] * G / TR) (strictly increasing, room for every sequence's tiles).
 // Returns its sequence s (binary search over cu_query_lens, no host sync) and sets the
 // sequence's first query token q0, its token count qn and the tile's index lt within it;
 // -1 for a spare tile.
+template <int TR>
 __device__ __forceinline__ int find_row_tile(const AttnParams& p, int tile, int& q0, int& qn, int& lt) {
   const int* cu = p.cu_query_lens;
   const int G = p.group_size;
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    const long long base = mid + ((long long)max(__ldg(cu + mid), 0) * G) / 16;
+    const long long base = mid + ((long long)max(__ldg(cu + mid), 0) * G) / TR;
     if (base <= tile) lo = mid; else hi = mid - 1;
   }
   q0 = max(__ldg(cu + lo), 0);
   qn = min(__ldg(cu + lo + 1), p.num_tokens) - q0;
-  lt = tile - (lo + (int)(((long long)q0 * G) / 16));
-  return (lo >= p.num_seqs || qn <= 0 || lt < 0 || lt * 16 >= qn * G) ? -1 : lo;
+  lt = tile - (lo + (int)(((long long)q0 * G) / TR));
+  return (lo >= p.num_seqs || qn <= 0 || lt < 0 || lt * TR >= qn * G) ? -1 : lo;
 }
 
 template <int D, typename T, bool kStates, bool kE4m3>
@@ -629,7 +631,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     q0 = s;
     qn = 1;
   } else {
-    s = find_row_tile(p, tile, q0, qn, lt);
+    s = find_row_tile<16>(p, tile, q0, qn, lt);
     if (s < 0) return;
   }
   const int nrows = qn * G;

@@ -1,7 +1,7 @@
 // turboquant cuda backend (SM80-SM90): the decode kernel, one query token per sequence and at
 // most 8 query heads per kv head, in the swapped form S^T = K Q^T, O^T = V^T P^T; and the same
-// kernel with 16 (query token, head) columns for short multi-token queries (speculative
-// decoding; NB = 2 below, tuning::use_spec_kernel).
+// kernel with 8 or 16 (query token, head) columns for short multi-token queries (speculative
+// decoding; kMulti below, NB = 1 or 2, tuning::use_spec_kernel and spec_columns).
 // Torch-free. Shares the parameters, the reduce pass and the register helpers with
 // paged_attention.cuh (the general kernel: multi-token queries and groups of more than 8 heads).
 //
@@ -12,8 +12,8 @@
 //   the (at most 8) heads its N dimension (m16n8k16): per 16-token tile a warp runs D/16 MMAs for
 //   S^T and D/16 for O^T instead of twice as many, O^T takes D/4 registers instead of D/2, and
 //   every thread holds 4 logits instead of 8.
-// Grid (num_seqs x num_kv_heads, num_partitions) for decode (the 16-column form: the general
-//   kernel's row tiles x num_kv_heads, see the kernel), DECODE_WARPS warps per CTA, each walking its
+// Grid (num_seqs x num_kv_heads, num_partitions) for decode (the multi-token forms: row tiles of
+//   8 or 16 columns x num_kv_heads, see the kernel), DECODE_WARPS warps per CTA, each walking its
 //   own 16-token tiles of the partition (tile k of warp w = w + W k) through a private
 //   STAGES-deep cp.async ring, then merged in shared memory like the general kernel; with more
 //   than one partition the CTA writes partials that paged_attention_reduce_kernel combines.
@@ -64,8 +64,9 @@
 namespace turboquant {
 namespace cuda_fp4 {
 
-// NB n-blocks of 8 MMA columns: NB = 1 for decode (the heads of one GQA group), NB = 2 for
-// short multi-token queries (16 (query token, head) columns).
+// NB n-blocks of 8 MMA columns: NB = 1 for decode (the heads of one GQA group) and for short
+// multi-token queries of at most 8 (query token, head) pairs per sequence on average, NB = 2
+// for up to 16 (tuning::spec_columns).
 template <int D, bool kE4m3, int NB = 1>
 struct DecodeLayout : KVSlot<D, kE4m3> {
   static constexpr int W = tuning::DECODE_WARPS;
@@ -137,22 +138,24 @@ __device__ __forceinline__ void decode_v_pair(uint32_t a, uint32_t b, uint32_t (
   f16hi4_to_f16x2x2(h1, e[5], e[7]);
 }
 
-// NB = 1 (decode): grid (num_seqs * num_kv_heads, num_partitions); requires cu_query_lens ==
-//   nullptr and group_size <= 8; the 8 columns are the heads of the group (padded).
-// NB = 2 (short multi-token queries, tuning::use_spec_kernel): grid (row tiles * num_kv_heads,
-//   num_partitions) numbered as the general kernel's 16-row tiles: a CTA holds 16 (query token,
-//   head) columns of one sequence, token-major (column c of tile lt: R = 16 lt + c, query token
-//   R / G, head kvh G + R % G), so speculative decoding's q tokens x G heads read each KV tile
-//   once; every column has its own causal / window key range, applied by selection in the slow
-//   path (which every tile that any column does not wholly see takes).
+// kMulti false (decode, NB = 1): grid (num_seqs * num_kv_heads, num_partitions); requires
+//   cu_query_lens == nullptr and group_size <= 8; the 8 columns are the heads of the group
+//   (padded).
+// kMulti true (short multi-token queries, tuning::use_spec_kernel; NC = 8 NB columns, NB from
+//   tuning::spec_columns): grid (row tiles * num_kv_heads, num_partitions), tiles of NC rows
+//   numbered as find_row_tile<NC> says: a CTA holds NC (query token, head) columns of one
+//   sequence, token-major (column c of tile lt: R = NC lt + c, query token R / G, head
+//   kvh G + R % G), so speculative decoding's q tokens x G heads read each KV tile once per NC
+//   columns; every column has its own causal / window key range, applied by selection in the
+//   slow path (which every tile that any column does not wholly see takes).
 // block 32 * DECODE_WARPS, dynamic smem DecodeLayout<D, kE4m3, NB>::TOTAL bytes. kStates and
 // kE4m3 (K8V4 keys) as for the general kernel.
-template <int D, typename T, bool kStates, bool kE4m3, int NB>
+template <int D, typename T, bool kStates, bool kE4m3, int NB, bool kMulti>
 __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBlocks<NB>::value)
     paged_attention_fp4_decode_kernel(const AttnParams p) {
+  static_assert(NB == 1 || kMulti, "16 columns: multi-token queries only");
   using L = DecodeLayout<D, kE4m3, NB>;
   constexpr int NC = L::NC;
-  constexpr bool kMulti = NB > 1;
   constexpr int ST = L::ST, ROW = L::ROW, CPR = L::CPR, KROW = L::KROW, KCPR = L::KCPR;
   constexpr int KW = KROW / 16;  // words per thread per K row (a quarter row)
   constexpr int NW = D / 64;  // FP4 words per thread per V row
@@ -167,7 +170,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   // sequence s, its query tokens [q0, q0 + qn), this CTA's columns [NC lt, NC lt + NC) of them
   int s = tile, q0 = tile, qn = 1, lt = 0;
   if constexpr (kMulti) {
-    s = find_row_tile(p, tile, q0, qn, lt);
+    s = find_row_tile<NC>(p, tile, q0, qn, lt);
     if (s < 0) return;
   }
   // column c -> (query token, head); false for a padding column
@@ -273,14 +276,15 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   if (tid == 0) {
     misc[0] = 0;  // Q amax bits
     misc[1] = 0;  // a block id was out of range
-    if constexpr (kMulti) {  // NB 2 reads the union range here in the slow path (registers)
+    if constexpr (kMulti) {  // the multi-token forms read the union range here in the slow path (registers)
       misc[2] = r_lo;
       misc[3] = r_hi;
     }
   }
   // multi-token: the last key each column sees, c_hi[c] (its first: key_lo of it), read only in
-  // the slow path (from shared memory: registers are what the 16 columns are short of); a
-  // padding column's range is arbitrary (its output is never stored)
+  // the slow path (from shared memory: registers are what the 16 columns are short of, and the
+  // 8-column form keeps the decode's register budget); a padding column's range is arbitrary
+  // (its output is never stored)
   int* c_hi = reinterpret_cast<int*>(smem + L::OFF_CHI);
   if constexpr (kMulti) {
     if (tid < NC) {
@@ -705,21 +709,23 @@ inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_
 
 // Which attention kernel a call runs: the one rule the launcher, the binding's shared-memory
 // check and its partition choice share (`prefill`: prefill_kernel_runs's answer).
-enum class AttnKernel { kPrefill, kDecode, kSpec, kGeneral };
+// (kSpec8 / kSpec16: the decode kernel's short multi-token forms of 8 / 16 columns)
+enum class AttnKernel { kPrefill, kDecode, kSpec8, kSpec16, kGeneral };
 inline AttnKernel choose_attention_kernel(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs,
                                           int group_size) {
   if (prefill) return AttnKernel::kPrefill;
   if (use_decode_kernel(multi, group_size)) return AttnKernel::kDecode;
-  if (tuning::use_spec_kernel(multi, D, num_tokens, num_seqs, group_size)) return AttnKernel::kSpec;
+  if (tuning::use_spec_kernel(multi, D, num_tokens, num_seqs, group_size))
+    return tuning::spec_columns(num_tokens, num_seqs, group_size) == 8 ? AttnKernel::kSpec8 : AttnKernel::kSpec16;
   return AttnKernel::kGeneral;
 }
 
-// One instantiation of the decode kernel (NB = 1: decode; 2: short multi-token queries) on
-// grid (ctas * num_kv_heads, num_partitions).
-template <int D, typename T, bool kStates, bool kE4m3, int NB>
+// One instantiation of the decode kernel (NB = 1, kMulti false: decode; kMulti: short
+// multi-token queries in NB n-blocks of 8 columns) on grid (ctas * num_kv_heads, num_partitions).
+template <int D, typename T, bool kStates, bool kE4m3, int NB, bool kMulti>
 cudaError_t launch_decode_kernel(const AttnParams& p, int ctas, cudaStream_t stream) {
   using L = DecodeLayout<D, kE4m3, NB>;
-  auto kern = paged_attention_fp4_decode_kernel<D, T, kStates, kE4m3, NB>;
+  auto kern = paged_attention_fp4_decode_kernel<D, T, kStates, kE4m3, NB, kMulti>;
   static bool attr_set[kMaxDevices] = {};  // per instantiation and device
   const cudaError_t e = set_smem_attributes_once(kern, L::TOTAL, attr_set);
   if (e != cudaSuccess) return e;
@@ -749,11 +755,15 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
     return cudaErrorInvalidValue;
   }
   if (k == AttnKernel::kDecode) {
-    e = launch_decode_kernel<D, T, kStates, kE4m3, 1>(p, p.num_seqs, stream);
-  } else if (k == AttnKernel::kSpec) {
-    // grid_x = the general kernel's 16-row tiles: a tile is a CTA's 16 columns
-    if constexpr (D <= 128) e = launch_decode_kernel<D, T, kStates, kE4m3, 2>(p, grid_x, stream);
-    else return cudaErrorInvalidValue;
+    e = launch_decode_kernel<D, T, kStates, kE4m3, 1, false>(p, p.num_seqs, stream);
+  } else if (k == AttnKernel::kSpec8 || k == AttnKernel::kSpec16) {
+    // grid_x = row tiles of the form's 8 or 16 columns (the binding's multi_token_tiles)
+    if constexpr (D <= 128) {
+      e = k == AttnKernel::kSpec8 ? launch_decode_kernel<D, T, kStates, kE4m3, 1, true>(p, grid_x, stream)
+                                  : launch_decode_kernel<D, T, kStates, kE4m3, 2, true>(p, grid_x, stream);
+    } else {
+      return cudaErrorInvalidValue;
+    }
   } else {
     e = launch_general_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
   }
@@ -777,7 +787,11 @@ int attention_smem_bytes_d(AttnKernel k, bool key_e4m3, int major, const char** 
     case AttnKernel::kDecode:
       *kernel = "decode";
       return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
-    case AttnKernel::kSpec:
+    case AttnKernel::kSpec8:
+      *kernel = "short multi-token (8-column decode)";
+      if constexpr (D <= 128) return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
+      return 0;
+    case AttnKernel::kSpec16:
       *kernel = "short multi-token (16-column decode)";
       if constexpr (D <= 128) return key_e4m3 ? DecodeLayout<D, true, 2>::TOTAL : DecodeLayout<D, false, 2>::TOTAL;
       return 0;
@@ -792,8 +806,8 @@ inline int attention_smem_bytes(AttnKernel k, int D, bool key_e4m3, int major, c
   return attention_smem_bytes_d<256>(k, key_e4m3, major, kernel);
 }
 
-// Host launcher (torch-free). grid_x = row tiles (general and short multi-token kernels) =
-// num_seqs (decode kernel) = row groups (prefill kernel).
+// Host launcher (torch-free). grid_x = row tiles (general kernel: 16 rows; short multi-token
+// forms: their 8 or 16 columns) = num_seqs (decode kernel) = row groups (prefill kernel).
 template <int D, typename T>
 cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   const bool states = p.lse != nullptr || p.sinks != nullptr;

@@ -155,23 +155,25 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                 prop->sharedMemPerBlockOptin, ": run this call with backend='reference'");
   }
   const int tiles_per_seq = (G + 15) / 16;
-  // grid x: row groups of PREFILL_ROWS (prefill kernel), row tiles of 16 rows (general), sequences (decode)
+  // grid x: row groups of PREFILL_ROWS (prefill kernel), row tiles of TR rows (general: 16; the
+  // short multi-token forms: their 8 or 16 columns), sequences (decode)
+  const int TR = kern == tq::AttnKernel::kSpec8 ? 8 : 16;
   const long long grid_x = prefill ? (long long)num_seqs + ((long long)num_tokens * G) / tn::PREFILL_ROWS
-                           : multi ? (long long)num_seqs + ((long long)num_tokens * G + 15) / 16
+                           : multi ? (long long)num_seqs + ((long long)num_tokens * G + TR - 1) / TR
                                    : (long long)num_seqs * tiles_per_seq;
   if (num_seqs == 0) return;
   const long long base = grid_x * hkv;  // CTAs per partition: one per (row tile or group, kv head)
   TORCH_CHECK(base < (1LL << 31), "query: too many (row tile, kv head) pairs for one grid");
   const int msl = (int)std::max<int64_t>(max_seq_len, 0);
   const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
-  // the short multi-token kernel's grid has spare tiles (base(s) leaves room for ragged
+  // the short multi-token forms' grid has spare tiles (base(s) leaves room for ragged
   // sequences): its wave model counts the tiles of evenly split sequences
-  const long long spec_ctas = std::max<long long>(num_seqs, ((long long)num_tokens * G + 15) / 16) * hkv;
+  const bool spec = kern == tq::AttnKernel::kSpec8 || kern == tq::AttnKernel::kSpec16;
+  const long long spec_ctas = std::max<long long>(num_seqs, ((long long)num_tokens * G + TR - 1) / TR) * hkv;
   int P = kern == tq::AttnKernel::kPrefill ? std::max(msl, 1)  // one partition
           : kern == tq::AttnKernel::kDecode ? tn::choose_decode_partition_size(msl, base_ctas, sms)
-          : kern == tq::AttnKernel::kSpec
-              ? tn::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), sms)
-              : tn::choose_partition_size(msl, base_ctas, sms);
+          : spec ? tn::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), sms)
+                 : tn::choose_partition_size(msl, base_ctas, sms);
   int nparts = std::max(1, (msl + P - 1) / P);
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 

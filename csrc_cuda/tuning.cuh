@@ -271,6 +271,24 @@ inline bool use_spec_kernel(bool multi, int head_dim, long long num_tokens, long
   return multi && head_dim <= 128 && num_tokens * group_size <= (long long)SPEC_MAX_COLS * num_seqs &&
          !use_prefill_kernel(multi, head_dim, num_tokens, num_seqs, group_size);
 }
+// Which of its two forms: 8 columns (NB 1, kMulti: the decode kernel's own registers and
+// instructions per tile, 387 at D 128 against 504 for 16 columns) when the (query token, head)
+// pairs average at most 8 per sequence, else 16 (NB 2). A sequence with more pairs than the
+// form's columns takes several CTAs, each reading the sequence's KV once.
+// Examples (G = 4): 128 x 2 tokens (one draft token): 8 pairs -> 8 columns, one CTA per
+// (sequence, kv head) and no padding (the 16-column form left half its columns empty);
+// 64 x 4: 16 -> 16 columns; ragged 1-3 tokens averaging 2: 8 -> 8 columns (a 3-token
+// sequence's 12 pairs take two CTAs); MHA (G = 1) with up to 8 tokens: 8 columns.
+// Measured (H100, one call, against -DTQ_SPEC8=0, 32/8/128): 128 x 2 @ 16k 779-782 vs 950-954
+// us (91 % of the read bandwidth), 64 x 2 @ 4k 113.5-113.8 vs 137.9-139.1, 32 x 1 @ 8k 104.0-104.5
+// vs 130.5-132.0: 1.21-1.26x; 64 x 4 (16 columns in both) unchanged.
+#ifndef TQ_SPEC8
+#define TQ_SPEC8 1
+#endif
+constexpr bool SPEC8 = TQ_SPEC8;  // -DTQ_SPEC8=0: always 16 columns (A/B builds)
+inline int spec_columns(long long num_tokens, long long num_seqs, int group_size) {
+  return SPEC8 && num_tokens * group_size <= 8 * num_seqs ? 8 : 16;
+}
 
 // Reduce pass: one CTA of REDUCE_WARPS warps per (query token, head); each warp loads
 // REDUCE_BATCH partial rows per round (D/32 floats per lane each).

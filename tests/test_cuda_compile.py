@@ -202,6 +202,7 @@ int main() {
     {false, false, 128, 64, 64, 4, false, 9},   // decode
     {false, true, 128, 256, 64, 4, true, 8},    // 64 x 4 tokens, K8V4: 16 columns
     {false, true, 128, 1024, 16, 4, true, 8},   // 16 x 64 tokens, K8V4: general
+    {false, true, 128, 256, 128, 4, true, 8},   // 128 x 2 tokens, K8V4: 8 columns
     {false, true, 256, 256, 64, 4, false, 8},   // D 256 multi-token: general
     {false, false, 256, 64, 64, 4, true, 8},    // D 256 decode, K8V4
     {true, true, 128, 2048, 1, 4, false, 9},    // prefill on SM90 (wgmma layout)
@@ -223,8 +224,9 @@ def test_attention_smem_bytes_names_the_kernel_and_its_size(tmp_path):
     attention_smem_bytes (the binding's check against the device's opt-in limit) give the kernel
     a call runs and its shared memory: the 16-column kernel fits
     SM86 / SM89's 99 KB (101376 bytes) at D 128 with K8V4 keys, the general kernel there does
-    not, nor does the D 256 general kernel fit SM80's 163 KB (166912 bytes); the prefill kernel's
-    layout follows the device (wgmma on SM 9.x)."""
+    not, nor does the D 256 general kernel fit SM80's 163 KB (166912 bytes); the 8-column form
+    (one draft token per sequence) has the decode kernel's layout; the prefill kernel's layout
+    follows the device (wgmma on SM 9.x)."""
     src = tmp_path / "smem_check.cu"
     src.write_text(SMEM_CHECK)
     exe = tmp_path / "smem_check"
@@ -235,10 +237,11 @@ def test_attention_smem_bytes_names_the_kernel_and_its_size(tmp_path):
     rows = [(line.rsplit(" ", 1)[0], int(line.rsplit(" ", 1)[1])) for line in out]
     print(rows)
     kernels = [k for k, _ in rows]
-    assert kernels == ["decode", "short multi-token (16-column decode)", "general", "general", "decode",
-                       "prefill", "prefill"]
+    assert kernels == ["decode", "short multi-token (16-column decode)", "general",
+                       "short multi-token (8-column decode)", "general", "decode", "prefill", "prefill"]
     size = [b for _, b in rows]
     assert size[1] <= 101376 < size[2]     # SM86 / SM89: 16 columns fit, the general kernel not
-    assert size[3] > 166912                # SM80: the D 256 general kernel does not fit
-    assert size[5] > size[6] > 0           # the wgmma layout holds three fp16 tiles, the warp-MMA one two
+    assert size[3] < size[1]               # 8 columns: the decode kernel's layout, smaller
+    assert size[4] > 166912                # SM80: the D 256 general kernel does not fit
+    assert size[6] > size[7] > 0           # the wgmma layout holds three fp16 tiles, the warp-MMA one two
     assert all(b > 0 for b in size)

@@ -68,7 +68,7 @@ def test_prefill_rule_matches_the_worked_examples(tmp_path):
     assert got == [c[-1] for c in PREFILL_RULE]
 
 
-# (multi, head_dim, num_tokens, num_seqs, group_size, 16-column decode kernel?)
+# (multi, head_dim, num_tokens, num_seqs, group_size, the decode kernel's multi-token form?)
 SPEC_RULE = [
     (True, 128, 256, 64, 4, True),      # 64 x 4 tokens: 16 columns per sequence
     (True, 128, 512, 64, 4, True),      # 64 x 8: 32 columns, two CTAs per sequence
@@ -90,3 +90,25 @@ def test_spec_rule_matches_the_worked_examples(tmp_path):
                       for m, d, t, s, g, _ in SPEC_RULE)
     got = [bool(int(x)) for x in _run_on_host(tmp_path, "spec_rule", calls)]
     assert got == [c[-1] for c in SPEC_RULE]
+
+
+# (num_tokens, num_seqs, group_size, columns of the multi-token form)
+SPEC_COLUMNS = [
+    (256, 128, 4, 8),       # 128 x 2 tokens (one draft token): 8 pairs per sequence
+    (256, 64, 4, 16),       # 64 x 4: 16
+    (34, 17, 4, 8),         # ragged 1-3 tokens averaging 2: 8 (a 3-token sequence takes two CTAs)
+    (35, 17, 4, 16),        # one token more: 8.2 on average -> 16
+    (15, 3, 1, 8),          # MHA, 8 + 2 + 5 tokens: 5 on average
+    (4, 4, 7, 8),           # GQA 7, one token each: 7
+    (3, 2, 16, 16),         # GQA 16: 24
+]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_spec_columns_match_the_worked_examples(tmp_path):
+    """tuning::spec_columns gives the 8-column form (the decode kernel's own registers and
+    instructions per tile) exactly when the (query token, head) pairs average at most 8 per
+    sequence, else the 16-column form."""
+    calls = "\n".join(f'  std::printf("%d\\n", spec_columns({t}, {s}, {g}));' for t, s, g, _ in SPEC_COLUMNS)
+    got = [int(x) for x in _run_on_host(tmp_path, "spec_columns", calls)]
+    assert got == [c[-1] for c in SPEC_COLUMNS]

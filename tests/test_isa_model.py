@@ -133,8 +133,9 @@ def sass(sass_text):
     return im.parse_sass(sass_text)
 
 
-@pytest.mark.parametrize("name,nb", [(im.CUDA_DECODE, 1), (im.CUDA_DECODE_K8V4, 1), (im.CUDA_SPEC, 2)],
-                         ids=["fp4", "k8v4", "fp4-16-columns"])
+@pytest.mark.parametrize("name,nb", [(im.CUDA_DECODE, 1), (im.CUDA_DECODE_K8V4, 1), (im.CUDA_SPEC, 2),
+                                     (im.CUDA_SPEC8, 1)],
+                         ids=["fp4", "k8v4", "fp4-16-columns", "fp4-8-columns"])
 def test_cuda_decode_loop_counts(sass, name, nb):
     code = sass[name]
     head, back = im.find_key_loop(code)

@@ -543,8 +543,9 @@ def test_prefill_kernel_non_finite_query_rows():
     _compare(out[~bad], ref[~bad])
 
 
-# short multi-token queries (speculative decoding) through the decode kernel's 16-column form
-# (tuning::use_spec_kernel: at most 32 (query token, head) pairs per sequence on average):
+# short multi-token queries (speculative decoding) through the decode kernel's multi-token forms
+# (tuning::use_spec_kernel: at most 32 (query token, head) pairs per sequence on average; 8
+# columns where they average at most 8, tuning::spec_columns, else 16):
 # (seq_lens, hq, hkv, d, bs, query tokens per sequence, dtype)
 SPEC_CASES = {
     "batch 17, 1-8 tokens, block 16": ([1, 54, 97, 300, 16, 17, 33, 8, 700, 129, 5, 64, 65, 2, 250,
@@ -552,15 +553,37 @@ SPEC_CASES = {
                                        [1, 4, 8, 2, 3, 5, 7, 1, 4, 6, 2, 8, 3, 2, 5, 1, 4], torch.bfloat16),
     "d 64, GQA 7 (a token's heads across CTAs), block 32": ([300, 54, 97, 9], 28, 4, 64, 32, [3, 8, 2, 5],
                                                             torch.float16),
-    "MHA, block 64": ([1000, 2, 513], 8, 8, 128, 64, [8, 2, 5], torch.bfloat16),
+    "MHA, block 64 (8 columns)": ([1000, 2, 513], 8, 8, 128, 64, [8, 2, 5], torch.bfloat16),
+    "batch 17, 1-3 tokens (8 columns), block 16": ([1, 54, 97, 300, 16, 17, 33, 8, 700, 129, 5, 64, 65, 2,
+                                                   250, 31, 1000], 32, 8, 128, 16,
+                                                  [1, 2, 3, 2, 1, 2, 2, 1, 3, 2, 2, 1, 2, 2, 2, 3, 1],
+                                                  torch.bfloat16),
+    "d 64, GQA 7, one token each (8 columns), block 32": ([300, 54, 97, 9], 28, 4, 64, 32, [1, 1, 1, 1],
+                                                         torch.float16),
+    "long context, 2 tokens (8 columns, partitions)": ([20000, 9000], 32, 8, 128, 16, [2, 2], torch.bfloat16),
     "GQA 16 (two CTAs per sequence), block 256": ([1500, 400], 32, 2, 128, 256, [2, 1], torch.bfloat16),
     "long context (split into partitions)": ([20000, 9000], 32, 8, 128, 16, [4, 4], torch.bfloat16),
 }
 
 
+def _multi_token_form(names) -> set:
+    """The columns (8 or 16) of the decode kernel's multi-token instantiations among the kernel
+    names (demangled: `decode_kernel<D, T, states, e4m3, NB, true>`, or mangled)."""
+    forms = set()
+    for n in names:
+        m = re.search(r"decode_kernel<[^>]*(\d), true>", n) or re.search(r"decode_kernelI.*Li(\d)ELb1E", n)
+        if m:
+            forms.add(8 * int(m.group(1)))
+    return forms
+
+
 def _spec_ran(prob, q, cu, **kw):
+    """The call ran the decode kernel's multi-token form that tuning::spec_columns names (8
+    columns where the (query token, head) pairs average at most 8 per sequence) and no general
+    kernel."""
     names = _kernel_names(lambda: _run("cuda", prob, q, cu, **kw))
-    return any("decode_kernel" in n for n in names) and not any("fp4_kernel" in n for n in names)
+    cols = 8 if q.shape[0] * (q.shape[1] // prob.cache.key_cache.shape[1]) <= 8 * (cu.numel() - 1) else 16
+    return _multi_token_form(names) == {cols} and not any("fp4_kernel" in n for n in names)
 
 
 @pytest.mark.parametrize("window,cap,config", [(0, 0.0, "default"), (0, 0.0, "plain"),
@@ -630,7 +653,8 @@ def _fp8_s_logit_bound(prob, q, cu, **kw):
 @pytest.mark.parametrize("states", ["none", "lse", "lse+sinks"])
 @pytest.mark.parametrize("kernel,case", [
     ("prefill", "ragged chunks, block 16"), ("prefill", "d 64, GQA 7, block 32"),
-    ("spec", "batch 17, 1-8 tokens, block 16"), ("spec", "long context (split into partitions)")])
+    ("spec", "batch 17, 1-8 tokens, block 16"), ("spec", "long context (split into partitions)"),
+    ("spec", "batch 17, 1-3 tokens (8 columns), block 16")])
 def test_multi_token_kernels_states_and_k8v4(kernel, case, states, key_format):
     """The prefill kernel and the 16-column decode kernel with K8V4 keys (E4M3 bytes, decoded
     like FP4 or, on the SM90a prefill kernel's FP8 S, taken as stored) and with the lse output and learned sinks (the general kernel's epilogue
@@ -663,39 +687,45 @@ def test_multi_token_kernels_states_and_k8v4(kernel, case, states, key_format):
 
 
 @pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
-def test_spec_kernel_structured_keys_and_values(key_format):
-    """The one-hot probe through the 16-column decode kernel (4 and 8 query tokens)."""
-    _one_hot_check(key_format, [3 * 128 + 37, 300], [4, 8], "decode_kernel")
+@pytest.mark.parametrize("qlens", [[4, 8], [2, 1]], ids=["16-columns", "8-columns"])
+def test_spec_kernel_structured_keys_and_values(key_format, qlens):
+    """The one-hot probe through the decode kernel's multi-token forms: 16 columns (4 and 8
+    query tokens) and 8 columns (2 and 1: 6 pairs per sequence on average)."""
+    _one_hot_check(key_format, [3 * 128 + 37, 300], qlens, "decode_kernel")
 
 
 @pytest.mark.parametrize("which", ["key_scales", "value_scales"])
-def test_spec_kernel_nan_scale_seen_by_later_tokens_only(which):
-    """A NaN key or value scale of the third-to-last key: of a sequence's 4 query tokens the
-    first (which does not see it) stays finite and the others are NaN, for the heads of that kv
-    head only; a value scale of 255 thus reaches a CTA whose other columns must not take it (P'
-    = 0 by selection, not 0 x NaN). An out-of-range block id makes the sequence's rows NaN."""
-    prob, q, cu = _problem([300, 200], 8, 2, 128, 16, qlens=[4, 4], seed=4)
+@pytest.mark.parametrize("nq", [4, 2], ids=["16-columns", "8-columns"])
+def test_spec_kernel_nan_scale_seen_by_later_tokens_only(which, nq):
+    """A NaN key or value scale of key 301 - nq: of a sequence's nq query tokens (at positions
+    300 - nq .. 299) the first, which does not see it, stays finite and the others are NaN, for
+    the heads of that kv head only; a value scale of 255 thus reaches a CTA whose other columns
+    must not take it (P' = 0 by selection, not 0 x NaN). An out-of-range block id makes the
+    sequence's rows NaN. Both multi-token forms (4 tokens x 4 heads: 16 columns; 2: 8)."""
+    prob, q, cu = _problem([300, 200], 8, 2, 128, 16, qlens=[nq, nq], seed=4)
     assert _spec_ran(prob, q, cu)
-    pos = 297  # sequence 0's query tokens sit at positions 296..299
+    pos = 301 - nq
     blk = prob.block_tables[0, pos // 16].item()
     scales = getattr(prob.cache, which)
     old = scales[blk, pos % 16, 1].item()
     scales[blk, pos % 16, 1] = 255  # kv head 1: heads 4..7
     out = _run("cuda", prob, q, cu)
-    assert torch.isnan(out[1:4, 4:8]).all() and torch.isfinite(out[0, 4:8]).all()
-    assert torch.isfinite(out[:, :4]).all() and torch.isfinite(out[4:]).all()
+    assert torch.isnan(out[1:nq, 4:8]).all() and torch.isfinite(out[0, 4:8]).all()
+    assert torch.isfinite(out[:, :4]).all() and torch.isfinite(out[nq:]).all()
     scales[blk, pos % 16, 1] = old
-    _check_bad_block_gives_nan(prob, q, cu, 4)
+    _check_bad_block_gives_nan(prob, q, cu, nq)
 
 
 @pytest.mark.parametrize("kernel,hq,hkv,lens,qlens", [
     ("decode_kernel", 8, 2, [2, 40], [4, 1]),      # 16-column form: 10 columns per sequence
+    ("decode_kernel", 8, 2, [1, 40], [3, 1]),      # 8-column form: 8 columns per sequence
     ("fp4_kernel", 32, 2, [2, 40], [4, 1]),        # general kernel: 40 columns per sequence
     ("prefill", 8, 2, [2, 300], [4, 200])])        # prefill kernel: 408 rows per sequence
 def test_more_query_tokens_than_keys_with_the_sink(kernel, hq, hkv, lens, qlens):
-    """With value checks off, a sequence of 2 keys with 4 query tokens: tokens 0 and 1 sit at
-    positions -2 and -1 and see nothing, not even the sink token (position 0, from the state
-    record), so their rows are zeros as in the reference; the other rows match it too."""
+    """With value checks off, a sequence of 2 keys with 4 query tokens (or 1 key with 3): tokens
+    0 and 1 sit at positions -2 and -1 and see nothing, not even the sink token (position 0,
+    from the state record), so their rows are zeros as in the reference; the other rows match
+    it too."""
     prob, q, cu = _problem(lens, hq, hkv, 128, 16, qlens=qlens, seed=5)
     with turboquant.value_checks(False):
         assert any(kernel in n for n in _kernel_names(lambda: _run("cuda", prob, q, cu)))
@@ -908,7 +938,9 @@ SANITIZER_CASE = textwrap.dedent("""
                                         (256, 16, [129, 5], None, "default", "fp8_e4m3"),
                                         (256, 32, [129, 40], [3, 2], "default", "fp8_e4m3"),
                                         (128, 16, [5000, 60], [4, 8], "default", "fp4"),
-                                        (128, 16, [5000, 60], [4, 8], "default", "fp8_e4m3")):
+                                        (128, 16, [5000, 60], [4, 8], "default", "fp8_e4m3"),
+                                        (128, 16, [5000, 60], [2, 1], "default", "fp4"),
+                                        (64, 32, [70, 9], [2, 1], "default", "fp8_e4m3")):
         prob = build_paged_problem(lens, 2, d, bs, device="cuda", generator=g,
                                    write_backend="cuda", spare_blocks=2,
                                    config=turboquant.QuantConfig.parse(cfg), key_format=kf)
