@@ -25,8 +25,7 @@
 // 1472 us (350) with conflict-free decode stores and the warpgroups' turns (fifth session).
 // Grid (row groups * num_kv_heads, 1), kv head fastest: sequence s owns row groups
 //   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
-//   it needs; a CTA past its sequence's rows exits), found by find_row_tile<ROWS> (a warp
-//   search over cu_query_lens).
+//   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
 //   Rows are query-token major as in the general kernel: row R -> token R / G, head R % G.
 // Per KV step of TK = PREFILL_TILE tokens (a ring of raw codes, PREFILL_STAGES_* deep):
 //   copy (thread t of the NT = 32 W copying threads: the producer warps with wgmma, every warp
@@ -291,10 +290,22 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   pdl_wait();
   pdl_launch_dependents();
 
-  // ---- which sequence / rows ----
-  int q0, qn, lg;
-  const int s = find_row_tile<L::ROWS>(p, grp, q0, qn, lg);
-  if (s < 0) return;
+  // ---- which sequence / rows: find_row_tile's search, as a binary search (its 32-way warp
+  //      search made six D 128 sm_80 instantiations spill 8 bytes at 255 registers; a prefill
+  //      CTA is long enough that the search's dependent loads do not show: equal times on the
+  //      H100, tenth session, call 5) ----
+  const int* cu = p.cu_query_lens;
+  int lo = 0, hi = p.num_seqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    const long long base = mid + ((long long)max(__ldg(cu + mid), 0) * G) / L::ROWS;
+    if (base <= grp) lo = mid; else hi = mid - 1;
+  }
+  const int s = lo;
+  const int q0 = max(__ldg(cu + s), 0);
+  const int qn = min(__ldg(cu + s + 1), p.num_tokens) - q0;
+  const int lg = grp - (s + (int)(((long long)q0 * G) / L::ROWS));
+  if (qn <= 0 || lg < 0 || lg * L::ROWS >= qn * G) return;
   const int nrows = qn * G, row0 = lg * L::ROWS;
   const int seq_len = __ldg(p.seq_lens + s);
   const int slot = state_slot(p, s);
