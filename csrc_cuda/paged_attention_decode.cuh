@@ -276,7 +276,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   if (tid == 0) {
     misc[0] = 0;  // Q amax bits
     misc[1] = 0;  // a block id was out of range
-    if constexpr (kMulti) {  // the multi-token forms read the union range here in the slow path (registers)
+    if constexpr (kMulti) {  // the multi-token forms read the union range here in the slow
+                             // path (registers)
       misc[2] = r_lo;
       misc[3] = r_hi;
     }
@@ -757,7 +758,7 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
   if (k == AttnKernel::kDecode) {
     e = launch_decode_kernel<D, T, kStates, kE4m3, 1, false>(p, p.num_seqs, stream);
   } else if (k == AttnKernel::kSpec8 || k == AttnKernel::kSpec16) {
-    // grid_x = row tiles of the form's 8 or 16 columns (the binding's multi_token_tiles)
+    // grid_x = row tiles of the form's 8 or 16 columns (the binding sizes it by TR = NC)
     if constexpr (D <= 128) {
       e = k == AttnKernel::kSpec8 ? launch_decode_kernel<D, T, kStates, kE4m3, 1, true>(p, grid_x, stream)
                                   : launch_decode_kernel<D, T, kStates, kE4m3, 2, true>(p, grid_x, stream);
