@@ -656,8 +656,9 @@ def _fp8_s_logit_bound(prob, q, cu, **kw):
     ("spec", "batch 17, 1-8 tokens, block 16"), ("spec", "long context (split into partitions)"),
     ("spec", "batch 17, 1-3 tokens (8 columns), block 16")])
 def test_multi_token_kernels_states_and_k8v4(kernel, case, states, key_format):
-    """The prefill kernel and the 16-column decode kernel with K8V4 keys (E4M3 bytes, decoded
-    like FP4 or, on the SM90a prefill kernel's FP8 S, taken as stored) and with the lse output and learned sinks (the general kernel's epilogue
+    """The prefill kernel and the decode kernel's multi-token forms (16 and 8 columns) with
+    K8V4 keys (E4M3 bytes, decoded like FP4 or, on the SM90a prefill kernel's FP8 S, taken as
+    stored) and with the lse output and learned sinks (the general kernel's epilogue
     semantics), default transforms, a window and a soft cap: output and lse against the
     reference; the lse within 2e-3 + 1e-4 |lse|, plus Q's two-term E4M3 rounding where S runs
     on FP8 tensor cores (the SM90a prefill kernel: _fp8_s_logit_bound)."""
