@@ -271,10 +271,11 @@ inline bool use_spec_kernel(bool multi, int head_dim, long long num_tokens, long
   return multi && head_dim <= 128 && num_tokens * group_size <= (long long)SPEC_MAX_COLS * num_seqs &&
          !use_prefill_kernel(multi, head_dim, num_tokens, num_seqs, group_size);
 }
-// Which of its two forms: 8 columns (NB 1, kMulti: the decode kernel's own registers and
-// instructions per tile, 387 at D 128 against 504 for 16 columns) when the (query token, head)
-// pairs average at most 8 per sequence, else 16 (NB 2). A sequence with more pairs than the
-// form's columns takes several CTAs, each reading the sequence's KV once.
+// Which of its two forms: 8 columns (NB 1, kMulti: the decode kernel's own registers, 403
+// instructions per 16-token tile and warp at D 128 against the decode's 387 and the 16-column
+// form's 504, sm_90a SASS) when the (query token, head) pairs average at most 8 per sequence,
+// else 16 (NB 2). A sequence with more pairs than the form's columns takes several CTAs, each
+// reading the sequence's KV once.
 // Examples (G = 4): 128 x 2 tokens (one draft token): 8 pairs -> 8 columns, one CTA per
 // (sequence, kv head) and no padding (the 16-column form left half its columns empty);
 // 64 x 4: 16 -> 16 columns; ragged 1-3 tokens averaging 2: 8 -> 8 columns (a 3-token
