@@ -87,6 +87,7 @@ void* lds(unsigned long bytes);
 f32x4 mfma_scale_16x16x128(int fmt_a, int fmt_b, i32x8 a, i32x8 b, f32x4 c, int scale_a,
                            int scale_b);
 f32x4 mfma_16x16x32_fp8_fnuz(uint64_t a, uint64_t b, f32x4 c);
+uint64_t lds_read_tr_b64(const void* p, int bits);
 }  // namespace sim
 
 inline int thread_id() { return sim::thread_id(); }
@@ -175,7 +176,12 @@ inline void unpack_e4m3x4(uint32_t w, float out[4]) {
     out[i] = kGfx942 ? e4m3fnuz_to_f32((w >> (8 * i)) & 0xFF) : e4m3_to_f32((w >> (8 * i)) & 0xFF);
 }
 
+// ds_read_b64_tr_b4 / _b8: the transposing LDS reads (the lane simulation's wave model).
+inline uint64_t lds_read_tr4_b64(const uint8_t* p) { return sim::lds_read_tr_b64(p, 4); }
+inline uint64_t lds_read_tr8_b64(const uint8_t* p) { return sim::lds_read_tr_b64(p, 8); }
+
 inline float exp2_f32(float x) { return exp2f(x); }
+inline float exp2_fast(float x) { return exp2f(x); }
 inline float log2_f32(float x) { return log2f(x); }
 inline float ldexp_f32(float x, int e) { return ldexpf(x, e); }
 inline float floor_f32(float x) { return floorf(x); }
@@ -264,7 +270,34 @@ TQ_HD void unpack_e4m3x4(uint32_t w, float out[4]) {
 #endif
 }
 
+// ds_read_b64_tr_b4 / _b8 (gfx950): in each group of 16 lanes, the 16 lanes' 8-byte chunks
+// read as a matrix and transposed: tr4 gives lane m of the group nibble m of every chunk (nibble
+// k of the result from the group's lane k); tr8 gives lane m byte m % 8 of the chunks of the
+// group's lanes 2 k + m / 8 (result byte k). CDNA4 ISA, LDS transpose loads.
+typedef int i32x2 __attribute__((vector_size(8)));
+TQ_HD uint64_t lds_read_tr4_b64(const uint8_t* p) {
+#if TQ_GFX950
+  const i32x2 v = __builtin_amdgcn_ds_read_tr4_b64_v2i32(
+      (__attribute__((address_space(3))) i32x2*)(p));
+  return uint64_t(uint32_t(v[0])) | uint64_t(uint32_t(v[1])) << 32;
+#else
+  __builtin_trap();
+#endif
+}
+TQ_HD uint64_t lds_read_tr8_b64(const uint8_t* p) {
+#if TQ_GFX950
+  const i32x2 v = __builtin_amdgcn_ds_read_tr8_b64_v2i32(
+      (__attribute__((address_space(3))) i32x2*)(p));
+  return uint64_t(uint32_t(v[0])) | uint64_t(uint32_t(v[1])) << 32;
+#else
+  __builtin_trap();
+#endif
+}
+
 TQ_HD float exp2_f32(float x) { return __builtin_exp2f(x); }
+// v_exp_f32 alone (exp2_f32 adds the denormal range fix-up around it): the inputs here are
+// differences x - max <= 0, whose results below 2^-126 may flush to 0 without harm.
+TQ_HD float exp2_fast(float x) { return __builtin_amdgcn_exp2f(x); }
 TQ_HD float log2_f32(float x) { return __builtin_log2f(x); }
 TQ_HD float ldexp_f32(float x, int e) { return __builtin_ldexpf(x, e); }
 TQ_HD float floor_f32(float x) { return __builtin_floorf(x); }

@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "../tq_fp4_paged_attention.cuh"
+#include "../tq_fp4_gfx950_attention.cuh"
 
 namespace {
 
@@ -48,6 +48,7 @@ struct Sim {
   float shfl_slot[tq::kThreads];
   struct MfmaSlot { int fmt_a, fmt_b; tq::i32x8 a, b; int sa, sb; } mfma_slot[tq::kThreads];
   struct Mfma8Slot { uint64_t a, b; } mfma8_slot[tq::kThreads];  // v_mfma_f32_16x16x32_fp8_fp8
+  const unsigned char* tr_slot[tq::kThreads];  // ds_read_b64_tr_b*: each lane's LDS address
   std::vector<unsigned char> lds;
   void (*body)(void*) = nullptr;
   void* body_arg = nullptr;
@@ -86,9 +87,10 @@ void rendezvous(int scope) {
 
 // Runs body(arg) as one workgroup of 256 fibers. Returns 0, or -1 on a barrier deadlock
 // (a barrier or MFMA reached by some lanes of its scope only).
-int run_workgroup(int bx, int by, int bz, void (*body)(void*), void* arg) {
+int run_workgroup(int bx, int by, int bz, void (*body)(void*), void* arg,
+                  int nthreads = tq::kThreads) {
   Sim& s = *g_sim;
-  s.nthreads = tq::kThreads;
+  s.nthreads = nthreads;
   s.block[0] = bx; s.block[1] = by; s.block[2] = bz;
   s.body = body; s.body_arg = arg;
   for (int i = 0; i < 5; ++i) s.arrived[i] = 0;
@@ -224,6 +226,36 @@ f32x4 mfma_scale_16x16x128(int fmt_a, int fmt_b, i32x8 a, i32x8 b, f32x4 c, int 
   return d;
 }
 
+// ds_read_b64_tr_b4 / ds_read_b64_tr_b8 (gfx950), from the CDNA4 ISA's description of the LDS
+// transpose loads: each lane reads the 8 bytes at its own address; within each group of 16
+// lanes the 16 chunks, concatenated in lane order, are read as N rows x 16 columns of
+// N = 64 / bits elements, and lane m of the group receives column m from top to bottom:
+// element k of lane m = element (16 k + m) % N of the chunk of the group's lane (16 k + m) / N.
+// tr4 (N = 16): nibble k of lane m = nibble m of lane k's chunk; tr8 (N = 8): byte k of lane m =
+// byte m % 8 of lane 2 k + m / 8's chunk. A nibble n of a chunk is byte n / 2, low nibble first.
+uint64_t lds_read_tr_b64(const void* p, int bits) {
+  const int t = g_sim->current, wave = t / kWaveSize, lane = t % kWaveSize;
+  const unsigned char* lds = g_sim->lds.data();
+  const unsigned char* a = static_cast<const unsigned char*>(p);
+  if (a < lds || a + 8 > lds + g_sim->lds.size() || (a - lds) % 8 != 0) {
+    std::fprintf(stderr, "lane sim: ds_read_b64_tr_b%d address outside LDS or not 8-byte aligned\n", bits);
+    std::abort();
+  }
+  g_sim->tr_slot[t] = a;
+  rendezvous(wave);
+  const int n = 64 / bits, group = wave * kWaveSize + 16 * (lane / 16), m = lane % 16;
+  uint64_t r = 0;
+  for (int k = 0; k < n; ++k) {
+    const int src = (16 * k + m) / n, el = (16 * k + m) % n;
+    const unsigned char* c = g_sim->tr_slot[group + src];
+    const uint64_t v = bits == 4 ? uint64_t((c[el / 2] >> (4 * (el % 2))) & 15)
+                                 : uint64_t(c[el]);
+    r |= v << (bits * k);
+  }
+  rendezvous(wave);
+  return r;
+}
+
 // v_mfma_f32_16x16x32_fp8_fp8 (gfx942, wave64, both operands E4M3FNUZ, no scale):
 // D = C + A B with A 16 x 32 and B 32 x 16. Lane l supplies 8 bytes of row (A) / column (B)
 // l % 16 for K 8 (l / 16) .. + 7, byte j of the 64-bit operand = K 8 (l / 16) + j.
@@ -305,6 +337,77 @@ int run_all(const Args& a) {
                                      a.max_num_partitions, a.exp_sums, a.max_logits, a.tmp_out,
                                      a.sinks != nullptr ? a.sinks[h] : -INFINITY, a.out, a.lse);
   }
+  return 0;
+}
+
+
+// The gfx950 kernels (tq_fp4_gfx950_attention.cuh): the Q pre-pass, the partition kernel (one
+// wave per workgroup) and the reduce, in the launcher's order.
+struct Args950 {
+  Args a;
+  int partition_len;
+  std::vector<uint8_t> q8;
+  std::vector<tq::gfx950::QRow> qrows;
+  int num_heads;
+};
+
+template <class Scalar, int HEAD>
+void prepass_body(void* p) {
+  Args950& x = *static_cast<Args950*>(p);
+  const Args& a = x.a;
+  tq::gfx950::tq_fp4_q_prepass_kernel<Scalar, HEAD>(
+      a.query, x.q8.data(), x.qrows.data(), a.cu_query_lens, a.num_seqs, x.num_heads,
+      x.num_heads / a.num_kv_heads, a.q_stride, a.scale,
+      a.soft_cap, a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink);
+}
+
+template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI, bool KEY8>
+void partition950_body(void* p) {
+  Args950& x = *static_cast<Args950*>(p);
+  const Args& a = x.a;
+  tq::gfx950::tq_fp4_pa_gfx950_kernel<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>(
+      x.q8.data(), x.qrows.data(), a.key_cache, a.value_cache, a.key_scales, a.value_scales,
+      a.block_tables, a.seq_lens, a.cu_query_lens, a.exp_sums, a.max_logits, a.tmp_out,
+      a.soft_cap, a.sliding_window, a.max_blocks_per_seq, a.max_num_partitions, x.partition_len,
+      a.num_seqs, a.num_tokens, a.num_kv_heads, a.kv_block_stride, a.kv_head_stride,
+      a.kv_seq_stride, a.sink, a.seq_state != nullptr && a.soft_cap > 0.0f);
+}
+
+template <class Scalar, int HEAD, bool MULTI>
+void reduce950_body(void* p) {
+  Args950& x = *static_cast<Args950*>(p);
+  const Args& a = x.a;
+  const int num_heads = x.num_heads;
+  tq::gfx950::tq_fp4_pa_gfx950_reduce_kernel<Scalar, HEAD, MULTI>(
+      a.out, a.lse, a.exp_sums, a.max_logits, a.tmp_out, x.qrows.data(), a.seq_lens,
+      a.cu_query_lens, a.sinks, a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink,
+      a.num_seqs, num_heads, num_heads / a.num_kv_heads, a.max_num_partitions, x.partition_len,
+      a.sliding_window, a.seq_state != nullptr && a.soft_cap > 0.0f);
+}
+
+// The launcher's grids (pa_fp4.cpp.jinja), one workgroup at a time.
+template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI, bool KEY8>
+int run_all_950(Args950& x) {
+  const Args& a = x.a;
+  const int num_heads = x.num_heads = a.num_kv_heads * GQA;
+  x.q8.assign(size_t(a.num_tokens) * num_heads * 2 * HEAD, 0xA5);
+  x.qrows.assign(size_t(a.num_tokens) * num_heads, tq::gfx950::QRow{-1, NAN, NAN, NAN});
+  for (int token = 0; token < a.num_tokens; ++token)
+    for (int h = 0; h < num_heads; ++h)
+      if (run_workgroup(token, h, 0, prepass_body<Scalar, HEAD>, &x, tq::gfx950::kWave) != 0)
+        return -1;
+  const int row_tiles = MULTI ? a.num_seqs + (a.num_tokens * GQA + tq::kTile - 1) / tq::kTile
+                              : a.num_seqs;
+  for (int tile = 0; tile < row_tiles; ++tile)
+    for (int part = 0; part < a.max_num_partitions; ++part)
+      for (int kvh = 0; kvh < a.num_kv_heads; ++kvh)
+        if (run_workgroup(tile, part, kvh, partition950_body<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>,
+                          &x, tq::gfx950::kWave) != 0)
+          return -1;
+  for (int token = 0; token < a.num_tokens; ++token)
+    for (int h = 0; h < num_heads; ++h)
+      if (run_workgroup(token, h, 0, reduce950_body<Scalar, HEAD, MULTI>, &x, HEAD) != 0)
+        return -1;
   return 0;
 }
 
@@ -392,6 +495,59 @@ extern "C" int tq_sim_paged_attention(
   TQ_SIM_KEY8_CONFIGS(TQ_SIM_DISPATCH_KEY8)
 #undef TQ_SIM_DISPATCH_KEY8
 #undef TQ_SIM_RUN
+  g_sim = nullptr;
+  return rc;
+}
+
+// The gfx950 kernels (pre-pass, partition, reduce) with partitions of partition_len tokens
+// (exp_sums, max_logits, tmp_out sized for max_num_partitions of them); arguments as above.
+extern "C" int tq_sim_paged_attention_gfx950(
+    int is_bf16, int head, int block_size, int gqa, int native, int key_e4m3,
+    const uint16_t* query, const uint8_t* key_cache, const uint8_t* value_cache,
+    const uint8_t* key_scales, const uint8_t* value_scales, const int* block_tables,
+    const int* seq_lens, const int* cu_query_lens, float* exp_sums, float* max_logits,
+    uint16_t* tmp_out, uint16_t* out, float scale, float soft_cap, int sliding_window,
+    int num_seqs, int num_tokens, int num_kv_heads, int max_blocks_per_seq,
+    int max_num_partitions, int partition_len, int q_stride, long kv_block_stride,
+    int kv_head_stride, int kv_seq_stride, const float* rotation_signs, const float* seq_state,
+    const int* state_ids, int num_slots, int sink, const float* sinks, float* lse) {
+  if (tq::kGfx942) return -3;
+  Sim sim;
+  sim.lds.resize(160 * 1024);
+  g_sim = &sim;
+  Args950 x;
+  x.a = {query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
+         cu_query_lens, exp_sums, max_logits, tmp_out, out, scale, soft_cap, sliding_window,
+         num_seqs, num_tokens, num_kv_heads, max_blocks_per_seq, max_num_partitions, q_stride,
+         kv_block_stride, kv_head_stride, kv_seq_stride, rotation_signs, seq_state, state_ids,
+         num_slots, sink, sinks, lse};
+  x.partition_len = partition_len;
+  const bool multi = cu_query_lens != nullptr;
+  int rc = -2;
+#define TQ_SIM950_RUN(S, H, BS, G, N, K8) \
+  (multi ? run_all_950<S, H, BS, G, N, true, K8>(x) : run_all_950<S, H, BS, G, N, false, K8>(x))
+#define TQ_SIM950_DISPATCH(S, BF, H, BS, G)                                       \
+  if (is_bf16 == BF && head == H && block_size == BS && gqa == G) {               \
+    if (key_e4m3) rc = native ? TQ_SIM950_RUN(S, H, BS, G, true, true)            \
+                              : TQ_SIM950_RUN(S, H, BS, G, false, true);          \
+    else rc = native ? TQ_SIM950_RUN(S, H, BS, G, true, false)                    \
+                     : TQ_SIM950_RUN(S, H, BS, G, false, false);                  \
+  }
+#if !TQ_GFX942
+  TQ_SIM_CONFIGS(TQ_SIM950_DISPATCH)
+#endif
+#undef TQ_SIM950_DISPATCH
+#define TQ_SIM950_DISPATCH_MULTI(S, BF, H, BS, G)                                         \
+  if (multi && is_bf16 == BF && head == H && block_size == BS && gqa == G)              \
+    rc = key_e4m3 ? (native ? run_all_950<S, H, BS, G, true, true, true>(x)             \
+                            : run_all_950<S, H, BS, G, false, true, true>(x))           \
+                  : (native ? run_all_950<S, H, BS, G, true, true, false>(x)            \
+                            : run_all_950<S, H, BS, G, false, true, false>(x));
+#if !TQ_GFX942
+  TQ_SIM_MULTI_ONLY_CONFIGS(TQ_SIM950_DISPATCH_MULTI)
+#endif
+#undef TQ_SIM950_DISPATCH_MULTI
+#undef TQ_SIM950_RUN
   g_sim = nullptr;
   return rc;
 }

@@ -1,0 +1,531 @@
+// turboquant FP4 paged attention for gfx950 (MI350X/MI355X): three kernels per call.
+//
+// 1. Q pre-pass, one wave per (query token, head) row: the accuracy transforms (q * lam, the
+//    Walsh-Hadamard rotation, q.m), the logit factor (scale * log2(e), or scale alone under a
+//    soft cap), and the quantization into two E4M3 terms with one E8M0 scale per row, written
+//    once to the workspace; also the sink's fp32 logit (position 0 from the state record).
+//    The partition kernel below only loads the result: Q's transform is paid once per row and
+//    call, not once per wave and partition.
+// 2. Partition kernel, one wave per (row tile, partition, kv head): a partition is
+//    `partition_len` tokens (a multiple of 128, chosen by the launcher), streamed in steps of
+//    128 tokens with an online softmax in the log2 domain. Per step:
+//      QK:  8 tiles of 16 tokens, v_mfma_scale_f32_16x16x128_f8f6f4 with A = K (the cache's FP4
+//           bytes as they are, or E4M3 bytes for K8V4, or FP4 decoded through a table on the LUT
+//           path) and B = Q's E4M3 terms; lane l holds the logits of row l % 16 for tokens
+//           16 j + 4 (l / 16) + i of tile j (i = 0..3).
+//      P:   e = 2^(x - m), the running max m per row (each lane holds one row, so rescaling the
+//           output is lane-local); the per-token V scale folded into P as w = 2^(vs - vb) with
+//           vb the step's largest V scale byte, P' = e * w normalized by a per-row power of two,
+//           split into two E4M3 terms (hi + lo / 16). A lane's 32 P bytes are exactly its B
+//           operand of the PV MFMA (token order tau below): P never leaves the registers.
+//      PV:  O^T += V^T P^T, A = V^T as FP4 straight from the cache bytes (LUT: E4M3), tokens
+//           along K, read from LDS with the transposing read ds_read_b64_tr_b4 (LUT:
+//           ds_read_b64_tr_b8), B = P^T, scale_b = the row's P scale byte; the accumulator of
+//           lane l holds output elements 16 mt + 4 (l / 16) + i of row l % 16.
+//    A step whose 128 tokens every live row sees takes the unmasked path (no selects); edge
+//    steps (the partition's or sequence's ends, position 0 with the sink, windows, causal
+//    multi-token rows) select per token. The partition writes (m, l, O / l) per row.
+// 3. Reduce, one workgroup of HEAD threads per row: combines the partitions by their log-sum-
+//    exp, merges the sink (x0, v0 from the record) and learned sinks, writes the lse, and
+//    un-rotates the output (the rotation is linear, so once per row instead of per partition).
+//
+// Token order tau within a step (the K index of the PV MFMA): the FP8 B operand of lane
+// (n = l % 16, g = l / 16) holds K = 16 g + j (bytes j < 16) and K = 64 + 16 g + (j - 16), and
+// its logits are tokens 16 t + 4 g + i. K = 64 h + 16 g + j is therefore token
+// tau = 64 h + 16 (j / 4) + 4 g + j % 4: P's dword w is tile w's four logits. The V^T operand
+// (FP4, lane (m, g) holds K 32 g .. 32 g + 31) follows the same tau (v_operand_token).
+//
+// Masking, NaN: a token outside a row's range has x = -inf (e = 0) and P' = 0 by selection, so
+// no garbage byte or NaN scale reaches a row that does not see it; a NaN V scale (255) that a
+// row sees makes w NaN and the row's output NaN. Tokens past the tile's keys are read from
+// the tile's last block (valid memory), never from block-table entries past the sequence.
+// Cache layout: tq_fp4_paged_attention.cuh's design note (CONTRACT.md section 1).
+#pragma once
+
+#include "tq_fp4_paged_attention.cuh"
+
+namespace tq {
+namespace gfx950 {
+
+constexpr int kWave = 64;
+constexpr int kStep = 128;                 // tokens per online-softmax step = PV MFMA K
+constexpr int kTilesPerStep = kStep / kTile;
+
+// Per-row results of the Q pre-pass, beside Q's E4M3 terms in the workspace.
+struct QRow {
+  int qscale;   // E8M0 byte of Q's hi term (the lo term's is qscale - 4)
+  float qadd;   // scale * q.m, in the logits' units (log2, or natural under a soft cap)
+  float x0;     // the sink's logit, log2 units (-inf without a sink)
+  float pad;
+};
+
+// Wave-wide reductions over all 64 lanes (xor stages 1 .. 32).
+TQ_HD float wave_sum(float v) {
+  for (int m = 1; m < kWave; m *= 2) v += wave_shfl_xor(v, m);
+  return v;
+}
+TQ_HD float wave_max(float v) {
+  for (int m = 1; m < kWave; m *= 2) v = fmax_f32(v, wave_shfl_xor(v, m));
+  return v;
+}
+
+// The token (within a 128-token step) of K index k of the PV MFMA (tau in the design note).
+TQ_HD int step_token(int k) { return 64 * (k / 64) + 16 * ((k % 16) / 4) + 4 * ((k % 64) / 16) + k % 4; }
+// The token of nibble x (0..31) of the FP4 V^T operand of a lane in K group g: K = 32 g + x.
+TQ_HD int v_operand_token(int g, int x) { return step_token(32 * g + x); }
+
+// ---------------------------------------------------------------------------------------
+// 1. Q pre-pass. grid (num_tokens, num_heads)  block (64)
+template <class Scalar, int HEAD>
+TQ_KERNEL(kWave, kWave) void tq_fp4_q_prepass_kernel(
+    const uint16_t* __restrict__ query,       // [num_tokens, num_heads, HEAD] Scalar, row stride q_stride
+    uint8_t* __restrict__ q8,                 // [num_tokens, num_heads, 2, HEAD] E4M3 hi, lo terms
+    QRow* __restrict__ qrows,                 // [num_tokens, num_heads]
+    const int* __restrict__ cu_query_lens,    // [num_seqs + 1], or nullptr: token = sequence
+    int num_seqs, int num_heads, int gqa, int q_stride, float scale, float logits_soft_cap,
+    const float* __restrict__ rotation_signs, // [HEAD] of +-1, or nullptr
+    const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr
+    const int* __restrict__ state_ids,        // [num_seqs]
+    int num_slots, int sink) {
+  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
+  constexpr int kPer = HEAD / kWave;  // lane l holds elements 64 j + l
+  const int token = block_id_x(), head = block_id_y(), lane = thread_id();
+  const int seq = cu_query_lens != nullptr ? token_sequence(cu_query_lens, num_seqs, token) : token;
+  const int kvh = head / gqa, num_kv_heads = num_heads / gqa;
+  const bool has_state = seq_state != nullptr;
+  const int slot = has_state ? state_ids[seq] : 0;
+  const bool bad = has_state && (slot < 0 || slot >= num_slots);
+  const float* record = (has_state && !bad)
+      ? seq_state + (int64_t(slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
+  const uint16_t* qrow = query + int64_t(token) * q_stride + int64_t(head) * HEAD;
+  float q[kPer];
+  float qdm = 0.0f;
+  for (int j = 0; j < kPer; ++j) {
+    const int e = kWave * j + lane;
+    q[j] = Scalar::to_float(qrow[e]);
+    if (has_state) {
+      qdm += q[j] * record_at<HEAD>(record, kKeyCenter, e);
+      q[j] *= record_at<HEAD>(record, kKeyScale, e);  // a bad slot: NaN
+    }
+  }
+  if (rotation_signs != nullptr) {
+    // q' = fwht(q' * s) * HEAD^-0.5, stages h = 1 .. HEAD/2 in the reference's order.
+    for (int j = 0; j < kPer; ++j) q[j] *= rotation_signs[kWave * j + lane];
+    for (int h = 1; h < kWave && h < HEAD; h *= 2)
+      for (int j = 0; j < kPer; ++j) q[j] = butterfly_xor(q[j], lane, h);
+    for (int m = 1; m < kPer; m *= 2)
+      for (int j = 0; j < kPer; ++j)
+        if ((j & m) == 0) butterfly(q[j], q[j + m]);
+    for (int j = 0; j < kPer; ++j) q[j] *= rotation_norm<HEAD>();
+  }
+  if (has_state) qdm = wave_sum(qdm);
+  float x0 = -__builtin_inff();
+  if (sink != 0) {
+    float d = 0.0f;
+    for (int j = 0; j < kPer; ++j) d += q[j] * record_at<HEAD>(record, kSinkKey, kWave * j + lane);
+    x0 = (wave_sum(d) + qdm) * scale;
+    if (logits_soft_cap > 0.0f) x0 = soft_cap(x0, logits_soft_cap);
+    x0 *= kLog2e;
+  }
+  // The MFMA's logits come out in the units the partition kernel works in: log2 (x = scale *
+  // log2(e) * q.k), or natural under a soft cap (the cap acts there).
+  const float f = logits_soft_cap > 0.0f ? scale : scale * kLog2e;
+  float amax = 0.0f;
+  for (int j = 0; j < kPer; ++j) {
+    q[j] *= f;
+    amax = fmax_f32(amax, fabs_f32(q[j]));
+  }
+  // NaN in the row: fmax drops it, so look for it apart (q != q).
+  float nan = 0.0f;
+  for (int j = 0; j < kPer; ++j) nan = q[j] == q[j] ? nan : 1.0f;
+  amax = wave_max(amax);
+  const int qscale = wave_max(nan) > 0.0f ? 255 : q_scale_byte(amax);
+  uint8_t* row8 = q8 + (int64_t(token) * num_heads + head) * (2 * HEAD);
+  for (int j = 0; j < kPer; ++j) {
+    const E4m3Split s = split_e4m3x4(ldexp_f32(q[j], kE8m0One - qscale), 0.0f, 0.0f, 0.0f);
+    row8[kWave * j + lane] = uint8_t(s.hi);
+    row8[HEAD + kWave * j + lane] = uint8_t(qscale >= 4 ? s.lo : 0u);
+  }
+  if (lane == 0) qrows[int64_t(token) * num_heads + head] = {qscale, qdm * f, x0, 0.0f};
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Partition kernel.
+
+template <int HEAD, bool NATIVE>
+struct StepLds {
+  uint8_t v[kStep * (NATIVE ? HEAD / 2 : HEAD)];  // the step's V rows: FP4 [token][HEAD/2],
+                                                  // or E4M3 [token][HEAD] (LUT)
+  float w[kStep];  // 2^(vs - vb) per token of the step (NaN for a NaN scale, 0 unserved)
+};
+
+// The FP4 V^T operand of output tile mt (elements 16 mt ..) from the step's V rows in LDS
+// (row_bytes each): lane (m, g) gets nibble x = element 16 mt + m of token
+// v_operand_token(g, x), by two transposing reads: in read h, lane k of each 16-lane group
+// addresses the 8 bytes (elements 16 mt .. 16 mt + 15) of token v_operand_token(g, 16 h + k).
+TQ_HD u32x4 v_operand_fp4(const uint8_t* v, int row_bytes, int mt, int lane) {
+  const int k = lane & 15, g = lane >> 4;
+  u32x4 a;
+  for (int h = 0; h < 2; ++h) {
+    const uint64_t d = lds_read_tr4_b64(v + v_operand_token(g, 16 * h + k) * row_bytes + 8 * mt);
+    a[2 * h] = uint32_t(d);
+    a[2 * h + 1] = uint32_t(d >> 32);
+  }
+  return a;
+}
+
+// grid (row tiles, partitions, num_kv_heads)  block (64)
+template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool NATIVE, bool MULTI_TOKEN, bool KEY_E4M3>
+TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
+    const uint8_t* __restrict__ q8,           // [num_tokens, num_heads, 2, HEAD] (pre-pass)
+    const QRow* __restrict__ qrows,           // [num_tokens, num_heads] (pre-pass)
+    const uint8_t* __restrict__ key_cache,    // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2] (KEY_E4M3: HEAD)
+    const uint8_t* __restrict__ value_cache,  // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
+    const uint8_t* __restrict__ key_scales,   // [num_blocks, BLOCK_SIZE, num_kv_heads]
+    const uint8_t* __restrict__ value_scales, // [num_blocks, BLOCK_SIZE, num_kv_heads]
+    const int* __restrict__ block_tables,     // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ seq_lens,         // [num_seqs]
+    const int* __restrict__ cu_query_lens,    // [num_seqs + 1] with MULTI_TOKEN
+    float* __restrict__ exp_sums,             // [num_tokens, num_heads, max_num_partitions]: l
+    float* __restrict__ max_logits,           // [num_tokens, num_heads, max_num_partitions]: m (log2)
+    uint16_t* __restrict__ tmp_out,           // [num_tokens, num_heads, max_num_partitions, HEAD] Scalar
+    float logits_soft_cap, int sliding_window, int max_blocks_per_seq, int max_num_partitions,
+    int partition_len,                        // tokens per partition, a multiple of kStep
+    int num_seqs, int num_tokens, int num_kv_heads,
+    int64_t kv_block_stride, int kv_head_stride, int kv_seq_stride,  // value_cache's byte strides
+    int sink,                                 // != 0: position 0 comes from the record (reduce)
+    int add_qm) {                             // != 0: add QRow::qadd before the soft cap
+  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
+  static_assert(GQA >= 1 && (MULTI_TOKEN || GQA <= kTile), "a decode tile holds the whole GQA group");
+  static_assert(BLOCK_SIZE >= 16 && BLOCK_SIZE <= 256 && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0,
+                "block size a power of two in [16, 256]");
+  static_assert(NATIVE || !kGfx942, "gfx950 kernel");
+  constexpr int kQk = (HEAD + kMfmaK - 1) / kMfmaK;   // QK MFMA K-steps per tile
+  constexpr int kMt = HEAD / kTile;                   // PV output tiles (16 elements each)
+  constexpr int kVRow = HEAD / 2;                     // FP4 bytes per V row
+  constexpr int kKeyRow = KEY_E4M3 ? HEAD : HEAD / 2;
+  constexpr int64_t kKeyStride = KEY_E4M3 ? 2 : 1;    // key strides = value strides x this
+  constexpr int kVChunks = kStep * kVRow / 16;        // 16-byte V pieces per step
+  static_assert(kVChunks % kWave == 0, "whole V loads per lane");
+
+  const int tile = block_id_x(), part = block_id_y(), kvh = block_id_z(), lane = thread_id();
+  int seq = tile, q0 = tile, qn = 1, first_row = 0;
+  if constexpr (MULTI_TOKEN) {
+    seq = tile_sequence<GQA>(cu_query_lens, num_seqs, tile);
+    q0 = min_i32(max_i32(cu_query_lens[seq], 0), num_tokens);
+    qn = min_i32(cu_query_lens[seq + 1], num_tokens) - q0;
+    first_row = kTile * (tile - tile_base<GQA>(seq, q0));
+    if (first_row >= qn * GQA) return;
+  }
+  const int nrows = MULTI_TOKEN ? min_i32(kTile, qn * GQA - first_row) : GQA;
+  const int seq_len = seq_lens[seq];
+  auto row_token = [&](int n) { return MULTI_TOKEN ? (first_row + n) / GQA : 0; };
+  auto row_head = [&](int n) { return kvh * GQA + (MULTI_TOKEN ? (first_row + n) % GQA : n); };
+  auto row_keys = [&](int n) { return query_keys(seq_len, qn, row_token(n), sliding_window); };
+  auto out_row = [&](int n) { return int64_t(q0 + row_token(n)) * (num_kv_heads * GQA) + row_head(n); };
+  const KeyRange tile_keys = {row_keys(0).lo, row_keys(nrows - 1).hi};
+  const int p_start = part * partition_len;
+  if (p_start >= tile_keys.hi || p_start + partition_len <= tile_keys.lo) return;
+  const int first_pos = sink != 0 ? 1 : 0;
+  // The FP4 stream serves [kv_lo, tile_keys.hi); every live row sees [all_lo, all_hi).
+  const int kv_lo = max_i32(tile_keys.lo, first_pos);
+  const int all_lo = max_i32(row_keys(nrows - 1).lo, first_pos), all_hi = row_keys(0).hi;
+  const int my_row = lane & 15, g = lane >> 4;
+  const bool row_live = my_row < nrows;
+  const KeyRange my_keys = row_keys(row_live ? my_row : 0);
+  const int row_lo = max_i32(my_keys.lo, first_pos);
+  const uint32_t row_n = uint32_t(max_i32(my_keys.hi - row_lo, 0));
+
+  // Q's E4M3 terms as the B operand: lane (n, g) holds elements 128 c + mfma_fp8_k(g, j).
+  const int64_t qr = out_row(row_live ? my_row : 0);
+  const uint8_t* qp = q8 + qr * (2 * HEAD);
+  i32x8 qhi[kQk], qlo[kQk];
+  for (int c = 0; c < kQk; ++c)
+    for (int h = 0; h < 2; ++h) {
+      const int off = c * kMfmaK + 64 * h + 16 * g;
+      const u32x4 zero = {0u, 0u, 0u, 0u};
+      const u32x4 a = off < HEAD ? load_u32x4(qp + off) : zero;
+      const u32x4 b = off < HEAD ? load_u32x4(qp + HEAD + off) : zero;
+      for (int i = 0; i < 4; ++i) {
+        qhi[c][4 * h + i] = int(a[i]);
+        qlo[c][4 * h + i] = int(b[i]);
+      }
+    }
+  const QRow qrow = qrows[qr];
+  const int qscale = qrow.qscale, qscale_lo = lo_scale_byte(qrow.qscale);
+  const float qadd = add_qm != 0 ? qrow.qadd : 0.0f;
+
+  using Lds = StepLds<HEAD, NATIVE>;
+  TQ_LDS(Lds, lds);
+
+  float m_run = -__builtin_inff(), l_run = 0.0f;
+  f32x4 o[kMt];
+  for (int mt = 0; mt < kMt; ++mt) o[mt] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  const int p_end = min_i32(p_start + partition_len, tile_keys.hi);
+  const int* btab = block_tables + int64_t(seq) * max_blocks_per_seq;
+  const int last_block = (tile_keys.hi - 1) / BLOCK_SIZE;
+
+  for (int t0 = max_i32(p_start, (kv_lo / kStep) * kStep); t0 < p_end; t0 += kStep) {
+    // Block of each tile (uniform): past the tile's keys, its last block (valid memory).
+    int64_t kbase[kTilesPerStep];
+    for (int j = 0; j < kTilesPerStep; ++j) {
+      const int blk = btab[min_i32((t0 + kTile * j) / BLOCK_SIZE, last_block)];
+      kbase[j] = int64_t(blk) * kv_block_stride + int64_t(kvh) * kv_head_stride +
+                 int64_t((t0 + kTile * j) % BLOCK_SIZE) * kv_seq_stride;
+    }
+    auto scale_index = [&](int j, int r) {  // the E8M0 byte of token t0 + 16 j + r
+      const int blk = btab[min_i32((t0 + kTile * j) / BLOCK_SIZE, last_block)];
+      return (int64_t(blk) * BLOCK_SIZE + (t0 + kTile * j) % BLOCK_SIZE + r) * num_kv_heads + kvh;
+    };
+    const bool full = t0 >= all_lo && t0 + kStep <= all_hi;
+    auto served = [&](int pos) { return pos >= kv_lo && pos < tile_keys.hi; };
+    auto visible = [&](int pos) { return uint32_t(pos - row_lo) < row_n; };
+
+    // V rows of the step into LDS (lane l: pieces 64 it + l), and the V scales as w.
+    for (int it = 0; it < kVChunks / kWave; ++it) {
+      const int chunk = kWave * it + lane;
+      const int tl = chunk / (kVRow / 16), piece = chunk % (kVRow / 16);
+      const uint8_t* src = value_cache + kbase[tl / kTile] + int64_t(tl % kTile) * kv_seq_stride + 16 * piece;
+      *reinterpret_cast<u32x4*>(&lds->v[16 * chunk]) = load_u32x4(src);
+    }
+    float vbf;
+    {
+      float vs[2];
+      for (int k = 0; k < 2; ++k) {
+        const int tl = 2 * lane + k;
+        const int b = value_scales[scale_index(tl / kTile, tl % kTile)];
+        vs[k] = served(t0 + tl) ? float(b) : -1.0f;  // unserved: no weight (w = 0)
+      }
+      // vb: the step's largest finite V scale byte (NaN bytes 255 excluded).
+      vbf = wave_max(fmax_f32(vs[0] < 255.0f ? vs[0] : 0.0f, vs[1] < 255.0f ? vs[1] : 0.0f));
+      for (int k = 0; k < 2; ++k)
+        lds->w[2 * lane + k] = vs[k] < 0.0f ? 0.0f
+                             : (vs[k] == 255.0f ? __builtin_nanf("") : ldexp_f32(1.0f, int(vs[k] - vbf)));
+    }
+    block_barrier();  // the step's V rows and weights visible to every lane
+
+    // QK: tile j, A row r = token t0 + 16 j + r.
+    float x[kTilesPerStep][4];
+    for (int j = 0; j < kTilesPerStep; ++j) {
+      const int r = mfma_row(lane);
+      const uint8_t* krow = key_cache + kKeyStride * (kbase[j] + int64_t(r) * kv_seq_stride);
+      const int kscale = key_scales[scale_index(j, r)];
+      const u32x4 zero = {0u, 0u, 0u, 0u};
+      f32x4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int c = 0; c < kQk; ++c) {
+        if constexpr (KEY_E4M3) {
+          i32x8 a;
+          for (int h = 0; h < 2; ++h) {
+            const int off = c * kMfmaK + mfma_fp8_k(g, 16 * h);
+            const u32x4 w = off < kKeyRow ? load_u32x4(krow + off) : zero;
+            for (int i = 0; i < 4; ++i) a[4 * h + i] = int(w[i]);
+          }
+          acc = mfma_fp8_fp8(a, qhi[c], acc, kscale, qscale);
+          acc = mfma_fp8_fp8(a, qlo[c], acc, kscale, qscale_lo);
+        } else if constexpr (NATIVE) {
+          const int off = c * kFp4BytesPerK + mfma_fp4_first_byte(g);
+          const u32x4 a = off < kKeyRow ? load_u32x4(krow + off) : zero;
+          acc = mfma_qk_fp4_fp8(a, qhi[c], acc, kscale, qscale);
+          acc = mfma_qk_fp4_fp8(a, qlo[c], acc, kscale, qscale_lo);
+        } else {
+          i32x8 a = {0, 0, 0, 0, 0, 0, 0, 0};
+          for (int h = 0; h < 2; ++h) {
+            const int off = c * kFp4BytesPerK + 32 * h + 8 * g;
+            const uint64_t codes = off < kKeyRow ? load_u64(krow + off) : 0u;
+            const E4m3x8 d0 = fp4x8_to_e4m3x8(uint32_t(codes));
+            const E4m3x8 d1 = fp4x8_to_e4m3x8(uint32_t(codes >> 32));
+            a[4 * h + 0] = int(d0.lo);
+            a[4 * h + 1] = int(d0.hi);
+            a[4 * h + 2] = int(d1.lo);
+            a[4 * h + 3] = int(d1.hi);
+          }
+          acc = mfma_fp8_fp8(a, qhi[c], acc, kscale, qscale);
+          acc = mfma_fp8_fp8(a, qlo[c], acc, kscale, qscale_lo);
+        }
+      }
+      for (int i = 0; i < 4; ++i) x[j][i] = acc[i];
+    }
+
+    // Softmax step (lane: row my_row, tokens t0 + 16 j + 4 g + i).
+    float mx = -__builtin_inff();
+    for (int j = 0; j < kTilesPerStep; ++j)
+      for (int i = 0; i < 4; ++i) {
+        float v = x[j][i];
+        if (logits_soft_cap > 0.0f) v = soft_cap(v + qadd, logits_soft_cap) * kLog2e;
+        if (!full) v = visible(t0 + kTile * j + 4 * g + i) ? v : -__builtin_inff();
+        x[j][i] = v;
+        mx = fmax_f32(mx, v);
+      }
+    mx = row_max(mx);
+    const float m_new = fmax_f32(m_run, mx);
+    const float m_use = m_new == -__builtin_inff() ? 0.0f : m_new;
+    const float alpha = m_run == m_new ? 1.0f : exp2_fast(m_run - m_use);
+    m_run = m_new;
+    l_run *= alpha;
+    for (int mt = 0; mt < kMt; ++mt)
+      for (int i = 0; i < 4; ++i) o[mt][i] *= alpha;
+    float pw[kTilesPerStep][4];
+    float smax = 0.0f;
+    for (int j = 0; j < kTilesPerStep; ++j) {
+      const float* w = &lds->w[kTile * j + 4 * g];
+      for (int i = 0; i < 4; ++i) {
+        const float e = exp2_fast(x[j][i] - m_use);
+        l_run += e;
+        float p = e * w[i];
+        if (!full) p = visible(t0 + kTile * j + 4 * g + i) ? p : 0.0f;
+        pw[j][i] = p;
+        smax = fmax_f32(smax, p);
+      }
+    }
+    // P' = pw * 2^-E <= 1 with E the exponent of the row's largest pw; the PV scale byte is
+    // vb + E (pw = e * 2^(vs - vb)). A NaN anywhere in the row's pw makes its bytes NaN.
+    float pnan = 0.0f;
+    for (int j = 0; j < kTilesPerStep; ++j)
+      for (int i = 0; i < 4; ++i) pnan = pw[j][i] == pw[j][i] ? pnan : 1.0f;
+    smax = row_max(smax);
+    pnan = row_max(pnan);
+    const int vb = int(vbf);
+    int pexp = smax > 0.0f ? frexp_exp_f32(smax) : 0;
+    pexp = min_i32(pexp, 254 - vb);
+    const int pscale_raw = vb + pexp;
+    // Below 2^-126 of the output's units a step's P is dropped (pscale would leave E8M0).
+    const bool pdrop = pscale_raw < 1;
+    const int pscale = pnan > 0.0f ? 255 : (pdrop ? kE8m0One : pscale_raw);
+    const int pscale_lo = lo_scale_byte(pscale);
+    i32x8 phi, plo;
+    for (int j = 0; j < kTilesPerStep; ++j) {
+      float pv[4];
+      for (int i = 0; i < 4; ++i) pv[i] = pdrop ? 0.0f : ldexp_f32(pw[j][i], -pexp);
+      const E4m3Split s = split_e4m3x4(pv[0], pv[1], pv[2], pv[3]);
+      phi[j] = int(s.hi);
+      plo[j] = pscale >= 4 ? int(s.lo) : 0;
+    }
+
+    // PV: O^T[element][row] += V^T P^T per 16-element output tile.
+    for (int mt = 0; mt < kMt; ++mt) {
+      const u32x4 a = v_operand_fp4(lds->v, kVRow, mt, lane);
+      o[mt] = mfma_qk_fp4_fp8(a, phi, o[mt], kE8m0One, pscale);
+      o[mt] = mfma_qk_fp4_fp8(a, plo, o[mt], kE8m0One, pscale_lo);
+    }
+    block_barrier();  // every lane's reads of this step's V before the next step's writes
+  }
+
+  // The row's partial: m, l over its four lanes, O / l.
+  const float l = row_sum(l_run);
+  if (row_live) {
+    const int64_t idx = out_row(my_row) * max_num_partitions + part;
+    if (g == 0) {
+      exp_sums[idx] = l;
+      max_logits[idx] = m_run;
+    }
+    const float inv = l == 0.0f ? 0.0f : 1.0f / l;  // a NaN l stays NaN
+    for (int mt = 0; mt < kMt; ++mt)
+      for (int i = 0; i < 4; ++i)
+        tmp_out[idx * HEAD + kTile * mt + 4 * g + i] = Scalar::from_float(o[mt][i] * inv);
+  }
+}
+
+
+template <int HEAD>
+struct RowBuffer { float v[HEAD]; };
+
+// ---------------------------------------------------------------------------------------
+// 3. Reduce. grid (num_tokens, num_heads)  block (HEAD): thread d owns output element d.
+// The row's partials (m in log2 units, without q.m unless the partitions added it under a soft
+// cap), the sink as one more partial (x0, v0: weight 1 at its logit), learned sinks as one more
+// logit without a value; then o = fwht(o) * HEAD^-0.5 * s with the rotation.
+template <class Scalar, int HEAD, bool MULTI_TOKEN>
+TQ_KERNEL(HEAD, HEAD) void tq_fp4_pa_gfx950_reduce_kernel(
+    uint16_t* __restrict__ out,               // [num_tokens, num_heads, HEAD] Scalar
+    float* __restrict__ lse,                  // [num_tokens, num_heads], or nullptr
+    const float* __restrict__ exp_sums,       // [num_tokens, num_heads, max_num_partitions]
+    const float* __restrict__ max_logits,     // [num_tokens, num_heads, max_num_partitions]
+    const uint16_t* __restrict__ tmp_out,     // [num_tokens, num_heads, max_num_partitions, HEAD]
+    const QRow* __restrict__ qrows,           // [num_tokens, num_heads] (pre-pass)
+    const int* __restrict__ seq_lens,         // [num_seqs]
+    const int* __restrict__ cu_query_lens,    // [num_seqs + 1] with MULTI_TOKEN
+    const float* __restrict__ sinks,          // [num_heads] learned sink logits, or nullptr
+    const float* __restrict__ rotation_signs, // [HEAD], or nullptr
+    const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr
+    const int* __restrict__ state_ids,        // [num_seqs]
+    int num_slots, int sink, int num_seqs, int num_heads, int gqa, int max_num_partitions,
+    int partition_len, int sliding_window,
+    int qm_in_partitions) {                   // != 0: the partials' m already hold q.m
+  const int token = block_id_x(), head = block_id_y(), d = thread_id();
+  int seq = token, qi = 0, qn = 1;
+  if constexpr (MULTI_TOKEN) {
+    seq = token_sequence(cu_query_lens, num_seqs, token);
+    qi = token - cu_query_lens[seq];
+    qn = cu_query_lens[seq + 1] - cu_query_lens[seq];
+  }
+  const KeyRange keys = query_keys(seq_lens[seq], qn, qi, sliding_window);
+  const int begin = keys.hi > 0 ? keys.lo / partition_len : 0;
+  const int end = keys.hi > 0 ? min_i32((keys.hi - 1) / partition_len + 1, max_num_partitions) : 0;
+  const int64_t row = int64_t(token) * num_heads + head;
+  const QRow qr = qrows[row];
+  const float qadd = qm_in_partitions != 0 ? 0.0f : qr.qadd;
+  const bool sees0 = sink != 0 && keys.hi > 0 && keys.lo == 0;
+  const float learned = sinks != nullptr ? sinks[head] * kLog2e : -__builtin_inff();
+  // Partitions in chunks of 8: a chunk's loads before any use (indices clamped to the last).
+  constexpr int kChunk = 8;
+  const int64_t base = row * max_num_partitions;
+  const int last = end - 1;
+  float m = fmax_f32(learned, sees0 ? qr.x0 : -__builtin_inff());
+  for (int p0 = begin; p0 < end; p0 += kChunk) {
+    float ml[kChunk];
+    for (int i = 0; i < kChunk; ++i) ml[i] = max_logits[base + min_i32(p0 + i, last)];
+    sched_barrier();
+    for (int i = 0; i < kChunk; ++i) m = p0 + i < end ? fmax_f32(m, ml[i] + qadd) : m;
+  }
+  const float m_safe = m == -__builtin_inff() ? 0.0f : m;
+  float num = 0.0f, den = 0.0f;
+  for (int p0 = begin; p0 < end; p0 += kChunk) {
+    float es[kChunk], ml[kChunk];
+    uint16_t v[kChunk];
+    for (int i = 0; i < kChunk; ++i) {
+      const int64_t p = base + min_i32(p0 + i, last);
+      es[i] = exp_sums[p];
+      ml[i] = max_logits[p];
+      v[i] = tmp_out[p * HEAD + d];
+    }
+    sched_barrier();
+    for (int i = 0; i < kChunk; ++i) {  // l == 0: no key of the row there (a NaN l stays NaN)
+      const float w = es[i] == 0.0f ? 0.0f : es[i] * exp2_f32(ml[i] + qadd - m_safe);
+      den = p0 + i < end ? den + w : den;
+      num = p0 + i < end ? num + w * Scalar::to_float(v[i]) : num;
+    }
+  }
+  if (sees0) {
+    const int kvh = head / gqa, num_kv_heads = num_heads / gqa;
+    const int slot = state_ids[seq];
+    const float* record = (slot >= 0 && slot < num_slots)
+        ? seq_state + (int64_t(slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
+    const float w = exp2_f32(qr.x0 - m_safe);
+    den += w;
+    num += w * record_at<HEAD>(record, kSinkValue, d);
+  }
+  if (learned > -__builtin_inff()) den += exp2_f32(learned - m_safe);
+  const bool any = begin < end || sees0;
+  float o = any ? num / den : 0.0f;
+  if (lse != nullptr && d == 0)
+    lse[row] = o == o ? (any || learned > -__builtin_inff() ? (m + log2_f32(den)) / kLog2e
+                                                            : -__builtin_inff())
+                      : o;
+  if (rotation_signs != nullptr) {
+    // o = fwht(o') * HEAD^-0.5 * s, stages h = 1 .. HEAD/2 across the block's threads.
+    using Buf = RowBuffer<HEAD>;
+    TQ_LDS(Buf, obuf);
+    for (int h = 1; h < HEAD; h *= 2) {
+      obuf->v[d] = o;
+      block_barrier();
+      const float other = obuf->v[d ^ h];
+      block_barrier();
+      o = (d & h) ? other - o : o + other;
+    }
+    o = o * rotation_norm<HEAD>() * rotation_signs[d];
+  }
+  out[row * HEAD + d] = Scalar::from_float(o);
+}
+
+}  // namespace gfx950
+}  // namespace tq
