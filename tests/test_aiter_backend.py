@@ -105,6 +105,15 @@ def test_unpatched_aiter_names_the_command(fake_gfx950, monkeypatch, tmp_path):
     # Patched: the next step is importing aiter itself (absent here, on a CPU machine).
     reason = tq_aiter.BACKEND.unavailable()
     assert reason is None or "import aiter" in reason or "lacks paged_attention_fp4" in reason
+    # an aiter without the writer op (a stale import) is named; with both ops, nothing is left
+    fake = types.ModuleType("aiter")
+    fake.paged_attention_fp4 = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "aiter", fake)
+    monkeypatch.setitem(tq_aiter._state, "checked", False)
+    assert "lacks reshape_and_cache_fp4" in tq_aiter.BACKEND.unavailable()
+    fake.reshape_and_cache_fp4 = lambda *a, **k: None
+    monkeypatch.setitem(tq_aiter._state, "checked", False)
+    assert tq_aiter.BACKEND.unavailable() is None
 
 
 def _call(seq_lens=(20, 33), hkv=2, gqa=4, d=128, bs=16, q_lens=None, scale_group=None,
@@ -141,7 +150,6 @@ def test_declines_with_reasons():
                   dataclasses.replace(call, sinks=torch.zeros(8), return_lse=True)):
         assert DEVICE in b.check_attention(other)
     assert DEVICE in b.check_attention(call)
-    assert "no cache writer" in b.check_cache_write(None)
 
 
 def test_k8v4_is_not_declined():
@@ -314,3 +322,191 @@ def test_on_gfx950_k8v4_matches_reference(config, lut, monkeypatch):
             assert torch.isfinite(out).all()
             rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             assert rel < 1e-2, (d, cu_lens is None, rel)
+
+
+# ---------------------------------------------------------------- the cache writer
+
+class _OnGpu:
+    """A CPU tensor that says it is on the GPU (is_cuda): lets the writer checks past the
+    device test on a CPU machine; everything else is the tensor's."""
+
+    def __init__(self, t):
+        self._t = t
+
+    is_cuda = True
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def _write(n=5, hkv=2, d=128, bs=16, dtype=torch.bfloat16, config="default", key_format="fp4",
+           on_gpu=True, **changes):
+    """The CacheWrite reshape_and_cache_fp4 hands a backend (transforms included), its key
+    marked as on the GPU unless on_gpu=False; changes: fields replaced afterwards."""
+    import dataclasses
+
+    from turboquant.cache import allocate_cache
+    from turboquant.config import QuantConfig
+    from turboquant.smoothing import allocate_state
+
+    cfg = QuantConfig.parse(config)
+    g = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(n, hkv, d, generator=g).to(dtype) for _ in range(2))
+    cache = allocate_cache(8, hkv, bs, d, scale_group=cfg.scale_group, key_format=key_format)
+    kw = {}
+    if cfg.uses_state:
+        kw = dict(seq_state=allocate_state(2, hkv, d),
+                  state_ids=torch.zeros(n, dtype=torch.int32))
+    writes = []
+    select = registry.select
+    registry.select = lambda name, kind, arg: types.SimpleNamespace(reshape_and_cache=writes.append)
+    try:
+        turboquant.reshape_and_cache_fp4(key, value, *cache, torch.arange(n), config=cfg, **kw)
+    finally:
+        registry.select = select
+    (write,) = writes
+    if on_gpu:
+        write = dataclasses.replace(write, key=_OnGpu(write.key))
+    return dataclasses.replace(write, **changes)
+
+
+WRITER_ACCEPTS = {  # what the HIP writer (aiter.reshape_and_cache_fp4) takes
+    "default bf16 D128": {},
+    "plain fp16 D64 block 1": dict(dtype=torch.float16, d=64, bs=1, config="plain"),
+    "fp32 D256 block 256": dict(dtype=torch.float32, d=256, bs=256),
+    "per-32 scales": dict(config="default+per32"),
+    "rotation only": dict(config="rotation"),
+    "smoothing only": dict(config="smooth"),
+    "k8v4 default": dict(key_format="fp8_e4m3"),
+    "k8v4 plain fp32 D64": dict(key_format="fp8_e4m3", config="plain", dtype=torch.float32, d=64),
+}
+
+
+@pytest.mark.parametrize("case", WRITER_ACCEPTS)
+def test_cache_writer_accepts_what_the_hip_writer_writes(case):
+    """Every input dtype, head dim, power-of-two block size, scale group, key format and
+    transform the HIP writer has (test_hip_writer.py checks its bytes) passes the check; on the
+    CPU the only reason left is the device."""
+    assert tq_aiter.BACKEND.check_cache_write(_write(**WRITER_ACCEPTS[case])) is None
+    reason = tq_aiter.BACKEND.check_cache_write(_write(on_gpu=False, **WRITER_ACCEPTS[case]))
+    assert reason == "tensors are on cpu, not on a ROCm GPU", reason
+
+
+def _strided(t, cols, offset=0):
+    """t's values in a tensor whose last dim has `cols` columns (rows padded), from `offset`."""
+    n = t[..., 0].numel() * cols
+    wide = torch.zeros(n + offset, dtype=t.dtype)[offset:].view(t.shape[:-1] + (cols,))
+    out = wide[..., :t.shape[-1]]
+    out.copy_(t)
+    return out
+
+
+def test_cache_writer_declines_naming_the_argument():
+    """What the writer cannot take, each declined with a reason that names it."""
+    import dataclasses
+
+    b = tq_aiter.BACKEND
+    w = _write()
+    k = w.key._t
+    k8 = _write(key_format="fp8_e4m3")
+    cases = {
+        "scale_rule 'mse' is not implemented by the HIP writer": dict(scale_rule="mse"),
+        "key dtype torch.float64": dict(key=_OnGpu(k.double())),
+        "head_dim 96 not in (64, 128, 256)": dict(head_dim=96),
+        "block_size 12 is not a power of two": dict(block_size=12),
+        "key must have a contiguous, 16-byte aligned head dimension":
+            dict(key=_OnGpu(_strided(k, 132))),  # rows of 264 bytes
+        "value must have a contiguous, 16-byte aligned head dimension":
+            dict(value=_strided(w.value, 128 + 8, offset=4)),
+        "key_cache must have contiguous, 8-byte aligned [block_size, 64] blocks":
+            dict(key_cache=_strided(w.key_cache, 68)),
+        "value_cache must have contiguous, 8-byte aligned [block_size, 64] blocks":
+            dict(value_cache=w.value_cache.transpose(1, 2)),
+        "key_scales/value_scales must be contiguous":
+            dict(key_scales=w.key_scales.transpose(1, 2)),
+        "slot_mapping must be contiguous":
+            dict(slot_mapping=torch.arange(10)[::2]),
+        "rotation_signs: expected a contiguous, 16-byte aligned float32 [128] tensor":
+            dict(rotation_signs=torch.ones(129)[1:]),
+        "seq_state and state_ids: expected both or neither": dict(state_ids=None),
+        "seq_state: expected a contiguous, 16-byte aligned float32 [num_slots, 2, 5, 128]":
+            dict(seq_state=w.seq_state[:, :1]),
+        "state_ids: expected a contiguous int32 [5] tensor":
+            dict(state_ids=w.state_ids.long()),
+    }
+    for message, change in cases.items():
+        reason = b.check_cache_write(dataclasses.replace(w, **change))
+        assert reason is not None and reason.startswith(message), (message, reason)
+    huge = _OnGpu(torch.zeros(1, 2, 128, dtype=torch.bfloat16).expand(2 ** 27, 2, 128))
+    assert b.check_cache_write(dataclasses.replace(_write(config="plain"), key=huge)) == (
+        "key: 2147483648 work-items (num_tokens x num_kv_heads x head_dim / 16), the writer "
+        "takes fewer than 2^31: split the call")
+    # K8V4: E4M3 key rows of D bytes, 16-byte stores; one scale per (token, head)
+    assert b.check_cache_write(dataclasses.replace(k8, key_cache=_strided(k8.key_cache, 136))) \
+        .startswith("key_cache must have contiguous, 16-byte aligned [block_size, 128] blocks")
+    assert b.check_cache_write(dataclasses.replace(k8, scale_group=32)).startswith(
+        "key_scales: K8V4 keys have one scale per (token, kv head)")
+    assert b.check_cache_write(w) is None  # the unchanged write passes
+
+
+def test_cache_write_routes_to_the_aiter_op(monkeypatch):
+    """reshape_and_cache on the backend calls its torch op, whose ROCm implementation hands
+    every argument to aiter.reshape_and_cache_fp4 (a fake aiter here; the op's implementation
+    registered for CPU for the test, then removed)."""
+    calls = []
+    fake = types.ModuleType("aiter")
+    fake.reshape_and_cache_fp4 = lambda *args, **kwargs: calls.append((args, kwargs))
+    monkeypatch.setitem(sys.modules, "aiter", fake)
+    w = _write(on_gpu=False)
+    lib = torch.library.Library("turboquant", "IMPL")
+    lib.impl("reshape_and_cache_fp4_aiter", tq_aiter._write_impl, "CPU")
+    try:
+        tq_aiter.BACKEND.reshape_and_cache(w)
+    finally:
+        lib._destroy()
+    ((args, kwargs),) = calls
+    want = (w.key, w.value, w.key_cache, w.value_cache, w.key_scales, w.value_scales,
+            w.slot_mapping)
+    assert len(args) == len(want) and all(a is b for a, b in zip(args, want))
+    assert kwargs.keys() == {"rotation_signs", "seq_state", "state_ids"}
+    assert kwargs["rotation_signs"] is w.rotation_signs and kwargs["seq_state"] is w.seq_state
+    assert kwargs["state_ids"] is w.state_ids and w.seq_state is not None
+    # the op's schema and fake implementation exist without ROCm (torch.compile traces it)
+    assert "Tensor(a!) key_cache" in str(torch.ops.turboquant.reshape_and_cache_fp4_aiter.default._schema)
+
+
+@pytest.mark.gfx950
+@pytest.mark.parametrize("config,key_format", [("default", "fp4"), ("plain", "fp4"),
+                                               ("default", "fp8_e4m3"), ("default+per32", "fp4")])
+def test_on_gfx950_writer_matches_reference(config, key_format):
+    """On an MI355X (or MI300X) with a patched AITER: the cache the aiter backend writes is the
+    reference writer's, byte for byte."""
+    from turboquant.cache import allocate_cache
+    from turboquant.config import QuantConfig
+    from turboquant.smoothing import allocate_state
+
+    reason = tq_aiter.BACKEND.unavailable()
+    if reason is not None:
+        pytest.skip(f"aiter backend: {reason}")
+    cfg = QuantConfig.parse(config)
+    g = torch.Generator().manual_seed(3)
+    n, hkv, d = 1000, 8, 128
+    key = (torch.randn(n, hkv, d, generator=g) * 3).to(torch.bfloat16)
+    value = torch.randn(n, hkv, d, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(80 * 16, generator=g)[:n]
+    slots[::17] = -1
+    pos = torch.arange(n) % 250
+    ids = (torch.arange(n) // 250).to(torch.int32)
+    out = {}
+    for backend, device in (("reference", "cpu"), ("aiter", "cuda")):
+        cache = allocate_cache(80, hkv, 16, d, scale_group=cfg.scale_group, fill=0xAB,
+                               key_format=key_format, device=device)
+        kw = {}
+        if cfg.uses_state:
+            kw = dict(seq_state=allocate_state(4, hkv, d, device=device),
+                      state_ids=ids.to(device), positions=pos.to(device))
+        turboquant.reshape_and_cache_fp4(key.to(device), value.to(device), *cache,
+                                         slots.to(device), config=cfg, backend=backend, **kw)
+        out[backend] = [t.cpu().view(torch.uint8) for t in cache]
+    for a, b in zip(out["reference"], out["aiter"]):
+        assert torch.equal(a, b)

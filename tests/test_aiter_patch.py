@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from turboquant import hip_writer
 from turboquant.integration.aiter import patch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +188,7 @@ def test_round_trip(pristine):
     assert rc == 0 and snapshot(tree, content=False) == stat_before
     assert f"+++ b/{pa}/pa_v1.py" in diff and '+    elif kv_cache_dtype in ("fp4", "fp4_e2m1")' in diff
     assert "+++ b/aiter/ops/attention.py" in diff and f"+++ b/{pa}/tq_fp4_paged_attention.cuh" in diff
+    assert f"+++ b/{pa}/tq_cache_writer_hip.cuh" in diff and f"+++ b/{pa}/cache_fp4.py" in diff
 
     rc, out = cli("--aiter-root", tree)
     assert rc == 0 and out.startswith(f"patched AITER {pristine.version}"), out
@@ -196,7 +198,7 @@ def test_round_trip(pristine):
     print("added:", added, "\nchanged:", changed)
     assert added == sorted([f"{pa}/tq_fp4_platform.cuh", f"{pa}/tq_fp4_paged_attention.cuh",
                             f"{pa}/pa_fp4.cpp.jinja", f"{pa}/pa_fp4.py",
-                            "aiter/ops/turboquant_fp4.py"])
+                            "aiter/ops/turboquant_fp4.py", *WRITER_FILES(pa)])
     assert changed == sorted([f"{pa}/pa_v1.py", "aiter/ops/attention.py"])
     # The fp4 branch sits right before the fp8 one, the import right after pa_v1's.
     pa_v1 = (tree / pa / "pa_v1.py").read_text()
@@ -204,7 +206,16 @@ def test_round_trip(pristine):
             '"fp8_e4m3":\n') in pa_v1
     assert ("from csrc.cpp_itfs.pa.pa_v1 import paged_attention_v1 as paged_attention_v1_core\n"
             "from .turboquant_fp4 import paged_attention_fp4, paged_attention_fp4_out  "
+            "# turboquant-fp4\n"
+            "from .turboquant_fp4_cache import reshape_and_cache_fp4, reshape_and_cache_fp4_out  "
             "# turboquant-fp4\n") in (tree / "aiter/ops/attention.py").read_text()
+    # the writer's sources as hip_writer hipifies them, includes renamed to the shipped names
+    for name, data in hip_writer.aiter_sources().items():
+        assert (tree / pa / name).read_bytes() == data
+    writer = (tree / pa / "tq_cache_writer_hip.cuh").read_text()
+    assert writer.startswith("// turboquant-fp4: csrc_cuda/cache_writer.cuh of turboquant")
+    assert '#include "tq_fp4_portable_hip.cuh"' in writer and '#include "tq_tuning.cuh"' in writer
+    assert '#include "tuning.cuh"' not in writer and "hipLaunchKernelGGL" in writer
     assert cli("--aiter-root", tree, "--check")[0] == 0
 
     rc, out = cli("--aiter-root", tree)
@@ -218,6 +229,33 @@ def test_round_trip(pristine):
     assert rc == 0, out
     assert snapshot(tree) == before  # every file byte for byte, modes included, nothing extra
     assert cli("--aiter-root", tree, "--check")[0] == 1
+
+
+def WRITER_FILES(pa):
+    """What the patch adds for the cache writer (aiter.reshape_and_cache_fp4)."""
+    return [f"{pa}/tq_cache_writer_hip.cuh", f"{pa}/tq_fp4_portable_hip.cuh", f"{pa}/tq_tuning.cuh",
+            f"{pa}/cache_fp4.cpp.jinja", f"{pa}/cache_fp4.py", "aiter/ops/turboquant_fp4_cache.py"]
+
+
+def test_earlier_patch_is_reported_and_reverted(tree):
+    """An AITER patched by a turboquant before the cache writer op (attention.py importing
+    paged_attention_fp4 alone, no writer files): --check says partial and names the old hook,
+    apply refuses, --revert restores every byte."""
+    before = snapshot(tree.root)
+    assert patch.apply(tree.root).startswith("patched")
+    attention = tree.root / "aiter/ops/attention.py"
+    _edit(attention, "from .turboquant_fp4_cache import reshape_and_cache_fp4, "
+          "reshape_and_cache_fp4_out  # turboquant-fp4\n", "")
+    for rel in WRITER_FILES(tree.pa):
+        (tree.root / rel).unlink()
+    rc, out = cli("--aiter-root", tree.root, "--check")
+    assert rc == 3 and out.startswith("partial"), out
+    assert "OLD HOOK   aiter/ops/attention.py" in out and f"absent     {tree.pa}/cache_fp4.py" in out
+    rc, out = cli("--aiter-root", tree.root)
+    assert rc == 2 and "--revert" in out, out
+    rc, out = cli("--aiter-root", tree.root, "--revert")
+    assert rc == 0 and out.startswith("reverted"), out
+    assert snapshot(tree.root) == before
 
 
 def test_pa_v1_branch_passes_the_checked_names():

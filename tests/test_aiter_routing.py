@@ -18,6 +18,15 @@ what needs ROCm replaced:
   compile_lib builds nothing and run_lib hands back a function that records the ctypes call;
 - AITER's direct_register_custom_op registers the op for CPU instead of CUDA.
 
+The cache writer (aiter.reshape_and_cache_fp4) goes further: its calls come from turboquant's
+aiter backend (its op, registered for CPU here too, over a CacheWrite the API made), and AITER's
+JIT builds its library for real (compile_template_op, compile_lib copying the headers into the
+build directory and writing the Makefile with AITER's flags, run_lib loading lib.so), with only
+AITER's lock, hipconfig, hipcc flag probe and `make` replaced: the Makefile's unit is built for
+the host with csrc_hip/shims/host (the hipified writer's grid run on the CPU), so the bytes it
+writes are compared with the reference writer's, and the unit is compiled for gfx950 and gfx942
+with the flags AITER wrote into the Makefile.
+
 A record says which module compile_template_op was asked for (pa_v1_fp4: turboquant's kernel;
 pa_v1: AITER's own), its template arguments, and the runtime arguments by the names of the
 rendered entry point's C parameters (tensors by their names in the call).
@@ -61,10 +70,62 @@ def _c_value(arg):
 
 def _entry_point_params(src: str) -> list[str]:
     """The parameter names of the rendered extern "C" function, in order."""
-    m = re.search(r'extern "C"\s*\{\s*void\s+\w+\s*\(([^)]*)\)\s*;', src)
+    m = re.search(r'extern "C"\s*\{\s*(?:void|int)\s+\w+\s*\(([^)]*)\)\s*;', src)
     if m is None:
         raise AssertionError("the rendered source declares no extern \"C\" entry point")
     return [re.findall(r"\w+", p)[-1] for p in m.group(1).split(",")]
+
+
+WRITER_MODULE = "reshape_and_cache_fp4"  # files/cache_fp4.py's MD_NAME
+
+
+def _is_writer(folder) -> bool:
+    return str(folder).startswith(WRITER_MODULE + "_")
+
+
+def _host_make(build_dir: Path, builds: dict) -> subprocess.CompletedProcess:
+    """What `make build` does in an AITER build directory, for the host: the Makefile's one
+    source built with the host stand-ins and the build's own include directory into lib.so.
+    The Makefile's compiler flags are recorded."""
+    from turboquant import hip_writer
+
+    makefile = (build_dir / "Makefile").read_text()
+    (srcs,) = re.findall(r"^SRCS = (.*)$", makefile, re.M)
+    (rule,) = re.findall(r"^\t\$\(CXX\) -fPIC (.*) -c \$< -o \$@$", makefile, re.M)
+    assert srcs.split() == [f"{build_dir.name}.cpp"], srcs
+    hip_writer.build_host_tu(build_dir / srcs.strip(), [build_dir / "include"], build_dir / "lib.so")
+    builds[build_dir.name] = {"makefile_rule": rule, "build_dir": str(build_dir),
+                              "src": (build_dir / srcs.strip()).read_text()}
+    return subprocess.CompletedProcess(["make", "build"], 0, "", "")
+
+
+def _real_writer_jit(utils, builds: dict) -> None:
+    """AITER's JIT as it is for the writer's module, but for the lock (AITER's FileBaton comes
+    with aiter.jit's imports), hipconfig (ROCm 7.0), the hipcc flag probe (every flag kept: the
+    test probes clang-22) and make (_host_make)."""
+    from packaging.version import Version
+
+    def mp_lock(lock_path, main_func, final_func=None, wait_func=None):
+        main_func()
+        if final_func is not None:
+            final_func()
+
+    class _Subprocess:
+        def __getattr__(self, name):
+            return getattr(subprocess, name)
+
+        @staticmethod
+        def run(cmd, *args, **kwargs):
+            text = cmd if isinstance(cmd, str) else " ".join(map(str, cmd))
+            if "make build" in text:
+                cwd = kwargs.get("cwd") or re.search(r"cd (\S+) &&", text).group(1)
+                return _host_make(Path(cwd), builds)
+            return subprocess.run(cmd, *args, **kwargs)
+
+    utils.mp_lock = mp_lock
+    utils.get_hip_version = lambda: Version("7.0.0")
+    utils.hip_flag_checker = lambda flag: True
+    utils.subprocess = _Subprocess()
 
 
 def _stub_rocm(root: Path, meta: Path) -> dict:
@@ -98,21 +159,35 @@ def _stub_rocm(root: Path, meta: Path) -> dict:
 
     from csrc.cpp_itfs import torch_utils, utils
 
-    capture: dict = {}
-    real_compile_template_op = utils.compile_template_op
+    capture: dict = {"builds": {}}
+    real = {name: getattr(utils, name) for name in ("compile_template_op", "not_built",
+                                                      "compile_lib", "run_lib")}
+    _real_writer_jit(utils, capture["builds"])
 
     def compile_template_op(src_template, md_name, *args, **kwargs):
         capture["module"] = md_name
-        capture["template"] = {k: v for k, v in kwargs.items() if k != "folder"}
-        return real_compile_template_op(src_template, md_name, *args, **kwargs)
+        capture["template"] = {k: v for k, v in kwargs.items()
+                               if k not in ("folder", "includes", "sources", "cxxflags")}
+        capture["cxxflags"] = list(kwargs.get("cxxflags") or [])  # compile_lib extends it
+        return real["compile_template_op"](src_template, md_name, *args, **kwargs)
+
+    def compile_lib(src, folder, *args, **kwargs):
+        capture["src"] = src
+        if _is_writer(folder):
+            real["compile_lib"](src, folder, *args, **kwargs)
 
     def run_lib(func_name, folder=None):
         capture["func_name"] = func_name
-        return lambda *args: capture.update(args=[_c_value(a) for a in args])
+        lib = real["run_lib"](func_name, folder) if _is_writer(func_name) else None
+
+        def call(*args):
+            capture["args"] = [_c_value(a) for a in args]
+            return lib(*args) if lib is not None else None
+        return call
 
     utils.compile_template_op = compile_template_op
-    utils.not_built = lambda folder: True
-    utils.compile_lib = lambda src, folder, *args, **kwargs: capture.update(src=src)
+    utils.not_built = lambda folder: real["not_built"](folder) if _is_writer(folder) else True
+    utils.compile_lib = compile_lib
     utils.run_lib = run_lib
     real_register = torch_utils.direct_register_custom_op
     torch_utils.direct_register_custom_op = (
@@ -121,12 +196,13 @@ def _stub_rocm(root: Path, meta: Path) -> dict:
 
 
 def _bind_aiter_op(root: Path) -> dict:
-    """aiter.paged_attention_fp4 as the real import chain binds it; the facts of that chain."""
+    """aiter.paged_attention_fp4 and aiter.reshape_and_cache_fp4 as the real import chain binds
+    them; the facts of that chain."""
     import importlib
 
     attention = ast.parse((root / "aiter/ops/attention.py").read_text())
     hook = [n for n in attention.body if isinstance(n, ast.ImportFrom) and n.level == 1
-            and n.module == "turboquant_fp4"]
+            and n.module in ("turboquant_fp4", "turboquant_fp4_cache")]
     init = ast.parse((root / "aiter/__init__.py").read_text())
     facts = {
         "attention_imports": [a.name for n in hook for a in n.names],
@@ -137,9 +213,10 @@ def _bind_aiter_op(root: Path) -> dict:
             isinstance(n, ast.ImportFrom) and n.level == 1 and n.module == "ops.attention"
             and [a.name for a in n.names] == ["*"] for n in ast.walk(init)),
     }
-    module = importlib.import_module("aiter.ops.turboquant_fp4")
-    for name in facts["attention_imports"]:
-        setattr(sys.modules["aiter"], name, getattr(module, name))
+    for node in hook:
+        module = importlib.import_module(f"aiter.ops.{node.module}")
+        for alias in node.names:
+            setattr(sys.modules["aiter"], alias.asname or alias.name, getattr(module, alias.name))
     return facts
 
 
@@ -249,34 +326,165 @@ def _cases():
     }
 
 
+def _writer_problem(n=37, hkv=2, d=128, dtype="bfloat16", config="default", group=None,
+                    key_format="fp4", slots32=False, seed=0):
+    """The CacheWrite turboquant.reshape_and_cache_fp4 hands a backend (its checks and
+    transforms applied; the state records filled by a first reference write), a cache it is to
+    fill and the reference writer's bytes for it (both caches start as 0xAB)."""
+    import dataclasses
+
+    import torch
+
+    import turboquant
+    from turboquant import registry
+    from turboquant.cache import allocate_cache
+    from turboquant.config import QuantConfig
+    from turboquant.smoothing import allocate_state
+
+    cfg = dataclasses.replace(QuantConfig.parse(config), scale_group=group)
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    key = (torch.randn(n, hkv, d, generator=g) * torch.rand(n, hkv, 1, generator=g) * 8).to(dt)
+    value = torch.randn(n, hkv, d, generator=g).to(dt)
+    key[0, 0] = 0
+    key[1, 0, 3] = float("nan")
+    value[2, 1] = value[2, 1] * (1e-38 if dt == torch.float32 else 1e-4)  # fp32: subnormals
+    nb = n // 16 + 2
+    slots = torch.randperm(nb * 16, generator=g)[:n]
+    slots[3] = -1
+    slots = slots.int() if slots32 else slots
+    ids = (torch.arange(n) % 3).to(torch.int32)
+    kw = {}
+    if cfg.uses_state:
+        state = allocate_state(3, hkv, d)
+        first = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
+        turboquant.reshape_and_cache_fp4(key, value, *first, slots, config=cfg, seq_state=state,
+                                         state_ids=ids, positions=torch.arange(n) // 3,
+                                         backend="reference")
+        kw = dict(seq_state=state, state_ids=ids)
+    ref = allocate_cache(nb, hkv, 16, d, scale_group=group, fill=0xAB, key_format=key_format)
+    out = allocate_cache(nb, hkv, 16, d, scale_group=group, fill=0xAB, key_format=key_format)
+    turboquant.reshape_and_cache_fp4(key, value, *ref, slots, config=cfg, backend="reference", **kw)
+    writes, select = [], registry.select
+    registry.select = lambda name, kind, arg: types.SimpleNamespace(reshape_and_cache=writes.append)
+    try:
+        turboquant.reshape_and_cache_fp4(key, value, *out, slots, config=cfg, **kw)
+    finally:
+        registry.select = select
+    return writes[0], ref, out
+
+
+def _writer_tensors(write) -> dict:
+    names = ("key", "value", "key_cache", "value_cache", "key_scales", "value_scales",
+             "slot_mapping", "rotation_signs", "seq_state", "state_ids")
+    return {n: getattr(write, n) for n in names if getattr(write, n) is not None}
+
+
+def _through_backend(write, ref, out):
+    """turboquant's aiter backend writes `write` (its op -> aiter.reshape_and_cache_fp4 ->
+    the launcher -> the library AITER's JIT built); which cache tensors equal the reference's."""
+    import torch
+
+    from turboquant._backends import aiter as tq_aiter
+
+    def call():
+        tq_aiter.BACKEND.reshape_and_cache(write)
+        as_bytes = lambda t: t.view(torch.uint8)  # noqa: E731
+        return {"equal": {n: torch.equal(as_bytes(a), as_bytes(b)) for n, a, b in zip(
+                    ("key_cache", "value_cache", "key_scales", "value_scales"), ref, out)},
+                "untouched_bytes": int((as_bytes(out.key_cache) == 0xAB).sum())}
+    return call
+
+
+def _aiter_writer_call(write, **changes):
+    """aiter.reshape_and_cache_fp4 called directly, with some arguments replaced."""
+    import aiter
+
+    t = {**_writer_tensors(write), **changes}
+    return lambda: aiter.reshape_and_cache_fp4(
+        t["key"], t["value"], t["key_cache"], t["value_cache"], t["key_scales"],
+        t["value_scales"], t["slot_mapping"], rotation_signs=t.get("rotation_signs"),
+        seq_state=t.get("seq_state"), state_ids=t.get("state_ids"))
+
+
+def _writer_cases():
+    """name -> (environment, tensors, the call): the cache writer's."""
+    import torch
+
+    from turboquant._backends import aiter as tq_aiter
+
+    # turboquant's op runs here on CPU tensors: its aiter implementation registered for CPU too
+    torch.library.impl(tq_aiter.CACHE_WRITE_OP, "CPU")(tq_aiter._write_impl)
+    default = _writer_problem()
+    k8v4 = _writer_problem(hkv=3, d=64, dtype="float32", config="plain", key_format="fp8_e4m3",
+                           slots32=True, seed=1)
+    per32 = _writer_problem(d=256, dtype="float16", config="rotation", group=32, seed=2)
+    smooth = _writer_problem(config="smooth", seed=3)
+    gfx942 = _writer_problem(seed=4)
+    w = default[0]
+    other = _writer_problem(d=64, seed=5)[0]
+    k8w = k8v4[0]
+    wide = torch.zeros(w.key_cache.shape[:3] + (w.key_cache.shape[3] * 2,), dtype=torch.uint8)
+    return {
+        "writer default": ({}, _writer_tensors(w), _through_backend(*default)),
+        "writer k8v4 fp32 D64 int32 slots": ({}, _writer_tensors(k8w), _through_backend(*k8v4)),
+        "writer per32 fp16 D256 rotation": ({}, _writer_tensors(per32[0]), _through_backend(*per32)),
+        "writer smooth": ({}, _writer_tensors(smooth[0]), _through_backend(*smooth)),
+        "gfx942 writer default": (GFX942, _writer_tensors(gfx942[0]), _through_backend(*gfx942)),
+        "writer key_cache strided": ({}, {}, _aiter_writer_call(w, key_cache=wide[..., :64])),
+        "writer state_ids without seq_state": ({}, {}, _aiter_writer_call(w, seq_state=None)),
+        "writer k8v4 per-32 scales": ({}, {}, _aiter_writer_call(
+            k8w, key_scales=torch.zeros(k8w.key_scales.shape + (2,), dtype=torch.uint8),
+            value_scales=torch.zeros(k8w.key_scales.shape + (2,), dtype=torch.uint8))),
+        "writer slot_mapping float": ({}, {}, _aiter_writer_call(
+            w, slot_mapping=w.slot_mapping.float())),
+        "writer head_size 32": ({}, {}, _aiter_writer_call(
+            other, key=other.key[..., :32], value=other.value[..., :32])),
+        "writer key rows misaligned": ({}, {}, _aiter_writer_call(
+            w, key=torch.zeros(37 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(37, 2, 128))),
+        "gfx90a writer": ({ARCH_ENV: "gfx90a:sramecc+:xnack-"}, {}, _aiter_writer_call(w)),
+    }
+
+
 def drive(root: str, meta: str) -> dict:
     """Run every case in this (child) process; JSON-able records by case name."""
     root, meta = Path(root), Path(meta)
     capture = _stub_rocm(root, meta)
     records = {"chain": _bind_aiter_op(root)}
     from csrc.cpp_itfs import utils
-    from csrc.cpp_itfs.pa import pa_fp4
+    from csrc.cpp_itfs.pa import cache_fp4, pa_fp4
 
     records["digest"] = pa_fp4.KERNEL_DIGEST
+    records["writer_digest"] = cache_fp4.WRITER_DIGEST
+    records["writer_cxxflags"] = cache_fp4.CXXFLAGS
     records["pa_dir"] = str(Path(pa_fp4.__file__).parent)
-    for name, (env, tensors, call) in _cases().items():
-        capture.clear()
+    for name, (env, tensors, call) in {**_cases(), **_writer_cases()}.items():
+        for k in list(capture):
+            if k != "builds":
+                del capture[k]
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            call()
+            result = call()
             error = None
         except Exception as e:  # noqa: BLE001 - the record says what was raised
-            error = f"{type(e).__name__}: {e}"
+            error, result = f"{type(e).__name__}: {e}", None
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
         record = {"error": error, **{k: capture[k] for k in ("module", "template", "func_name")
                                      if k in capture}}
+        if isinstance(result, dict):
+            record.update(result)
         if "template" in capture:
             record["expected_func_name"] = utils.get_default_func_name(
                 capture["module"], tuple(capture["template"].values()))
-        if capture.get("module") == pa_fp4.MD_NAME and "args" in capture:
+        if capture.get("module") == cache_fp4.MD_NAME:
+            record["cxxflags"] = capture["cxxflags"]
+            record["build"] = capture["builds"].get(capture.get("func_name"))
+            if "src" not in capture and record["build"]:
+                capture["src"] = record["build"]["src"]
+        if capture.get("module") in (pa_fp4.MD_NAME, cache_fp4.MD_NAME) and "args" in capture:
             params = _entry_point_params(capture["src"])
             labels = {t.data_ptr(): f"<{k}>" for k, t in tensors.items() if hasattr(t, "data_ptr")}
             args = [labels.get(a, a) if isinstance(a, int) and a > 4096 else a
@@ -299,7 +507,10 @@ def routes(request, tmp_path_factory):
               "print(json.dumps(t.drive(sys.argv[3], sys.argv[4])))")
     env = dict(os.environ, AITER_ROOT_DIR=str(tmp_path_factory.mktemp("aiter_build_root")))
     env.pop("AITER_FP4_KV_LUT", None)
-    env.pop("GPU_ARCHS", None)
+    # AITER's compile_lib (the writer's library is built): the arch list and an empty CK
+    ck = tmp_path_factory.mktemp("composable_kernel")
+    (ck / "include").mkdir()
+    env.update(GPU_ARCHS="gfx950", CK_DIR=str(ck))
     r = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(ROOT),
                         str(tree.root), str(meta)], capture_output=True, text=True, env=env,
                        timeout=600)
@@ -333,9 +544,10 @@ def _decode_args(rec, **expect):
         assert rec["args"][name] == value, f"{name}: {rec['args'][name]!r} != {value!r}"
 
 
-def test_aiter_namespace_gets_the_op(routes):
+def test_aiter_namespace_gets_the_ops(routes):
     chain = routes["chain"]
-    assert chain["attention_imports"] == ["paged_attention_fp4", "paged_attention_fp4_out"]
+    assert chain["attention_imports"] == ["paged_attention_fp4", "paged_attention_fp4_out",
+                                          "reshape_and_cache_fp4", "reshape_and_cache_fp4_out"]
     assert chain["init_star_imports_attention"] and not chain["attention_has_all"]
 
 
@@ -571,3 +783,142 @@ def test_rendered_source_compiles_for_gfx942(routes, tmp_path):
     assert len(kernels) == 1 and "ELi4ELb0E" in kernels[0], kernels  # <.., gqa 4, LUT, ..>
     assert sum(MFMA_942 in ln for ln in asm.splitlines()) == 64
     assert MFMA not in asm and "s_trap" not in asm
+
+
+# ---------------------------------------------------------------- the cache writer
+
+WRITER_CASES = {  # case -> (template, runtime arguments the launcher must pass)
+    "writer default": (
+        dict(scalar="Bf16", head_size=128, arch="gfx950"),
+        dict(key_stride_token=2 * 128, key_stride_head=128, value_stride_token=2 * 128,
+             key_cache_stride_block=2 * 16 * 64, key_cache_stride_head=16 * 64,
+             value_cache_stride_block=2 * 16 * 64, slot_mapping_is_int64=1, num_tokens=37,
+             num_kv_heads=2, group=128, block_size=16, num_blocks=4, key_e4m3=0,
+             rotation_signs_ptr="<rotation_signs>", seq_state_ptr="<seq_state>",
+             state_ids_ptr="<state_ids>", num_slots=3)),
+    "writer k8v4 fp32 D64 int32 slots": (
+        dict(scalar="Fp32", head_size=64, arch="gfx950"),
+        dict(key_stride_token=3 * 64, key_cache_stride_block=3 * 16 * 64,
+             key_cache_stride_head=16 * 64, value_cache_stride_block=3 * 16 * 32,
+             value_cache_stride_head=16 * 32, slot_mapping_is_int64=0, num_kv_heads=3,
+             group=64, key_e4m3=1, rotation_signs_ptr=None, seq_state_ptr=None,
+             state_ids_ptr=None, num_slots=0)),
+    "writer per32 fp16 D256 rotation": (
+        dict(scalar="Fp16", head_size=256, arch="gfx950"),
+        dict(group=32, key_e4m3=0, rotation_signs_ptr="<rotation_signs>", seq_state_ptr=None,
+             state_ids_ptr=None)),
+    "writer smooth": (
+        dict(scalar="Bf16", head_size=128, arch="gfx950"),
+        dict(rotation_signs_ptr=None, seq_state_ptr="<seq_state>", state_ids_ptr="<state_ids>",
+             num_slots=3)),
+    "gfx942 writer default": (dict(scalar="Bf16", head_size=128, arch="gfx942"), {}),
+}
+
+
+@pytest.mark.parametrize("case", WRITER_CASES)
+def test_writer_through_the_backend_is_bit_exact(routes, case):
+    """turboquant's aiter backend -> its op -> aiter.reshape_and_cache_fp4 -> the launcher ->
+    the library AITER's JIT built from the patch's template (for the host): the reference
+    writer's bytes, every cache tensor, with the launcher's arguments where they belong."""
+    template, args = WRITER_CASES[case]
+    rec = _reached(routes, case, module=WRITER_MODULE)
+    assert rec["template"] == {**template, "writer_digest": routes["writer_digest"]}
+    assert rec["nargs"] == rec["nparams"] == 27
+    _decode_args(rec, key_ptr="<key>", value_ptr="<value>", key_cache_ptr="<key_cache>",
+                 value_cache_ptr="<value_cache>", key_scales_ptr="<key_scales>",
+                 value_scales_ptr="<value_scales>", slot_mapping_ptr="<slot_mapping>", **args)
+    assert rec["equal"] == dict.fromkeys(("key_cache", "value_cache", "key_scales",
+                                          "value_scales"), True), rec["equal"]
+    assert rec["untouched_bytes"] > 0  # slot -1 and the free slots keep the fill
+
+
+def test_writer_libraries_per_dtype_head_size_and_arch(routes):
+    """One library per (dtype, head size, arch): default and smooth share one, the others
+    (and gfx942's) have their own."""
+    names = {c: routes[c]["func_name"] for c in WRITER_CASES}
+    assert names["writer default"] == names["writer smooth"]
+    assert len({n for c, n in names.items() if c != "writer smooth"}) == 4
+
+
+@pytest.mark.parametrize("case, message", [
+    ("writer key_cache strided", "ValueError: key_cache: expected contiguous, 8-byte aligned "
+     "[block_size, 64] blocks, got strides (4096, 2048, 128, 1)"),
+    ("writer state_ids without seq_state", "ValueError: state_ids: expected a contiguous int32 "
+     "[37] tensor (each token's slot) with seq_state, None without"),
+    ("writer k8v4 per-32 scales", "ValueError: key_scales: expected [4, 16, 3]: K8V4 keys have "
+     "one scale per (token, kv head), got (4, 16, 3, 2)"),
+    ("writer slot_mapping float", "ValueError: slot_mapping: expected a contiguous int64 or "
+     "int32 [37] tensor, got torch.float32"),
+    ("writer head_size 32", "ValueError: key: expected head_size (dim 2) one of (64, 128, 256), "
+     "got 32"),
+    ("writer key rows misaligned", "ValueError: key: expected a contiguous last dimension and "
+     "16-byte aligned rows, got strides (256, 128, 1), address 2 mod 16"),
+    ("gfx90a writer", "ValueError: device: expected a gfx950 (MI350X/MI355X) or gfx942"),
+])
+def test_writer_refusals(routes, case, message):
+    """aiter.reshape_and_cache_fp4 refuses what the writer cannot take, naming the argument,
+    before anything is compiled."""
+    rec = routes[case]
+    assert rec["error"] is not None and rec["error"].startswith(message), rec["error"]
+    assert "module" not in rec
+
+
+def _makefile_flags(rule: str) -> list[str]:
+    """The compiler options of an AITER Makefile rule, an option's argument kept with it."""
+    words, flags = rule.split(), []
+    for w in words:
+        if flags and flags[-1] in ("-Xclang", "-mllvm"):
+            flags[-1] += " " + w
+        else:
+            flags.append(w)
+    return flags
+
+
+_CLANG_ACCEPTS: dict = {}
+
+
+def _clang_accepts(clang: str, flag: str, tmp_path) -> bool:
+    """What AITER's hip_flag_checker asks hipcc, asked of clang-22 (ROCm's LLVM has options
+    upstream LLVM lacks: -amdgpu-coerce-illegal-types)."""
+    if flag not in _CLANG_ACCEPTS:
+        empty = tmp_path / "empty.hip"
+        empty.write_text("")
+        r = subprocess.run([clang, "-x", "hip", "--offload-arch=gfx950", "--offload-device-only",
+                            "-nogpulib", "-nogpuinc", "-S", *flag.split(), "-o", os.devnull,
+                            str(empty)], capture_output=True)
+        _CLANG_ACCEPTS[flag] = r.returncode == 0
+    return _CLANG_ACCEPTS[flag]
+
+
+@pytest.mark.parametrize("arch", ["gfx950", "gfx942"])
+def test_writer_library_compiles_with_aiters_flags(routes, tmp_path, arch):
+    """The unit AITER's JIT wrote into its build directory (the rendered template, the shipped
+    headers copied into its include directory), compiled for arch with the flags AITER wrote
+    into the Makefile (those clang-22 knows; the arch's own): AITER flushes fp32 subnormals
+    (-fgpu-flush-denormals-to-zero), the launcher's flag keeps them (FloatMode 0xF0, which the
+    bytes depend on), and the library's 12 kernels have no scratch and no spills."""
+    from test_hip_writer import NUM_KERNELS, _check_kernel_isa, _kernels
+    from turboquant import hip_writer
+
+    clang = find_clang()
+    if clang is None:
+        pytest.skip(CLANG_MISSING)
+    rec = _reached(routes, "gfx942 writer default" if arch == "gfx942" else "writer default",
+                   module=WRITER_MODULE)
+    build = rec["build"]
+    flags = _makefile_flags(build["makefile_rule"])
+    assert "-fgpu-flush-denormals-to-zero" in flags
+    assert all(f in flags for f in routes["writer_cxxflags"])
+    flags = [f for f in flags if not f.startswith(("-I", "--offload-arch="))
+             and _clang_accepts(clang, f, tmp_path)]
+    src = Path(build["build_dir"]) / f"{rec['func_name']}.cpp"
+    out = tmp_path / "writer.s"
+    subprocess.run([clang, "-x", "hip", f"--offload-arch={arch}", "--offload-device-only",
+                    "-nogpulib", "-nogpuinc", "-S", *(w for f in flags for w in f.split()),
+                    f"-I{hip_writer.DEVICE_SHIMS}", f"-I{Path(build['build_dir']) / 'include'}",
+                    "-o", str(out), str(src)], check=True)
+    ks = _kernels(out.read_text())
+    assert len(ks) == NUM_KERNELS // 9
+    for name, k in ks.items():
+        assert "I14__hip_bfloat16Li128E" in name
+        _check_kernel_isa(name, k)

@@ -7,13 +7,28 @@ gfx950 and gfx942 with clang-22, and run on the host against the reference write
 - the same hipified translation unit, built for the host with csrc_hip/shims/host (each
   workgroup's work-items as fibers in 64-lane wavefronts, HIP's shuffle semantics), writes the
   reference writer's bytes exactly: random and awkward inputs, every input dtype, D 64/128/256,
-  both scale groups, the transforms on and off, K8V4 keys.
+  both scale groups, the transforms on and off, K8V4 keys;
+- the AITER op (aiter.reshape_and_cache_fp4): the AITER patch's launcher
+  (integration/aiter/files/cache_fp4.py) over a stand-in for AITER's JIT, its template rendered
+  with the hipified sources the patch ships, runs every bit-exact case above too (built for the
+  host), and every (dtype, head dim) library it renders compiles for gfx950 and gfx942 under
+  AITER's compile flags with every writer kernel, no scratch, no spills, and fp32 subnormals
+  kept (AITER's -fgpu-flush-denormals-to-zero would flush them: the launcher's flag undoes it).
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
+import hashlib
+import importlib.util
 import re
 import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +37,7 @@ import turboquant
 from turboquant import hip_writer, registry
 from turboquant.cache import allocate_cache
 from turboquant.config import PLAIN, QuantConfig
+from turboquant.integration.aiter import patch
 from turboquant.smoothing import allocate_state
 
 from _tools import CLANG_MISSING, find_clang
@@ -90,6 +106,22 @@ def device_asm(hip_tu):
     return hip_writer.compile_device(hip_tu, hip_writer.ARCHS, hip_tu.parent, clang=_clang())
 
 
+def _check_kernel_isa(name, k):
+    """The writer kernels' machine-code facts (hipified unit and AITER libraries alike)."""
+    assert k["ScratchSize"] == 0, name
+    assert k["vgpr_spill_count"] == 0 and k["sgpr_spill_count"] == 0, name
+    assert k["private_segment_fixed_size"] == 0, name
+    assert "scratch_" not in k["body"] and "s_swappc" not in k["body"], name
+    assert k["Occupancy"] >= 4, name
+    # the group max and the FWHT cross lanes with ds_bpermute (no LDS array, no barrier)
+    assert "ds_bpermute_b32" in k["body"] and "s_barrier" not in k["body"], name
+    assert k["group_segment_fixed_size"] == 0, name
+    assert k["wavefront_size"] == 64 and k["max_flat_workgroup_size"] == 256, name
+    # round to nearest even and fp32 subnormals kept (the scale 2^-127 is one): FloatMode
+    # 0xF0; the reference's bytes depend on both
+    assert k["FloatMode"] == 0xF0, name
+
+
 @pytest.mark.parametrize("arch", hip_writer.ARCHS)
 def test_device_build(device_asm, arch):
     asm = device_asm[arch]
@@ -97,18 +129,7 @@ def test_device_build(device_asm, arch):
     ks = _kernels(asm)
     assert len(ks) == NUM_KERNELS == len(hip_writer.kernel_names(asm))
     for name, k in ks.items():
-        assert k["ScratchSize"] == 0, name
-        assert k["vgpr_spill_count"] == 0 and k["sgpr_spill_count"] == 0, name
-        assert k["private_segment_fixed_size"] == 0, name
-        assert "scratch_" not in k["body"] and "s_swappc" not in k["body"], name
-        assert k["Occupancy"] >= 4, name
-        # the group max and the FWHT cross lanes with ds_bpermute (no LDS array, no barrier)
-        assert "ds_bpermute_b32" in k["body"] and "s_barrier" not in k["body"], name
-        assert k["group_segment_fixed_size"] == 0, name
-        assert k["wavefront_size"] == 64 and k["max_flat_workgroup_size"] == 256, name
-        # round to nearest even and fp32 subnormals kept (the scale 2^-127 is one): FloatMode
-        # 0xF0; the reference's bytes depend on both
-        assert k["FloatMode"] == 0xF0, name
+        _check_kernel_isa(name, k)
     worst = max(ks.values(), key=lambda k: k["NumVgprs"])
     print(f"{arch}: {len(ks)} kernels, VGPRs {min(k['NumVgprs'] for k in ks.values())}.."
           f"{worst['NumVgprs']}, occupancy >= {min(k['Occupancy'] for k in ks.values())} waves/SIMD")
@@ -122,6 +143,193 @@ def host(hip_tu):
         pytest.skip("no host C++ compiler (g++ or clang++)")
     return hip_writer.HostWriter(hip_writer.build_host_library(
         hip_tu, hip_tu.parent / "libtq_hip_writer_host.so"))
+
+
+# ---- the AITER op's launcher over a stand-in for AITER's JIT ---------------------------------
+
+LAUNCHER = "cache_fp4.py"  # what the patch puts in csrc/cpp_itfs/pa/ (from integration/aiter/files)
+
+
+class FakeAiterJit:
+    """Stands in for AITER's csrc.cpp_itfs.utils where the patch's launcher imports it:
+    AITER_CORE_DIR holds csrc/cpp_itfs/pa/ with the files the patch adds there
+    (patch.new_files); compile_template_op renders the template as AITER's does (the function
+    named by AITER's rule from the module name and the template arguments), keeps the source,
+    includes and flags, and hands back a function that builds that source for the host on its
+    first call (the headers copied into the build's include directory, as AITER's compile_lib
+    does) and runs it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.pa = root / "csrc" / "cpp_itfs" / "pa"
+        self.pa.mkdir(parents=True)
+        layout = patch.Layout(root, root, "git checkout")
+        for path, data in patch.new_files(layout).items():
+            if path.parent == self.pa:
+                path.write_bytes(data)
+        self.builds = {}  # func_name -> {"src", "includes", "cxxflags", "template"}
+        self.libs = {}
+
+    def compile_template_op(self, src_template, md_name, includes=None, sources=None,
+                            cxxflags=None, func_name=None, folder=None, **kwargs):
+        signature = "_".join(str(v).lower() for v in kwargs.values())
+        func_name = func_name or f"{md_name}_{hashlib.md5(signature.encode()).hexdigest()}"
+        self.builds[func_name] = {"src": src_template.render(func_name=func_name, **kwargs),
+                                  "includes": list(includes or []),
+                                  "cxxflags": list(cxxflags or []), "template": kwargs}
+        self.last = func_name
+        return lambda *args: self._lib(func_name)(*args)
+
+    def _lib(self, func_name):
+        if func_name not in self.libs:
+            build = self.root / "build" / func_name
+            (build / "include").mkdir(parents=True)
+            for header in self.builds[func_name]["includes"]:
+                shutil.copy(header, build / "include")
+            (build / f"{func_name}.cpp").write_text(self.builds[func_name]["src"])
+            lib = hip_writer.build_host_tu(build / f"{func_name}.cpp", [build / "include"],
+                                           build / "lib.so")
+            self.libs[func_name] = getattr(ctypes.CDLL(str(lib)), func_name)
+        return self.libs[func_name]
+
+    def import_launcher(self):
+        """The launcher module, imported with this stand-in as csrc.cpp_itfs.utils (sys.modules
+        restored afterwards: nothing else in this process sees a fake csrc)."""
+        fake = {"csrc": types.ModuleType("csrc"), "csrc.cpp_itfs": types.ModuleType("csrc.cpp_itfs"),
+                "csrc.cpp_itfs.utils": types.ModuleType("csrc.cpp_itfs.utils")}
+        fake["csrc.cpp_itfs.utils"].AITER_CORE_DIR = str(self.root)
+        fake["csrc.cpp_itfs.utils"].compile_template_op = self.compile_template_op
+        saved = {k: sys.modules.get(k) for k in fake}
+        sys.modules.update(fake)
+        try:
+            spec = importlib.util.spec_from_file_location("tq_aiter_cache_fp4", self.pa / LAUNCHER)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        finally:
+            for k, v in saved.items():
+                sys.modules.pop(k) if v is None else sys.modules.__setitem__(k, v)
+
+
+@contextlib.contextmanager
+def fake_device(arch="gfx950"):
+    """torch.cuda's device queries as the launcher asks them, answering `arch`."""
+    props = types.SimpleNamespace(gcnArchName=f"{arch}:sramecc+:xnack-")
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: props), \
+            mock.patch.object(torch.cuda, "current_stream",
+                              lambda device=None: types.SimpleNamespace(cuda_stream=0)):
+        yield
+
+
+class AiterWriter:
+    """aiter.reshape_and_cache_fp4's launcher (what the op calls), on CPU tensors."""
+
+    def __init__(self, jit: FakeAiterJit):
+        self.jit = jit
+        self.launcher = jit.import_launcher()
+
+    def write(self, write) -> int:
+        with fake_device():
+            self.launcher.reshape_and_cache_fp4_launch(
+                write.key, write.value, write.key_cache, write.value_cache, write.key_scales,
+                write.value_scales, write.slot_mapping, write.rotation_signs, write.seq_state,
+                write.state_ids)
+        return 0
+
+
+@pytest.fixture(scope="module")
+def aiter_jit(tmp_path_factory):
+    return FakeAiterJit(tmp_path_factory.mktemp("aiter_writer"))
+
+
+@pytest.fixture(scope="module")
+def aiter_writer(aiter_jit):
+    if shutil.which("g++") is None and shutil.which("clang++") is None:
+        pytest.skip("no host C++ compiler (g++ or clang++)")
+    return AiterWriter(aiter_jit)
+
+
+# ---- the AITER op's libraries on the device --------------------------------------------------
+# The flags of AITER's compile_lib (pinned wheel and upstream alike) that decide this device
+# code; tests/test_aiter_routing.py compiles with the whole set AITER writes into its Makefile.
+AITER_FLAGS = ("-O3", "-std=c++20", "-D__HIP_PLATFORM_AMD__=1", "-fgpu-flush-denormals-to-zero")
+# <dtype, D, GROUP, ...>: the mangled template arguments of one library's kernels
+MANGLED = {"Bf16": "I14__hip_bfloat16Li", "Fp16": "I6__halfLi", "Fp32": "IfLi"}
+
+
+def _aiter_compile(clang, src: Path, pa: Path, arch: str, flags, out: Path, host=False):
+    return [clang, "-x", "hip", f"--offload-arch={arch}", "-nogpulib", "-nogpuinc", *AITER_FLAGS,
+            *(f for flag in flags for f in flag.split()), f"-I{hip_writer.DEVICE_SHIMS}", f"-I{pa}",
+            *(("--offload-host-only", "-c") if host else ("--offload-device-only", "-S")),
+            "-o", str(out), str(src)]
+
+
+@pytest.fixture(scope="module")
+def aiter_libs(aiter_jit, tmp_path_factory):
+    """Every library the AITER op builds ((arch, scalar, D): the launcher's compile() renders
+    each), compiled for its arch as AITER's JIT would: AITER's flags and the launcher's own
+    (CXXFLAGS); side by side. Also, as controls: one without the launcher's flags, and the
+    host launch code of each arch's first library."""
+    clang = _clang()
+    launcher = aiter_jit.import_launcher()
+    out = tmp_path_factory.mktemp("aiter_writer_asm")
+    procs, asm = {}, {}
+    for arch in hip_writer.ARCHS:
+        for scalar in launcher.SCALARS.values():
+            for d in launcher.HEAD_SIZES:
+                launcher.compile(scalar, d, arch)
+                build = aiter_jit.builds[aiter_jit.last]
+                assert build["template"]["arch"] == arch and build["cxxflags"] == launcher.CXXFLAGS
+                src = out / f"{arch}_{scalar}_{d}.cpp"
+                src.write_text(build["src"])
+                asm[arch, scalar, d] = src.with_suffix(".s")
+                procs[arch, scalar, d] = subprocess.Popen(_aiter_compile(
+                    clang, src, aiter_jit.pa, arch, build["cxxflags"], asm[arch, scalar, d]))
+        first = out / f"{arch}_Bf16_64.cpp"
+        asm[arch, "no launcher flags"] = out / f"{arch}_noflags.s"
+        procs[arch, "no launcher flags"] = subprocess.Popen(_aiter_compile(
+            clang, first, aiter_jit.pa, arch, [], asm[arch, "no launcher flags"]))
+        procs[arch, "host"] = subprocess.Popen(_aiter_compile(
+            clang, first, aiter_jit.pa, arch, launcher.CXXFLAGS, out / f"{arch}_host.o", host=True))
+    failed = [k for k, p in procs.items() if p.wait() != 0]
+    assert not failed, f"clang failed for {failed}"
+    return {k: v.read_text() for k, v in asm.items()}
+
+
+@pytest.mark.parametrize("arch", hip_writer.ARCHS)
+def test_aiter_libraries_compile(aiter_libs, device_asm, arch):
+    """Each (dtype, D) library holds its 12 kernels (4 transform sets x 3 key/scale forms), and
+    together the 9 hold every kernel of the hipified unit: each with no scratch, no spills and
+    fp32 subnormals kept under AITER's -fgpu-flush-denormals-to-zero."""
+    seen = set()
+    for key, asm in aiter_libs.items():
+        if len(key) != 3 or key[0] != arch:
+            continue
+        _, scalar, d = key
+        assert f"amdgcn-amd-amdhsa--{arch}" in asm
+        ks = _kernels(asm)
+        assert len(ks) == NUM_KERNELS // 9 == len(hip_writer.kernel_names(asm)), (scalar, d)
+        for name, k in ks.items():
+            assert f"{MANGLED[scalar]}{d}E" in name, (scalar, d, name)
+            _check_kernel_isa(name, k)
+        seen |= set(ks)
+    assert seen == set(hip_writer.kernel_names(device_asm[arch]))
+
+
+@pytest.mark.parametrize("arch", hip_writer.ARCHS)
+def test_aiter_flags_flush_subnormals_without_the_launchers(aiter_libs, arch):
+    """The control: the same library under AITER's flags alone flushes fp32 subnormals
+    (FloatMode 0xC0), which would change the bytes of groups with subnormal inputs or the
+    scale 2^-127; the launcher's CXXFLAGS is what keeps them (0xF0 above)."""
+    ks = _kernels(aiter_libs[arch, "no launcher flags"])
+    assert ks and all(k["FloatMode"] == 0xC0 for k in ks.values())
+
+
+@pytest.fixture(scope="module", params=["hipified unit", "aiter op"])
+def writer(request):
+    """Each bit-exact case runs on the hipified unit's host build (its driver) and on the AITER
+    op's launcher with the library AITER's JIT would build from the patch's template."""
+    return request.getfixturevalue("host" if request.param == "hipified unit" else "aiter_writer")
 
 
 class _Capture:
@@ -200,38 +408,38 @@ def _check(host, monkeypatch, d, dtype, config, group=None, key_format="fp4", n=
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_bit_exact_plain_and_default(host, monkeypatch, d, dtype):
-    _check(host, monkeypatch, d, dtype, "plain", seed=d)
-    _check(host, monkeypatch, d, dtype, "default", seed=d + 1, slots32=True)
+def test_bit_exact_plain_and_default(writer, monkeypatch, d, dtype):
+    _check(writer, monkeypatch, d, dtype, "plain", seed=d)
+    _check(writer, monkeypatch, d, dtype, "default", seed=d + 1, slots32=True)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("config", ["plain", "rotation", "smooth", "default"])
-def test_bit_exact_per32_scales(host, monkeypatch, d, config):
-    _check(host, monkeypatch, d, torch.bfloat16, config, group=32, seed=d + 2)
+def test_bit_exact_per32_scales(writer, monkeypatch, d, config):
+    _check(writer, monkeypatch, d, torch.bfloat16, config, group=32, seed=d + 2)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("config", ["rotation", "smooth"])
-def test_bit_exact_one_transform(host, monkeypatch, d, config):
-    _check(host, monkeypatch, d, torch.float16, config, seed=d + 3)
+def test_bit_exact_one_transform(writer, monkeypatch, d, config):
+    _check(writer, monkeypatch, d, torch.float16, config, seed=d + 3)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype,config", [(torch.bfloat16, "plain"), (torch.float32, "default"),
                                           (torch.float16, "rotation"), (torch.bfloat16, "smooth")])
-def test_bit_exact_k8v4(host, monkeypatch, d, dtype, config):
-    _check(host, monkeypatch, d, dtype, config, key_format="fp8_e4m3", seed=d + 4)
+def test_bit_exact_k8v4(writer, monkeypatch, d, dtype, config):
+    _check(writer, monkeypatch, d, dtype, config, key_format="fp8_e4m3", seed=d + 4)
 
 
-def test_bit_exact_many_tokens(host, monkeypatch):
+def test_bit_exact_many_tokens(writer, monkeypatch):
     """Several workgroups and a partial last one (300 tokens x 2 heads x 8 lanes at D 128)."""
-    _check(host, monkeypatch, 128, torch.bfloat16, "default", n=300, hkv=2, seed=7)
+    _check(writer, monkeypatch, 128, torch.bfloat16, "default", n=300, hkv=2, seed=7)
 
 
-def test_a_wrong_byte_is_caught(host, monkeypatch):
+def test_a_wrong_byte_is_caught(writer, monkeypatch):
     """The comparison sees one changed code byte and one changed scale byte."""
-    ref, hip = _check(host, monkeypatch, 64, torch.bfloat16, "default", seed=11)
+    ref, hip = _check(writer, monkeypatch, 64, torch.bfloat16, "default", seed=11)
     for t in (hip.value_cache, hip.key_scales):
         written = (t != 0xAB).nonzero()[0].tolist()
         t[tuple(written)] ^= 1

@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
+import hashlib
 import io
 import os
 import re
@@ -168,9 +170,11 @@ def kernel_names(asm: str) -> list:
     return sorted(set(re.findall(r"^(_Z\w*" + KERNEL + r"\w*):", asm, re.M)))
 
 
-def build_host_library(tu: Path, out: Path, cxx: Optional[str] = None) -> Path:
-    """Compile the hipified unit with the host stand-ins and the driver into a shared library
-    (the kernel's grid run on the CPU, csrc_hip/shims/host/hip/hip_runtime.h)."""
+def build_host_tu(source: Path, include_dirs: Sequence[Path], out: Path,
+                  defines: Sequence[str] = (), cxx: Optional[str] = None) -> Path:
+    """Compile a translation unit that includes the hipified writer (the host driver, or the
+    AITER template's rendered unit) with the host stand-ins (csrc_hip/shims/host: the
+    kernel's grid run on the CPU) into a shared library."""
     cxx = cxx or shutil.which("g++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no host C++ compiler (g++ or clang++) found")
@@ -178,10 +182,57 @@ def build_host_library(tu: Path, out: Path, cxx: Optional[str] = None) -> Path:
     # multiply feeding an add there is exact or an explicit fma); -U_FORTIFY_SOURCE: the
     # fortified longjmp refuses the jumps between fiber stacks that the runtime makes.
     cmd = [cxx, "-std=c++17", "-O2", "-fPIC", "-shared", "-ffp-contract=off", "-U_FORTIFY_SOURCE",
-           f"-I{HOST_SHIMS}", f"-I{Path(tu).parent}", f"-DTQ_HIP_WRITER_TU=\"{Path(tu).name}\"",
-           "-o", str(out), str(HOST_DRIVER)]
+           f"-I{HOST_SHIMS}", *(f"-I{d}" for d in include_dirs), *(f"-D{d}" for d in defines),
+           "-o", str(out), str(source)]
     subprocess.run(cmd, check=True)
     return Path(out)
+
+
+def build_host_library(tu: Path, out: Path, cxx: Optional[str] = None) -> Path:
+    """Compile the hipified unit with the host stand-ins and the driver into a shared library
+    (the kernel's grid run on the CPU, csrc_hip/shims/host/hip/hip_runtime.h)."""
+    return build_host_tu(HOST_DRIVER, [Path(tu).parent], out,
+                         [f"TQ_HIP_WRITER_TU=\"{Path(tu).name}\""], cxx)
+
+
+# ---- the writer as the AITER patch ships it ------------------------------------------------
+# python -m turboquant.integration.aiter.patch adds the hipified sources to AITER's
+# csrc/cpp_itfs/pa/ (a directory it shares with AITER's own sources, so each name gets a tq_
+# prefix and the includes between them follow), beside the template cache_fp4.cpp.jinja that
+# AITER's JIT renders and builds them from (aiter.reshape_and_cache_fp4).
+AITER_NAMES = {"cache_writer_hip.cuh": "tq_cache_writer_hip.cuh",
+               "fp4_portable_hip.cuh": "tq_fp4_portable_hip.cuh",
+               "tuning.cuh": "tq_tuning.cuh"}
+_AITER_ORIGIN = {"cache_writer_hip.cuh": "cache_writer.cuh",
+                 "fp4_portable_hip.cuh": "fp4_portable.cuh", "tuning.cuh": "tuning.cuh"}
+_AITER_HEADER = ("// turboquant-fp4: csrc_cuda/{src} of turboquant as hipify-torch translated it "
+                 "(turboquant/hip_writer.py),\n// included by the FP4 cache writer "
+                 "cache_fp4.cpp.jinja (aiter.reshape_and_cache_fp4). Added to AITER by\n"
+                 "// `python -m turboquant.integration.aiter.patch`; removed by its --revert.\n")
+
+
+def aiter_sources() -> dict:
+    """{file name: bytes} of the hipified writer as the AITER patch ships it (AITER_NAMES):
+    a first line naming its origin, the includes between the files renamed. Hipified once per
+    process and state of csrc_cuda's writer sources."""
+    digest = hashlib.sha256(b"".join((CSRC_CUDA / n).read_bytes() for n in WRITER_SOURCES))
+    return dict(_aiter_sources(digest.hexdigest()))
+
+
+@functools.lru_cache(maxsize=4)
+def _aiter_sources(digest: str) -> tuple:
+    with tempfile.TemporaryDirectory(prefix="tq-aiter-writer-") as tmp:
+        hip_dir = hipify_writer(Path(tmp)).parent
+        out = []
+        for hip_name, name in AITER_NAMES.items():
+            text = (hip_dir / hip_name).read_text()
+            for a, b in AITER_NAMES.items():
+                text = text.replace(f'#include "{a}"', f'#include "{b}"')
+            local = set(re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.M))
+            if not local <= set(AITER_NAMES.values()):
+                raise RuntimeError(f"{hip_name} includes {sorted(local)}: not all shipped to AITER")
+            out.append((name, (_AITER_HEADER.format(src=_AITER_ORIGIN[hip_name]) + text).encode()))
+        return tuple(out)
 
 
 class WriterParams(ctypes.Structure):

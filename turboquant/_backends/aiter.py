@@ -1,8 +1,8 @@
 """The ``aiter`` backend: turboquant's gfx950 / gfx942 FP4 paged attention (csrc_hip/) run
 through a patched AITER (``python -m turboquant.integration.aiter.patch --aiter-root PATH``).
 
-Importing this module is cheap and works anywhere: it defines the op schema and its fake
-implementation and registers the backend; AITER is looked for (and its patch state read) on
+Importing this module is cheap and works anywhere: it defines the two op schemas (attention,
+cache write) and their fake implementations and registers the backend; AITER is looked for (and its patch state read) on
 the first ``unavailable()`` call, and imported only on a machine with a gfx950 or gfx942 GPU.
 
 Architectures (the kernel source picks its instructions at compile time):
@@ -24,9 +24,21 @@ accuracy transforms of the default QuantConfig fused into the kernel (rotation,
 key smoothing's q * lam and q.m under a soft cap, the sink token, masked by causality and the
 window like any key), learned sinks and the lse output (return_lse) in the reduce. Declined
 with a reason (the dispatcher then falls back): per-32 scales, head dims and block sizes
-other than those above, tensors off the GPU or in layouts the kernel does not address. No
-cache writer.
+other than those above, tensors off the GPU or in layouts the kernel does not address.
 On gfx950 the native FP4 MFMA path runs by default; AITER_FP4_KV_LUT=1 selects the LUT path.
+
+Cache writer (``reshape_and_cache_fp4``, the patch's ``aiter.reshape_and_cache_fp4``): the
+cuda backend's writer translated by hipify-torch (turboquant/hip_writer.py) and built by
+AITER's JIT from the patch's ``cache_fp4.cpp.jinja``, on gfx950 and gfx942 alike. Rung:
+compiled for both + ISA-checked (every writer kernel, no scratch, no spills, fp32 subnormals
+kept under AITER's flags) + bit-exact with the reference writer in a host simulation of the
+same source; not run on hardware. Supported: key/value bf16/fp16/fp32 with a contiguous,
+16-byte aligned head dimension, head_dim 64/128/256, any power-of-two block size, one scale
+per (token, kv head) or per 32 elements, FP4 keys or K8V4 (E4M3 keys; written on gfx942 too:
+the writer uses no FP8 instruction), the transforms (rotation, key smoothing). Declined with a
+reason naming the argument: scale_rule "mse", caches whose blocks are not contiguous and 8-byte
+aligned (16 for E4M3 keys), non-contiguous scales or slot_mapping, more than 2^31 work-items
+(num_tokens x num_kv_heads x head_dim / 16), tensors off the ROCm GPU.
 """
 from __future__ import annotations
 
@@ -37,12 +49,16 @@ from typing import Optional
 
 import torch
 
-from ..api import attention_op_args
-from ..ops import ATTENTION_SCHEMA, define
+from ..api import attention_op_args, cache_write_op_args
+from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
+from ..smoothing import STATE_ROWS
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
+CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_aiter"
 HEAD_DIMS = (64, 128, 256)
+WRITER_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+WRITER_EPT = 16  # elements of K and of V per work-item (csrc_cuda/tuning.cuh WRITER_EPT)
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 PATCH_COMMAND = "python -m turboquant.integration.aiter.patch --aiter-root {root}"
 # The architectures the kernel is built for: gfx950 (native FP4 or LUT), gfx942 (LUT only).
@@ -53,6 +69,7 @@ K8V4_GFX942_REASON = ("K8V4 (fp8_e4m3 keys) is not supported on gfx942: its FP8 
 
 
 define(ATTENTION_OP, ATTENTION_SCHEMA)
+define(CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)
 
 
 @torch.library.impl(ATTENTION_OP, "CUDA")  # ROCm builds of PyTorch dispatch HIP as CUDA
@@ -67,6 +84,18 @@ def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_ta
                               logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len,
                               rotation_signs=rotation_signs, seq_state=seq_state,
                               state_ids=state_ids, sink=sink, sinks=sinks, lse=lse)
+
+
+def _write_impl(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping,
+                rotation_signs, seq_state, state_ids):
+    import aiter
+
+    aiter.reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_scales,
+                                slot_mapping, rotation_signs=rotation_signs, seq_state=seq_state,
+                                state_ids=state_ids)
+
+
+torch.library.impl(CACHE_WRITE_OP, "CUDA")(_write_impl)  # ROCm builds dispatch HIP as CUDA
 
 
 _lock = threading.Lock()
@@ -102,9 +131,10 @@ def _aiter_reason() -> Optional[str]:
         import aiter
     except Exception as e:  # noqa: BLE001 - any import failure is a reason, not a crash
         return f"import aiter failed: {type(e).__name__}: {e}"
-    if not hasattr(aiter, "paged_attention_fp4"):
-        return (f"the imported aiter ({getattr(aiter, '__file__', '?')}) lacks "
-                f"paged_attention_fp4: run " + PATCH_COMMAND.format(root=root))
+    for op in ("paged_attention_fp4", "reshape_and_cache_fp4"):
+        if not hasattr(aiter, op):
+            return (f"the imported aiter ({getattr(aiter, '__file__', '?')}) lacks {op}: run "
+                    + PATCH_COMMAND.format(root=root))
     return None
 
 
@@ -135,7 +165,8 @@ class AiterBackend(Backend):
     priority = 60
     description = ("turboquant FP4 paged attention in a patched AITER: gfx950 scaled MFMA "
                    "(v_mfma_scale_f32_16x16x128_f8f6f4), native FP4 or LUT (AMD MI355X); "
-                   "gfx942 LUT on v_mfma_f32_16x16x32_fp8_fp8 (AMD MI300X)")
+                   "gfx942 LUT on v_mfma_f32_16x16x32_fp8_fp8 (AMD MI300X); the HIP cache "
+                   "writer (hipified from the cuda one)")
 
     def unavailable(self) -> Optional[str]:
         reason = _device_reason()
@@ -186,10 +217,69 @@ class AiterBackend(Backend):
         return None
 
     def check_cache_write(self, write: CacheWrite) -> Optional[str]:
-        return ("the aiter backend has no cache writer op yet: the HIP writer generated from the "
-                "CUDA one (python -m turboquant.hip_writer) is compiled for gfx950/gfx942 and "
-                "checked in host simulation, but not built into a ROCm PyTorch op; another "
-                "backend writes the cache")
+        """What aiter.reshape_and_cache_fp4 (files/cache_fp4.py) takes, each reason naming the
+        argument."""
+        k, d = write.key, write.head_dim
+        if k.dtype not in WRITER_DTYPES:
+            return f"key dtype {k.dtype} (expected bfloat16, float16 or float32)"
+        if d not in HEAD_DIMS:
+            return f"head_dim {d} not in {HEAD_DIMS}"
+        if write.scale_group not in (d, 32):
+            return f"scale group {write.scale_group} (expected {d} or 32)"
+        rule = getattr(write, "scale_rule", "smallest")
+        if rule != "smallest":
+            return (f"scale_rule {rule!r} is not implemented by the HIP writer (only 'smallest'; "
+                    "the reference has it)")
+        k8 = write.key_format == "fp8_e4m3"  # K8V4: key rows of D bytes
+        if k8 and write.scale_group != d:
+            return "key_scales: K8V4 keys have one scale per (token, kv head), not per 32"
+        bs = write.block_size
+        if bs < 1 or bs & (bs - 1):
+            return f"block_size {bs} is not a power of two"
+        if not k.is_cuda:
+            return f"tensors are on {k.device}, not on a ROCm GPU"
+        for nm in ("key", "value"):  # 16 elements per work-item, loaded as 16-byte vectors
+            t = getattr(write, nm)
+            el = t.element_size()
+            if (t.stride(2) != 1 or (t.stride(1) * el) % 16 or (t.stride(0) * el) % 16
+                    or t.data_ptr() % 16):
+                return f"{nm} must have a contiguous, 16-byte aligned head dimension"
+        # a work-item stores 8 bytes of FP4 codes, 16 of E4M3
+        for nm, row, align in (("key_cache", d if k8 else d // 2, 16 if k8 else 8),
+                               ("value_cache", d // 2, 8)):
+            c = getattr(write, nm)
+            if (c.stride(3) != 1 or c.stride(2) != row or c.stride(1) % align
+                    or c.stride(0) % align or c.data_ptr() % align):
+                return f"{nm} must have contiguous, {align}-byte aligned [block_size, {row}] blocks"
+        if not (write.key_scales.is_contiguous() and write.value_scales.is_contiguous()):
+            return "key_scales/value_scales must be contiguous"
+        if not write.slot_mapping.is_contiguous():
+            return "slot_mapping must be contiguous"
+        signs, state, ids = write.rotation_signs, write.seq_state, write.state_ids
+        if signs is not None and (signs.dtype != torch.float32 or tuple(signs.shape) != (d,)
+                                  or not signs.is_contiguous() or signs.data_ptr() % 16
+                                  or signs.device != k.device):
+            return f"rotation_signs: expected a contiguous, 16-byte aligned float32 [{d}] tensor"
+        if (state is None) != (ids is None):
+            return "seq_state and state_ids: expected both or neither"
+        if state is not None:
+            want = (write.num_kv_heads, STATE_ROWS, d)
+            if (state.dtype != torch.float32 or state.dim() != 4 or tuple(state.shape[1:]) != want
+                    or not state.is_contiguous() or state.data_ptr() % 16
+                    or state.device != k.device or state.shape[0] >= 2 ** 31):
+                return (f"seq_state: expected a contiguous, 16-byte aligned float32 [num_slots, "
+                        f"{want[0]}, {want[1]}, {want[2]}] tensor")
+            if (ids.dtype != torch.int32 or tuple(ids.shape) != (k.shape[0],)
+                    or not ids.is_contiguous() or ids.device != k.device):
+                return f"state_ids: expected a contiguous int32 [{k.shape[0]}] tensor"
+        items = k.shape[0] * write.num_kv_heads * (d // WRITER_EPT)
+        if items >= 2 ** 31:
+            return (f"key: {items} work-items (num_tokens x num_kv_heads x head_dim / "
+                    f"{WRITER_EPT}), the writer takes fewer than 2^31: split the call")
+        return None
+
+    def reshape_and_cache(self, write: CacheWrite) -> None:
+        torch.ops.turboquant.reshape_and_cache_fp4_aiter(*cache_write_op_args(write))
 
     def paged_attention(self, call: AttentionCall, out: torch.Tensor,
                         lse: Optional[torch.Tensor] = None) -> None:

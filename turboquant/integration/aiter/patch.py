@@ -11,16 +11,23 @@ What it does:
   ``USE_NATIVE_FP4_MFMA`` specializations, one picked at launch) and ``pa_fp4.py`` (the
   launcher, compiled under its own module name ``pa_v1_fp4`` with a digest of the kernel
   sources in the compile key) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4.py``
-  (``aiter.paged_attention_fp4``);
+  (``aiter.paged_attention_fp4``); for the cache writer, the CUDA writer hipified by
+  ``turboquant.hip_writer`` (``tq_cache_writer_hip.cuh``, ``tq_fp4_portable_hip.cuh``,
+  ``tq_tuning.cuh``), ``cache_fp4.cpp.jinja`` and ``cache_fp4.py`` (its launcher, module name
+  ``reshape_and_cache_fp4``) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4_cache.py``
+  (``aiter.reshape_and_cache_fp4``);
 - inserts lines at two places found from the structure of the Python code (its syntax tree,
   never a line number or an exact line, so reformatted or moved code is still found): pa_v1's
   ``kv_cache_dtype`` if/elif chain gains an ``fp4``/``fp4_e2m1`` branch before its first elif
   (k_scale/v_scale are then the E8M0 scale tensors), and ``aiter/ops/attention.py`` imports
-  the new op right after its ``from csrc.cpp_itfs.pa.pa_v1 import ...`` statement.
+  the new ops right after its ``from csrc.cpp_itfs.pa.pa_v1 import ...`` statement (AITER's
+  ``__init__`` star-imports that module: ``aiter.paged_attention_fp4``,
+  ``aiter.reshape_and_cache_fp4``).
 
 Every place is found before anything is written (an error names the one that is missing); a
 second apply changes nothing;
-``--revert`` removes exactly what apply added, so the tree is byte-for-byte as before.
+``--revert`` removes exactly what apply added, so the tree is byte-for-byte as before (also
+the lines of an earlier turboquant's patch, which --check reports as an old hook).
 Exit status: 0 done (or, with --check, patched), 1 unpatched (--check), 3 partial (--check),
 2 error.
 """
@@ -128,16 +135,25 @@ class Hook:
     anchor: str  # the place, in words, for messages
     locate: Callable[[str], tuple[int, str]]  # text -> (0-based line index, indentation)
     render: Callable[[str], str]
+    # what earlier turboquants inserted here (found by status and removed by revert)
+    legacy: tuple[Callable[[str], str], ...] = ()
 
-    def inserted(self, text: str) -> Optional[str]:
-        """The inserted text, if it is in `text` exactly once and unedited."""
-        first = self.render("").splitlines()[0]
+    def inserted(self, text: str, render: Optional[Callable[[str], str]] = None) -> Optional[str]:
+        """The inserted text (of `render`, default this hook's), if it is in `text` exactly once
+        and unedited."""
+        render = render or self.render
+        first = render("").splitlines()[0]
         for line in text.splitlines():
             if line.lstrip(" \t") == first:
-                block = self.render(_indent(line))
+                block = render(_indent(line))
                 if text.count(block) == 1:
                     return block
         return None
+
+    def inserted_legacy(self, text: str) -> Optional[str]:
+        """The text an earlier turboquant inserted here, if it is in `text` as it was inserted."""
+        return next((b for b in (self.inserted(text, r) for r in self.legacy) if b is not None),
+                    None)
 
     def insert(self, text: str) -> str:
         index, indent = self.locate(text)
@@ -180,6 +196,12 @@ def _render_pa_v1(indent: str) -> str:
 
 
 def _render_attention(indent: str) -> str:
+    return (f"{indent}from .turboquant_fp4 import paged_attention_fp4, paged_attention_fp4_out  # turboquant-fp4\n"
+            f"{indent}from .turboquant_fp4_cache import reshape_and_cache_fp4, reshape_and_cache_fp4_out  # turboquant-fp4\n")
+
+
+def _render_attention_before_writer(indent: str) -> str:
+    """The import line of turboquants before the cache writer op (attention only)."""
     return f"{indent}from .turboquant_fp4 import paged_attention_fp4, paged_attention_fp4_out  # turboquant-fp4\n"
 
 
@@ -227,19 +249,41 @@ def hooks(layout: Layout) -> list[Hook]:
     return [
         Hook(layout.pa_dir / "pa_v1.py", PA_V1_ANCHOR, _locate_pa_v1, _render_pa_v1),
         Hook(layout.ops_dir / "attention.py", ATTENTION_ANCHOR, _locate_attention,
-             _render_attention),
+             _render_attention, legacy=(_render_attention_before_writer,)),
     ]
+
+
+def writer_sources() -> dict[str, bytes]:
+    """The hipified cache writer as the patch ships it (turboquant.hip_writer.aiter_sources)."""
+    from ... import hip_writer
+
+    missing = [n for n in hip_writer.WRITER_SOURCES if not (hip_writer.CSRC_CUDA / n).is_file()]
+    if missing:
+        raise PatchError(f"turboquant's CUDA cache writer ({', '.join(missing)} in "
+                         f"{hip_writer.CSRC_CUDA}) was not found; use a source checkout of "
+                         "turboquant")
+    try:
+        return hip_writer.aiter_sources()
+    except (ImportError, RuntimeError) as e:
+        raise PatchError(f"hipifying turboquant's cache writer failed: {e}") from None
 
 
 def new_files(layout: Layout) -> dict[Path, bytes]:
     src = kernel_source_dir()
-    return {
+    files = {
         layout.pa_dir / "tq_fp4_platform.cuh": (src / "tq_fp4_platform.cuh").read_bytes(),
         layout.pa_dir / "tq_fp4_paged_attention.cuh": (src / "tq_fp4_paged_attention.cuh").read_bytes(),
         layout.pa_dir / "pa_fp4.cpp.jinja": (FILES / "pa_fp4.cpp.jinja").read_bytes(),
         layout.pa_dir / "pa_fp4.py": (FILES / "pa_fp4.py").read_bytes(),
         layout.ops_dir / "turboquant_fp4.py": (FILES / "turboquant_fp4.py").read_bytes(),
     }
+    files.update({layout.pa_dir / name: data for name, data in writer_sources().items()})
+    files.update({
+        layout.pa_dir / "cache_fp4.cpp.jinja": (FILES / "cache_fp4.cpp.jinja").read_bytes(),
+        layout.pa_dir / "cache_fp4.py": (FILES / "cache_fp4.py").read_bytes(),
+        layout.ops_dir / "turboquant_fp4_cache.py": (FILES / "turboquant_fp4_cache.py").read_bytes(),
+    })
+    return files
 
 
 def _is_ours(data: bytes) -> bool:
@@ -271,6 +315,10 @@ def status(root) -> Status:
         if hook.inserted(text) is not None:
             done += 1
             details.append(f"hooked     {rel}")
+        elif hook.inserted_legacy(text) is not None:
+            todo += 1
+            details.append(f"OLD HOOK   {rel} (an earlier turboquant's lines; --revert removes "
+                           "them)")
         elif MARK in text:
             todo += 1
             details.append(f"MODIFIED   {rel} (holds '{MARK}' lines that are not this patch's)")
@@ -292,7 +340,7 @@ def status(root) -> Status:
         else:
             todo += 1
             details.append(f"OUTDATED   {rel} (differs from this turboquant's copy)")
-    damaged = any(d.startswith(("MODIFIED", "OUTDATED")) for d in details)
+    damaged = any(d.startswith(("MODIFIED", "OUTDATED", "OLD HOOK")) for d in details)
     state = "patched" if todo == 0 else ("partial" if done or damaged else "unpatched")
     return Status(state, details, version, layout)
 
@@ -327,7 +375,7 @@ def _plan_revert(layout: Layout) -> dict[Path, Optional[bytes]]:
     problems, plan = [], {}
     for hook in hooks(layout):
         text = _read(hook.path)
-        block = hook.inserted(text)
+        block = hook.inserted(text) or hook.inserted_legacy(text)
         if block is not None:
             plan[hook.path] = text.replace(block, "", 1).encode("utf-8")
         elif MARK in text:
@@ -396,7 +444,8 @@ def apply(root, dry_run: bool = False) -> str:
     _write_all(plan)
     return (f"patched AITER {st.version} ({st.layout.kind} at {st.layout.root}): "
             f"{len(plan)} files. FP4 paged attention: aiter.paged_attention_fp4, or pa_v1 with "
-            f"kv_cache_dtype='fp4_e2m1'; native FP4 MFMA by default, LUT path with {LUT_ENV}=1")
+            f"kv_cache_dtype='fp4_e2m1'; native FP4 MFMA by default, LUT path with {LUT_ENV}=1. "
+            "FP4 cache writer: aiter.reshape_and_cache_fp4")
 
 
 def revert(root, dry_run: bool = False) -> str:
