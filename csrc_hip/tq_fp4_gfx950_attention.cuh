@@ -174,6 +174,23 @@ TQ_HD u32x4 v_operand_fp4(const uint8_t* v, int row_bytes, int mt, int lane) {
   return a;
 }
 
+// The same operand as E4M3 bytes (LUT path; V rows of row_bytes decoded bytes in LDS): lane
+// (m, g) gets byte j = element 16 mt + m of the token of K = 16 g + j (j < 16) or
+// 64 + 16 g + j - 16, by four tr8 reads: read r gives bytes 8 r .. 8 r + 7, and the group's
+// lane s addresses elements 16 mt + 8 (s % 2) .. + 7 of the token of byte 8 r + s / 2.
+TQ_HD i32x8 v_operand_fp8(const uint8_t* v, int row_bytes, int mt, int lane) {
+  const int s = lane & 15, g = lane >> 4;
+  i32x8 a;
+  for (int r = 0; r < 4; ++r) {
+    const int j = 8 * r + s / 2;
+    const int k = j < 16 ? 16 * g + j : 64 + 16 * g + (j - 16);
+    const uint64_t d = lds_read_tr8_b64(v + step_token(k) * row_bytes + 16 * mt + 8 * (s % 2));
+    a[2 * r] = int(uint32_t(d));
+    a[2 * r + 1] = int(uint32_t(d >> 32));
+  }
+  return a;
+}
+
 // grid (row tiles, partitions, num_kv_heads)  block (64)
 template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool NATIVE, bool MULTI_TOKEN, bool KEY_E4M3>
 TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
@@ -286,7 +303,18 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
       const int chunk = kWave * it + lane;
       const int tl = chunk / (kVRow / 16), piece = chunk % (kVRow / 16);
       const uint8_t* src = value_cache + kbase[tl / kTile] + int64_t(tl % kTile) * kv_seq_stride + 16 * piece;
-      *reinterpret_cast<u32x4*>(&lds->v[16 * chunk]) = load_u32x4(src);
+      const u32x4 codes = load_u32x4(src);
+      if constexpr (NATIVE) {
+        *reinterpret_cast<u32x4*>(&lds->v[16 * chunk]) = codes;
+      } else {  // LUT: the 32 codes as E4M3 bytes, rows of HEAD bytes
+        u32x4 e[2];
+        for (int i = 0; i < 4; ++i) {
+          const E4m3x8 d = fp4x8_to_e4m3x8(codes[i]);
+          e[i / 2][2 * (i % 2)] = d.lo;
+          e[i / 2][2 * (i % 2) + 1] = d.hi;
+        }
+        for (int h = 0; h < 2; ++h) *reinterpret_cast<u32x4*>(&lds->v[32 * chunk + 16 * h]) = e[h];
+      }
     }
     float vbf;
     {
@@ -403,9 +431,15 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
 
     // PV: O^T[element][row] += V^T P^T per 16-element output tile.
     for (int mt = 0; mt < kMt; ++mt) {
-      const u32x4 a = v_operand_fp4(lds->v, kVRow, mt, lane);
-      o[mt] = mfma_qk_fp4_fp8(a, phi, o[mt], kE8m0One, pscale);
-      o[mt] = mfma_qk_fp4_fp8(a, plo, o[mt], kE8m0One, pscale_lo);
+      if constexpr (NATIVE) {
+        const u32x4 a = v_operand_fp4(lds->v, kVRow, mt, lane);
+        o[mt] = mfma_qk_fp4_fp8(a, phi, o[mt], kE8m0One, pscale);
+        o[mt] = mfma_qk_fp4_fp8(a, plo, o[mt], kE8m0One, pscale_lo);
+      } else {
+        const i32x8 a = v_operand_fp8(lds->v, HEAD, mt, lane);
+        o[mt] = mfma_fp8_fp8(a, phi, o[mt], kE8m0One, pscale);
+        o[mt] = mfma_fp8_fp8(a, plo, o[mt], kE8m0One, pscale_lo);
+      }
     }
     block_barrier();  // every lane's reads of this step's V before the next step's writes
   }
@@ -507,10 +541,9 @@ TQ_KERNEL(HEAD, HEAD) void tq_fp4_pa_gfx950_reduce_kernel(
   if (learned > -__builtin_inff()) den += exp2_f32(learned - m_safe);
   const bool any = begin < end || sees0;
   float o = any ? num / den : 0.0f;
-  if (lse != nullptr && d == 0)
-    lse[row] = o == o ? (any || learned > -__builtin_inff() ? (m + log2_f32(den)) / kLog2e
-                                                            : -__builtin_inff())
-                      : o;
+  if (lse != nullptr && d == 0)  // a row that sees nothing: its learned sink's logit, or -inf
+    lse[row] = o != o ? o : any ? (m + log2_f32(den)) / kLog2e
+                          : (sinks != nullptr ? sinks[head] : -__builtin_inff());
   if (rotation_signs != nullptr) {
     // o = fwht(o') * HEAD^-0.5 * s, stages h = 1 .. HEAD/2 across the block's threads.
     using Buf = RowBuffer<HEAD>;

@@ -1,19 +1,23 @@
-"""Host lane simulation of the gfx950 FP4 paged-attention kernel (csrc_hip/).
+"""Host lane simulation of the gfx950 FP4 paged-attention kernels (csrc_hip/).
 
-The kernel source is compiled for the host (``-DTQ_HOST_SIM``) with every thread of a
-workgroup as a fiber and the MFMA replaced by a software model of
-``v_mfma_scale_f32_16x16x128_f8f6f4`` written from its documented lane layouts
-(csrc_hip/sim/tq_fp4_lane_sim.cpp). Each case runs both specializations (native FP4 MFMA and
-LUT) and is compared with
+The kernel sources are compiled for the host (``-DTQ_HOST_SIM``) with every thread of a
+workgroup as a fiber; the MFMA is replaced by a software model of
+``v_mfma_scale_f32_16x16x128_f8f6f4`` written from its documented lane layouts, and the
+transposing LDS reads (``ds_read_b64_tr_b4`` / ``_b8``) by a model of the CDNA4 ISA's
+description (csrc_hip/sim/tq_fp4_lane_sim.cpp). The gfx950 build runs the three kernels of
+tq_fp4_gfx950_attention.cuh (Q pre-pass, one-wave partitions of 128-token steps, reduce); each
+case runs both specializations (native FP4 operands for K and V, and LUT: both decoded to
+E4M3) and is compared with
 
-- an emulation (float64, no lane layout at all) of the kernel's arithmetic: Q as two E4M3
-  terms (hi + lo / 16) with one E8M0 scale per head, P as two E4M3 terms after folding the V
-  scale in, per-partition output rounded to the query dtype. Wrong bytes, scales or orientation in any lane give
-  errors of order one; rounding differences give about 1e-3.
+- an emulation (float64, no lane layout at all) of the kernels' arithmetic (``emulate``): Q
+  as two E4M3 terms (hi + lo / 16) with one E8M0 scale per row, an online softmax per
+  128-token step with P as two E4M3 terms after folding the V scale in, each partition's
+  output rounded to the query dtype. Wrong bytes, scales or orientation in any lane give
+  errors of order one; the simulation matches it bit for bit on most cases.
 - ``turboquant.reference`` (the contract), within the accuracy FP8 Q and P allow.
 
 The accuracy transforms (rotation, key smoothing, sink; CONTRACT.md section 2) run in the same
-kernel source: the emulation applies them in fp32 with turboquant's own functions, the
+kernel sources: the emulation applies them in fp32 with turboquant's own functions, the
 reference through ``paged_attention_fp4(backend="reference", **problem.kwargs)``.
 
 Multi-token queries (cu_query_lens: the kernel's multi-token instantiation, rows of (query
@@ -25,12 +29,12 @@ K8V4 caches (E4M3 keys, ``key_format="fp8_e4m3"``) run the KEY_E4M3 instantiatio
 same comparisons, plus a one-hot key probe whose output peak moves under any byte-order or
 lane error in the FP8 key operand.
 
-gfx942 (MI300X): the same source built with ``-DTQ_SIM_GFX942`` is the gfx942 build's LUT
-path, FP8 = E4M3FNUZ (bias 8, 0x80 NaN) on ``v_mfma_f32_16x16x32_fp8_fp8`` (no scale operand:
-the kernel applies the E8M0 scales in fp32), modelled from that instruction's documented
-layout. Its cases (the ``gfx942`` section at the end) compare with the same emulation in FNUZ
-terms (``emulate(..., fnuz=True)``: Q's scale for 240 instead of 448, FNUZ rounding) and the
-reference.
+gfx942 (MI300X): built with ``-DTQ_SIM_GFX942`` the simulation runs tq_fp4_paged_attention.cuh's
+LUT path, FP8 = E4M3FNUZ (bias 8, 0x80 NaN) on ``v_mfma_f32_16x16x32_fp8_fp8`` (no scale
+operand: the kernel applies the E8M0 scales in fp32), modelled from that instruction's
+documented layout, with 256-token partitions. Its cases (the ``gfx942`` section at the end)
+compare with that kernel's emulation in FNUZ terms (``emulate(..., fnuz=True)``: Q's scale for
+240 instead of 448, FNUZ rounding) and the reference.
 """
 from __future__ import annotations
 
@@ -56,7 +60,8 @@ from turboquant.smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE
 
 ROOT = Path(__file__).resolve().parents[1]
 SIM_SRC = ROOT / "csrc_hip" / "sim" / "tq_fp4_lane_sim.cpp"
-PARTITION = 256
+PARTITION = 256  # the gfx950 tests' default partition length (any multiple of 128)
+PARTITION_942 = 256  # the gfx942 kernel's partition (tq::kPartition)
 LOG2E = 1.4426950408889634
 
 
@@ -69,6 +74,8 @@ def _build_sim(tmp_path_factory, *defines):
                     *defines, "-o", str(lib), str(SIM_SRC)], check=True)
     dll = ctypes.CDLL(str(lib))
     dll.tq_sim_paged_attention.restype = ctypes.c_int
+    dll.tq_sim_paged_attention_gfx950.restype = ctypes.c_int
+    dll.tq_sim_is_gfx942.restype = ctypes.c_int
     dll.tq_sim_f32_to_e4m3.restype = ctypes.c_uint32
     dll.tq_sim_f32_to_e4m3.argtypes = [ctypes.c_float]
     dll.tq_sim_rotation_norm.restype = ctypes.c_float
@@ -96,33 +103,42 @@ def _ptr(t):
 
 def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_cap=0.0,
             rotation_signs=None, seq_state=None, state_ids=None, sink=False, cu_query_lens=None,
-            sliding_window=0, sinks=None, return_lse=False):
-    """The simulated kernel pair (partition + reduce): -> out like query. The transforms'
-    tensors as in an AttentionCall (None: off); cu_query_lens None: decode (the decode
-    instantiation), else the multi-token one; a float8_e4m3fn key cache runs the K8V4
-    instantiation (E4M3 keys), which takes the value cache's strides. sinks: learned sink
-    logits float32 [num_heads]; return_lse: -> (out, lse float32 [num_tokens, num_heads])."""
+            sliding_window=0, sinks=None, return_lse=False, partition_len=PARTITION):
+    """The simulated kernels: the gfx950 build runs the pre-pass, partition and reduce kernels
+    of tq_fp4_gfx950_attention.cuh with partitions of partition_len tokens (a multiple of 128);
+    the gfx942 build the partition + reduce pair of tq_fp4_paged_attention.cuh (256-token
+    partitions). -> out like query. The transforms' tensors as in an AttentionCall (None: off);
+    cu_query_lens None: decode (the decode instantiation), else the multi-token one; a
+    float8_e4m3fn key cache runs the K8V4 instantiation (E4M3 keys), which takes the value
+    cache's strides. sinks: learned sink logits float32 [num_heads]; return_lse: -> (out, lse
+    float32 [num_tokens, num_heads])."""
     key_cache, value_cache, key_scales, value_scales = cache
     num_tokens, num_heads, head = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
-    max_parts = max(1, math.ceil(int(seq_lens.max()) / PARTITION)) if num_seqs else 1
+    gfx942 = bool(lib.tq_sim_is_gfx942())
+    plen = PARTITION_942 if gfx942 else partition_len
+    max_parts = max(1, math.ceil(int(seq_lens.max()) / plen)) if num_seqs else 1
     exp_sums = torch.full((num_tokens, num_heads, max_parts), float("nan"))
     max_logits = torch.full_like(exp_sums, float("nan"))
     tmp_out = torch.zeros((num_tokens, num_heads, max_parts, head), dtype=query.dtype)
     out = torch.full_like(query, float("nan"))
     lse = torch.full((num_tokens, num_heads), 12345.0) if return_lse else None  # must be written
     query = query.contiguous()
-    rc = lib.tq_sim_paged_attention(
-        int(query.dtype == torch.bfloat16), head, block_size, num_heads // num_kv_heads, int(native),
-        int(key_cache.dtype == torch.float8_e4m3fn),
-        _ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(key_scales), _ptr(value_scales),
-        _ptr(block_tables), _ptr(seq_lens), _ptr(cu_query_lens), _ptr(exp_sums), _ptr(max_logits),
-        _ptr(tmp_out), _ptr(out), ctypes.c_float(scale), ctypes.c_float(soft_cap),
-        int(sliding_window), num_seqs, num_tokens, num_kv_heads, block_tables.shape[1], max_parts,
-        query.stride(0), ctypes.c_long(value_cache.stride(0)), value_cache.stride(1),
-        value_cache.stride(2), _ptr(rotation_signs), _ptr(seq_state), _ptr(state_ids),
-        0 if seq_state is None else seq_state.shape[0], int(sink), _ptr(sinks), _ptr(lse))
+    head_args = (int(query.dtype == torch.bfloat16), head, block_size, num_heads // num_kv_heads,
+                 int(native), int(key_cache.dtype == torch.float8_e4m3fn),
+                 _ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(key_scales),
+                 _ptr(value_scales), _ptr(block_tables), _ptr(seq_lens), _ptr(cu_query_lens),
+                 _ptr(exp_sums), _ptr(max_logits), _ptr(tmp_out), _ptr(out), ctypes.c_float(scale),
+                 ctypes.c_float(soft_cap), int(sliding_window), num_seqs, num_tokens, num_kv_heads,
+                 block_tables.shape[1], max_parts)
+    tail_args = (query.stride(0), ctypes.c_long(value_cache.stride(0)), value_cache.stride(1),
+                 value_cache.stride(2), _ptr(rotation_signs), _ptr(seq_state), _ptr(state_ids),
+                 0 if seq_state is None else seq_state.shape[0], int(sink), _ptr(sinks), _ptr(lse))
+    if gfx942:
+        rc = lib.tq_sim_paged_attention(*head_args, *tail_args)
+    else:
+        rc = lib.tq_sim_paged_attention_gfx950(*head_args, plen, *tail_args)
     assert rc == 0, f"lane simulation failed (rc={rc}: -1 barrier deadlock, -2 no instantiation)"
     return (out, lse) if return_lse else out
 
@@ -161,8 +177,167 @@ def _q_scale_byte(amax, fp8_max=448.0):
 
 def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_signs=None,
             seq_state=None, state_ids=None, sink=False, cu_query_lens=None, sliding_window=0,
+            sinks=None, return_lse=False, fnuz=False, partition_len=PARTITION):
+    """The kernels' arithmetic in float64 without any lane layout: fnuz=True the gfx942 kernel
+    (_emulate_gfx942), else the gfx950 kernels (tq_fp4_gfx950_attention.cuh):
+
+    - pre-pass: q' = rotate(q * lam) in fp32, times f = scale * log2(e) (scale alone under a
+      soft cap), as two E4M3 terms with the row's E8M0 scale; q.m and the sink's logit x0
+      (log2 units) from the fp32 q';
+    - partitions of partition_len tokens in steps of 128, per row an online softmax in log2
+      units: x = q8 . k (capped: cap(x + f q.m) * log2(e)), invisible tokens -inf, per step
+      m' = max(m, max x), e = 2^(x - m'), l = l 2^(m - m') + sum e, O = O 2^(m - m') +
+      (P' as two E4M3 terms) V 2^(E + vs_ref - 127), P' = e 2^(vs - vs_ref - E) with E the
+      exponent of the step's largest e 2^(vs - vs_ref) (so P' < 1 whatever vs_ref), the
+      partial O / l rounded to the query dtype;
+    - reduce: the partials' maxima plus f q.m (unless the cap already added it), the sink
+      (x0, v0) for the rows that see position 0, learned sinks as one more logit, then the
+      un-rotation in fp32.
+    Rows are (query token, head); a row at position p sees keys max(0, p - W + 1) .. p."""
+    if fnuz:
+        return _emulate_gfx942(query, cache, block_tables, seq_lens, scale, soft_cap,
+                               rotation_signs, seq_state, state_ids, sink, cu_query_lens,
+                               sliding_window, sinks, return_lse, fnuz=True)
+    key_cache, value_cache, key_scales, value_scales = cache
+    num_tokens, num_heads, head = query.shape
+    num_seqs = seq_lens.shape[0]
+    hkv, bs = key_cache.shape[1], key_cache.shape[2]
+    gqa = num_heads // hkv
+    starts = list(range(num_seqs + 1)) if cu_query_lens is None else cu_query_lens.tolist()
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    lse_out = torch.full(query.shape[:2], float("-inf"), dtype=torch.float64)
+    first = 1 if sink else 0
+    f = scale if soft_cap > 0 else scale * LOG2E
+    step = 128
+    for s in range(num_seqs):
+        n, q0, q1 = int(seq_lens[s]), starts[s], starts[s + 1]
+        nq = q1 - q0
+        if nq == 0:
+            continue
+        record = None
+        if seq_state is not None:
+            r = int(state_ids[s])
+            record = seq_state[r] if 0 <= r < seq_state.shape[0] else None
+        pos = torch.arange(n)
+        qpos = torch.arange(n - nq, n).repeat_interleave(gqa)
+        lo = (qpos - sliding_window + 1).clamp_min(0) if sliding_window > 0 else torch.zeros_like(qpos)
+        visible = (pos[None] <= qpos[:, None]) & (pos[None] >= lo[:, None]) & (pos[None] >= first)
+        blk = block_tables[s, pos // bs].long()
+        slot = pos % bs
+        for h in range(hkv):
+            if key_cache.dtype == torch.float8_e4m3fn:
+                k4 = key_cache[blk, h, slot].double()
+            else:
+                k4 = decode_e2m1(unpack_fp4(key_cache[blk, h, slot])).double()
+            v4 = decode_e2m1(unpack_fp4(value_cache[blk, h, slot])).double()
+            ks = key_scales[blk, slot, h].long()
+            vs = value_scales[blk, slot, h].long()
+            kdeq = k4 * decode_e8m0(ks.to(torch.uint8)).double()[:, None]
+            q = query[q0:q1, h * gqa:(h + 1) * gqa].float().reshape(nq * gqa, head)
+            qdm = torch.zeros(nq * gqa)
+            if seq_state is not None:
+                if record is None:  # a bad slot: NaN rows
+                    q = torch.full_like(q, float("nan"))
+                    qdm = torch.full_like(qdm, float("nan"))
+                else:
+                    qdm = (q.double() * record[h, KEY_CENTER].double()).sum(-1).float()
+                    q = q * record[h, KEY_SCALE]
+            if rotation_signs is not None:
+                q = rotate(q, rotation_signs)
+            x0 = torch.full((nq * gqa,), float("-inf"), dtype=torch.float64)
+            if sink:
+                k0 = record[h, SINK_KEY] if record is not None else torch.full((head,), float("nan"))
+                x0 = scale * ((q.double() @ k0.double()) + qdm.double())
+                if soft_cap > 0:
+                    x0 = soft_cap * torch.tanh(x0 / soft_cap)
+                x0 = x0 * LOG2E
+            qf = (q * f).double()
+            qs = torch.tensor([255 if torch.isnan(r).any() else _q_scale_byte(float(r.abs().max()))
+                               for r in qf])
+            hi = _e4m3(qf * torch.exp2(127.0 - qs.double())[:, None])
+            lo8 = _e4m3((qf * torch.exp2(127.0 - qs.double())[:, None] - hi) * 16) / 16
+            lo8 = torch.where((qs >= 4)[:, None], lo8, 0.0)
+            q8 = (hi + lo8) * torch.exp2(qs.double() - 127)[:, None]
+            q8[qs == 255] = float("nan")
+            x = q8 @ kdeq.T
+            qadd = (qdm.double() * f)
+            add_in_parts = soft_cap > 0 and seq_state is not None
+            if soft_cap > 0:
+                x = soft_cap * torch.tanh((x + (qadd[:, None] if add_in_parts else 0.0)) / soft_cap) * LOG2E
+            x = torch.where(visible, x, float("-inf"))
+            parts = []
+            for p0 in range(0, max(n, 1), partition_len):
+                m = torch.full((nq * gqa,), float("-inf"), dtype=torch.float64)
+                l = torch.zeros(nq * gqa, dtype=torch.float64)
+                o = torch.zeros(nq * gqa, head, dtype=torch.float64)
+                for t0 in range(p0, min(p0 + partition_len, n), step):
+                    sl = slice(t0, min(t0 + step, n))
+                    xs, vis = x[:, sl], visible[:, sl]
+                    mx = torch.where(vis, xs, float("-inf")).max(dim=1).values
+                    mx = torch.where(torch.isnan(mx), float("-inf"), mx)
+                    m_new = torch.maximum(m, mx)
+                    m_use = torch.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = torch.where(m == m_new, 1.0, torch.exp2(m - m_use))
+                    m = m_new
+                    e = torch.where(vis, torch.exp2(xs - m_use[:, None]), 0.0)
+                    l = l * alpha + e.sum(1)
+                    vsf = vs[sl].double()
+                    pw = torch.where(vis, e * torch.where(vsf == 255, float("nan"),
+                                                          torch.exp2(vsf - 127)), 0.0)
+                    pmax = pw.max(dim=1).values
+                    pexp = torch.where(pmax > 0, torch.floor(torch.log2(pmax)) + 1, 0.0)
+                    pexp = torch.where(torch.isnan(pmax), 0.0, pexp)
+                    pn = pw * torch.exp2(-pexp)[:, None]
+                    p8 = _e4m3_pair(pn)
+                    o = o * alpha[:, None] + (p8 @ v4[sl]) * torch.exp2(pexp)[:, None]
+                    nanrow = torch.isnan(pw).any(1)
+                    o[nanrow] = float("nan")
+                o = torch.where((l == 0)[:, None], 0.0, o / l[:, None])
+                # the partition holds some of the row's keys (the sink counts as position 0)
+                has = (visible[:, p0:p0 + partition_len].any(1) |
+                       ((lo == 0) & torch.tensor(bool(sink) and p0 == 0) & (qpos >= 0)))
+                parts.append((has, m, l, o.to(query.dtype).double()))
+            inc = torch.stack([hs for hs, _, _, _ in parts])
+            sees0 = (lo == 0) & torch.tensor(bool(sink)) & (qpos >= 0)
+            qadd_r = 0.0 if add_in_parts else qadd
+            mg = torch.stack([torch.where(hs, mm + qadd_r, float("-inf")) for hs, mm, _, _ in parts]).max(0).values
+            mg = torch.where(sees0, torch.maximum(mg, x0), mg)
+            if sinks is not None:
+                mg = torch.maximum(mg, sinks[h * gqa:(h + 1) * gqa].double().repeat(nq) * LOG2E)
+            mg_safe = torch.where(mg == float("-inf"), 0.0, mg)
+            num = torch.zeros(nq * gqa, head, dtype=torch.float64)
+            den = torch.zeros(nq * gqa, dtype=torch.float64)
+            for hs, mm, ll, t in parts:
+                w = torch.where(ll == 0, 0.0, ll * torch.exp2(mm + qadd_r - mg_safe))
+                num = num + torch.where(hs[:, None], w[:, None] * t, 0.0)
+                den = den + torch.where(hs, w, 0.0)
+            if sink:
+                v0 = record[h, SINK_VALUE].double() if record is not None else torch.full((head,), float("nan"))
+                w0 = torch.where(sees0, torch.exp2(x0 - mg_safe), 0.0)
+                num = num + w0[:, None] * v0[None]
+                den = den + w0
+            if sinks is not None:
+                den = den + torch.exp2(sinks[h * gqa:(h + 1) * gqa].double().repeat(nq) * LOG2E - mg_safe)
+            anyp = inc.any(0) | sees0
+            rows = torch.where(anyp[:, None], num / torch.where(anyp, den, 1.0)[:, None], 0.0)
+            row_lse = torch.where(anyp | torch.tensor(sinks is not None), (mg + torch.log2(den)) / LOG2E,
+                                  float("-inf"))
+            row_lse = torch.where(torch.isnan(rows[:, 0]), float("nan"), row_lse)
+            if rotation_signs is not None:
+                rows = unrotate(rows.float(), rotation_signs).double()
+            out[q0:q1, h * gqa:(h + 1) * gqa] = rows.view(nq, gqa, head)
+            lse_out[q0:q1, h * gqa:(h + 1) * gqa] = row_lse.view(nq, gqa)
+    if sinks is not None:
+        empty = torch.isneginf(lse_out)
+        lse_out = torch.where(empty, sinks.double()[None].expand_as(lse_out), lse_out)
+    out = out.to(query.dtype)
+    return (out, lse_out.float()) if return_lse else out
+
+
+def _emulate_gfx942(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_signs=None,
+            seq_state=None, state_ids=None, sink=False, cu_query_lens=None, sliding_window=0,
             sinks=None, return_lse=False, fnuz=False):
-    """fnuz: the gfx942 build's FP8 (E4M3FNUZ, Q scaled to 240). The kernel's arithmetic in float64 without any lane layout (FP4 or E4M3 keys times
+    """The gfx942 kernel's arithmetic (fnuz: its FP8, E4M3FNUZ, Q scaled to 240) in float64 without any lane layout (FP4 or E4M3 keys times
     their scale); the transforms in fp32 as
     the kernel does them (q' = rotate(q * lam); the sink as one more fp32 key of partition 0,
     merged by log-sum-exp for the rows that see position 0; each partition's output un-rotated
@@ -230,17 +405,17 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
             x[:, :first] = float("-inf")
             x = torch.where(visible, x, float("-inf"))
             parts = []
-            for p0 in range(0, n, PARTITION):
-                xs = x[:, p0:p0 + PARTITION]
+            for p0 in range(0, n, PARTITION_942):
+                xs = x[:, p0:p0 + PARTITION_942]
                 m = xs.max(dim=1).values
                 m_safe = torch.where(m == float("-inf"), 0.0, m)  # no FP4 token: l = 0
                 l = torch.exp(xs - m_safe[:, None]).sum(dim=1)
-                y = xs * LOG2E + (vs[p0:p0 + PARTITION].double() - 127)[None]
+                y = xs * LOG2E + (vs[p0:p0 + PARTITION_942].double() - 127)[None]
                 ytop = torch.ceil(y.max(dim=1).values)
                 p8 = _e4m3_pair(torch.exp2(y - torch.where(ytop == float("-inf"), 0.0, ytop)[:, None]), fnuz)
                 tpow = ytop - m * LOG2E
                 ip = torch.floor(tpow).nan_to_num(0.0).clamp(-127, 127)
-                acc = (p8 @ v4[p0:p0 + PARTITION]) * torch.exp2(ip)[:, None]
+                acc = (p8 @ v4[p0:p0 + PARTITION_942]) * torch.exp2(ip)[:, None]
                 live = ~(l == 0)  # a NaN l stays NaN, as in the kernel
                 o = torch.where(live[:, None], acc * (torch.exp2(tpow - ip) / l)[:, None], 0.0)
                 if sink and p0 == 0:
@@ -258,10 +433,10 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
                 if rotation_signs is not None:
                     o = unrotate(o.float(), rotation_signs).double()
                 tmp = o.to(query.dtype).double()
-                vnan = (visible[:, p0:p0 + PARTITION] & (vs[p0:p0 + PARTITION] == 255)[None]).any(1)
+                vnan = (visible[:, p0:p0 + PARTITION_942] & (vs[p0:p0 + PARTITION_942] == 255)[None]).any(1)
                 tmp[vnan] = float("nan")
                 # the partition holds some of the row's keys (the sink counts as position 0)
-                has = (visible[:, p0:p0 + PARTITION].any(1) |
+                has = (visible[:, p0:p0 + PARTITION_942].any(1) |
                        ((lo == 0) & torch.tensor(p0 == 0)))
                 parts.append((has, m, l, tmp))
             rows = torch.zeros(nq * gqa, head, dtype=torch.float64)
