@@ -13,6 +13,10 @@ ROCm/hipify_torch that every PyTorch ships). The result is compiled
   work-items as fibers in 64-lane wavefronts (HIP's shuffle semantics), so the translated
   kernel can be compared byte for byte with the reference writer (tests/test_hip_writer.py).
 
+The AITER patch ships the same hipified sources (``aiter_sources``: renamed with a ``tq_``
+prefix, their includes following) beside a template from which AITER's JIT builds
+``aiter.reshape_and_cache_fp4``, the aiter backend's cache writer.
+
 What hipify cannot translate the CUDA source avoids (see the note in cache_writer.cuh): the
 writer includes no PTX, its shuffles go through one wrapper with a HIP form, and
 ``check_translation`` fails the build if a CUDA-only name survives.

@@ -264,8 +264,9 @@ def writer_sources() -> dict[str, bytes]:
                          "turboquant")
     try:
         return hip_writer.aiter_sources()
-    except (ImportError, RuntimeError) as e:
-        raise PatchError(f"hipifying turboquant's cache writer failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 - hipify-torch's failures are reasons, not crashes
+        raise PatchError(f"hipifying turboquant's cache writer failed: {type(e).__name__}: "
+                         f"{e}") from None
 
 
 def new_files(layout: Layout) -> dict[Path, bytes]:
