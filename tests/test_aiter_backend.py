@@ -471,8 +471,18 @@ def test_cache_write_routes_to_the_aiter_op(monkeypatch):
     assert kwargs.keys() == {"rotation_signs", "seq_state", "state_ids"}
     assert kwargs["rotation_signs"] is w.rotation_signs and kwargs["seq_state"] is w.seq_state
     assert kwargs["state_ids"] is w.state_ids and w.seq_state is not None
-    # the op's schema and fake implementation exist without ROCm (torch.compile traces it)
+    # the op's schema and fake implementation exist without ROCm (torch.compile traces it):
+    # under fake tensors the call runs the fake implementation, not aiter
     assert "Tensor(a!) key_cache" in str(torch.ops.turboquant.reshape_and_cache_fp4_aiter.default._schema)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from turboquant.api import cache_write_op_args
+
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                     for a in cache_write_op_args(w)]
+        torch.ops.turboquant.reshape_and_cache_fp4_aiter(*fake_args)
+    assert len(calls) == 1
 
 
 @pytest.mark.gfx950
