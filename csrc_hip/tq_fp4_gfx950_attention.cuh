@@ -44,6 +44,12 @@
 
 #include "tq_fp4_paged_attention.cuh"
 
+// The ISA model's hot-path build (benchmarks/isa_model.py) defines this as __builtin_assume:
+// the count of a step where every row sees all 128 tokens and no soft cap is set.
+#ifndef TQ_HOT_PATH_ASSUME
+#define TQ_HOT_PATH_ASSUME(cond)
+#endif
+
 namespace tq {
 namespace gfx950 {
 
@@ -295,6 +301,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
       return (int64_t(blk) * BLOCK_SIZE + (t0 + kTile * j) % BLOCK_SIZE + r) * num_kv_heads + kvh;
     };
     const bool full = t0 >= all_lo && t0 + kStep <= all_hi;
+    TQ_HOT_PATH_ASSUME(full && !(logits_soft_cap > 0.0f));
     auto served = [&](int pos) { return pos >= kv_lo && pos < tile_keys.hi; };
     auto visible = [&](int pos) { return uint32_t(pos - row_lo) < row_n; };
 
@@ -405,28 +412,31 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
         smax = fmax_f32(smax, p);
       }
     }
-    // P' = pw * 2^-E <= 1 with E the exponent of the row's largest pw; the PV scale byte is
-    // vb + E (pw = e * 2^(vs - vb)). A NaN anywhere in the row's pw makes its bytes NaN.
-    float pnan = 0.0f;
-    for (int j = 0; j < kTilesPerStep; ++j)
-      for (int i = 0; i < 4; ++i) pnan = pw[j][i] == pw[j][i] ? pnan : 1.0f;
+    // P' = pw / 2^E < 1 with E the exponent of the row's largest pw (at least -127, the
+    // smallest E8M0 scale), as two E4M3 terms hi + lo / 16 converted with E as the conversion's
+    // scale; the PV scale byte is vb + E (pw = e 2^(vs - vb)). A NaN pw (a NaN V scale the row
+    // sees) becomes the NaN byte, and the row's output NaN. A step whose scale byte would fall
+    // below 1 (its P under 2^-126 of the output's units) is dropped: converted with 2^127.
     smax = row_max(smax);
-    pnan = row_max(pnan);
     const int vb = int(vbf);
-    int pexp = smax > 0.0f ? frexp_exp_f32(smax) : 0;
-    pexp = min_i32(pexp, 254 - vb);
-    const int pscale_raw = vb + pexp;
-    // Below 2^-126 of the output's units a step's P is dropped (pscale would leave E8M0).
+    const int pexp = smax > 0.0f ? max_i32(frexp_exp_f32(smax), -kE8m0One) : 0;
+    const int pscale_raw = vb + min_i32(pexp, 254 - vb);
     const bool pdrop = pscale_raw < 1;
-    const int pscale = pnan > 0.0f ? 255 : (pdrop ? kE8m0One : pscale_raw);
+    const int cscale = pdrop ? 254 : kE8m0One + min_i32(pexp, 254 - vb);  // conversion's E8M0
+    const int pscale = pdrop ? kE8m0One : pscale_raw;
     const int pscale_lo = lo_scale_byte(pscale);
     i32x8 phi, plo;
     for (int j = 0; j < kTilesPerStep; ++j) {
-      float pv[4];
-      for (int i = 0; i < 4; ++i) pv[i] = pdrop ? 0.0f : ldexp_f32(pw[j][i], -pexp);
-      const E4m3Split s = split_e4m3x4(pv[0], pv[1], pv[2], pv[3]);
-      phi[j] = int(s.hi);
-      plo[j] = pscale >= 4 ? int(s.lo) : 0;
+      uint32_t hi = 0, lo = 0;
+      for (int h = 0; h < 2; ++h) {
+        hi = cvt_scaled_pk_e4m3(pw[j][2 * h], pw[j][2 * h + 1], cscale, hi, h == 1);
+        float back[2];
+        cvt_scaled_pk_f32_e4m3(hi, cscale, h == 1, back);
+        lo = cvt_scaled_pk_e4m3(pw[j][2 * h] - back[0], pw[j][2 * h + 1] - back[1],
+                                max_i32(cscale - 4, 0), lo, h == 1);
+      }
+      phi[j] = int(hi);
+      plo[j] = (pscale >= 4 && cscale >= 4) ? int(lo) : 0;  // the lo term's scales exist
     }
 
     // PV: O^T[element][row] += V^T P^T per 16-element output tile.

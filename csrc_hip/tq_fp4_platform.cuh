@@ -180,6 +180,19 @@ inline void unpack_e4m3x4(uint32_t w, float out[4]) {
 inline uint64_t lds_read_tr4_b64(const uint8_t* p) { return sim::lds_read_tr_b64(p, 4); }
 inline uint64_t lds_read_tr8_b64(const uint8_t* p) { return sim::lds_read_tr_b64(p, 8); }
 
+// v_cvt_scalef32_pk_fp8_f32: two floats divided by 2^(e8 - 127) (exact exponent arithmetic),
+// rounded to E4M3 (NaN and |x| > 464 give sign | 0x7F), into the low or high half of old.
+inline uint32_t cvt_scaled_pk_e4m3(float a, float b, int e8, uint32_t old, bool hi) {
+  const uint32_t w = f32_to_e4m3(ldexpf(a, 127 - e8)) | (f32_to_e4m3(ldexpf(b, 127 - e8)) << 8);
+  return hi ? (old & 0xFFFFu) | (w << 16) : (old & 0xFFFF0000u) | w;
+}
+// v_cvt_scalef32_pk_f32_fp8: the low (hi = false) or high two E4M3 bytes of src times 2^(e8 - 127).
+inline void cvt_scaled_pk_f32_e4m3(uint32_t src, int e8, bool hi, float out[2]) {
+  const uint32_t h = hi ? src >> 16 : src;
+  out[0] = ldexpf(e4m3_to_f32(h & 0xFF), e8 - 127);
+  out[1] = ldexpf(e4m3_to_f32((h >> 8) & 0xFF), e8 - 127);
+}
+
 inline float exp2_f32(float x) { return exp2f(x); }
 inline float exp2_fast(float x) { return exp2f(x); }
 inline float log2_f32(float x) { return log2f(x); }
@@ -289,6 +302,33 @@ TQ_HD uint64_t lds_read_tr8_b64(const uint8_t* p) {
   const i32x2 v = __builtin_amdgcn_ds_read_tr8_b64_v2i32(
       (__attribute__((address_space(3))) i32x2*)(p));
   return uint64_t(uint32_t(v[0])) | uint64_t(uint32_t(v[1])) << 32;
+#else
+  __builtin_trap();
+#endif
+}
+
+// v_cvt_scalef32_pk_fp8_f32 / v_cvt_scalef32_pk_f32_fp8 (gfx950): the scale operand is a float
+// whose exponent field alone counts (the E8M0 byte e8 in bits 23..30); the conversion to E4M3
+// divides by 2^(e8 - 127), the conversion back multiplies. CDNA4 ISA.
+typedef short i16x2 __attribute__((vector_size(4)));
+TQ_HD uint32_t cvt_scaled_pk_e4m3(float a, float b, int e8, uint32_t old, bool hi) {
+#if TQ_GFX950
+  const float sc = __builtin_bit_cast(float, uint32_t(e8) << 23);
+  const i16x2 r = hi ? __builtin_amdgcn_cvt_scalef32_pk_fp8_f32(__builtin_bit_cast(i16x2, old), a, b, sc, true)
+                     : __builtin_amdgcn_cvt_scalef32_pk_fp8_f32(__builtin_bit_cast(i16x2, old), a, b, sc, false);
+  return __builtin_bit_cast(uint32_t, r);
+#else
+  __builtin_trap();
+#endif
+}
+TQ_HD void cvt_scaled_pk_f32_e4m3(uint32_t src, int e8, bool hi, float out[2]) {
+#if TQ_GFX950
+  typedef float f32x2v __attribute__((ext_vector_type(2)));
+  const float sc = __builtin_bit_cast(float, uint32_t(e8) << 23);
+  const f32x2v r = hi ? __builtin_amdgcn_cvt_scalef32_pk_f32_fp8(src, sc, true)
+                      : __builtin_amdgcn_cvt_scalef32_pk_f32_fp8(src, sc, false);
+  out[0] = r.x;
+  out[1] = r.y;
 #else
   __builtin_trap();
 #endif

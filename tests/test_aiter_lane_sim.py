@@ -286,9 +286,10 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
                                                           torch.exp2(vsf - 127)), 0.0)
                     pmax = pw.max(dim=1).values
                     pexp = torch.where(pmax > 0, torch.floor(torch.log2(pmax)) + 1, 0.0)
-                    pexp = torch.where(torch.isnan(pmax), 0.0, pexp)
+                    pexp = torch.where(torch.isnan(pmax), 0.0, pexp).clamp_min(-127)
                     pn = pw * torch.exp2(-pexp)[:, None]
-                    p8 = _e4m3_pair(pn)
+                    hi = _e4m3(pn)
+                    p8 = hi + torch.where((pexp >= -123)[:, None], _e4m3((pn - hi) * 16) / 16, 0.0)
                     o = o * alpha[:, None] + (p8 @ v4[sl]) * torch.exp2(pexp)[:, None]
                     nanrow = torch.isnan(pw).any(1)
                     o[nanrow] = float("nan")
