@@ -6,6 +6,8 @@
     python benchmarks/isa_model.py --cuda-src DIR        # another copy of csrc_cuda (e.g. HEAD's)
     python benchmarks/isa_model.py --compute-bound cb_out/compute_bound.json
                                   # also the model with compute_bound_check.py's measured clocks
+    python benchmarks/isa_model.py --no-cuda --json amd.json
+                                  # the AMD part alone; its per-path figures as JSON too
 
 Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source; one constant
 (the overlap exponent k) is fitted, on one named row (`OVERLAP_TRAIN_ROW`).
@@ -28,8 +30,11 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
       16 tokens x (64 K + 64 V code bytes + 2 scale bytes) = 2080 (FP4, D 128, one kv head);
       K8V4: 16 x (128 + 64 + 2) = 3104.
 
-    AMD, per SIMD (4 per CU; one workgroup = 4 waves, one per SIMD; a partition is 256 tokens,
-    64 per wave, so a wave's whole partition body is 4 tiles and is divided by 4):
+    AMD, per SIMD (4 per CU). Each wave's instructions for some number of its tiles, divided by
+    that number (`tiles_per_wave`): the gfx950 kernel's step loop (one wave, 128 tokens = 8
+    tiles), gfx942's partition body (4 waves per workgroup, 256 tokens, 64 = 4 tiles per wave),
+    AITER's kernels as benchmarks/aiter_anchor.py counts them. Every SIMD runs its own waves, so
+    per CU = per SIMD / 4:
       valu   = VALU x 4 clk: a CDNA SIMD is 16 lanes wide, a wave64 instruction takes 4 clocks
                (MI355X's 157.3 TFLOP/s fp32 vector = 256 CU x 4 SIMD x 16 lanes x 2 (FMA) x
                2 (packed v_pk_*) x 2.4 GHz; MI300X: "Vector FP32 256 FLOPS/clock/CU", "Vector
@@ -65,8 +70,29 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
     config's Q/O transforms.
   predicted % of bandwidth = the bench's bytes / (predicted call time x measured bandwidth),
   the bench's own definition, so it compares with the measured rows one to one.
-  The AMD rows are the steady-state tile (part 1 with the same smooth max and k): no AMD call
-  has been timed, so no AMD fixed costs are known.
+
+3. One call on AMD (`amd_call`), for the one table of issue 38 (`amd_table`): our gfx950 call
+  (pre-pass, partition kernel, reduce: 3 launches; one wave per (sequence, partition, kv head),
+  partitions from the launcher's plan, `partition_len`), gfx942's old kernel and AITER's pa_v1
+  (partition kernel + reduce: 2 launches, 256-token partitions, 4 waves per workgroup) and
+  AITER's asm kernel (1 launch, no split of the context: one workgroup of 4 waves per
+  (sequence, kv head) streams the whole context; at batch B only 8 B workgroups work). Nothing
+  AMD has been timed, so the fixed costs are ASSUMPTIONS taken from public sources (the fields
+  of `MI355X`): a kernel launch inside a HIP graph, the DRAM round trip. Workgroups run in
+  rounds of (CUs x SIMDs x waves per SIMD / waves per workgroup); in a round of n waves, w per
+  SIMD, each wave's step of S tiles takes
+      max(w x issue(step),  n x step bytes / HBM bandwidth,  latency term)
+    latency term = latency + issue(step) when the step loop drains its loads (a vmcnt(0) wait in
+    the loop: nothing of the next step is in flight), else Little's law, step bytes / (bytes the
+    wave keeps in flight / latency) (AITER's asm loop waits vmcnt(15) at most: 15 16-byte loads
+    per lane stay in flight). That last term is what holds the asm kernel at small batch: a
+    workgroup's streaming rate, not the GPU's bandwidth. Per workgroup also: its dependent round
+    trips before streaming (Q, the block table) and its instructions outside the loop; per call:
+    launches, the pre-pass's round trips, the reduce's (ours and gfx942's: serial chunks of 8
+    partitions, 2 loops x ceil(partitions / 8) round trips; pa_v1's: all maxima and sums at
+    once, then chunks of 64 partitions) and the partials' bytes. The dependency factor (the
+    H100's measured 1.4-1.5x of the instruction count) multiplies every kernel's issue time in
+    the sensitivity rows, AITER's included. The per-tile rows (part 1) use the throughput max().
 
 What the model leaves out: the DRAM's own efficiency (the measured read bandwidth is the
 100 % line), L2/TLB effects (the over-fetch of the scale bytes' 32-byte sectors is shown as a
@@ -82,11 +108,17 @@ Which instructions belong to a tile:
     tanh, off in the benchmarks), and a branch right after VOTE.ANY (the lazy-rescale vote:
     some lane needs the slow path) is not taken; any other region is executed. Every loop
     iteration is one 16-token tile of one warp.
-  AMD: the partition kernel has no tile loop (4 tiles per wave, unrolled); every
-    instruction of the body is counted once, the bodies of its loops (Q staging, V decode,
-    output rows) times their trip counts (from the source at HEAD 128, GQA 8), both sides of
-    every forward branch included (an upper bound of a path; the branches are short). gfx942
-    compiles the same source (TQ_GFX942: LUT path only) with the same five loops.
+  gfx950 (tq_fp4_gfx950_attention.cuh): benchmarks/isa_hot_path.hip compiled with
+    TQ_HOT_PATH_ASSUME(c) defined as __builtin_assume(c): the kernel assumes there that the step
+    is full (every row sees its 128 tokens) and no soft cap is set, so the compiler drops the
+    edge and soft-cap code and the one loop left is the hot path; every instruction of it is
+    counted once per step (the exec-masked loads in it run on the hot path). The same file
+    without the assumption gives "all paths" (the whole loop range, every branch side).
+  gfx942 (the old kernel, tq_fp4_paged_attention.cuh, LUT path): the partition kernel has no
+    tile loop (4 tiles per wave, unrolled); every instruction of the body is counted once, the
+    bodies of its loops (Q staging, V decode, output rows) times their trip counts (from the
+    source at HEAD 128, GQA 8), both sides of every forward branch included (an upper bound of
+    a path; the branches are short).
 """
 from __future__ import annotations
 
@@ -102,6 +134,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -650,6 +683,24 @@ class MI355X:
     lds_bytes_per_clk: float = 128.0
     waves_per_partition: int = 4
     tiles_per_wave: int = 4    # 64 tokens per wave per 256-token partition
+    # Waves a SIMD holds at once, at most, and the VGPRs it shares among them (gfx90a and later:
+    # 512 per lane, architectural and accumulation registers together; a wave of 256 VGPRs
+    # leaves room for one more): the occupancy of a kernel known only by its register count.
+    max_waves_per_simd: int = 8
+    vgprs_per_simd: int = 512
+    # Fixed costs of one call (`amd_call`). ASSUMPTIONS: nothing AMD has been timed here.
+    # A dependent kernel launch inside a HIP graph, dispatch to dispatch: 3.9 us, the GPU time
+    # per node of a replayed graph of serialized tiny kernels (ROCm/rocm-systems#10834, ROCm
+    # 7.14: 3.865 us per node over 941 nodes; measured on gfx1100, no CDNA figure found: the
+    # same AQL dispatch path assumed). For scale, facebookexperimental/triton#2040 timed a
+    # two-launch split-KV decode on gfx950 (64/8/128, bf16 KV) at 13.9 us for 1 x 1k, whose KV
+    # takes 0.5 us at 8 TB/s (AITER's there: 23.4 us).
+    launch_us: float = 3.9
+    # One dependent DRAM round trip: 0.36 us, gfx950's pointer-chase latency (idle) in
+    # facebookexperimental/triton's AMDLatencyModel.h ("GLOBAL latency=790 is MEASURED ...
+    # pointer-chase ~360 ns x 2.2 GHz"); under load it is longer, so the small shapes, where it
+    # counts, are optimistic for every kernel alike.
+    dram_latency_us: float = 0.36
     name: str = "MI355X"
 
 
@@ -667,6 +718,7 @@ class MI300X(MI355X):
     # 4096 / 4 SIMDs = 1024 FLOP/clk/SIMD
     mfma_fp8_clk: float = 16.0
     mfma_fp4_clk: float = float("nan")  # no FP4 MFMA on gfx942
+    # launch_us and dram_latency_us: MI355X's (assumed the same; no MI300X figure either)
     name: str = "MI300X"
 
 
@@ -719,28 +771,75 @@ def cuda_sass(nvcc: str, cuobjdump: str, src_dir: Path | None = None) -> str:
     return out.read_text()
 
 
+def _hip_flags(arch: str) -> list[str]:
+    """clang-22's flags for device assembly (those of tests/test_aiter_isa.py)."""
+    return ["-x", "hip", f"--offload-arch={arch}", "--offload-device-only", "-nogpulib",
+            "-nogpuinc", "-O3", "-std=c++20", "-S"]
+
+
 def hip_asm(clang: str, src_dir: Path | None = None, arch: str = "gfx950") -> str:
-    """AMDGCN assembly of csrc_hip/tq_fp4_gfx950_isa_check.hip for `arch` (flags of
-    tests/test_aiter_isa.py; gfx942 is the same translation unit, TQ_GFX942 set by the arch),
-    cached by the sources' hash. src_dir: another copy of csrc_hip (e.g. from `git show`)."""
+    """AMDGCN assembly of csrc_hip/tq_fp4_gfx950_isa_check.hip for `arch` (gfx942 is the same
+    translation unit, TQ_GFX942 set by the arch), cached by the sources' hash. src_dir: another
+    copy of csrc_hip (e.g. from `git show`)."""
     d = Path(src_dir or ROOT / "csrc_hip")
     srcs = [p for p in d.glob("*") if p.is_file()]
     out = _cache_dir() / (f"hip_{_digest(srcs)}.s" if arch == "gfx950" else f"hip_{arch}_{_digest(srcs)}.s")
     if not out.exists():
-        subprocess.run([clang, "-x", "hip", f"--offload-arch={arch}", "--offload-device-only",
-                        "-nogpulib", "-nogpuinc", "-O3", "-std=c++20", "-S", f"-I{d}", "-o",
-                        str(out), str(d / "tq_fp4_gfx950_isa_check.hip")], check=True)
+        subprocess.run([clang, *_hip_flags(arch), f"-I{d}", "-o", str(out),
+                        str(d / "tq_fp4_gfx950_isa_check.hip")], check=True)
     return out.read_text()
 
 
-def hip_partition_body(asm: str, native: bool, key_e4m3: bool = False) -> str:
+GFX950_SOURCE = "tq_fp4_gfx950_attention.cuh"
+HOT_PATH_TU = ROOT / "benchmarks" / "isa_hot_path.hip"
+HOT_PATH_DEFINE = "-DTQ_HOT_PATH_ASSUME(c)=__builtin_assume(c)"
+# A use of the hook in code (not its #define, not a comment)
+_HOOK_USE = re.compile(r"^(?!\s*(#|//)).*\bTQ_HOT_PATH_ASSUME\(", re.M)
+
+
+def hip_hot_path_asm(clang: str, src_dir: Path | None = None, hot: bool = True) -> str:
+    """gfx950 assembly of benchmarks/isa_hot_path.hip (the gfx950 partition kernel, native, LUT
+    and K8V4): hot=True with the hook TQ_HOT_PATH_ASSUME defined as __builtin_assume (the hot
+    path), False without it (all paths). Cached by the sources' hash. src_dir: another copy of
+    csrc_hip."""
+    d = Path(src_dir or ROOT / "csrc_hip")
+    if hot and not _HOOK_USE.search((d / GFX950_SOURCE).read_text()):
+        raise ValueError(f"{d / GFX950_SOURCE} does not use TQ_HOT_PATH_ASSUME: its hot-path "
+                         "build would count every path")
+    srcs = [p for p in d.glob("*") if p.is_file()] + [HOT_PATH_TU]
+    out = _cache_dir() / f"hip_hot_{'assume' if hot else 'all'}_{_digest(srcs)}.s"
+    if not out.exists():
+        subprocess.run([clang, *_hip_flags("gfx950"), *([HOT_PATH_DEFINE] if hot else []),
+                        f"-I{d}", "-o", str(out), str(HOT_PATH_TU)], check=True)
+    return out.read_text()
+
+
+def source_constant(name: str, src_dir: Path | None = None) -> int:
+    """The value of `constexpr int <name> = <n>;` in csrc_hip's headers (exactly one)."""
+    d = Path(src_dir or ROOT / "csrc_hip")
+    found = {int(m.group(1)) for p in sorted(d.glob("*.cuh"))
+             for m in re.finditer(rf"constexpr int {name} = (\d+);", p.read_text())}
+    if len(found) != 1:
+        raise ValueError(f"constexpr int {name}: {sorted(found) or 'not found'} in {d}")
+    return found.pop()
+
+
+def decode_kernel(asm: str, kernel: str, native: bool, key_e4m3: bool = False) -> dict:
+    """The decode instantiation <..., NATIVE = native, MULTI_TOKEN = false, KEY_E4M3 =
+    key_e4m3> of the kernel whose mangled name contains `kernel`: tests/test_aiter_isa.py's
+    {'body', 'stats', 'meta'} entry."""
     from test_aiter_isa import kernels
     tag = f"ELb{int(native)}ELb0ELb{int(key_e4m3)}EEEv"
     ks = kernels(asm)
-    names = [n for n in ks if "partition_kernel" in n and tag in n]
+    names = [n for n in ks if kernel in n and tag in n]
     if len(names) != 1:
-        raise ValueError(f"partition kernel {tag}: {names}")
-    return ks[names[0]]["body"]
+        raise ValueError(f"{kernel} {tag}: {names}")
+    return ks[names[0]]
+
+
+def hip_partition_body(asm: str, native: bool, key_e4m3: bool = False) -> str:
+    """The old kernel's (tq_fp4_paged_attention.cuh) decode partition kernel body."""
+    return decode_kernel(asm, "partition_kernel", native, key_e4m3)["body"]
 
 
 # Trip counts of the partition kernel's outermost loops at HEAD 128, GQA 8, decode, in order:
@@ -1010,10 +1109,9 @@ def cuda_report(sass: str, hw: H100 = H100(),
     return "\n".join(lines), res
 
 
-HIP_PATHS = [  # (label, arch, native, K8V4 keys, GPU constants)
-    ("gfx950 native FP4", "gfx950", True, False, MI355X()),
-    ("gfx950 LUT", "gfx950", False, False, MI355X()),
-    ("gfx950 K8V4 native", "gfx950", True, True, MI355X()),
+# The old kernel (tq_fp4_paged_attention.cuh), which stays the gfx942 kernel: (label, arch,
+# native, K8V4 keys, GPU constants). gfx950 runs tq_fp4_gfx950_attention.cuh (`gfx950_paths`).
+HIP_PATHS = [
     ("gfx942 LUT", "gfx942", False, False, MI300X()),
 ]
 
@@ -1024,8 +1122,8 @@ def hip_report(asms, hw: MI355X | None = None, k: float = math.inf) -> tuple[str
     exponent fitted on the cuda side (inf: the throughput-only max)."""
     if isinstance(asms, str):
         asms = {"gfx950": asms}
-    lines = ["## AMD partition kernels (decode, bf16, HEAD 128, block 16, GQA 8): gfx950 on "
-             "MI355X, gfx942 on MI300X", "",
+    lines = ["## The old partition kernel (tq_fp4_paged_attention.cuh; decode, bf16, HEAD 128, "
+             "block 16, GQA 8): gfx942 on MI300X", "",
              "per wave and 256-token partition (= 4 tiles per wave); per-tile = / 4", ""]
     res = {}
     cols = AMD_CLASSES + ["valu_packed", "vmcnt0", "total", "lds_bytes"]
@@ -1095,37 +1193,400 @@ def steady_valu_pct(r: dict, hw: MI355X = MI355X(), k: float = math.inf) -> floa
     return predict_pct(cu_clk, hw.clock_ghz, r["tile_bytes"], hw.bw_gbs, hw.cus, k)["pct"]
 
 
+# ----------------------------------------------------------------------------------------------
+# AMD: the gfx950 kernel, AITER's kernels and one call of each (issue 38's one table)
+# ----------------------------------------------------------------------------------------------
+# (JSON name, label, NATIVE, KEY_E4M3) of the gfx950 partition kernel's decode specializations
+GFX950_PATHS = [("gfx950_fp4_native", "gfx950 native FP4", True, False),
+                ("gfx950_fp4_lut", "gfx950 LUT", False, False),
+                ("gfx950_k8v4", "gfx950 K8V4", True, True)]
+KV_HEADS, Q_HEADS, HEAD = 8, 64, 128   # the table's shape: 64 query heads, 8 kv heads, head 128
+TABLE_SHAPES = [(b, ctx) for ctx in (4096, 32768) for b in (1, 16, 64, 128)]
+# The H100's measured instruction-bound time over its throughput count (compute_bound_check.py;
+# benchmarks/results/isa-model-2026-11-24c.md: K8V4 1.40x, FP4 1.49x): the low end here, the
+# high end is aiter_anchor.DEPENDENCY_FACTOR (1.5).
+DEPENDENCY_FACTOR_LOW = 1.4
+PLAN_FILE = ROOT / "turboquant" / "integration" / "aiter" / "files" / "pa_fp4_plan.py"
+
+
+def _partition_len_copy(row_tiles: int, num_kv_heads: int, max_seq_len: int, num_cus: int) -> int:
+    """LOCAL COPY of the launcher's plan (pa_fp4_plan.partition_len), used only while
+    turboquant/integration/aiter/files/pa_fp4_plan.py does not exist; tests/test_isa_model.py
+    checks it against that file when it does. The largest 128 x 2^k <= 2048 tokens that still
+    gives row_tiles x num_kv_heads x ceil(max_seq_len / P) >= 2 waves x 4 SIMDs x num_cus waves,
+    else 128."""
+    for p in (2048, 1024, 512, 256, 128):
+        if row_tiles * num_kv_heads * -(-max_seq_len // p) >= 2 * 4 * num_cus:
+            return p
+    return 128
+
+
+def partition_len() -> Callable[[int, int, int, int], int]:
+    """The launcher's partition_len(row_tiles, num_kv_heads, max_seq_len, num_cus): imported by
+    path from pa_fp4_plan.py (a dependency-free module) when it exists, else the local copy."""
+    if not PLAN_FILE.exists():
+        return _partition_len_copy
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pa_fp4_plan", PLAN_FILE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.partition_len
+
+
+@dataclasses.dataclass
+class AmdPath:
+    """One row of the AMD table: a kernel's counts and what one call of it does (`amd_call`)."""
+    label: str
+    hw: MI355X
+    tile_bytes: int
+    step: Counter              # one wave's instructions for one step of `tiles_per_step` tiles
+    tiles_per_step: int
+    once: Counter              # one wave's instructions outside the step, once per workgroup
+    mfma_clk: float            # SIMD clocks of one of its MFMA instructions
+    waves_per_wg: int
+    occupancy: int             # waves per SIMD at once
+    launches: int              # kernel launches per call
+    wg_step_tokens: int        # tokens a workgroup advances per step
+    partition: Callable[[int, int, int, int], int] | None  # partition_len's signature; None: no split
+    prologue_trips: int        # dependent DRAM round trips before a workgroup's first step
+    in_flight_bytes: int       # a wave's bytes in flight across steps; 0: each step drains its loads
+    prepass_trips: int = 0     # round trips of a pre-pass kernel (its launch is in `launches`)
+    reduce: tuple[int, int, int] = (0, 0, 0)  # round trips: base + per_chunk x ceil(partitions / chunk)
+    all_paths: Counter | None = None  # gfx950: the step loop without the hot-path assumption
+    stats: dict = dataclasses.field(default_factory=dict)
+
+    def cycles(self, counts: Counter | None = None) -> dict:
+        """amd_tile_cycles of one step's counts (or `counts` for the same tiles), per tile."""
+        hw = dataclasses.replace(self.hw, tiles_per_wave=self.tiles_per_step)
+        return amd_tile_cycles(self.step if counts is None else counts, hw, self.mfma_clk)
+
+    def hbm_clk(self) -> float:
+        """CU clocks of one tile's bytes at the CU's share of HBM bandwidth."""
+        return self.tile_bytes / (self.hw.bw_gbs / self.hw.cus) * self.hw.clock_ghz
+
+
+def simd_issue_clocks(c: Counter, hw: MI355X, mfma_clk: float) -> float:
+    """Clocks one wave's instructions `c` hold its SIMD: the largest per-SIMD limit of
+    amd_tile_cycles (the CU-wide LDS bandwidth left out)."""
+    lim = amd_tile_cycles(c, dataclasses.replace(hw, tiles_per_wave=1), mfma_clk)["limits_cu"]
+    return max(v for k, v in lim.items() if k != "lds_bw") * hw.simds
+
+
+def loads_in_flight_bytes(loop) -> int:
+    """Bytes a wave keeps in flight across the iterations of a loop ([(op, operands)]): 0 if
+    the loop waits for all its loads (vmcnt(0)), else its deepest s_waitcnt vmcnt(N) x one
+    16-byte load per lane."""
+    waits = [int(m.group(1)) for op, rest in loop if op == "s_waitcnt"
+             for m in [re.search(r"vmcnt\((\d+)\)", rest)] if m]
+    return 0 if not waits or min(waits) == 0 else max(waits) * 64 * 16
+
+
+def amd_call(p: AmdPath, batch: int, context: int, dep: float = 1.0) -> dict:
+    """Predicted time of one decode call (module docstring, part 3), us, at `batch` sequences of
+    `context` tokens, 64/8/128; dep multiplies every instruction time (the dependency factor)."""
+    hw = p.hw
+    lat = hw.dram_latency_us * 1e3                                   # ns
+    part = p.partition(batch, KV_HEADS, context, hw.cus) if p.partition else context
+    nparts = -(-context // part)
+    wgs = batch * KV_HEADS * nparts
+    steps = -(-min(part, context) // p.wg_step_tokens)
+    issue = simd_issue_clocks(p.step, hw, p.mfma_clk) * dep / hw.clock_ghz   # ns per step
+    once = simd_issue_clocks(p.once, hw, p.mfma_clk) * dep / hw.clock_ghz if p.once else 0.0
+    step_bytes = p.tiles_per_step * p.tile_bytes                     # one wave's
+    slots = hw.cus * hw.simds * p.occupancy // p.waves_per_wg
+    full, rest = divmod(wgs, slots)
+    stream, first = 0.0, None
+    for n, times in ((slots, full), (rest, 1 if rest else 0)):
+        if not times:
+            continue
+        waves = n * p.waves_per_wg
+        w = -(-waves // (hw.cus * hw.simds))                         # waves per busy SIMD
+        terms = {"issue": w * issue, "HBM": waves * step_bytes / hw.bw_gbs,
+                 "latency": step_bytes * lat / p.in_flight_bytes if p.in_flight_bytes
+                 else lat + issue}
+        first = first or terms
+        stream += times * (p.prologue_trips * lat + w * once + steps * max(terms.values()))
+    base, chunk, per_chunk = p.reduce
+    partials = batch * Q_HEADS * nparts * (HEAD * 2 + 8)             # bf16 O, fp32 m and l
+    fixed = {"launches": p.launches * hw.launch_us * 1e3,
+             "pre-pass": p.prepass_trips * lat,
+             "reduce": (base + per_chunk * -(-nparts // chunk)) * lat + 2 * partials / hw.bw_gbs
+             if chunk else 0.0}
+    total = stream + sum(fixed.values())
+    kv = batch * context * KV_HEADS * p.tile_bytes / TILE_TOKENS
+    return {"partition": part, "nparts": nparts, "workgroups": wgs, "rounds": full + (rest > 0),
+            "terms": first, "bound": max(first, key=first.get), "stream_us": stream / 1e3,
+            "fixed_us": {k: v / 1e3 for k, v in fixed.items()}, "total_us": total / 1e3,
+            "pct": 100.0 * kv / total / hw.bw_gbs}
+
+
+def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
+    """The gfx950 partition kernel's three decode paths: one step of the hot-path build, the rest
+    of the kernel once per partition, the step of the all-paths build beside it."""
+    hot, every = hip_hot_path_asm(clang, src_dir), hip_hot_path_asm(clang, src_dir, hot=False)
+    tiles = source_constant("kStep", src_dir) // TILE_TOKENS
+    chunk = source_constant("kChunk", src_dir)
+    hw = MI355X()
+    out = {}
+    for name, label, native, e4 in GFX950_PATHS:
+        k = decode_kernel(hot, "tq_fp4_pa_gfx950_kernel", native, e4)
+        ins, labels = parse_amd_body(k["body"])
+        loops = amd_loops(ins, labels)
+        ins_all, labels_all = parse_amd_body(
+            decode_kernel(every, "tq_fp4_pa_gfx950_kernel", native, e4)["body"])
+        loops_all = amd_loops(ins_all, labels_all)
+        if len(loops) != 1 or len(loops_all) != 1:
+            raise ValueError(f"{label}: {len(loops)} / {len(loops_all)} outermost loops (hot / "
+                             "all paths), expected the one step loop")
+        (h, b), (h2, b2) = loops[0], loops_all[0]
+        out[name] = AmdPath(
+            label, hw, K8V4_TILE_BYTES if e4 else FP4_TILE_BYTES,
+            step=amd_counts(ins[h:b + 1], {}, [])[0], tiles_per_step=tiles,
+            # the rest, every branch side (an upper bound); QK and PV at the FP8 rate (an FP8
+            # operand in each, module docstring)
+            once=amd_counts(ins[:h] + ins[b + 1:], {}, [])[0], mfma_clk=hw.mfma_fp8_clk,
+            waves_per_wg=k["meta"]["max_flat_workgroup_size"] // k["meta"]["wavefront_size"],
+            occupancy=k["stats"]["Occupancy"], launches=3, wg_step_tokens=tiles * TILE_TOKENS,
+            partition=partition_len(),
+            # Q's terms and the row record, then the block table before the first KV load
+            prologue_trips=2, in_flight_bytes=loads_in_flight_bytes(ins[h:b + 1]),
+            prepass_trips=2,   # Q (and the state record) in, Q's E4M3 terms out
+            # the reduce: the row's record and seq_lens, the output; two serial chunk loops
+            reduce=(2, chunk, 2),
+            all_paths=amd_counts(ins_all[h2:b2 + 1], {}, [])[0],
+            stats={"VGPRs": k["stats"]["NumVgprs"], "AGPRs": k["stats"]["NumAgprs"],
+                   "occupancy": k["stats"]["Occupancy"], "LDS": k["stats"]["LDSByteSize"],
+                   "scratch": k["stats"]["ScratchSize"]})
+    return out
+
+
+def gfx942_path(clang: str, src_dir: Path | None = None) -> AmdPath:
+    """The old kernel's LUT path on gfx942 (HIP_PATHS' row): its whole partition body per wave
+    (4 tiles, HIP_DECODE_TRIPS), 4 waves per workgroup, 256-token partitions, reduce."""
+    (label, arch, native, e4, hw), = HIP_PATHS
+    k = decode_kernel(hip_asm(clang, src_dir, arch), "partition_kernel", native, e4)
+    ins, labels = parse_amd_body(k["body"])
+    counts, _ = amd_counts(ins, labels, HIP_DECODE_TRIPS)
+    waves = k["meta"]["max_flat_workgroup_size"] // k["meta"]["wavefront_size"]
+    tokens = waves * hw.tiles_per_wave * TILE_TOKENS
+    return AmdPath(label, hw, FP4_TILE_BYTES, step=counts, tiles_per_step=hw.tiles_per_wave,
+                   once=Counter(), mfma_clk=hw.mfma_fp8_clk, waves_per_wg=waves,
+                   occupancy=k["stats"]["Occupancy"], launches=2, wg_step_tokens=tokens,
+                   partition=lambda *_: tokens, prologue_trips=2,
+                   in_flight_bytes=loads_in_flight_bytes(ins),
+                   reduce=(2, source_constant("kReduceChunk", src_dir), 2),
+                   stats={"VGPRs": k["stats"]["NumVgprs"], "occupancy": k["stats"]["Occupancy"],
+                          "LDS": k["stats"]["LDSByteSize"]})
+
+
+def aiter_paths(clang: str | None, objdump: str | None) -> dict[str, AmdPath]:
+    """AITER's FP8 kernels as benchmarks/aiter_anchor.py counts them (pa_v1 with clang, the asm
+    kernel with llvm-objdump; each needs the pinned wheel)."""
+    import aiter_anchor as aa
+    out = {}
+    if aa.find_wheel() is None:
+        return out
+    hw = MI355X()
+    if clang:
+        r = aa.pa_v1_fp8_counts(clang)
+        src = aa._wheel_member(aa.ATTENTION_COMMON, None).decode()
+        # its reduce (_paged_attention_ll4mi_reduce_kernel): the maxima and sums of all
+        # partitions, then the values in chunks of MAX_NPAR partitions, then the output
+        max_npar = int(re.search(r"constexpr int MAX_NPAR = (\d+);", src).group(1))
+        tokens = r["tokens_per_step"]["workgroup"]
+        out["aiter_pa_v1_fp8"] = AmdPath(
+            "AITER pa_v1 FP8", hw, r["tile_bytes"], step=r["counts"],
+            tiles_per_step=r["tiles_per_wave"], once=Counter(), mfma_clk=r["mfma_clk"],
+            waves_per_wg=r["waves"], occupancy=r["kernel"]["stats"]["Occupancy"], launches=2,
+            wg_step_tokens=tokens, partition=lambda *_: tokens, prologue_trips=2,
+            in_flight_bytes=loads_in_flight_bytes(r["ins"]), reduce=(3, max_npar, 1),
+            stats={"VGPRs": r["kernel"]["stats"]["NumVgprs"],
+                   "occupancy": r["kernel"]["stats"]["Occupancy"]})
+    if objdump:
+        r = aa.asm_fp8_counts(objdump)
+        (h, b) = r["loops"][0]
+        kd = r["descriptor"]
+        occupancy = min(hw.max_waves_per_simd, hw.vgprs_per_simd // kd["next_free_vgpr"])
+        out["aiter_asm_fp8"] = AmdPath(
+            "AITER asm FP8", hw, r["tile_bytes"], step=r["counts"],
+            # prologue, tail step and epilogue: both copies of the tail (one runs): an upper bound
+            tiles_per_step=r["tiles_per_wave"], once=sum(r["fixed"].values(), Counter()),
+            mfma_clk=r["mfma_clk"], waves_per_wg=r["waves"], occupancy=occupancy, launches=1,
+            wg_step_tokens=r["tokens_per_step"]["workgroup"], partition=None,
+            prologue_trips=2, in_flight_bytes=loads_in_flight_bytes(r["ins"][h:b + 1]),
+            stats={"VGPRs": kd["next_free_vgpr"], "occupancy": occupancy})
+    return out
+
+
+JSON_FIELDS = ["valu_clocks_per_tile", "hbm_clocks_per_tile", "predicted_pct_bw",
+               "time_per_token_vs_aiter_asm_fp8_64x32k", "time_per_token_vs_aiter_asm_fp8_1x4k",
+               "bound"]
+
+
+def amd_table(paths: dict[str, AmdPath], dep_high: float) -> tuple[str, dict]:
+    """Issue 38's one table: per path the CU clocks per tile by limit, the bound, the predicted %
+    of HBM bandwidth and the predicted time per token relative to AITER's asm FP8 kernel at
+    64/8/128 x TABLE_SHAPES; the sensitivity rows with the dependency factors; the call
+    structure. Returns (markdown, {JSON name: the JSON_FIELDS and more}); dep_high is the
+    dependency factor of the JSON's predicted_pct_bw and time ratios."""
+    ref = paths.get("aiter_asm_fp8")
+    shapes = " | ".join(f"{b} x {c // 1024}k" for b, c in TABLE_SHAPES)
+
+    def ratios(p: AmdPath, dep: float) -> list[float | None]:
+        return [amd_call(p, b, c, dep)["total_us"] / amd_call(ref, b, c, dep)["total_us"]
+                if ref else None for b, c in TABLE_SHAPES]
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.2f}"
+
+    lines = ["## AMD performance estimate (static, from the compiled ISA; nothing has run on AMD "
+             "hardware)", "",
+             "bf16 Q, head 128, block 16, GQA 8, decode. CU clocks per 16-token tile of one kv "
+             "head (per-SIMD clocks / 4 SIMDs; VALU: transcendentals x 4; LDS: issue / bytes); "
+             "HBM = the tile's bytes at the CU's share of the bandwidth; % of HBM = per tile, "
+             "throughput max(). Time per token relative to AITER's asm FP8 kernel on MI355X, "
+             "64 query heads / 8 kv heads / head 128, batch x context, by `amd_call` (fixed "
+             "costs: assumptions, below); < 1 is faster. The gfx942 row is MI300X against MI355X.",
+             "", "| path | GPU | VALU | MFMA | LDS | VMEM | HBM | bound | % of HBM (x "
+             f"{dep_high:g}) | {shapes} |", "|---" * (9 + len(TABLE_SHAPES)) + "|"]
+    res = {}
+    for name, p in paths.items():
+        cyc = p.cycles()
+        lim = cyc["limits_cu"]
+        hbm = p.hbm_clk()
+        pct = predict_pct(cyc["cu_clk"], p.hw.clock_ghz, p.tile_bytes, p.hw.bw_gbs, p.hw.cus)
+        pct_dep = predict_pct(cyc["cu_clk"] * dep_high, p.hw.clock_ghz, p.tile_bytes,
+                              p.hw.bw_gbs, p.hw.cus)
+        bound = "HBM" if pct["bound"] == "memory" else cyc["bound"]
+        r = ratios(p, 1.0)
+        lines.append(f"| {p.label} | {p.hw.name} | {lim['valu']:.0f} | {lim['mfma']:.0f} | "
+                     f"{lim['lds_issue']:.0f} / {lim['lds_bw']:.0f} | {lim['vmem_issue']:.0f} | "
+                     f"{hbm:.0f} | {bound} | {pct['pct']:.1f} ({pct_dep['pct']:.1f}) | "
+                     + " | ".join(fmt(x) for x in r) + " |")
+        big = amd_call(p, 64, 32768, dep_high)
+        r_dep = dict(zip(TABLE_SHAPES, ratios(p, dep_high)))
+        res[name] = {"label": p.label, "gpu": p.hw.name,
+                     "valu_clocks_per_tile": lim["valu"], "hbm_clocks_per_tile": hbm,
+                     "predicted_pct_bw": big["pct"],
+                     "time_per_token_vs_aiter_asm_fp8_64x32k": r_dep[(64, 32768)],
+                     "time_per_token_vs_aiter_asm_fp8_1x4k": r_dep[(1, 4096)],
+                     "bound": bound, "dependency_factor": dep_high,
+                     "limits_cu": lim, "predicted_pct_bw_per_tile": pct["pct"],
+                     "ratios": {f"{b}x{c // 1024}k": x for (b, c), x in zip(TABLE_SHAPES, r)}}
+        if p.all_paths is not None:
+            res[name]["valu_clocks_per_tile_all_paths"] = p.cycles(p.all_paths)["limits_cu"]["valu"]
+    lines += ["", f"Sensitivity: every kernel's instruction time x {DEPENDENCY_FACTOR_LOW:g} and "
+              f"x {dep_high:g} (the H100's measured range, AITER's kernels included): % of HBM "
+              "bandwidth of one call at 64 x 32k, and the time per token relative to AITER's asm "
+              "FP8 kernel (same factor):", "",
+              f"| path | factor | % of HBM at 64 x 32k | {shapes} |",
+              "|---" * (3 + len(TABLE_SHAPES)) + "|"]
+    for name, p in paths.items():
+        for dep in (DEPENDENCY_FACTOR_LOW, dep_high):
+            lines.append(f"| {p.label} | x {dep:g} | {amd_call(p, 64, 32768, dep)['pct']:.1f} | "
+                         + " | ".join(fmt(x) for x in ratios(p, dep)) + " |")
+    hw = MI355X()
+    plan = "" if PLAN_FILE.exists() else ", LOCAL COPY: pa_fp4_plan.py not there yet"
+    lines += ["", "Call structure and fixed costs. ASSUMPTIONS, nothing AMD has been timed: a "
+              f"dependent launch inside a HIP graph {hw.launch_us} us (ROCm/rocm-systems#10834: "
+              "3.865 us per node of a replayed graph of serialized tiny kernels, measured on "
+              "gfx1100; no CDNA figure found), a dependent DRAM round trip "
+              f"{hw.dram_latency_us} us (gfx950 pointer chase, facebookexperimental/triton "
+              "AMDLatencyModel.h: ~360 ns, idle). Ours: pre-pass + partition kernel + reduce = 3 "
+              "launches, one wave per (sequence, partition, kv head), partitions from the "
+              f"launcher's plan (`partition_len`{plan}); "
+              "pa_v1 and gfx942: partition kernel + reduce = 2 launches, 256-token partitions of "
+              "4 waves; AITER asm: 1 launch, one workgroup of 4 waves per (sequence, kv head) over "
+              "the whole context, no split. Per call at 1 x 4k and 64 x 32k (factor 1): "
+              "partition x partitions, workgroups / rounds, the first round's per-step terms' "
+              "bound, streaming + fixed us (launches, pre-pass, reduce), total us, % of HBM:", "",
+              "| path | waves per workgroup / per SIMD | bytes in flight per wave | 1 x 4k | "
+              "64 x 32k |", "|---|---|---|---|---|"]
+
+    def call_cell(c: dict) -> str:
+        f = c["fixed_us"]
+        return (f"{c['partition']} x {c['nparts']}, {c['workgroups']} / {c['rounds']}, "
+                f"{c['bound']}: {c['stream_us']:.1f} + {f['launches']:.1f} + "
+                f"{f['pre-pass']:.1f} + {f['reduce']:.1f} = {c['total_us']:.1f} us, "
+                f"{c['pct']:.1f} %")
+
+    for name, p in paths.items():
+        lines.append(f"| {p.label} | {p.waves_per_wg} / {p.occupancy} | "
+                     f"{p.in_flight_bytes or '0: a step drains its loads'} | "
+                     f"{call_cell(amd_call(p, 1, 4096))} | {call_cell(amd_call(p, 64, 32768))} |")
+    gfx = {n: p for n, p in paths.items() if p.all_paths is not None}
+    if gfx:
+        lines += ["", "gfx950 partition kernel, one wave's 128-token step (8 tiles): the hot path "
+                  "(TQ_HOT_PATH_ASSUME: full step, no soft cap) against all paths of the loop; "
+                  "the rest of the kernel runs once per partition:", "",
+                  "| path | VGPRs / AGPRs | occupancy (waves per SIMD) | LDS B | hot path: "
+                  "instructions / VALU / transcendental / MFMA per step | VALU clk per tile | all "
+                  "paths: instructions / VALU / transcendental | VALU clk per tile | once per "
+                  "partition: instructions / VALU |", "|---" * 9 + "|"]
+        for name, p in gfx.items():
+            s, a = p.step, p.all_paths
+            lines.append(
+                f"| {p.label} | {p.stats['VGPRs']} / {p.stats['AGPRs']} | {p.stats['occupancy']} "
+                f"| {p.stats['LDS']} | {s['total']} / {s['valu']} / {s['valu_trans']} / "
+                f"{s['mfma']} | {p.cycles()['limits_cu']['valu']:.1f} | {a['total']} / "
+                f"{a['valu']} / {a['valu_trans']} | {p.cycles(a)['limits_cu']['valu']:.1f} | "
+                f"{p.once['total']} / {p.once['valu'] + p.once['valu_trans']} |")
+    return "\n".join(lines), res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--no-hip", action="store_true")
+    ap.add_argument("--no-cuda", action="store_true", help="the AMD part only")
     ap.add_argument("--hip-src", type=Path, help="a copy of csrc_hip to compile instead")
     ap.add_argument("--cuda-src", type=Path, help="a copy of csrc_cuda to compile instead")
     ap.add_argument("--compute-bound", type=Path, metavar="JSON",
                     help="compute_bound.json of benchmarks/compute_bound_check.py: also the model "
                          "with its measured SM clocks per tile")
+    ap.add_argument("--json", type=Path, metavar="FILE",
+                    help="write the AMD table's figures per path (gfx950_fp4_native, ..., "
+                         "aiter_asm_fp8) to FILE")
     args = ap.parse_args(argv)
     measured = None
     if args.compute_bound:
         cb = json.loads(args.compute_bound.read_text())
         measured = {n: cb[f"slope_{n}"] for n in ("FP4", "K8V4") if f"slope_{n}" in cb}
     from _tools import find_clang, find_nvcc, find_tool
-    nvcc, cuobj = find_nvcc(), find_tool("cuobjdump")
     k = math.inf
-    if nvcc and cuobj:
-        text, res = cuda_report(cuda_sass(nvcc, cuobj, args.cuda_src), measured_clk=measured)
-        k = res["k"]
-        print(text)
-    else:
-        print("cuda part skipped: nvcc/cuobjdump not found (the AMD rows use k = inf)")
-    if not args.no_hip:
-        clang = find_clang()
-        if clang:
-            print()
-            text, _ = hip_report({arch: hip_asm(clang, args.hip_src, arch)
-                                  for arch in ("gfx950", "gfx942")}, k=k)
+    if not args.no_cuda:
+        nvcc, cuobj = find_nvcc(), find_tool("cuobjdump")
+        if nvcc and cuobj:
+            text, res = cuda_report(cuda_sass(nvcc, cuobj, args.cuda_src), measured_clk=measured)
+            k = res["k"]
             print(text)
         else:
-            print("AMD part skipped: clang-22 not found")
+            print("cuda part skipped: nvcc/cuobjdump not found (the AMD rows use k = inf)")
+    if args.no_hip:
+        return 0
+    clang = find_clang()
+    if not clang:
+        print("AMD part skipped: clang-22 not found")
+        return 0
+    import aiter_anchor as aa
+    print()
+    text, _ = hip_report({"gfx942": hip_asm(clang, args.hip_src, "gfx942")}, k=k)
+    print(text)
+    paths = {**gfx950_paths(clang, args.hip_src), "gfx942_fp4_lut": gfx942_path(clang, args.hip_src),
+             **aiter_paths(clang, aa.find_objdump())}
+    missing = [why for ok, why in ((aa.find_wheel(), aa.WHEEL_MISSING),
+                                   (aa.find_objdump(), aa.OBJDUMP_MISSING)) if not ok]
+    text, res = amd_table(paths, aa.DEPENDENCY_FACTOR)
+    print()
+    print(text)
+    if missing:
+        print("\nAITER's rows incomplete (no time ratios without the asm kernel): "
+              + "; ".join(missing))
+    if args.json:
+        args.json.write_text(json.dumps({n: {f: r[f] for f in JSON_FIELDS + ["dependency_factor"]}
+                                         for n, r in res.items()}, indent=2) + "\n")
+        print(f"\n{args.json}: per path {', '.join(JSON_FIELDS)}; predicted_pct_bw of one call "
+              f"at 64 x 32k and the time ratios with every kernel's instruction time x "
+              f"{aa.DEPENDENCY_FACTOR:g} (dependency_factor)")
     return 0
 
 

@@ -1,12 +1,14 @@
 """benchmarks/isa_model.py: the static performance estimate from the compiled instruction stream.
 
 The model's arithmetic and its parsers run on hand-made instruction lists (always); the real
-kernels' counts need nvcc + cuobjdump (cuda decode kernel, sm_90a SASS) or clang-22 (gfx950
-partition kernels) and skip without them. The compiled outputs are cached in the temp dir by
-the sources' hash, so a second run is fast.
+kernels' counts need nvcc + cuobjdump (cuda decode kernel, sm_90a SASS) or clang-22 (the gfx950
+partition kernel's hot path, gfx942's old kernel), AITER's rows also the pinned wheel and
+llvm-objdump-22, and skip without them. The compiled outputs are cached in the temp dir by the
+sources' hash, so a second run is fast.
 """
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -156,33 +158,6 @@ def test_cuda_decode_loop_counts(sass, name, nb):
     assert not [i for i in hot if i.base == "LDG"]    # the block-id refill is off the hot path
     cyc = im.cuda_tile_cycles(c)
     p = im.predict_pct(cyc["sm_clk"], 1.98, im.FP4_TILE_BYTES, 3050.0, 132)
-    assert 0 < p["pct"] <= 100
-
-
-@pytest.fixture(scope="module")
-def hip_asm():
-    clang = find_clang()
-    if clang is None:
-        pytest.skip(CLANG_MISSING)
-    return im.hip_asm(clang)
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
-def test_gfx950_partition_counts(hip_asm, native):
-    ins, labels = im.parse_amd_body(im.hip_partition_body(hip_asm, native))
-    loops = im.amd_loops(ins, labels)
-    # counted with every loop once: structure-independent checks
-    c1, _ = im.amd_counts(ins, labels, [1] * len(loops))
-    assert c1["mfma"] == 16  # 4 tiles x (Q hi, Q lo) for QK + 2 K-steps x 2 n-tiles x 2 for PV
-    for cls in ("valu", "lds", "vmem", "waitcnt", "salu", "branch"):
-        assert c1[cls] > 0, cls
-    if len(loops) != len(im.HIP_DECODE_TRIPS):
-        pytest.skip(f"the kernel now has {len(loops)} outermost loops, not "
-                    f"{len(im.HIP_DECODE_TRIPS)}: update isa_model.HIP_DECODE_TRIPS")
-    c, _ = im.amd_counts(ins, labels, im.HIP_DECODE_TRIPS)
-    cyc = im.amd_tile_cycles(c)
-    p = im.predict_pct(cyc["cu_clk"], 2.4, im.FP4_TILE_BYTES, 8000.0, 256)
-    print("native" if native else "lut", dict(c), cyc, p)
     assert 0 < p["pct"] <= 100
 
 
@@ -365,3 +340,250 @@ def test_gfx942_lut_counts_and_estimate(hip_asm942):
     r = res["gfx942 LUT"]
     assert r["hw"].name == "MI300X" and 0 < r["pred_k"]["pct"] <= r["pred"]["pct"] <= 100
     assert "gfx942 LUT | MI300X" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# AMD: one call (pre-pass, partitions, reduce; AITER's kernels), the launcher's plan
+# ---------------------------------------------------------------------------------------------
+def _toy_path(**kw) -> "im.AmdPath":
+    """A one-wave-per-workgroup kernel of 100 VALU per 8-tile step: 400 SIMD clocks = 166.7 ns
+    at 2.4 GHz; 3 launches, 128-token partitions, 2 + 2 x ceil(partitions / 8) reduce trips."""
+    args = dict(label="toy", hw=im.MI355X(), tile_bytes=im.FP4_TILE_BYTES,
+                step=Counter(valu=100, total=100), tiles_per_step=8, once=Counter(),
+                mfma_clk=32.0, waves_per_wg=1, occupancy=2, launches=3, wg_step_tokens=128,
+                partition=lambda *_: 128, prologue_trips=2, in_flight_bytes=0, prepass_trips=2,
+                reduce=(2, 8, 2))
+    args.update(kw)
+    return im.AmdPath(**args)
+
+
+def test_amd_call_small_shape_is_latency_and_fixed_costs():
+    hw = im.MI355X()
+    c = im.amd_call(_toy_path(), 1, 128)
+    issue, lat = 400 / 2.4, hw.dram_latency_us * 1e3
+    # 8 workgroups (one per kv head), one wave each on its own SIMD: a step drains its loads,
+    # so it takes a round trip and its issue; HBM (8 waves x 8 tiles x 2080 B) is far below
+    assert (c["workgroups"], c["rounds"], c["nparts"], c["bound"]) == (8, 1, 1, "latency")
+    assert c["terms"]["latency"] == pytest.approx(lat + issue)
+    assert c["terms"]["HBM"] == pytest.approx(8 * 8 * 2080 / 8000)
+    assert c["stream_us"] * 1e3 == pytest.approx(2 * lat + lat + issue)
+    partials = 64 * 1 * (128 * 2 + 8)
+    assert c["fixed_us"] == pytest.approx({"launches": 3 * hw.launch_us, "pre-pass": 2 * lat / 1e3,
+                                           "reduce": (4 * lat + 2 * partials / 8000) / 1e3})
+    assert c["total_us"] == pytest.approx(c["stream_us"] + sum(c["fixed_us"].values()))
+    # the dependency factor scales the instruction time only
+    d = im.amd_call(_toy_path(), 1, 128, dep=1.5)
+    assert d["terms"]["latency"] == pytest.approx(lat + 1.5 * issue)
+    assert d["fixed_us"] == c["fixed_us"]
+
+
+def test_amd_call_little_law_and_rounds():
+    lat = im.MI355X().dram_latency_us * 1e3
+    step_bytes = 8 * im.FP4_TILE_BYTES
+    # a wave that keeps a quarter of a step in flight across steps streams at that / latency
+    c = im.amd_call(_toy_path(in_flight_bytes=step_bytes // 4), 1, 128)
+    assert c["terms"]["latency"] == pytest.approx(4 * lat)
+    # 64 x 32k in 2048-token partitions: 8192 one-wave workgroups, 2048 at once (256 CUs x 4
+    # SIMDs x 2 waves): 4 rounds of 16 steps, each step HBM-bound at 2048 waves' share
+    c = im.amd_call(_toy_path(partition=lambda *_: 2048), 64, 32768)
+    hbm = 2048 * step_bytes / 8000
+    assert (c["workgroups"], c["rounds"], c["bound"]) == (8192, 4, "HBM")
+    assert c["terms"] == pytest.approx({"issue": 2 * 400 / 2.4, "HBM": hbm, "latency": lat + 400 / 2.4})
+    assert c["stream_us"] * 1e3 == pytest.approx(4 * (2 * lat + 16 * hbm))
+    kv = 64 * 32768 * 8 * 130
+    assert c["pct"] == pytest.approx(100 * kv / (c["total_us"] * 1e3) / 8000)
+    assert 85 < c["pct"] < 100
+    # no split (AITER's asm kernel): one workgroup of 4 waves per (sequence, kv head) streams
+    # the whole context, so at batch 1 only 8 CUs work and the time grows with the context
+    asm = _toy_path(partition=None, waves_per_wg=4, wg_step_tokens=512, launches=1,
+                    prepass_trips=0, reduce=(0, 0, 0), in_flight_bytes=step_bytes // 2)
+    a4, a32 = im.amd_call(asm, 1, 4096), im.amd_call(asm, 1, 32768)
+    assert (a4["workgroups"], a4["nparts"]) == (8, 1)
+    assert a32["stream_us"] == pytest.approx(8 * (a4["stream_us"] - 2 * lat / 1e3) + 2 * lat / 1e3)
+    assert a32["pct"] < 25
+
+
+def test_loads_in_flight_across_steps():
+    drained = [("global_load_dwordx4", ""), ("s_waitcnt", "vmcnt(3)"), ("s_waitcnt", "vmcnt(0)")]
+    assert im.loads_in_flight_bytes(drained) == 0
+    kept = [("s_waitcnt", "vmcnt(15)"), ("s_waitcnt", "vmcnt(8) lgkmcnt(0)"),
+            ("s_waitcnt", "lgkmcnt(0)")]
+    assert im.loads_in_flight_bytes(kept) == 15 * 64 * 16
+    assert im.loads_in_flight_bytes([("v_add_f32", "")]) == 0
+
+
+def test_partition_len_copy():
+    f = im._partition_len_copy
+    # 2 waves per SIMD x 4 SIMDs x 256 CUs = 2048 waves wanted
+    assert f(1, 8, 4096, 256) == 128       # never enough: the shortest
+    assert f(1, 8, 32768, 256) == 128      # 8 x 256 = 2048
+    assert f(16, 8, 4096, 256) == 256      # 128 x 16
+    assert f(16, 8, 32768, 256) == 2048    # 128 x 16
+    assert f(64, 8, 32768, 256) == 2048    # the longest: 512 x 16
+    for args in [(b, h, L, cus) for b in (1, 3, 16, 64, 200) for h in (1, 8) for L in
+                 (1, 100, 4096, 5000, 32768) for cus in (80, 256, 304)]:
+        p = f(*args)
+        assert p in (128, 256, 512, 1024, 2048)
+        assert p == 128 or args[0] * args[1] * -(-args[2] // p) >= 8 * args[3]
+        if p < 2048:   # the next longer one would not fill the GPU
+            assert args[0] * args[1] * -(-args[2] // (2 * p)) < 8 * args[3]
+
+
+def test_partition_len_copy_matches_the_launcher_plan():
+    if not im.PLAN_FILE.exists():
+        pytest.skip(f"{im.PLAN_FILE.relative_to(im.ROOT)} not written yet (isa_model uses its "
+                    "local copy)")
+    plan = im.partition_len()
+    assert plan is not im._partition_len_copy
+    for args in [(b, h, L, cus) for b in (1, 2, 16, 64, 128, 1000) for h in (1, 4, 8) for L in
+                 (1, 127, 128, 129, 4096, 8191, 32768, 131072) for cus in (80, 256, 304)]:
+        assert plan(*args) == im._partition_len_copy(*args), args
+
+
+# ---------------------------------------------------------------------------------------------
+# the gfx950 kernel's hot path (clang-22)
+# ---------------------------------------------------------------------------------------------
+def _clang() -> str:
+    clang = find_clang()
+    if clang is None:
+        pytest.skip(CLANG_MISSING)
+    return clang
+
+
+def test_hot_path_build_needs_the_hook(tmp_path):
+    """Without a use of TQ_HOT_PATH_ASSUME in the kernel (its #define and comments do not
+    count) the hot-path build would silently count every path: it refuses."""
+    d = tmp_path / "csrc_hip"
+    d.mkdir()
+    (d / im.GFX950_SOURCE).write_text("#ifndef TQ_HOT_PATH_ASSUME\n#define TQ_HOT_PATH_ASSUME(c)\n"
+                                      "#endif\n// TQ_HOT_PATH_ASSUME(full) in a comment\n")
+    with pytest.raises(ValueError, match="does not use TQ_HOT_PATH_ASSUME"):
+        im.hip_hot_path_asm("clang-22", d)
+
+
+@pytest.fixture(scope="module")
+def hot_asm():
+    return im.hip_hot_path_asm(_clang())
+
+
+@pytest.fixture(scope="module")
+def all_paths_asm():
+    return im.hip_hot_path_asm(_clang(), hot=False)
+
+
+def _step_loop(asm: str, native: bool, key_e4m3: bool):
+    """(the one step loop's instructions, the whole kernel's) of a gfx950 decode path."""
+    ins, labels = im.parse_amd_body(im.decode_kernel(asm, "tq_fp4_pa_gfx950_kernel", native,
+                                                     key_e4m3)["body"])
+    (h, b), = im.amd_loops(ins, labels)
+    return ins[h:b + 1], ins
+
+
+GFX950 = [(native, e4) for _, _, native, e4 in im.GFX950_PATHS]
+GFX950_IDS = [name for name, *_ in im.GFX950_PATHS]
+TILES = im.source_constant("kStep") // im.source_constant("kTile")   # 8 per 128-token step
+OUT_TILES = 128 // im.source_constant("kTile")                          # PV output tiles at HEAD 128
+
+
+@pytest.mark.parametrize("native,e4", GFX950, ids=GFX950_IDS)
+def test_gfx950_step_has_the_mfmas_the_source_implies(hot_asm, all_paths_asm, native, e4):
+    # per step: QK of 8 tiles x ceil(HEAD / K) K-steps x (Q hi, Q lo), PV of HEAD / 16 output
+    # tiles x (P hi, P lo): 32 at head 128
+    expected = TILES * -(-128 // im.source_constant("kMfmaK")) * 2 + OUT_TILES * 2
+    assert expected == 32
+    loop, whole = _step_loop(hot_asm, native, e4)
+    mfma = lambda ins: sum(op.startswith("v_mfma") for op, _ in ins)  # noqa: E731
+    assert mfma(loop) == mfma(whole) == expected            # all of them in the step loop
+    loop_all, whole_all = _step_loop(all_paths_asm, native, e4)
+    assert mfma(loop_all) == mfma(whole_all) == expected
+
+
+@pytest.mark.parametrize("native,e4", GFX950, ids=GFX950_IDS)
+def test_gfx950_hot_path_has_no_soft_cap_or_edge_code(hot_asm, all_paths_asm, native, e4):
+    """The hot path's transcendentals are the step's exps only: 4 logits per lane per tile and
+    the one rescale of the running output (soft cap's tanh and the edge selects are gone)."""
+    loop, _ = _step_loop(hot_asm, native, e4)
+    trans = Counter(op for op, _ in loop if im.amd_class(op) == "valu_trans")
+    exps = sum(n for op, n in trans.items() if op.startswith("v_exp"))
+    assert TILES * 4 <= exps <= TILES * 4 + 1
+    assert sum(trans.values()) == exps                       # no v_rcp / v_log (soft cap)
+    loop_all, _ = _step_loop(all_paths_asm, native, e4)
+    c, c_all = im.amd_counts(loop, {}, [])[0], im.amd_counts(loop_all, {}, [])[0]
+    assert c_all["valu_trans"] > c["valu_trans"] and c_all["valu"] > c["valu"]
+
+
+@pytest.mark.parametrize("native,e4", GFX950, ids=GFX950_IDS)
+def test_gfx950_operand_forms(hot_asm, native, e4):
+    """Native: K and V enter the MFMA as FP4 (cbsz:4), V through ds_read_b64_tr_b4; K8V4: the
+    same PV, QK on the E4M3 key bytes; LUT: FP8 on both sides, V decoded to E4M3 and read with
+    ds_read_b64_tr_b8."""
+    loop, _ = _step_loop(hot_asm, native, e4)
+    mf = [rest for op, rest in loop if op.startswith("v_mfma_scale_f32_16x16x128_f8f6f4")]
+    ops = {op for op, _ in loop}
+    fp4 = [r for r in mf if "cbsz:4" in r]
+    assert not [r for r in mf if "blgp" in r or ("cbsz" in r and "cbsz:4" not in r)]
+    if native:
+        assert len(fp4) == OUT_TILES * 2 + (0 if e4 else TILES * 2)
+        assert "ds_read_b64_tr_b4" in ops and "ds_read_b64_tr_b8" not in ops
+    else:
+        assert not fp4
+        assert "ds_read_b64_tr_b8" in ops and "ds_read_b64_tr_b4" not in ops
+
+
+def test_gfx950_paths_counts_and_call(hot_asm, all_paths_asm):
+    paths = im.gfx950_paths(_clang())
+    assert list(paths) == GFX950_IDS
+    for name, p in paths.items():
+        assert p.tiles_per_step == TILES and p.waves_per_wg == 1 and p.launches == 3
+        assert p.in_flight_bytes == 0                        # each step waits for its loads
+        assert p.stats["scratch"] == 0 and 1 <= p.occupancy <= 8
+        hot, every = p.cycles()["limits_cu"]["valu"], p.cycles(p.all_paths)["limits_cu"]["valu"]
+        assert 0 < hot < every
+        # per tile = one wave's step / 8 tiles / 4 SIMDs, at 4 clocks per VALU (x 4 transcendental)
+        assert hot == (p.step["valu"] + 4 * p.step["valu_trans"]) * 4 / TILES / 4
+        c = im.amd_call(p, 1, 4096)
+        assert c["partition"] == im.partition_len()(1, 8, 4096, 256)
+        assert c["workgroups"] == 8 * c["nparts"]
+        assert 0 < c["pct"] < im.amd_call(p, 64, 32768)["pct"] <= 100
+
+
+def test_amd_json_and_table(tmp_path, capsys):
+    import aiter_anchor as aa
+    _clang()
+    if aa.find_wheel() is None:
+        pytest.skip(aa.WHEEL_MISSING)
+    if aa.find_objdump() is None:
+        pytest.skip(aa.OBJDUMP_MISSING)
+    out = tmp_path / "amd.json"
+    assert im.main(["--no-cuda", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    names = ["gfx950_fp4_native", "gfx950_fp4_lut", "gfx950_k8v4", "gfx942_fp4_lut",
+             "aiter_pa_v1_fp8", "aiter_asm_fp8"]
+    assert list(data) == names
+    hbm = {"gfx950_fp4_native": (2080, im.MI355X()), "gfx950_fp4_lut": (2080, im.MI355X()),
+           "gfx950_k8v4": (3104, im.MI355X()), "gfx942_fp4_lut": (2080, im.MI300X()),
+           "aiter_pa_v1_fp8": (4096, im.MI355X()), "aiter_asm_fp8": (4224, im.MI355X())}
+    for name, r in data.items():
+        assert set(r) == set(im.JSON_FIELDS) | {"dependency_factor"}, name
+        assert r["dependency_factor"] == aa.DEPENDENCY_FACTOR
+        nbytes, hw = hbm[name]
+        assert r["hbm_clocks_per_tile"] == pytest.approx(nbytes / (hw.bw_gbs / hw.cus) * hw.clock_ghz)
+        assert 0 < r["valu_clocks_per_tile"] < 5000
+        assert 0 < r["predicted_pct_bw"] <= 100
+        assert 0.05 < r["time_per_token_vs_aiter_asm_fp8_64x32k"] < 20
+        assert 0.05 < r["time_per_token_vs_aiter_asm_fp8_1x4k"] < 20
+        assert r["bound"] in {"HBM", "valu", "mfma", "salu", "lds_issue", "lds_bw", "vmem_issue",
+                              "branch"}
+    assert data["aiter_asm_fp8"]["time_per_token_vs_aiter_asm_fp8_64x32k"] == 1.0
+    assert data["aiter_asm_fp8"]["bound"] == "HBM"          # as aiter_anchor counts it
+    assert data["aiter_asm_fp8"]["valu_clocks_per_tile"] < 80
+    # at 64 x 32k no path beats AITER's asm kernel by more than its bytes per token allow
+    # (2080 B per FP4 tile against 4224; the asm kernel is within a few % of HBM there)
+    for name in ("gfx950_fp4_native", "gfx950_fp4_lut"):
+        assert data[name]["time_per_token_vs_aiter_asm_fp8_64x32k"] > 2080 / 4224 * 0.95
+    assert "## AMD performance estimate" in text
+    for label in ("gfx950 native FP4 | MI355X", "gfx950 LUT | MI355X", "gfx950 K8V4 | MI355X",
+                  "gfx942 LUT | MI300X", "AITER pa_v1 FP8 | MI355X", "AITER asm FP8 | MI355X"):
+        assert f"| {label} |" in text
+    assert "| gfx950 native FP4 | x 1.4 |" in text and "| gfx950 native FP4 | x 1.5 |" in text
