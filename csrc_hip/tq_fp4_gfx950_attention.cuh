@@ -288,29 +288,38 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   const int* btab = block_tables + int64_t(seq) * max_blocks_per_seq;
   const int last_block = (tile_keys.hi - 1) / BLOCK_SIZE;
 
+  const uint32_t koff = uint32_t(mfma_row(lane) * kKeyStride * kv_seq_stride);  // the lane's K row
+  const uint32_t kscale_off = uint32_t(mfma_row(lane) * num_kv_heads);
   for (int t0 = max_i32(p_start, (kv_lo / kStep) * kStep); t0 < p_end; t0 += kStep) {
-    // Block of each tile (uniform): past the tile's keys, its last block (valid memory).
-    int64_t kbase[kTilesPerStep];
+    // Each tile's block (uniform; past the tile's keys, its last block: valid memory) gives
+    // uniform row and scale addresses; a lane adds its own 32-bit offset (the saddr form of
+    // global loads: no 64-bit address arithmetic per lane).
+    int64_t kbase[kTilesPerStep];        // byte offset of the tile's first V row (K: x kKeyStride)
+    const uint8_t* kscales[kTilesPerStep];  // the tile's first key scale byte
     for (int j = 0; j < kTilesPerStep; ++j) {
       const int blk = btab[min_i32((t0 + kTile * j) / BLOCK_SIZE, last_block)];
+      const int slot = (t0 + kTile * j) % BLOCK_SIZE;
       kbase[j] = int64_t(blk) * kv_block_stride + int64_t(kvh) * kv_head_stride +
-                 int64_t((t0 + kTile * j) % BLOCK_SIZE) * kv_seq_stride;
+                 int64_t(slot) * kv_seq_stride;
+      kscales[j] = key_scales + (int64_t(blk) * BLOCK_SIZE + slot) * num_kv_heads + kvh;
     }
-    auto scale_index = [&](int j, int r) {  // the E8M0 byte of token t0 + 16 j + r
-      const int blk = btab[min_i32((t0 + kTile * j) / BLOCK_SIZE, last_block)];
-      return (int64_t(blk) * BLOCK_SIZE + (t0 + kTile * j) % BLOCK_SIZE + r) * num_kv_heads + kvh;
-    };
     const bool full = t0 >= all_lo && t0 + kStep <= all_hi;
     TQ_HOT_PATH_ASSUME(full && !(logits_soft_cap > 0.0f));
     auto served = [&](int pos) { return pos >= kv_lo && pos < tile_keys.hi; };
     auto visible = [&](int pos) { return uint32_t(pos - row_lo) < row_n; };
 
-    // V rows of the step into LDS (lane l: pieces 64 it + l), and the V scales as w.
-    for (int it = 0; it < kVChunks / kWave; ++it) {
+    // V rows of the step into LDS: load it covers kRowsPerLoad tokens from it * kRowsPerLoad,
+    // lane l piece l % kLanesPerRow of token l / kLanesPerRow, at LDS piece 64 it + l (rows in
+    // token order). The token's tile is uniform per load (two tiles at head 64).
+    constexpr int kLanesPerRow = kVRow / 16, kRowsPerLoad = kWave / kLanesPerRow;
+    for (int it = 0; it < kStep / kRowsPerLoad; ++it) {
+      const int tl = lane / kLanesPerRow, piece = lane % kLanesPerRow;
+      const int tok0 = it * kRowsPerLoad;
+      const uint8_t* tile_rows = value_cache +
+          kbase[tok0 / kTile + (kRowsPerLoad > kTile && tl >= kTile ? 1 : 0)];
+      const uint32_t off = uint32_t((tok0 % kTile + tl % kTile) * kv_seq_stride + 16 * piece);
+      const u32x4 codes = load_u32x4(tile_rows + off);
       const int chunk = kWave * it + lane;
-      const int tl = chunk / (kVRow / 16), piece = chunk % (kVRow / 16);
-      const uint8_t* src = value_cache + kbase[tl / kTile] + int64_t(tl % kTile) * kv_seq_stride + 16 * piece;
-      const u32x4 codes = load_u32x4(src);
       if constexpr (NATIVE) {
         *reinterpret_cast<u32x4*>(&lds->v[16 * chunk]) = codes;
       } else {  // LUT: the 32 codes as E4M3 bytes, rows of HEAD bytes
@@ -327,8 +336,10 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     {
       float vs[2];
       for (int k = 0; k < 2; ++k) {
-        const int tl = 2 * lane + k;
-        const int b = value_scales[scale_index(tl / kTile, tl % kTile)];
+        const int tl = 2 * lane + k;  // per lane: its own block lookup
+        const int tok = t0 + tl;
+        const int blk = btab[min_i32(tok / BLOCK_SIZE, last_block)];
+        const int b = value_scales[(int64_t(blk) * BLOCK_SIZE + tok % BLOCK_SIZE) * num_kv_heads + kvh];
         vs[k] = served(t0 + tl) ? float(b) : -1.0f;  // unserved: no weight (w = 0)
       }
       // vb: the step's largest finite V scale byte (NaN bytes 255 excluded).
@@ -340,11 +351,11 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     block_barrier();  // the step's V rows and weights visible to every lane
 
     // QK: tile j, A row r = token t0 + 16 j + r.
-    float x[kTilesPerStep][4];
+    f32x4 x[kTilesPerStep];
     for (int j = 0; j < kTilesPerStep; ++j) {
       const int r = mfma_row(lane);
-      const uint8_t* krow = key_cache + kKeyStride * (kbase[j] + int64_t(r) * kv_seq_stride);
-      const int kscale = key_scales[scale_index(j, r)];
+      const uint8_t* krow = key_cache + kKeyStride * kbase[j] + koff;
+      const int kscale = kscales[j][kscale_off];
       const u32x4 zero = {0u, 0u, 0u, 0u};
       f32x4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
       for (int c = 0; c < kQk; ++c) {
@@ -378,40 +389,41 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
           acc = mfma_fp8_fp8(a, qlo[c], acc, kscale, qscale_lo);
         }
       }
-      for (int i = 0; i < 4; ++i) x[j][i] = acc[i];
+      x[j] = acc;
     }
 
-    // Softmax step (lane: row my_row, tokens t0 + 16 j + 4 g + i).
+    // Softmax step (lane: row my_row, tokens t0 + 16 j + 4 g + i), four logits of a tile as
+    // one vector (packed v_pk_* arithmetic where the operation is linear).
     float mx = -__builtin_inff();
-    for (int j = 0; j < kTilesPerStep; ++j)
-      for (int i = 0; i < 4; ++i) {
-        float v = x[j][i];
-        if (logits_soft_cap > 0.0f) v = soft_cap(v + qadd, logits_soft_cap) * kLog2e;
-        if (!full) v = visible(t0 + kTile * j + 4 * g + i) ? v : -__builtin_inff();
-        x[j][i] = v;
-        mx = fmax_f32(mx, v);
-      }
+    for (int j = 0; j < kTilesPerStep; ++j) {
+      if (logits_soft_cap > 0.0f)
+        for (int i = 0; i < 4; ++i) x[j][i] = soft_cap(x[j][i] + qadd, logits_soft_cap) * kLog2e;
+      if (!full)
+        for (int i = 0; i < 4; ++i)
+          x[j][i] = visible(t0 + kTile * j + 4 * g + i) ? x[j][i] : -__builtin_inff();
+      for (int i = 0; i < 4; ++i) mx = fmax_f32(mx, x[j][i]);
+    }
     mx = row_max(mx);
     const float m_new = fmax_f32(m_run, mx);
     const float m_use = m_new == -__builtin_inff() ? 0.0f : m_new;
     const float alpha = m_run == m_new ? 1.0f : exp2_fast(m_run - m_use);
     m_run = m_new;
-    l_run *= alpha;
-    for (int mt = 0; mt < kMt; ++mt)
-      for (int i = 0; i < 4; ++i) o[mt][i] *= alpha;
-    float pw[kTilesPerStep][4];
+    for (int mt = 0; mt < kMt; ++mt) o[mt] = o[mt] * alpha;
+    f32x4 lsum = {0.0f, 0.0f, 0.0f, 0.0f};
+    f32x4 pw[kTilesPerStep];
     float smax = 0.0f;
+    const f32x4 neg_m = {-m_use, -m_use, -m_use, -m_use};
     for (int j = 0; j < kTilesPerStep; ++j) {
-      const float* w = &lds->w[kTile * j + 4 * g];
-      for (int i = 0; i < 4; ++i) {
-        const float e = exp2_fast(x[j][i] - m_use);
-        l_run += e;
-        float p = e * w[i];
-        if (!full) p = visible(t0 + kTile * j + 4 * g + i) ? p : 0.0f;
-        pw[j][i] = p;
-        smax = fmax_f32(smax, p);
-      }
+      const f32x4 t = x[j] + neg_m;
+      f32x4 e;
+      for (int i = 0; i < 4; ++i) e[i] = exp2_fast(t[i]);
+      lsum += e;
+      pw[j] = e * *reinterpret_cast<const f32x4*>(&lds->w[kTile * j + 4 * g]);
+      if (!full)
+        for (int i = 0; i < 4; ++i) pw[j][i] = visible(t0 + kTile * j + 4 * g + i) ? pw[j][i] : 0.0f;
+      for (int i = 0; i < 4; ++i) smax = fmax_f32(smax, pw[j][i]);
     }
+    l_run = l_run * alpha + ((lsum[0] + lsum[1]) + (lsum[2] + lsum[3]));
     // P' = pw / 2^E < 1 with E the exponent of the row's largest pw (at least -127, the
     // smallest E8M0 scale), as two E4M3 terms hi + lo / 16 converted with E as the conversion's
     // scale; the PV scale byte is vb + E (pw = e 2^(vs - vb)). A NaN pw (a NaN V scale the row
@@ -425,18 +437,20 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     const int cscale = pdrop ? 254 : kE8m0One + min_i32(pexp, 254 - vb);  // conversion's E8M0
     const int pscale = pdrop ? kE8m0One : pscale_raw;
     const int pscale_lo = lo_scale_byte(pscale);
+    // The lo term where its scales exist; else converted with 2^127 (all zero bytes).
+    const int cscale_lo = (pscale >= 4 && cscale >= 4) ? cscale - 4 : 254;
     i32x8 phi, plo;
     for (int j = 0; j < kTilesPerStep; ++j) {
       uint32_t hi = 0, lo = 0;
       for (int h = 0; h < 2; ++h) {
         hi = cvt_scaled_pk_e4m3(pw[j][2 * h], pw[j][2 * h + 1], cscale, hi, h == 1);
-        float back[2];
+        f32x2 back;
         cvt_scaled_pk_f32_e4m3(hi, cscale, h == 1, back);
-        lo = cvt_scaled_pk_e4m3(pw[j][2 * h] - back[0], pw[j][2 * h + 1] - back[1],
-                                max_i32(cscale - 4, 0), lo, h == 1);
+        const f32x2 r = f32x2{pw[j][2 * h], pw[j][2 * h + 1]} - back;
+        lo = cvt_scaled_pk_e4m3(r[0], r[1], cscale_lo, lo, h == 1);
       }
       phi[j] = int(hi);
-      plo[j] = (pscale >= 4 && cscale >= 4) ? int(lo) : 0;  // the lo term's scales exist
+      plo[j] = int(lo);
     }
 
     // PV: O^T[element][row] += V^T P^T per 16-element output tile.

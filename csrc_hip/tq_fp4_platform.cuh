@@ -32,6 +32,7 @@ constexpr bool kGfx942 = TQ_GFX942 != 0;
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 typedef int i32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x2 __attribute__((vector_size(8)));
 
 // The 16 FP4 E2M1 codes as FP8 E4M3 (OCP, bias 7) bytes: 0,0.5,1,1.5,2,3,4,6, then negatives.
 constexpr uint8_t kFp4ToE4m3[16] = {0x00, 0x30, 0x38, 0x3C, 0x40, 0x44, 0x48, 0x4C,
@@ -187,7 +188,7 @@ inline uint32_t cvt_scaled_pk_e4m3(float a, float b, int e8, uint32_t old, bool 
   return hi ? (old & 0xFFFFu) | (w << 16) : (old & 0xFFFF0000u) | w;
 }
 // v_cvt_scalef32_pk_f32_fp8: the low (hi = false) or high two E4M3 bytes of src times 2^(e8 - 127).
-inline void cvt_scaled_pk_f32_e4m3(uint32_t src, int e8, bool hi, float out[2]) {
+inline void cvt_scaled_pk_f32_e4m3(uint32_t src, int e8, bool hi, f32x2& out) {
   const uint32_t h = hi ? src >> 16 : src;
   out[0] = ldexpf(e4m3_to_f32(h & 0xFF), e8 - 127);
   out[1] = ldexpf(e4m3_to_f32((h >> 8) & 0xFF), e8 - 127);
@@ -321,14 +322,13 @@ TQ_HD uint32_t cvt_scaled_pk_e4m3(float a, float b, int e8, uint32_t old, bool h
   __builtin_trap();
 #endif
 }
-TQ_HD void cvt_scaled_pk_f32_e4m3(uint32_t src, int e8, bool hi, float out[2]) {
+TQ_HD void cvt_scaled_pk_f32_e4m3(uint32_t src, int e8, bool hi, f32x2& out) {
 #if TQ_GFX950
   typedef float f32x2v __attribute__((ext_vector_type(2)));
   const float sc = __builtin_bit_cast(float, uint32_t(e8) << 23);
   const f32x2v r = hi ? __builtin_amdgcn_cvt_scalef32_pk_f32_fp8(src, sc, true)
                       : __builtin_amdgcn_cvt_scalef32_pk_f32_fp8(src, sc, false);
-  out[0] = r.x;
-  out[1] = r.y;
+  out = f32x2{r.x, r.y};
 #else
   __builtin_trap();
 #endif
