@@ -1209,27 +1209,20 @@ DEPENDENCY_FACTOR_LOW = 1.4
 PLAN_FILE = ROOT / "turboquant" / "integration" / "aiter" / "files" / "pa_fp4_plan.py"
 
 
-def _partition_len_copy(row_tiles: int, num_kv_heads: int, max_seq_len: int, num_cus: int) -> int:
-    """LOCAL COPY of the launcher's plan (pa_fp4_plan.partition_len), used only while
-    turboquant/integration/aiter/files/pa_fp4_plan.py does not exist; tests/test_isa_model.py
-    checks it against that file when it does. The largest 128 x 2^k <= 2048 tokens that still
-    gives row_tiles x num_kv_heads x ceil(max_seq_len / P) >= 2 waves x 4 SIMDs x num_cus waves,
-    else 128."""
-    for p in (2048, 1024, 512, 256, 128):
-        if row_tiles * num_kv_heads * -(-max_seq_len // p) >= 2 * 4 * num_cus:
-            return p
-    return 128
-
-
 def partition_len() -> Callable[[int, int, int, int], int]:
-    """The launcher's partition_len(row_tiles, num_kv_heads, max_seq_len, num_cus): imported by
-    path from pa_fp4_plan.py (a dependency-free module) when it exists, else the local copy."""
-    if not PLAN_FILE.exists():
-        return _partition_len_copy
+    """The launcher's partition_len(row_tiles, num_kv_heads, max_seq_len, num_cus), imported by
+    path from pa_fp4_plan.py (a dependency-free module: the AITER patch ships it beside the
+    launcher, so the model and the launcher split a call the same way). The largest
+    128 x 2^k <= 2048 tokens that still gives row_tiles x num_kv_heads x ceil(max_seq_len / P)
+    >= 2 waves x 4 SIMDs x num_cus waves, else 128."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("pa_fp4_plan", PLAN_FILE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    import sys
+    mod = sys.modules.get("pa_fp4_plan")
+    if mod is None or getattr(mod, "__file__", None) != str(PLAN_FILE):
+        spec = importlib.util.spec_from_file_location("pa_fp4_plan", PLAN_FILE)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules["pa_fp4_plan"] = mod
     return mod.partition_len
 
 
@@ -1486,7 +1479,6 @@ def amd_table(paths: dict[str, AmdPath], dep_high: float) -> tuple[str, dict]:
             lines.append(f"| {p.label} | x {dep:g} | {amd_call(p, 64, 32768, dep)['pct']:.1f} | "
                          + " | ".join(fmt(x) for x in ratios(p, dep)) + " |")
     hw = MI355X()
-    plan = "" if PLAN_FILE.exists() else ", LOCAL COPY: pa_fp4_plan.py not there yet"
     lines += ["", "Call structure and fixed costs. ASSUMPTIONS, nothing AMD has been timed: a "
               f"dependent launch inside a HIP graph {hw.launch_us} us (ROCm/rocm-systems#10834: "
               "3.865 us per node of a replayed graph of serialized tiny kernels, measured on "
@@ -1494,7 +1486,7 @@ def amd_table(paths: dict[str, AmdPath], dep_high: float) -> tuple[str, dict]:
               f"{hw.dram_latency_us} us (gfx950 pointer chase, facebookexperimental/triton "
               "AMDLatencyModel.h: ~360 ns, idle). Ours: pre-pass + partition kernel + reduce = 3 "
               "launches, one wave per (sequence, partition, kv head), partitions from the "
-              f"launcher's plan (`partition_len`{plan}); "
+              "launcher's plan (`partition_len` of pa_fp4_plan.py); "
               "pa_v1 and gfx942: partition kernel + reduce = 2 launches, 256-token partitions of "
               "4 waves; AITER asm: 1 launch, one workgroup of 4 waves per (sequence, kv head) over "
               "the whole context, no split. Per call at 1 x 4k and 64 x 32k (factor 1): "

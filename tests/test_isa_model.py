@@ -412,8 +412,12 @@ def test_loads_in_flight_across_steps():
     assert im.loads_in_flight_bytes([("v_add_f32", "")]) == 0
 
 
-def test_partition_len_copy():
-    f = im._partition_len_copy
+def test_partition_len_is_the_launchers_plan():
+    """isa_model splits a call as the AITER launcher does: partition_len is the function of
+    turboquant/integration/aiter/files/pa_fp4_plan.py (tests/test_aiter_plan.py tests its rule
+    on more shapes)."""
+    f = im.partition_len()
+    assert f.__code__.co_filename == str(im.PLAN_FILE)
     # 2 waves per SIMD x 4 SIMDs x 256 CUs = 2048 waves wanted
     assert f(1, 8, 4096, 256) == 128       # never enough: the shortest
     assert f(1, 8, 32768, 256) == 128      # 8 x 256 = 2048
@@ -427,17 +431,6 @@ def test_partition_len_copy():
         assert p == 128 or args[0] * args[1] * -(-args[2] // p) >= 8 * args[3]
         if p < 2048:   # the next longer one would not fill the GPU
             assert args[0] * args[1] * -(-args[2] // (2 * p)) < 8 * args[3]
-
-
-def test_partition_len_copy_matches_the_launcher_plan():
-    if not im.PLAN_FILE.exists():
-        pytest.skip(f"{im.PLAN_FILE.relative_to(im.ROOT)} not written yet (isa_model uses its "
-                    "local copy)")
-    plan = im.partition_len()
-    assert plan is not im._partition_len_copy
-    for args in [(b, h, L, cus) for b in (1, 2, 16, 64, 128, 1000) for h in (1, 4, 8) for L in
-                 (1, 127, 128, 129, 4096, 8191, 32768, 131072) for cus in (80, 256, 304)]:
-        assert plan(*args) == im._partition_len_copy(*args), args
 
 
 # ---------------------------------------------------------------------------------------------
