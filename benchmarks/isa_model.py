@@ -72,7 +72,8 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
   the bench's own definition, so it compares with the measured rows one to one.
 
 3. One call on AMD (`amd_call`), for the one table of issue 38 (`amd_table`): our gfx950 call
-  (pre-pass, partition kernel, reduce: 3 launches; one wave per (sequence, partition, kv head),
+  (pre-pass and partition kernel: 2 launches, the reduce fused into the last partition of each
+  row tile to finish; one wave per (sequence, partition, kv head),
   partitions from the launcher's plan, `partition_len`), gfx942's old kernel and AITER's pa_v1
   (partition kernel + reduce: 2 launches, 256-token partitions, 4 waves per workgroup) and
   AITER's asm kernel (1 launch, no split of the context: one workgroup of 4 waves per
@@ -88,9 +89,10 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
     per lane stay in flight). That last term is what holds the asm kernel at small batch: a
     workgroup's streaming rate, not the GPU's bandwidth. Per workgroup also: its dependent round
     trips before streaming (Q, the block table) and its instructions outside the loop; per call:
-    launches, the pre-pass's round trips, the reduce's (ours and gfx942's: serial chunks of 8
-    partitions, 2 loops x ceil(partitions / 8) round trips; pa_v1's: all maxima and sums at
-    once, then chunks of 64 partitions) and the partials' bytes. The dependency factor (the
+    launches, the pre-pass's round trips, the reduce's (ours: the ticket and the rows' records,
+    then one pass in chunks of 4 partitions; gfx942's: serial chunks of 8 partitions, 2 loops x
+    ceil(partitions / 8) round trips; pa_v1's: all maxima and sums at once, then chunks of 64
+    partitions) and the partials' bytes. The dependency factor (the
     H100's measured 1.4-1.5x of the instruction count) multiplies every kernel's issue time in
     the sensitivity rows, AITER's included. The per-tile rows (part 1) use the throughput max().
 
@@ -1244,6 +1246,8 @@ class AmdPath:
     prologue_trips: int        # dependent DRAM round trips before a workgroup's first step
     in_flight_bytes: int       # a wave's bytes in flight across steps; 0: each step drains its loads
     prepass_trips: int = 0     # round trips of a pre-pass kernel (its launch is in `launches`)
+    # a fused reduce's instructions (one wave per row tile): straight line, chunk loop body
+    reduce_code: tuple[Counter, Counter] | None = None
     reduce: tuple[int, int, int] = (0, 0, 0)  # round trips: base + per_chunk x ceil(partitions / chunk)
     all_paths: Counter | None = None  # gfx950: the step loop without the hot-path assumption
     stats: dict = dataclasses.field(default_factory=dict)
@@ -1304,6 +1308,9 @@ def amd_call(p: AmdPath, batch: int, context: int, dep: float = 1.0) -> dict:
     fixed = {"launches": p.launches * hw.launch_us * 1e3,
              "pre-pass": p.prepass_trips * lat,
              "reduce": (base + per_chunk * -(-nparts // chunk)) * lat + 2 * partials / hw.bw_gbs
+             + ((simd_issue_clocks(p.reduce_code[0], hw, p.mfma_clk)
+                 + -(-nparts // chunk) * simd_issue_clocks(p.reduce_code[1], hw, p.mfma_clk))
+                * dep / hw.clock_ghz if p.reduce_code else 0.0)
              if chunk else 0.0}
     total = stream + sum(fixed.values())
     kv = batch * context * KV_HEADS * p.tile_bytes / TILE_TOKENS
@@ -1311,6 +1318,28 @@ def amd_call(p: AmdPath, batch: int, context: int, dep: float = 1.0) -> dict:
             "terms": first, "bound": max(first, key=first.get), "stream_us": stream / 1e3,
             "fixed_us": {k: v / 1e3 for k, v in fixed.items()}, "total_us": total / 1e3,
             "pct": 100.0 * kv / total / hw.bw_gbs}
+
+
+def reduce_counts(ins, labels, start: int) -> tuple[Counter, Counter]:
+    """The fused reduce from instruction `start` on: (its straight-line instructions, its
+    chunk loop's body), every branch side; the loop runs once per chunk of partitions."""
+    loops = [(h, b) for h, b in amd_loops(ins, labels) if h >= start]
+    if len(loops) != 1:
+        raise ValueError(f"{len(loops)} loops in the fused reduce, expected its chunk loop")
+    (h, b), = loops
+    return (amd_counts(ins[start:h] + ins[b + 1:], {}, [])[0],
+            amd_counts(ins[h:b + 1], {}, [])[0])
+
+
+def step_loop(ins, labels, label: str) -> tuple[int, int]:
+    """The partition kernel's step loop: the one outermost loop that holds the MFMAs (the other
+    loop is the fused reduce's pass over the partials, run by one wave per row tile)."""
+    loops = [(h, b) for h, b in amd_loops(ins, labels)
+             if any(op.startswith("v_mfma") for op, _ in ins[h:b + 1])]
+    if len(loops) != 1:
+        raise ValueError(f"{label}: {len(loops)} outermost loops with MFMAs, expected the one "
+                         "step loop")
+    return loops[0]
 
 
 def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
@@ -1324,28 +1353,29 @@ def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
     for name, label, native, e4 in GFX950_PATHS:
         k = decode_kernel(hot, "tq_fp4_pa_gfx950_kernel", native, e4)
         ins, labels = parse_amd_body(k["body"])
-        loops = amd_loops(ins, labels)
         ins_all, labels_all = parse_amd_body(
             decode_kernel(every, "tq_fp4_pa_gfx950_kernel", native, e4)["body"])
-        loops_all = amd_loops(ins_all, labels_all)
-        if len(loops) != 1 or len(loops_all) != 1:
-            raise ValueError(f"{label}: {len(loops)} / {len(loops_all)} outermost loops (hot / "
-                             "all paths), expected the one step loop")
-        (h, b), (h2, b2) = loops[0], loops_all[0]
+        (h, b), (h2, b2) = step_loop(ins, labels, label), step_loop(ins_all, labels_all, label)
+        # after the step loop: the partial's stores up to the ticket's atomic (every wave),
+        # then the fused reduce (the row tile's last wave only)
+        ticket = next(i for i in range(b + 1, len(ins)) if "atomic" in ins[i][0])
         out[name] = AmdPath(
             label, hw, K8V4_TILE_BYTES if e4 else FP4_TILE_BYTES,
             step=amd_counts(ins[h:b + 1], {}, [])[0], tiles_per_step=tiles,
             # the rest, every branch side (an upper bound); QK and PV at the FP8 rate (an FP8
             # operand in each, module docstring)
-            once=amd_counts(ins[:h] + ins[b + 1:], {}, [])[0], mfma_clk=hw.mfma_fp8_clk,
+            once=amd_counts(ins[:h] + ins[b + 1:ticket + 1], {}, [])[0], mfma_clk=hw.mfma_fp8_clk,
+            reduce_code=reduce_counts(ins, labels, ticket + 1),
             waves_per_wg=k["meta"]["max_flat_workgroup_size"] // k["meta"]["wavefront_size"],
-            occupancy=k["stats"]["Occupancy"], launches=3, wg_step_tokens=tiles * TILE_TOKENS,
+            occupancy=k["stats"]["Occupancy"], launches=2, wg_step_tokens=tiles * TILE_TOKENS,
             partition=partition_len(),
             # Q's terms and the row record, then the block table before the first KV load
             prologue_trips=2, in_flight_bytes=loads_in_flight_bytes(ins[h:b + 1]),
             prepass_trips=2,   # Q (and the state record) in, Q's E4M3 terms out
-            # the reduce: the row's record and seq_lens, the output; two serial chunk loops
-            reduce=(2, chunk, 2),
+            # the reduce, fused into the last partition of each row tile: the ticket's atomic,
+            # then the rows' pre-pass results and records; one pass over the partials in
+            # chunks (each chunk's loads before its first use)
+            reduce=(2, chunk, 1),
             all_paths=amd_counts(ins_all[h2:b2 + 1], {}, [])[0],
             stats={"VGPRs": k["stats"]["NumVgprs"], "AGPRs": k["stats"]["NumAgprs"],
                    "occupancy": k["stats"]["Occupancy"], "LDS": k["stats"]["LDSByteSize"],
@@ -1484,8 +1514,8 @@ def amd_table(paths: dict[str, AmdPath], dep_high: float) -> tuple[str, dict]:
               "3.865 us per node of a replayed graph of serialized tiny kernels, measured on "
               "gfx1100; no CDNA figure found), a dependent DRAM round trip "
               f"{hw.dram_latency_us} us (gfx950 pointer chase, facebookexperimental/triton "
-              "AMDLatencyModel.h: ~360 ns, idle). Ours: pre-pass + partition kernel + reduce = 3 "
-              "launches, one wave per (sequence, partition, kv head), partitions from the "
+              "AMDLatencyModel.h: ~360 ns, idle). Ours: pre-pass + partition kernel (the reduce "
+              "fused into each row tile's last partition) = 2 launches, one wave per (sequence, partition, kv head), partitions from the "
               "launcher's plan (`partition_len` of pa_fp4_plan.py); "
               "pa_v1 and gfx942: partition kernel + reduce = 2 launches, 256-token partitions of "
               "4 waves; AITER asm: 1 launch, one workgroup of 4 waves per (sequence, kv head) over "

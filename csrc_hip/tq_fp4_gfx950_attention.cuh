@@ -24,7 +24,8 @@
 //           lane l holds output elements 16 mt + 4 (l / 16) + i of row l % 16.
 //    A step whose 128 tokens every live row sees takes the unmasked path (no selects); edge
 //    steps (the partition's or sequence's ends, position 0 with the sink, windows, causal
-//    multi-token rows) select per token. The partition writes (m, l, O / l) per row.
+//    multi-token rows) select per token. The partition writes (m, l, O / l) per row, O / l in
+//    fp32.
 // 3. Reduce, one workgroup of HEAD threads per row: combines the partitions by their log-sum-
 //    exp, merges the sink (x0, v0 from the record) and learned sinks, writes the lse, and
 //    un-rotates the output (the rotation is linear, so once per row instead of per partition).
@@ -211,13 +212,21 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     const int* __restrict__ cu_query_lens,    // [num_seqs + 1] with MULTI_TOKEN
     float* __restrict__ exp_sums,             // [num_tokens, num_heads, max_num_partitions]: l
     float* __restrict__ max_logits,           // [num_tokens, num_heads, max_num_partitions]: m (log2)
-    uint16_t* __restrict__ tmp_out,           // [num_tokens, num_heads, max_num_partitions, HEAD] Scalar
+    float* __restrict__ tmp_out,              // [num_tokens, num_heads, max_num_partitions, HEAD] fp32
     float logits_soft_cap, int sliding_window, int max_blocks_per_seq, int max_num_partitions,
     int partition_len,                        // tokens per partition, a multiple of kStep
     int num_seqs, int num_tokens, int num_kv_heads,
     int64_t kv_block_stride, int kv_head_stride, int kv_seq_stride,  // value_cache's byte strides
     int sink,                                 // != 0: position 0 comes from the record (reduce)
-    int add_qm) {                             // != 0: add QRow::qadd before the soft cap
+    int add_qm,                               // != 0: add QRow::qadd before the soft cap
+    uint16_t* __restrict__ out,               // [num_tokens, num_heads, HEAD] Scalar
+    float* __restrict__ lse,                  // [num_tokens, num_heads], or nullptr
+    const float* __restrict__ sinks,          // [num_heads] learned sink logits, or nullptr
+    const float* __restrict__ rotation_signs, // [HEAD] of +-1, or nullptr
+    const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr
+    const int* __restrict__ state_ids,        // [num_seqs]
+    int num_slots,
+    uint32_t* __restrict__ tickets) {         // [row tiles, num_kv_heads], zero at first use
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
   static_assert(GQA >= 1 && (MULTI_TOKEN || GQA <= kTile), "a decode tile holds the whole GQA group");
   static_assert(BLOCK_SIZE >= 16 && BLOCK_SIZE <= 256 && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0,
@@ -248,7 +257,14 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   auto out_row = [&](int n) { return int64_t(q0 + row_token(n)) * (num_kv_heads * GQA) + row_head(n); };
   const KeyRange tile_keys = {row_keys(0).lo, row_keys(nrows - 1).hi};
   const int p_start = part * partition_len;
-  if (p_start >= tile_keys.hi || p_start + partition_len <= tile_keys.lo) return;
+  // The partitions that hold some of the tile's keys, [first_part, first_part + tile_parts):
+  // each runs and takes a ticket, the last one to finish reduces the tile's rows. A tile with no
+  // keys at all (hi <= 0) has none: its partition 0 reduces at once (zeros, learned sinks).
+  const int first_part = tile_keys.hi > 0 ? tile_keys.lo / partition_len : 0;
+  const int tile_parts = tile_keys.hi > 0
+      ? min_i32((tile_keys.hi - 1) / partition_len + 1, max_num_partitions) - first_part : 0;
+  const bool runs = part >= first_part && part < first_part + tile_parts;
+  if (!runs && !(tile_parts == 0 && part == 0)) return;
   const int first_pos = sink != 0 ? 1 : 0;
   // The FP4 stream serves [kv_lo, tile_keys.hi); every live row sees [all_lo, all_hi).
   const int kv_lo = max_i32(tile_keys.lo, first_pos);
@@ -259,6 +275,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   const int row_lo = max_i32(my_keys.lo, first_pos);
   const uint32_t row_n = uint32_t(max_i32(my_keys.hi - row_lo, 0));
 
+  if (runs) {
   // Q's E4M3 terms as the B operand: lane (n, g) holds elements 128 c + mfma_fp8_k(g, j).
   const int64_t qr = out_row(row_live ? my_row : 0);
   const uint8_t* qp = q8 + qr * (2 * HEAD);
@@ -478,110 +495,120 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     }
     const float inv = l == 0.0f ? 0.0f : 1.0f / l;  // a NaN l stays NaN
     for (int mt = 0; mt < kMt; ++mt)
-      for (int i = 0; i < 4; ++i)
-        tmp_out[idx * HEAD + kTile * mt + 4 * g + i] = Scalar::from_float(o[mt][i] * inv);
+      *reinterpret_cast<f32x4*>(tmp_out + idx * HEAD + kTile * mt + 4 * g) = o[mt] * inv;
   }
-}
+  // The last partition of the tile to finish reduces it (the partials written before the
+  // ticket, read after it); it leaves the ticket at 0 for the next call.
+  fence_release_device();
+  const uint32_t ticket = wave_first_lane(lane == 0 ? atomic_add_device(&tickets[int64_t(tile) * num_kv_heads + kvh], 1u) : 0u);
+  if (ticket != uint32_t(tile_parts - 1)) return;
+  if (lane == 0) tickets[int64_t(tile) * num_kv_heads + kvh] = 0u;
+  fence_acquire_device();
+  }  // runs
 
-
-template <int HEAD>
-struct RowBuffer { float v[HEAD]; };
-
-// ---------------------------------------------------------------------------------------
-// 3. Reduce. grid (num_tokens, num_heads)  block (HEAD): thread d owns output element d.
-// The row's partials (m in log2 units, without q.m unless the partitions added it under a soft
-// cap), the sink as one more partial (x0, v0: weight 1 at its logit), learned sinks as one more
-// logit without a value; then o = fwht(o) * HEAD^-0.5 * s with the rotation.
-template <class Scalar, int HEAD, bool MULTI_TOKEN>
-TQ_KERNEL(HEAD, HEAD) void tq_fp4_pa_gfx950_reduce_kernel(
-    uint16_t* __restrict__ out,               // [num_tokens, num_heads, HEAD] Scalar
-    float* __restrict__ lse,                  // [num_tokens, num_heads], or nullptr
-    const float* __restrict__ exp_sums,       // [num_tokens, num_heads, max_num_partitions]
-    const float* __restrict__ max_logits,     // [num_tokens, num_heads, max_num_partitions]
-    const uint16_t* __restrict__ tmp_out,     // [num_tokens, num_heads, max_num_partitions, HEAD]
-    const QRow* __restrict__ qrows,           // [num_tokens, num_heads] (pre-pass)
-    const int* __restrict__ seq_lens,         // [num_seqs]
-    const int* __restrict__ cu_query_lens,    // [num_seqs + 1] with MULTI_TOKEN
-    const float* __restrict__ sinks,          // [num_heads] learned sink logits, or nullptr
-    const float* __restrict__ rotation_signs, // [HEAD], or nullptr
-    const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr
-    const int* __restrict__ state_ids,        // [num_seqs]
-    int num_slots, int sink, int num_seqs, int num_heads, int gqa, int max_num_partitions,
-    int partition_len, int sliding_window,
-    int qm_in_partitions) {                   // != 0: the partials' m already hold q.m
-  const int token = block_id_x(), head = block_id_y(), d = thread_id();
-  int seq = token, qi = 0, qn = 1;
-  if constexpr (MULTI_TOKEN) {
-    seq = token_sequence(cu_query_lens, num_seqs, token);
-    qi = token - cu_query_lens[seq];
-    qn = cu_query_lens[seq + 1] - cu_query_lens[seq];
-  }
-  const KeyRange keys = query_keys(seq_lens[seq], qn, qi, sliding_window);
+  // Fused reduce, the tile's rows at once. Lane (n, g) owns row n and elements
+  // 32 k + 8 g + i (k < HEAD / 32, i < 8): partitions combined by their log-sum-exp in chunks
+  // (the partials' m are log2 units, without q.m unless the soft cap added it), then the sink
+  // (x0, v0: one more partial of weight 1) for rows that see position 0, learned sinks (one more
+  // logit, no value), the lse, and o = fwht(o) * HEAD^-0.5 * s with the rotation: stages
+  // h = 1, 2, 4 pair registers i, h = 8, 16 lanes (xor 16, 32), h >= 32 registers k.
+  constexpr int kK = HEAD / 32;
+  constexpr int kChunk = 4;  // partitions per round trip
+  const int n = lane & 15, g8 = lane >> 4;
+  const bool live = n < nrows;
+  const KeyRange keys = row_keys(live ? n : 0);
+  const int64_t row = out_row(live ? n : 0);
   const int begin = keys.hi > 0 ? keys.lo / partition_len : 0;
-  const int end = keys.hi > 0 ? min_i32((keys.hi - 1) / partition_len + 1, max_num_partitions) : 0;
-  const int64_t row = int64_t(token) * num_heads + head;
+  const int end = (live && keys.hi > 0)
+      ? min_i32((keys.hi - 1) / partition_len + 1, max_num_partitions) : begin;
   const QRow qr = qrows[row];
-  const float qadd = qm_in_partitions != 0 ? 0.0f : qr.qadd;
+  const float qadd_r = add_qm != 0 ? 0.0f : qr.qadd;
   const bool sees0 = sink != 0 && keys.hi > 0 && keys.lo == 0;
+  const int head = row_head(live ? n : 0);
   const float learned = sinks != nullptr ? sinks[head] * kLog2e : -__builtin_inff();
-  // Partitions in chunks of 8: a chunk's loads before any use (indices clamped to the last).
-  constexpr int kChunk = 8;
-  const int64_t base = row * max_num_partitions;
-  const int last = end - 1;
-  float m = fmax_f32(learned, sees0 ? qr.x0 : -__builtin_inff());
+  float M = -__builtin_inff(), den = 0.0f;
+  f32x4 num[kK][2];  // elements 32 k + 8 g8 + 4 h + i
+  for (int k = 0; k < kK; ++k) num[k][0] = num[k][1] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  // Rescales (M, den, num) to the maximum M' = max(M, mc) and returns 2^(-M') as the scale of
+  // new weights' exponents (0 when M' is -inf).
+  auto raise_max = [&](float mc) {
+    const float m2 = fmax_f32(M, mc);
+    const float ms = m2 == -__builtin_inff() ? 0.0f : m2;
+    const float f = M == m2 ? 1.0f : exp2_f32(M - ms);
+    den *= f;
+    for (int k = 0; k < kK; ++k)
+      for (int h = 0; h < 2; ++h) num[k][h] = num[k][h] * f;
+    M = m2;
+    return ms;
+  };
+  const int64_t pbase = row * max_num_partitions;
   for (int p0 = begin; p0 < end; p0 += kChunk) {
-    float ml[kChunk];
-    for (int i = 0; i < kChunk; ++i) ml[i] = max_logits[base + min_i32(p0 + i, last)];
-    sched_barrier();
-    for (int i = 0; i < kChunk; ++i) m = p0 + i < end ? fmax_f32(m, ml[i] + qadd) : m;
-  }
-  const float m_safe = m == -__builtin_inff() ? 0.0f : m;
-  float num = 0.0f, den = 0.0f;
-  for (int p0 = begin; p0 < end; p0 += kChunk) {
-    float es[kChunk], ml[kChunk];
-    uint16_t v[kChunk];
-    for (int i = 0; i < kChunk; ++i) {
-      const int64_t p = base + min_i32(p0 + i, last);
-      es[i] = exp_sums[p];
-      ml[i] = max_logits[p];
-      v[i] = tmp_out[p * HEAD + d];
+    float ml[kChunk], es[kChunk];
+    f32x4 v[kChunk][kK][2];
+    for (int c = 0; c < kChunk; ++c) {
+      const int64_t p = pbase + min_i32(p0 + c, end - 1);
+      ml[c] = max_logits[p];
+      es[c] = exp_sums[p];
+      for (int k = 0; k < kK; ++k)
+        for (int h = 0; h < 2; ++h)
+          v[c][k][h] = *reinterpret_cast<const f32x4*>(tmp_out + p * HEAD + 32 * k + 8 * g8 + 4 * h);
     }
     sched_barrier();
-    for (int i = 0; i < kChunk; ++i) {  // l == 0: no key of the row there (a NaN l stays NaN)
-      const float w = es[i] == 0.0f ? 0.0f : es[i] * exp2_f32(ml[i] + qadd - m_safe);
-      den = p0 + i < end ? den + w : den;
-      num = p0 + i < end ? num + w * Scalar::to_float(v[i]) : num;
+    float mc = -__builtin_inff();
+    for (int c = 0; c < kChunk; ++c) mc = p0 + c < end ? fmax_f32(mc, ml[c] + qadd_r) : mc;
+    const float ms = raise_max(mc);
+    for (int c = 0; c < kChunk; ++c) {  // l == 0: no key of the row there (a NaN l stays NaN)
+      const float w = (p0 + c >= end || es[c] == 0.0f) ? 0.0f : es[c] * exp2_f32(ml[c] + qadd_r - ms);
+      den += w;
+      for (int k = 0; k < kK; ++k)
+        for (int h = 0; h < 2; ++h) num[k][h] += v[c][k][h] * w;
     }
   }
   if (sees0) {
-    const int kvh = head / gqa, num_kv_heads = num_heads / gqa;
     const int slot = state_ids[seq];
-    const float* record = (slot >= 0 && slot < num_slots)
+    const float* record = (seq_state != nullptr && slot >= 0 && slot < num_slots)
         ? seq_state + (int64_t(slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
-    const float w = exp2_f32(qr.x0 - m_safe);
+    const float ms = raise_max(qr.x0);
+    const float w = exp2_f32(qr.x0 - ms);
     den += w;
-    num += w * record_at<HEAD>(record, kSinkValue, d);
+    for (int k = 0; k < kK; ++k)
+      for (int i = 0; i < 8; ++i)
+        num[k][i / 4][i % 4] += w * record_at<HEAD>(record, kSinkValue, 32 * k + 8 * g8 + i);
   }
-  if (learned > -__builtin_inff()) den += exp2_f32(learned - m_safe);
+  if (learned > -__builtin_inff()) {
+    const float ms = raise_max(learned);
+    den += exp2_f32(learned - ms);
+  }
   const bool any = begin < end || sees0;
-  float o = any ? num / den : 0.0f;
-  if (lse != nullptr && d == 0)  // a row that sees nothing: its learned sink's logit, or -inf
-    lse[row] = o != o ? o : any ? (m + log2_f32(den)) / kLog2e
-                          : (sinks != nullptr ? sinks[head] : -__builtin_inff());
+  float o[kK][8];
+  for (int k = 0; k < kK; ++k)
+    for (int i = 0; i < 8; ++i) o[k][i] = any ? num[k][i / 4][i % 4] / den : 0.0f;
+  if (lse != nullptr && live && g8 == 0)  // a row that sees nothing: its learned sink, or -inf
+    lse[row] = o[0][0] != o[0][0] ? o[0][0] : any ? (M + log2_f32(den)) / kLog2e
+             : (sinks != nullptr ? sinks[head] : -__builtin_inff());
   if (rotation_signs != nullptr) {
-    // o = fwht(o') * HEAD^-0.5 * s, stages h = 1 .. HEAD/2 across the block's threads.
-    using Buf = RowBuffer<HEAD>;
-    TQ_LDS(Buf, obuf);
-    for (int h = 1; h < HEAD; h *= 2) {
-      obuf->v[d] = o;
-      block_barrier();
-      const float other = obuf->v[d ^ h];
-      block_barrier();
-      o = (d & h) ? other - o : o + other;
-    }
-    o = o * rotation_norm<HEAD>() * rotation_signs[d];
+    for (int h = 1; h < 8; h *= 2)
+      for (int k = 0; k < kK; ++k)
+        for (int i = 0; i < 8; ++i)
+          if ((i & h) == 0) butterfly(o[k][i], o[k][i + h]);
+    for (int m = 16; m <= 32; m *= 2)
+      for (int k = 0; k < kK; ++k)
+        for (int i = 0; i < 8; ++i) o[k][i] = butterfly_xor(o[k][i], lane, m);
+    for (int h = 1; h < kK; h *= 2)
+      for (int k = 0; k < kK; ++k)
+        if ((k & h) == 0)
+          for (int i = 0; i < 8; ++i) butterfly(o[k][i], o[k + h][i]);
+    for (int k = 0; k < kK; ++k)
+      for (int i = 0; i < 8; ++i)
+        o[k][i] *= rotation_norm<HEAD>() * rotation_signs[32 * k + 8 * g8 + i];
   }
-  out[row * HEAD + d] = Scalar::from_float(o);
+  if (live)
+    for (int k = 0; k < kK; ++k) {
+      u32x4 w;
+      for (int i = 0; i < 4; ++i)
+        w[i] = uint32_t(Scalar::from_float(o[k][2 * i])) | uint32_t(Scalar::from_float(o[k][2 * i + 1])) << 16;
+      *reinterpret_cast<u32x4*>(out + row * HEAD + 32 * k + 8 * g8) = w;
+    }
 }
 
 }  // namespace gfx950

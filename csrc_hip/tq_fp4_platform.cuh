@@ -89,6 +89,7 @@ f32x4 mfma_scale_16x16x128(int fmt_a, int fmt_b, i32x8 a, i32x8 b, f32x4 c, int 
                            int scale_b);
 f32x4 mfma_16x16x32_fp8_fnuz(uint64_t a, uint64_t b, f32x4 c);
 uint64_t lds_read_tr_b64(const void* p, int bits);
+uint32_t first_lane(uint32_t v);
 }  // namespace sim
 
 inline int thread_id() { return sim::thread_id(); }
@@ -97,6 +98,11 @@ inline int block_id_y() { return sim::block_id(1); }
 inline int block_id_z() { return sim::block_id(2); }
 inline void block_barrier() { sim::block_barrier(); }
 inline float wave_shfl_xor(float v, int mask) { return sim::shfl_xor(v, mask); }
+inline uint32_t wave_first_lane(uint32_t v) { return sim::first_lane(v); }
+// Device-scope ordering and the tickets' atomic: the simulation runs one workgroup at a time.
+inline void fence_release_device() {}
+inline void fence_acquire_device() {}
+inline uint32_t atomic_add_device(uint32_t* p, uint32_t v) { const uint32_t old = *p; *p = old + v; return old; }
 
 inline u32x4 load_u32x4(const uint8_t* p) { u32x4 v; memcpy(&v, p, 16); return v; }
 inline uint32_t load_u32(const uint8_t* p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -243,6 +249,16 @@ TQ_HD float wave_shfl_xor(float v, int mask) {
   const int lane = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
   return __builtin_bit_cast(
       float, __builtin_amdgcn_ds_bpermute((lane ^ mask) << 2, __builtin_bit_cast(int, v)));
+}
+
+// Lane 0's value in every lane (v_readfirstlane_b32; lane 0 is active where it is used).
+TQ_HD uint32_t wave_first_lane(uint32_t v) { return __builtin_amdgcn_readfirstlane(v); }
+// Ordering across workgroups: every lane's stores before the fence are visible device-wide
+// before anything after it; loads after the acquire fence see what was released before.
+TQ_HD void fence_release_device() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "agent"); }
+TQ_HD void fence_acquire_device() { __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "agent"); }
+TQ_HD uint32_t atomic_add_device(uint32_t* p, uint32_t v) {
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
 }
 
 TQ_HD u32x4 load_u32x4(const uint8_t* p) { return *reinterpret_cast<const u32x4*>(p); }

@@ -121,7 +121,9 @@ def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_ca
     max_parts = max(1, math.ceil(int(seq_lens.max()) / plen)) if num_seqs else 1
     exp_sums = torch.full((num_tokens, num_heads, max_parts), float("nan"))
     max_logits = torch.full_like(exp_sums, float("nan"))
-    tmp_out = torch.zeros((num_tokens, num_heads, max_parts, head), dtype=query.dtype)
+    # partials: the query dtype on gfx942, fp32 on gfx950
+    tmp_out = torch.zeros((num_tokens, num_heads, max_parts, head),
+                          dtype=query.dtype if gfx942 else torch.float32)
     out = torch.full_like(query, float("nan"))
     lse = torch.full((num_tokens, num_heads), 12345.0) if return_lse else None  # must be written
     query = query.contiguous()
@@ -139,7 +141,8 @@ def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_ca
         rc = lib.tq_sim_paged_attention(*head_args, *tail_args)
     else:
         rc = lib.tq_sim_paged_attention_gfx950(*head_args, plen, *tail_args)
-    assert rc == 0, f"lane simulation failed (rc={rc}: -1 barrier deadlock, -2 no instantiation)"
+    assert rc == 0, (f"lane simulation failed (rc={rc}: -1 barrier deadlock, -2 no instantiation, "
+                     "-4 a reduce ticket left set)")
     return (out, lse) if return_lse else out
 
 
@@ -189,7 +192,7 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
       m' = max(m, max x), e = 2^(x - m'), l = l 2^(m - m') + sum e, O = O 2^(m - m') +
       (P' as two E4M3 terms) V 2^(E + vs_ref - 127), P' = e 2^(vs - vs_ref - E) with E the
       exponent of the step's largest e 2^(vs - vs_ref) (so P' < 1 whatever vs_ref), the
-      partial O / l rounded to the query dtype;
+      partial O / l in fp32;
     - reduce: the partials' maxima plus f q.m (unless the cap already added it), the sink
       (x0, v0) for the rows that see position 0, learned sinks as one more logit, then the
       un-rotation in fp32.
@@ -297,7 +300,7 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
                 # the partition holds some of the row's keys (the sink counts as position 0)
                 has = (visible[:, p0:p0 + partition_len].any(1) |
                        ((lo == 0) & torch.tensor(bool(sink) and p0 == 0) & (qpos >= 0)))
-                parts.append((has, m, l, o.to(query.dtype).double()))
+                parts.append((has, m, l, o.float().double()))  # fp32 partials
             inc = torch.stack([hs for hs, _, _, _ in parts])
             sees0 = (lo == 0) & torch.tensor(bool(sink)) & (qpos >= 0)
             qadd_r = 0.0 if add_in_parts else qadd

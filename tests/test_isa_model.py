@@ -465,10 +465,10 @@ def all_paths_asm():
 
 
 def _step_loop(asm: str, native: bool, key_e4m3: bool):
-    """(the one step loop's instructions, the whole kernel's) of a gfx950 decode path."""
+    """(the step loop's instructions, the whole kernel's) of a gfx950 decode path."""
     ins, labels = im.parse_amd_body(im.decode_kernel(asm, "tq_fp4_pa_gfx950_kernel", native,
                                                      key_e4m3)["body"])
-    (h, b), = im.amd_loops(ins, labels)
+    h, b = im.step_loop(ins, labels, "gfx950")
     return ins[h:b + 1], ins
 
 
@@ -527,7 +527,7 @@ def test_gfx950_paths_counts_and_call(hot_asm, all_paths_asm):
     paths = im.gfx950_paths(_clang())
     assert list(paths) == GFX950_IDS
     for name, p in paths.items():
-        assert p.tiles_per_step == TILES and p.waves_per_wg == 1 and p.launches == 3
+        assert p.tiles_per_step == TILES and p.waves_per_wg == 1 and p.launches == 2
         assert p.in_flight_bytes == 0                        # each step waits for its loads
         assert p.stats["scratch"] == 0 and 1 <= p.occupancy <= 8
         hot, every = p.cycles()["limits_cu"]["valu"], p.cycles(p.all_paths)["limits_cu"]["valu"]

@@ -226,6 +226,16 @@ f32x4 mfma_scale_16x16x128(int fmt_a, int fmt_b, i32x8 a, i32x8 b, f32x4 c, int 
   return d;
 }
 
+// v_readfirstlane_b32: lane 0's value of the wave, in every lane.
+uint32_t first_lane(uint32_t v) {
+  const int t = g_sim->current, wave = t / kWaveSize;
+  g_sim->shfl_slot[t] = __builtin_bit_cast(float, v);
+  rendezvous(wave);
+  const uint32_t r = __builtin_bit_cast(uint32_t, g_sim->shfl_slot[wave * kWaveSize]);
+  rendezvous(wave);
+  return r;
+}
+
 // ds_read_b64_tr_b4 / ds_read_b64_tr_b8 (gfx950), from the CDNA4 ISA's description of the LDS
 // transpose loads: each lane reads the 8 bytes at its own address; within each group of 16
 // lanes the 16 chunks, concatenated in lane order, are read as N rows x 16 columns of
@@ -341,14 +351,17 @@ int run_all(const Args& a) {
 }
 
 
-// The gfx950 kernels (tq_fp4_gfx950_attention.cuh): the Q pre-pass, the partition kernel (one
-// wave per workgroup) and the reduce, in the launcher's order.
+// The gfx950 kernels (tq_fp4_gfx950_attention.cuh): the Q pre-pass, then the partition kernel
+// (one wave per workgroup; the last partition of each row tile reduces it), in the launcher's
+// order.
 struct Args950 {
   Args a;
   int partition_len;
   std::vector<uint8_t> q8;
   std::vector<tq::gfx950::QRow> qrows;
+  std::vector<uint32_t> tickets;  // [row tiles, num_kv_heads]
   int num_heads;
+  float* tmp_out;  // [num_tokens, num_heads, max_num_partitions, HEAD] fp32 partials
 };
 
 template <class Scalar, int HEAD>
@@ -367,22 +380,11 @@ void partition950_body(void* p) {
   const Args& a = x.a;
   tq::gfx950::tq_fp4_pa_gfx950_kernel<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>(
       x.q8.data(), x.qrows.data(), a.key_cache, a.value_cache, a.key_scales, a.value_scales,
-      a.block_tables, a.seq_lens, a.cu_query_lens, a.exp_sums, a.max_logits, a.tmp_out,
+      a.block_tables, a.seq_lens, a.cu_query_lens, a.exp_sums, a.max_logits, x.tmp_out,
       a.soft_cap, a.sliding_window, a.max_blocks_per_seq, a.max_num_partitions, x.partition_len,
       a.num_seqs, a.num_tokens, a.num_kv_heads, a.kv_block_stride, a.kv_head_stride,
-      a.kv_seq_stride, a.sink, a.seq_state != nullptr && a.soft_cap > 0.0f);
-}
-
-template <class Scalar, int HEAD, bool MULTI>
-void reduce950_body(void* p) {
-  Args950& x = *static_cast<Args950*>(p);
-  const Args& a = x.a;
-  const int num_heads = x.num_heads;
-  tq::gfx950::tq_fp4_pa_gfx950_reduce_kernel<Scalar, HEAD, MULTI>(
-      a.out, a.lse, a.exp_sums, a.max_logits, a.tmp_out, x.qrows.data(), a.seq_lens,
-      a.cu_query_lens, a.sinks, a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink,
-      a.num_seqs, num_heads, num_heads / a.num_kv_heads, a.max_num_partitions, x.partition_len,
-      a.sliding_window, a.seq_state != nullptr && a.soft_cap > 0.0f);
+      a.kv_seq_stride, a.sink, a.seq_state != nullptr && a.soft_cap > 0.0f, a.out, a.lse,
+      a.sinks, a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, x.tickets.data());
 }
 
 // The launcher's grids (pa_fp4.cpp.jinja), one workgroup at a time.
@@ -398,16 +400,15 @@ int run_all_950(Args950& x) {
         return -1;
   const int row_tiles = MULTI ? a.num_seqs + (a.num_tokens * GQA + tq::kTile - 1) / tq::kTile
                               : a.num_seqs;
+  x.tickets.assign(size_t(row_tiles) * a.num_kv_heads, 0u);
   for (int tile = 0; tile < row_tiles; ++tile)
     for (int part = 0; part < a.max_num_partitions; ++part)
       for (int kvh = 0; kvh < a.num_kv_heads; ++kvh)
         if (run_workgroup(tile, part, kvh, partition950_body<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>,
                           &x, tq::gfx950::kWave) != 0)
           return -1;
-  for (int token = 0; token < a.num_tokens; ++token)
-    for (int h = 0; h < num_heads; ++h)
-      if (run_workgroup(token, h, 0, reduce950_body<Scalar, HEAD, MULTI>, &x, HEAD) != 0)
-        return -1;
+  for (uint32_t t : x.tickets)
+    if (t != 0) return -4;  // a ticket left set: the next call's reduce would never run
   return 0;
 }
 
@@ -499,14 +500,15 @@ extern "C" int tq_sim_paged_attention(
   return rc;
 }
 
-// The gfx950 kernels (pre-pass, partition, reduce) with partitions of partition_len tokens
+// The gfx950 kernels (pre-pass, partition kernel with its fused reduce) with partitions of
+// partition_len tokens (tmp_out: fp32 partials)
 // (exp_sums, max_logits, tmp_out sized for max_num_partitions of them); arguments as above.
 extern "C" int tq_sim_paged_attention_gfx950(
     int is_bf16, int head, int block_size, int gqa, int native, int key_e4m3,
     const uint16_t* query, const uint8_t* key_cache, const uint8_t* value_cache,
     const uint8_t* key_scales, const uint8_t* value_scales, const int* block_tables,
     const int* seq_lens, const int* cu_query_lens, float* exp_sums, float* max_logits,
-    uint16_t* tmp_out, uint16_t* out, float scale, float soft_cap, int sliding_window,
+    float* tmp_out, uint16_t* out, float scale, float soft_cap, int sliding_window,
     int num_seqs, int num_tokens, int num_kv_heads, int max_blocks_per_seq,
     int max_num_partitions, int partition_len, int q_stride, long kv_block_stride,
     int kv_head_stride, int kv_seq_stride, const float* rotation_signs, const float* seq_state,
@@ -516,8 +518,9 @@ extern "C" int tq_sim_paged_attention_gfx950(
   sim.lds.resize(160 * 1024);
   g_sim = &sim;
   Args950 x;
+  x.tmp_out = tmp_out;
   x.a = {query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,
-         cu_query_lens, exp_sums, max_logits, tmp_out, out, scale, soft_cap, sliding_window,
+         cu_query_lens, exp_sums, max_logits, nullptr, out, scale, soft_cap, sliding_window,
          num_seqs, num_tokens, num_kv_heads, max_blocks_per_seq, max_num_partitions, q_stride,
          kv_block_stride, kv_head_stride, kv_seq_stride, rotation_signs, seq_state, state_ids,
          num_slots, sink, sinks, lse};
