@@ -197,7 +197,8 @@ def test_round_trip(pristine):
     changed = sorted(k for k in stat_before if stat_before[k] != patched.get(k))
     print("added:", added, "\nchanged:", changed)
     assert added == sorted([f"{pa}/tq_fp4_platform.cuh", f"{pa}/tq_fp4_paged_attention.cuh",
-                            f"{pa}/pa_fp4.cpp.jinja", f"{pa}/pa_fp4.py",
+                            f"{pa}/tq_fp4_gfx950_attention.cuh", f"{pa}/pa_fp4.cpp.jinja",
+                            f"{pa}/pa_fp4.py", f"{pa}/pa_fp4_plan.py",
                             "aiter/ops/turboquant_fp4.py", *WRITER_FILES(pa)])
     assert changed == sorted([f"{pa}/pa_v1.py", "aiter/ops/attention.py"])
     # The fp4 branch sits right before the fp8 one, the import right after pa_v1's.

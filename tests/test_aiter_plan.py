@@ -129,7 +129,7 @@ def test_gfx950_workspace_layout(shape):
         assert plan.max_parts == max(1, math.ceil(a["max_seq_len"] / plan.partition_len))
         partials = rows * plan.max_parts
         want = {"exp_sums": 4 * partials, "max_logits": 4 * partials,
-                "tmp_out": 2 * partials * a["head_size"], "q8": rows * 2 * a["head_size"],
+                "tmp_out": 4 * partials * a["head_size"], "q8": rows * 2 * a["head_size"],
                 "qrows": 16 * rows, "counters": 4 * plan.row_tiles * a["num_kv_heads"]}
         assert {n: r.nbytes for n, r in plan.regions.items()} == want
         assert plan.regions["counters"].end <= plan.size < plan.regions["counters"].end + 16

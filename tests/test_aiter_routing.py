@@ -27,6 +27,15 @@ the host with csrc_hip/shims/host (the hipified writer's grid run on the CPU), s
 writes are compared with the reference writer's, and the unit is compiled for gfx950 and gfx942
 with the flags AITER wrote into the Makefile.
 
+The attention launcher (pa_v1_fp4) is built the same way for the `host ...` cases: AITER's JIT
+renders pa_fp4.cpp.jinja and writes its build directory, and `make` becomes a host build of the
+rendered unit over the lane simulation (csrc_hip/sim/tq_fp4_lane_sim.cpp copied beside the shipped
+headers, csrc_hip/shims/lane_sim for <hip/hip_runtime.h>: each launch's grid run workgroup by
+workgroup, every lane a fiber, the MFMA and the LDS transposing reads modelled); the call comes
+from turboquant's aiter backend (its op registered for CPU) and the output is compared with
+turboquant's reference attention. The stubbed device's compute units come from TQ_TEST_CUS
+(default 256), so a case can pick the plan's partition length.
+
 A record says which module compile_template_op was asked for (pa_v1_fp4: turboquant's kernel;
 pa_v1: AITER's own), its template arguments, and the runtime arguments by the names of the
 rendered entry point's C parameters (tensors by their names in the call).
@@ -53,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"
 MFMA_942 = "v_mfma_f32_16x16x32_fp8_fp8"
 ARCH_ENV = "TQ_TEST_GCN_ARCH"  # the stubbed device's gcnArchName, per case
+CUS_ENV = "TQ_TEST_CUS"  # the stubbed device's multi_processor_count, per case (default 256)
 GFX942 = {ARCH_ENV: "gfx942:sramecc+:xnack-"}
 
 
@@ -77,10 +87,19 @@ def _entry_point_params(src: str) -> list[str]:
 
 
 WRITER_MODULE = "reshape_and_cache_fp4"  # files/cache_fp4.py's MD_NAME
+ATTENTION_MODULE = "pa_v1_fp4"  # files/pa_fp4.py's MD_NAME
+# Set while a `host ...` case runs: AITER's JIT then builds the attention launcher for real
+# (for the host, over the lane simulation) instead of recording the call only.
+HOST_BUILD = {"on": False}
 
 
 def _is_writer(folder) -> bool:
     return str(folder).startswith(WRITER_MODULE + "_")
+
+
+def _builds_for_real(folder) -> bool:
+    return _is_writer(folder) or (HOST_BUILD["on"]
+                                  and str(folder).startswith(ATTENTION_MODULE + "_"))
 
 
 def _host_make(build_dir: Path, builds: dict) -> subprocess.CompletedProcess:
@@ -93,10 +112,36 @@ def _host_make(build_dir: Path, builds: dict) -> subprocess.CompletedProcess:
     (srcs,) = re.findall(r"^SRCS = (.*)$", makefile, re.M)
     (rule,) = re.findall(r"^\t\$\(CXX\) -fPIC (.*) -c \$< -o \$@$", makefile, re.M)
     assert srcs.split() == [f"{build_dir.name}.cpp"], srcs
-    hip_writer.build_host_tu(build_dir / srcs.strip(), [build_dir / "include"], build_dir / "lib.so")
+    if build_dir.name.startswith(ATTENTION_MODULE + "_"):
+        _host_build_attention(build_dir / srcs.strip(), build_dir / "include", build_dir / "lib.so")
+    else:
+        hip_writer.build_host_tu(build_dir / srcs.strip(), [build_dir / "include"],
+                                 build_dir / "lib.so")
     builds[build_dir.name] = {"makefile_rule": rule, "build_dir": str(build_dir),
                               "src": (build_dir / srcs.strip()).read_text()}
     return subprocess.CompletedProcess(["make", "build"], 0, "", "")
+
+
+LANE_SIM = ROOT / "csrc_hip" / "sim" / "tq_fp4_lane_sim.cpp"
+LANE_SIM_SHIMS = ROOT / "csrc_hip" / "shims" / "lane_sim"
+
+
+def _host_build_attention(src: Path, include: Path, out: Path) -> None:
+    """The rendered attention unit for the host over the lane simulation (module docstring): the
+    simulation is copied into the build's include directory, so the header it includes is the
+    one AITER's JIT copied there from the patch, as the rendered unit's is."""
+    import shutil
+
+    cxx = shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no host C++ compiler (g++ or clang++) found")
+    (include / "sim").mkdir(exist_ok=True)
+    shutil.copy(LANE_SIM, include / "sim" / LANE_SIM.name)
+    # -O0: the unit instantiates the whole simulation (its own entry points too); unoptimized it
+    # builds in seconds and runs the small problems here in seconds as well.
+    subprocess.run([cxx, "-std=c++20", "-O0", "-shared", "-fPIC", "-Wno-psabi", "-DTQ_HOST_SIM",
+                    f"-I{LANE_SIM_SHIMS}", f"-I{include}", f'-DTQ_PA_FP4_TU="{src}"', "-o",
+                    str(out), str(LANE_SIM_SHIMS / "pa_fp4_host.cpp")], check=True)
 
 
 def _real_writer_jit(utils, builds: dict) -> None:
@@ -143,13 +188,16 @@ def _stub_rocm(root: Path, meta: Path) -> dict:
     sys.modules["aiter"].ops = sys.modules["aiter.ops"]
     sys.path[:0] = [str(meta), str(root)]
 
-    class Props:  # gcnArchName per case (TQ_TEST_GCN_ARCH), gfx950 by default
+    class Props:  # gcnArchName (TQ_TEST_GCN_ARCH) and CUs (TQ_TEST_CUS) per case
         warp_size = 64
-        multi_processor_count = 256
 
         @property
         def gcnArchName(self):
             return os.environ.get(ARCH_ENV, "gfx950:sramecc+:xnack-")
+
+        @property
+        def multi_processor_count(self):
+            return int(os.environ.get(CUS_ENV, "256"))
 
     props = Props()
     torch.cuda.get_device_properties = lambda device=None: props
@@ -173,12 +221,12 @@ def _stub_rocm(root: Path, meta: Path) -> dict:
 
     def compile_lib(src, folder, *args, **kwargs):
         capture["src"] = src
-        if _is_writer(folder):
+        if _builds_for_real(folder):
             real["compile_lib"](src, folder, *args, **kwargs)
 
     def run_lib(func_name, folder=None):
         capture["func_name"] = func_name
-        lib = real["run_lib"](func_name, folder) if _is_writer(func_name) else None
+        lib = real["run_lib"](func_name, folder) if _builds_for_real(func_name) else None
 
         def call(*args):
             capture["args"] = [_c_value(a) for a in args]
@@ -186,7 +234,7 @@ def _stub_rocm(root: Path, meta: Path) -> dict:
         return call
 
     utils.compile_template_op = compile_template_op
-    utils.not_built = lambda folder: real["not_built"](folder) if _is_writer(folder) else True
+    utils.not_built = lambda folder: real["not_built"](folder) if _builds_for_real(folder) else True
     utils.compile_lib = compile_lib
     utils.run_lib = run_lib
     real_register = torch_utils.direct_register_custom_op
@@ -283,6 +331,9 @@ def _cases():
     k8v4_strided = dict(k8v4, key_cache=torch.zeros(9, 2, 16, 256, dtype=torch.float8_e4m3fn)[..., :128])
     k8v4_narrow = dict(k8v4, key_cache=torch.zeros(9, 2, 16, 64, dtype=torch.float8_e4m3fn))
     bf16_cache = _problem([20, 33, 1])
+    gqa32 = _problem([20, 33, 1], hkv=1, gqa=32, d=64)
+    small_ws = dict(decode, workspace=torch.empty(1000, dtype=torch.uint8))
+    odd_ws = dict(decode, workspace=torch.empty(1 << 20, dtype=torch.uint8)[1:])
     bf16_cache["key_cache"] = torch.zeros(6, 2, 16, 128, dtype=torch.bfloat16)
     bf16_cache["value_cache"] = torch.zeros(6, 2, 16, 128, dtype=torch.bfloat16)
     t = transforms
@@ -323,6 +374,16 @@ def _cases():
         "gfx942 op multi-token": (GFX942, multi, _op_call(multi, cu_query_lens=multi["cu_query_lens"])),
         "gfx942 op k8v4": (GFX942, k8v4, _op_call(k8v4)),
         "gfx90a op decode": ({ARCH_ENV: "gfx90a:sramecc+:xnack-"}, decode, _op_call(decode)),
+        # the plan: partition length from the CUs and max_seq_len, GQA 32 decode as multi-token,
+        # the workspace's size and alignment
+        "op decode max_seq_len 4096": ({}, decode, _op_call(decode, max_seq_len=4096)),
+        "op decode max_seq_len 4096 1 CU": ({CUS_ENV: "1"}, decode,
+                                            _op_call(decode, max_seq_len=4096)),
+        "gfx942 op decode max_seq_len 4096": (GFX942, decode, _op_call(decode, max_seq_len=4096)),
+        "op decode gqa 32": ({}, gqa32, _op_call(gqa32)),
+        "op workspace too small": ({}, small_ws, _op_call(small_ws, max_seq_len=4096)),
+        "op workspace misaligned": ({}, odd_ws, _op_call(odd_ws)),
+        "op no workspace": ({}, decode, _op_call(dict(decode, workspace=None))),
     }
 
 
@@ -446,6 +507,135 @@ def _writer_cases():
     }
 
 
+def _host_problem(seq_lens, q_lens=None, hkv=2, gqa=4, d=128, config="default",
+                  key_format="fp4", seed=0):
+    """A paged cache written by the reference writer (default config: rotation, key smoothing
+    and the sink), a query and cu_query_lens (None: decode)."""
+    import itertools
+
+    import torch
+
+    from turboquant.cache import build_paged_problem
+    from turboquant.config import QuantConfig
+
+    g = torch.Generator().manual_seed(seed)
+    prob = build_paged_problem(list(seq_lens), hkv, d, 16, write_backend="reference",
+                               generator=g, config=QuantConfig.parse(config),
+                               key_format=key_format, spare_blocks=2)
+    n = len(seq_lens) if q_lens is None else sum(q_lens)
+    q = torch.randn(n, hkv * gqa, d, generator=g).to(torch.bfloat16)
+    cu = None if q_lens is None else torch.tensor([0, *itertools.accumulate(q_lens)],
+                                                  dtype=torch.int32)
+    return prob, q, cu
+
+
+def _compare(out, ref, lse=None, lse_ref=None) -> dict:
+    import torch
+
+    rec = {"finite": bool(torch.isfinite(out).all()),
+           "rel": ((out.float() - ref.float()).norm() / ref.float().norm()).item()}
+    if lse is not None:
+        both_inf = torch.isinf(lse) & torch.isinf(lse_ref) & (lse.sign() == lse_ref.sign())
+        rec["lse_max_err"] = (lse - lse_ref).abs().masked_fill(both_inf, 0).max().item()
+    return rec
+
+
+def _host_backend_call(prob, q, cu=None, **kw):
+    """turboquant.paged_attention_fp4 -> the aiter backend (selected without its device check:
+    the tensors are on the CPU) -> its op -> aiter.paged_attention_fp4 -> the launcher -> the
+    library AITER's JIT built for the host; compared with the reference backend."""
+    import torch
+
+    import turboquant
+    from turboquant import registry
+    from turboquant._backends import aiter as tq_aiter
+
+    args = (q, *prob.cache, prob.block_tables, prob.seq_lens, q.size(2) ** -0.5)
+    kw = {**prob.kwargs, "cu_query_lens": cu, **kw}
+
+    def call():
+        ref = turboquant.paged_attention_fp4(*args, backend="reference", **kw)
+        select = registry.select
+        registry.select = lambda name, kind, arg: tq_aiter.BACKEND
+        HOST_BUILD["on"] = True
+        try:
+            got = turboquant.paged_attention_fp4(*args, backend="aiter", **kw)
+        finally:
+            registry.select = select
+            HOST_BUILD["on"] = False
+        if kw.get("return_lse"):
+            return _compare(got[0], ref[0], got[1], ref[1])
+        return _compare(got, ref)
+    return {"query": q, "key_cache": prob.cache[0], "value_cache": prob.cache[1]}, call
+
+
+def _host_pa_v1_call(prob, q, ws_bytes=None):
+    """pa_v1's fp4 branch (no transforms: a plain cache) with a workspace as pa_v1's callers
+    fill it (torch.empty: here 0xFF bytes), of ws_bytes (None: pa_v1's size, 256-token
+    partitions); after the call, whether the plan's counters in it are zero."""
+    import torch
+
+    import turboquant
+    from csrc.cpp_itfs.pa import pa_fp4_plan, pa_v1
+
+    num_tokens, num_heads, d = q.shape
+    max_len = prob.block_tables.size(1) * prob.cache[0].size(2)
+    parts = -(-max_len // 256)
+    ws = torch.full((ws_bytes or num_tokens * num_heads * parts * (8 + 2 * d),), 0xFF,
+                    dtype=torch.uint8)
+    out = torch.empty_like(q)
+    scale = d ** -0.5
+
+    def call():
+        HOST_BUILD["on"] = True
+        try:
+            pa_v1.paged_attention_v1(out, ws, q, prob.cache[0], prob.cache[1], scale,
+                                     prob.block_tables, None, prob.seq_lens, max_len, None,
+                                     "fp4_e2m1", "HND", 0.0, prob.cache[2], prob.cache[3])
+        finally:
+            HOST_BUILD["on"] = False
+        ref = turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
+                                             scale, backend="reference", **prob.kwargs)
+        c = pa_fp4_plan.plan("gfx950", num_seqs=num_tokens, num_tokens=num_tokens,
+                             num_heads=num_heads, num_kv_heads=prob.cache[1].size(1),
+                             head_size=d, max_seq_len=max_len, multi_token=False,
+                             num_cus=256, buffer_nbytes=ws.numel()).regions["counters"]
+        return {**_compare(out, ref), "counters_zero": bool((ws[c.offset:c.end] == 0).all())}
+    return {"query": q, "workspace": ws, "out": out}, call
+
+
+def _host_cases():
+    """name -> (environment, tensors, the call): gfx950 launches on the lane simulation."""
+    import torch
+
+    from turboquant._backends import aiter as tq_aiter
+
+    # turboquant's op runs here on CPU tensors: its aiter implementation registered for CPU too
+    torch.library.impl(tq_aiter.ATTENTION_OP, "CPU")(tq_aiter._impl)
+    lens = [1, 54, 300]
+    default = _host_problem(lens)
+    plain = _host_problem(lens, config="plain", seed=1)
+    multi = _host_problem(lens, q_lens=[1, 5, 3], seed=2)
+    k8v4 = _host_problem(lens, config="plain", key_format="fp8_e4m3", seed=3)
+    cases = {
+        # 304 tokens of block table, 256 CUs: 128-token partitions (3)
+        "host decode default": ({}, *_host_backend_call(*default)),
+        "host decode default LUT soft cap": (
+            {"AITER_FP4_KV_LUT": "1"}, *_host_backend_call(*default, logits_soft_cap=5.0)),
+        # one CU: 2 x 4 waves wanted, 3 sequences x 2 kv heads x 2 partitions of 256 give them
+        "host decode 1 CU": ({CUS_ENV: "1"}, *_host_backend_call(*plain)),
+        "host multi-token window sinks lse": ({}, *_host_backend_call(
+            *multi, sliding_window=64, sinks=torch.linspace(-1, 2, 8), return_lse=True)),
+        "host k8v4 soft cap": ({}, *_host_backend_call(*k8v4, logits_soft_cap=5.0)),
+        # pa_v1's size is too small for the gfx950 plan: the call takes a buffer of its own
+        "host pa_v1 fp4 garbage workspace": ({}, *_host_pa_v1_call(plain[0], plain[1])),
+        # large enough: used, its counters zeroed first (pa_v1's callers never zero it)
+        "host pa_v1 fp4 large garbage workspace": (
+            {}, *_host_pa_v1_call(plain[0], plain[1], ws_bytes=1 << 16)),
+    }
+    return {name: (env, tensors, call) for name, (env, tensors, call) in cases.items()}
+
+
 def drive(root: str, meta: str) -> dict:
     """Run every case in this (child) process; JSON-able records by case name."""
     root, meta = Path(root), Path(meta)
@@ -458,7 +648,7 @@ def drive(root: str, meta: str) -> dict:
     records["writer_digest"] = cache_fp4.WRITER_DIGEST
     records["writer_cxxflags"] = cache_fp4.CXXFLAGS
     records["pa_dir"] = str(Path(pa_fp4.__file__).parent)
-    for name, (env, tensors, call) in {**_cases(), **_writer_cases()}.items():
+    for name, (env, tensors, call) in {**_cases(), **_writer_cases(), **_host_cases()}.items():
         for k in list(capture):
             if k != "builds":
                 del capture[k]
@@ -481,9 +671,15 @@ def drive(root: str, meta: str) -> dict:
                 capture["module"], tuple(capture["template"].values()))
         if capture.get("module") == cache_fp4.MD_NAME:
             record["cxxflags"] = capture["cxxflags"]
+        if capture.get("module") in (pa_fp4.MD_NAME, cache_fp4.MD_NAME):
             record["build"] = capture["builds"].get(capture.get("func_name"))
-            if "src" not in capture and record["build"]:
+            if "src" not in capture and record["build"]:  # built by an earlier case
                 capture["src"] = record["build"]["src"]
+        if capture.get("module") == pa_fp4.MD_NAME and record.get("build"):
+            import ctypes
+
+            lib = ctypes.CDLL(str(Path(record["build"]["build_dir"]) / "lib.so"))
+            record["host_error"] = lib.tq_lane_host_last_error()  # a deadlocked launch: 719
         if capture.get("module") in (pa_fp4.MD_NAME, cache_fp4.MD_NAME) and "args" in capture:
             params = _entry_point_params(capture["src"])
             labels = {t.data_ptr(): f"<{k}>" for k, t in tensors.items() if hasattr(t, "data_ptr")}
@@ -544,6 +740,37 @@ def _decode_args(rec, **expect):
         assert rec["args"][name] == value, f"{name}: {rec['args'][name]!r} != {value!r}"
 
 
+def _plan_module():
+    import importlib.util
+
+    path = ROOT / "turboquant" / "integration" / "aiter" / "files" / "pa_fp4_plan.py"
+    spec = importlib.util.spec_from_file_location("tq_routing_pa_fp4_plan", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+PLAN = _plan_module()
+WORKSPACE = 1 << 22  # _problem's workspace bytes
+PLAN_PARAMS = ("exp_sums_offset", "max_logits_offset", "tmp_out_offset", "q8_offset",
+               "qrows_offset", "counters_offset", "max_num_partitions", "partition_len",
+               "row_tiles")
+
+
+def _plan_args(arch, seqs=(20, 33, 1), tokens=None, hkv=2, gqa=4, d=128, max_seq_len=48,
+               num_cus=256, buffer=WORKSPACE, multi_token=None):
+    """The launcher arguments pa_fp4_plan.plan gives a call of _problem's shape."""
+    p = PLAN.plan(arch, num_seqs=len(seqs), num_tokens=tokens or len(seqs), num_heads=hkv * gqa,
+                  num_kv_heads=hkv, head_size=d, max_seq_len=max_seq_len,
+                  multi_token=tokens is not None if multi_token is None else multi_token,
+                  num_cus=num_cus, buffer_nbytes=buffer)
+    args = {f"{name}_offset": p.offset(name) for name in PLAN.REGIONS}
+    args.update(max_num_partitions=p.max_parts, partition_len=p.partition_len,
+                row_tiles=p.row_tiles)
+    return args
+
+
 def test_aiter_namespace_gets_the_ops(routes):
     chain = routes["chain"]
     assert chain["attention_imports"] == ["paged_attention_fp4", "paged_attention_fp4_out",
@@ -563,6 +790,54 @@ def test_op_decode_reaches_native_kernel(routes):
                  kv_head_stride=16 * 64, kv_seq_stride=64, rotation_signs_ptr=None,
                  seq_state_ptr=None, state_ids_ptr=None, num_slots=0, sink=0,
                  use_native_fp4_mfma=1)
+    # the plan's: 48 tokens of block table, 256 CUs: one 128-token partition; the workspace's
+    # regions from its start, the counters (3 row tiles x 2 kv heads) at its end
+    _decode_args(rec, **_plan_args("gfx950"))
+    _decode_args(rec, partition_len=128, max_num_partitions=1, row_tiles=3, exp_sums_offset=0,
+                 counters_offset=WORKSPACE - 32)
+
+
+@pytest.mark.parametrize("case, num_cus, partition, parts", [
+    ("op decode max_seq_len 4096", 256, 128, 32),      # 3 x 2 x 32 = 192 waves < 2048: shortest
+    ("op decode max_seq_len 4096 1 CU", 1, 2048, 2),   # 3 x 2 x 2 = 12 >= 8: the longest
+])
+def test_partition_length_follows_the_plan(routes, case, num_cus, partition, parts):
+    """The partition length comes from the device's CUs and max_seq_len (pa_fp4_plan), the
+    grid's partitions and the workspace offsets with it; the same library either way."""
+    rec = _reached(routes, case)
+    assert rec["func_name"] == routes["op decode"]["func_name"]
+    _decode_args(rec, partition_len=partition, max_num_partitions=parts)
+    _decode_args(rec, **_plan_args("gfx950", max_seq_len=4096, num_cus=num_cus))
+
+
+def test_gqa_above_16_decode_runs_multi_token(routes):
+    """A decode whose GQA group (32) exceeds a tile's 16 columns: the multi-token library, the
+    launcher's cu_query_lens 0, 1, .., num_seqs, row tiles num_seqs + ceil(3 x 32 / 16), the
+    counters sized for them."""
+    rec = _reached(routes, "op decode gqa 32")
+    assert rec["template"] == _template(32, 64, 16, "Bf16", routes["digest"], multi_token=True)
+    assert rec["args"]["cu_query_lens_ptr"] is not None
+    _decode_args(rec, row_tiles=3 + 6)
+    _decode_args(rec, **_plan_args("gfx950", hkv=1, gqa=32, d=64))
+
+
+def test_workspace_refusals_and_allocation(routes):
+    """A caller's workspace smaller than the plan or not 16-byte aligned is refused naming the
+    argument, before anything is compiled; without one, the op allocates what the plan needs
+    (its counters at the end of it)."""
+    need = PLAN.workspace_size("gfx950", num_seqs=3, num_tokens=3, num_heads=8, num_kv_heads=2,
+                               head_size=128, max_seq_len=4096, multi_token=False, num_cus=256)
+    small = routes["op workspace too small"]
+    assert small["error"] == f"ValueError: workspace_buffer: expected at least {need} bytes " \
+                             "(workspace_size), got 1000", small["error"]
+    odd = routes["op workspace misaligned"]
+    assert odd["error"].startswith("ValueError: workspace_buffer: expected a 16-byte aligned"), odd
+    assert "module" not in small and "module" not in odd
+    rec = _reached(routes, "op no workspace")
+    size = PLAN.workspace_size("gfx950", num_seqs=3, num_tokens=3, num_heads=8, num_kv_heads=2,
+                               head_size=128, max_seq_len=48, multi_token=False, num_cus=256)
+    _decode_args(rec, **_plan_args("gfx950", buffer=size))
+    assert isinstance(rec["args"]["workspace_buffer_ptr"], int)  # not the problem's workspace
 
 
 def test_lut_path_by_env_and_argument(routes):
@@ -639,20 +914,33 @@ def compile_rendered(src: str, pa_dir, arch: str, tmp_path) -> str:
 def test_rendered_source_compiles_for_gfx950(routes, tmp_path, case):
     """The translation unit AITER would build, with the injected headers, compiles for gfx950
     (host launch code and device code; csrc_hip/shims stands in for <hip/hip_runtime.h>), with
-    both specializations of the partition kernel and the scaled MFMA: FP4 keys (cbsz:4 in the
-    native path) or, for K8V4, E4M3 keys (the FP8 operand form only, no cbsz/blgp)."""
+    the Q pre-pass and both specializations of the partition kernel (its reduce fused; no
+    kernel of gfx942's), on the scaled MFMA: in the native path FP4 keys and FP4 V (cbsz:4), for
+    K8V4 E4M3 keys (the FP8 operand form, no cbsz) and FP4 V; the LUT path FP8 operands only."""
     src = routes[case]["src"]
-    assert "TQ_LAUNCH_PARTITION(true)" in src and "TQ_LAUNCH_PARTITION(false)" in src
+    assert "TQ_LAUNCH_GFX950(true)" in src and "TQ_LAUNCH_GFX950(false)" in src
+    assert "tq_fp4_pa_partition_kernel" not in src  # gfx942's kernel
     asm = compile_rendered(src, routes["pa_dir"], "gfx950", tmp_path)
-    kernels = [ln for ln in asm.splitlines() if ln.startswith("_ZN2tq26tq_fp4_pa_partition_kernel")]
+    names = [ln.split(":")[0] for ln in asm.splitlines() if ln.startswith("_ZN2tq")]
+    kernels = [n for n in names if n.startswith("_ZN2tq6gfx95023tq_fp4_pa_gfx950_kernel")]
+    assert len(kernels) == 2, names
+    assert any(n.startswith("_ZN2tq6gfx95023tq_fp4_q_prepass_kernel") for n in names), names
+    assert not any("tq_fp4_pa_partition_kernel" in n for n in names), names
     # <Bf16, 128, 16, gqa 4, USE_NATIVE_FP4_MFMA, ...>: both values of the bool after gqa 4
     # the last bool: KEY_E4M3
     key8 = case == "op k8v4"
     for native in ("ELi4ELb1E", "ELi4ELb0E"):
         assert any(native in k and f"ELb{int(key8)}EEEv" in k for k in kernels), (native, kernels)
-    mfma = [ln for ln in asm.splitlines() if MFMA in ln]
-    assert mfma
-    assert any("cbsz:4" in ln for ln in mfma) != key8
+    for k in kernels:  # each partition kernel's scaled MFMAs: cbsz:4 = an FP4 A operand
+        lines = asm.split(f"{k}:", 1)[1].split(".Lfunc_end", 1)[0].splitlines()
+        fp4 = [("cbsz:4" in ln) for ln in lines if MFMA in ln]
+        assert fp4, k
+        if "ELi4ELb0E" in k:      # LUT: K and V decoded to E4M3, FP8 operands only
+            assert not any(fp4), k
+        elif key8:                # native K8V4: E4M3 keys (QK, FP8), FP4 V (PV, cbsz:4)
+            assert any(fp4) and not all(fp4), k
+        else:                     # native: FP4 keys and FP4 V
+            assert all(fp4), k
 
 
 # Multi-token (cu_query_lens) and sliding-window calls: the launcher files (files/pa_fp4.py,
@@ -749,16 +1037,28 @@ def test_gfx942_decode_reaches_the_lut_kernel(routes, case):
     gfx950 = _reached(routes, "op decode")
     assert rec["template"] == _template(4, 128, 16, "Bf16", routes["digest"], arch="gfx942")
     assert rec["func_name"] != gfx950["func_name"]  # never the gfx950 library
-    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0}
+    # the same arguments but the plan's: 256-token partitions, pa_v1's packed workspace
+    plan = _plan_args("gfx942")
+    assert plan["partition_len"] == 256 and plan["q8_offset"] == plan["counters_offset"] == -1
+    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0, **plan}
     assert "TQ_LAUNCH_PARTITION(false)" in rec["src"]
     assert "TQ_LAUNCH_PARTITION(true)" not in rec["src"]
+    assert '#include "tq_fp4_gfx950_attention.cuh"' not in rec["src"]  # gfx942's header only
 
 
 def test_gfx942_multi_token_reaches_the_lut_kernel(routes):
     rec = _reached(routes, "gfx942 op multi-token")
     gfx950 = _reached(routes, "op multi-token")
     assert rec["template"] == {**gfx950["template"], "arch": "gfx942"}
-    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0}
+    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0,
+                           **_plan_args("gfx942", seqs=(20, 33), tokens=5)}
+
+
+def test_gfx942_keeps_256_token_partitions(routes):
+    """gfx942's partitions stay 256 tokens whatever the CUs (its old kernel's tq::kPartition)."""
+    rec = _reached(routes, "gfx942 op decode max_seq_len 4096")
+    _decode_args(rec, partition_len=256, max_num_partitions=16)
+    _decode_args(rec, **_plan_args("gfx942", max_seq_len=4096))
 
 
 @pytest.mark.parametrize("case, message", [
@@ -783,6 +1083,59 @@ def test_rendered_source_compiles_for_gfx942(routes, tmp_path):
     assert len(kernels) == 1 and "ELi4ELb0E" in kernels[0], kernels  # <.., gqa 4, LUT, ..>
     assert sum(MFMA_942 in ln for ln in asm.splitlines()) == 64
     assert MFMA not in asm and "s_trap" not in asm
+
+
+# ---------------------------------------------------------------- gfx950 on the lane simulation
+
+HOST_CASES = {  # case -> (partition_len, partitions, use_native_fp4_mfma)
+    "host decode default": (128, 3, 1),                 # 304 tokens of block table, 256 CUs
+    "host decode default LUT soft cap": (128, 3, 0),
+    "host decode 1 CU": (256, 2, 1),                    # 3 x 2 x 2 = 12 >= 2 x 4 waves
+    "host multi-token window sinks lse": (128, 3, 1),
+    "host k8v4 soft cap": (128, 3, 1),
+    "host pa_v1 fp4 garbage workspace": (128, 3, 1),
+    "host pa_v1 fp4 large garbage workspace": (128, 3, 1),
+}
+
+
+@pytest.mark.parametrize("case", HOST_CASES)
+def test_gfx950_launcher_on_the_lane_simulation(routes, case):
+    """The gfx950 launcher as AITER's JIT builds it from the patch (the rendered
+    pa_fp4.cpp.jinja and the shipped headers, compiled for the host over the lane simulation),
+    called from turboquant's aiter backend (or pa_v1's fp4 branch): its two launches (the Q
+    pre-pass, the partition kernel with its fused reduce) with the plan's arguments give
+    turboquant's reference attention and leave the workspace's counters zero (default
+    config: rotation, key smoothing, the sink; soft cap, window, learned sinks, lse, K8V4, both
+    paths) on 3 sequences of 1, 54 and 300 tokens."""
+    partition, parts, native = HOST_CASES[case]
+    rec = routes[case]
+    if rec["error"] is not None and "no host C++ compiler" in rec["error"]:
+        pytest.skip("no host C++ compiler (g++ or clang++) to build the launcher for the host")
+    rec = _reached(routes, case)
+    assert rec["build"] is not None and rec["host_error"] == 0, rec.get("host_error")
+    _decode_args(rec, partition_len=partition, max_num_partitions=parts,
+                 use_native_fp4_mfma=native)
+    assert rec["finite"]
+    assert rec["rel"] < 1e-2, rec["rel"]  # the lane simulation's tests: about 1e-3 on such data
+    if "lse_max_err" in rec:
+        assert rec["lse_max_err"] < 1e-2, rec["lse_max_err"]
+    if "counters_zero" in rec:
+        assert rec["counters_zero"]
+    if case == "host pa_v1 fp4 garbage workspace":  # too small for the plan: its own buffer
+        assert rec["args"]["workspace_buffer_ptr"] != "<workspace>"
+    if case == "host pa_v1 fp4 large garbage workspace":
+        assert rec["args"]["workspace_buffer_ptr"] == "<workspace>"
+        assert rec["args"]["counters_offset"] == (1 << 16) - 32  # 3 tiles x 2 heads, at the end
+
+
+def test_host_cases_share_libraries(routes):
+    """One library per template: the decode cases (native, LUT, any partition length, pa_v1's
+    route) share one; multi-token and K8V4 have their own."""
+    names = {c: routes[c]["func_name"] for c in HOST_CASES if routes[c]["error"] is None}
+    if len(names) < len(HOST_CASES):
+        pytest.skip("some host cases did not run")
+    decode = {n for c, n in names.items() if "multi-token" not in c and "k8v4" not in c}
+    assert len(decode) == 1 and len(set(names.values())) == 3
 
 
 # ---------------------------------------------------------------- the cache writer

@@ -7,11 +7,16 @@ the first ``unavailable()`` call, and imported only on a machine with a gfx950 o
 
 Architectures (the kernel source picks its instructions at compile time):
 - gfx950 (MI350X/MI355X): ``v_mfma_scale_f32_16x16x128_f8f6f4``, native FP4 (default) or the
-  LUT path. Rung: compiled + ISA-checked + lane-simulated; not run on hardware.
+  LUT path; csrc_hip/tq_fp4_gfx950_attention.cuh, 2 launches per call (a Q pre-pass, then one
+  wave per (row tile, partition, kv head) over partitions whose length the launcher picks per
+  call from the GPU's CUs, the last partition of each row tile reducing it). Rung: compiled +
+  ISA-checked + lane-simulated, and the AITER launcher (built by AITER's JIT from the patch,
+  for the host) run on the lane simulation against the reference; not run on hardware.
 - gfx942 (MI300X): the LUT path only (FP4 decoded through a 16-entry table to FP8 E4M3FNUZ,
   gfx942's FP8) on ``v_mfma_f32_16x16x32_fp8_fp8``, which has no scale operand: the E8M0
   scales are applied in fp32 (K's per token on the logits, Q's and P's powers of two on the
-  accumulators). Rung: compiled + ISA-checked + lane-simulated; not run on hardware. K8V4
+  accumulators); csrc_hip/tq_fp4_paged_attention.cuh, 256-token partitions of 4 waves and a
+  reduce kernel. Rung: compiled + ISA-checked + lane-simulated; not run on hardware. K8V4
   caches are declined there: their OCP E4M3 key bytes would need converting to FNUZ (0x80 is
   FNUZ's NaN, every other byte means half its OCP value), which the kernel does not do.
 
@@ -72,7 +77,6 @@ define(ATTENTION_OP, ATTENTION_SCHEMA)
 define(CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)
 
 
-@torch.library.impl(ATTENTION_OP, "CUDA")  # ROCm builds of PyTorch dispatch HIP as CUDA
 def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
           seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
           rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None):
@@ -84,6 +88,11 @@ def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_ta
                               logits_soft_cap=logits_soft_cap, max_seq_len=max_seq_len,
                               rotation_signs=rotation_signs, seq_state=seq_state,
                               state_ids=state_ids, sink=sink, sinks=sinks, lse=lse)
+
+
+# ROCm builds of PyTorch dispatch HIP as CUDA; the function stays importable (the routing tests
+# register it for CPU too).
+torch.library.impl(ATTENTION_OP, "CUDA")(_impl)
 
 
 def _write_impl(key, value, key_cache, value_cache, key_scales, value_scales, slot_mapping,

@@ -7,10 +7,12 @@ site-packages directory of an installed amd-aiter wheel (``aiter_meta/csrc/`` an
 
 What it does:
 
-- adds new files: the kernel headers (``csrc_hip/*.cuh``), ``pa_fp4.cpp.jinja`` (both
-  ``USE_NATIVE_FP4_MFMA`` specializations, one picked at launch) and ``pa_fp4.py`` (the
-  launcher, compiled under its own module name ``pa_v1_fp4`` with a digest of the kernel
-  sources in the compile key) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4.py``
+- adds new files: the kernel headers (``csrc_hip/*.cuh``: the platform header, gfx942's
+  kernel ``tq_fp4_paged_attention.cuh`` and gfx950's ``tq_fp4_gfx950_attention.cuh``),
+  ``pa_fp4.cpp.jinja`` (both ``USE_NATIVE_FP4_MFMA`` specializations, one picked at launch),
+  ``pa_fp4.py`` (the launcher, compiled under its own module name ``pa_v1_fp4`` with a digest of
+  the kernel sources in the compile key) and ``pa_fp4_plan.py`` (its launch plan: partition
+  length, grid, workspace layout) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4.py``
   (``aiter.paged_attention_fp4``); for the cache writer, the CUDA writer hipified by
   ``turboquant.hip_writer`` (``tq_cache_writer_hip.cuh``, ``tq_fp4_portable_hip.cuh``,
   ``tq_tuning.cuh``), ``cache_fp4.cpp.jinja`` and ``cache_fp4.py`` (its launcher, module name
@@ -274,8 +276,10 @@ def new_files(layout: Layout) -> dict[Path, bytes]:
     files = {
         layout.pa_dir / "tq_fp4_platform.cuh": (src / "tq_fp4_platform.cuh").read_bytes(),
         layout.pa_dir / "tq_fp4_paged_attention.cuh": (src / "tq_fp4_paged_attention.cuh").read_bytes(),
+        layout.pa_dir / "tq_fp4_gfx950_attention.cuh": (src / "tq_fp4_gfx950_attention.cuh").read_bytes(),
         layout.pa_dir / "pa_fp4.cpp.jinja": (FILES / "pa_fp4.cpp.jinja").read_bytes(),
         layout.pa_dir / "pa_fp4.py": (FILES / "pa_fp4.py").read_bytes(),
+        layout.pa_dir / "pa_fp4_plan.py": (FILES / "pa_fp4_plan.py").read_bytes(),
         layout.ops_dir / "turboquant_fp4.py": (FILES / "turboquant_fp4.py").read_bytes(),
     }
     files.update({layout.pa_dir / name: data for name, data in writer_sources().items()})

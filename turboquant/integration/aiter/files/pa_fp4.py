@@ -1,6 +1,11 @@
 # turboquant-fp4: FP4 (E2M1 codes, E8M0 scales) KV cache for AITER's pa_v1.
 # Injected into csrc/cpp_itfs/pa/ by `python -m turboquant.integration.aiter.patch`; removed by
-# its --revert. The kernels are turboquant's (tq_fp4_paged_attention.cuh, next to this file).
+# its --revert. The kernels are turboquant's, next to this file: gfx950 runs
+# tq_fp4_gfx950_attention.cuh (2 launches: a Q pre-pass, then one-wave partitions of a length
+# chosen per call, the last partition of each row tile reducing it), gfx942
+# tq_fp4_paged_attention.cuh (256-token partitions of 4 waves, then its reduce kernel). The
+# partition length, the grid and the workspace layout come from pa_fp4_plan.py (one place, also
+# read by turboquant's ISA model).
 #
 # Cache, HND only: key/value uint8 [num_blocks, num_kv_heads, block_size, head_size // 2],
 # two E2M1 codes per byte (even element in the low nibble); key/value scales uint8
@@ -20,19 +25,26 @@
 # default, or the LUT path) and gfx942 (MI300X: the LUT path only, FP4 decoded to E4M3FNUZ on
 # v_mfma_f32_16x16x32_fp8_fp8 with the scales in fp32; K8V4 caches are refused there: their OCP
 # E4M3 key bytes are not gfx942's FNUZ FP8).
+# Workspace (workspace_size / new_workspace; layout in pa_fp4_plan.py): gfx942's is pa_v1's
+# (exp_sums, max_logits, tmp_out for 256-token partitions). gfx950's holds fp32 partials, Q's
+# pre-pass results and, at the buffer's end, uint32 counters (the fused reduce's tickets) that
+# must be zero when a call starts (the kernel leaves them zero): a caller-provided workspace is
+# zeroed once before its first use; to reuse one buffer across shapes, size it with
+# partition=pa_fp4_plan.STEP for the largest call.
 import ctypes
 import hashlib
-import math
+import operator
 import os
 
 from jinja2 import Template
 
+from csrc.cpp_itfs.pa import pa_fp4_plan as plan
 from csrc.cpp_itfs.utils import AITER_CORE_DIR, compile_template_op
 
 MD_NAME = "pa_v1_fp4"
 FP4_KV_CACHE_DTYPES = ("fp4", "fp4_e2m1")
-PARTITION_SIZE = 256
-MAX_DECODE_GQA = 16  # the decode kernel's GQA limit (one MFMA column per head of the group)
+PARTITION_SIZE = 256  # pa_v1's partition_size (its caller's workspace); gfx942's partitions
+MAX_DECODE_GQA = plan.MAX_DECODE_GQA  # the decode kernel's GQA limit (one MFMA column per head)
 # LUT path instead of the native FP4 MFMA: argument use_native=False, or this variable = 1.
 LUT_ENV = "AITER_FP4_KV_LUT"
 # The GPU architectures the kernel is built for; the native FP4 MFMA exists on gfx950 only.
@@ -40,7 +52,8 @@ ARCHS = ("gfx950", "gfx942")
 NATIVE_ARCHS = ("gfx950",)
 
 _DIR = f"{AITER_CORE_DIR}/csrc/cpp_itfs/pa"
-_HEADERS = [f"{_DIR}/tq_fp4_platform.cuh", f"{_DIR}/tq_fp4_paged_attention.cuh"]
+_HEADERS = [f"{_DIR}/tq_fp4_platform.cuh", f"{_DIR}/tq_fp4_paged_attention.cuh",
+            f"{_DIR}/tq_fp4_gfx950_attention.cuh"]
 with open(f"{_DIR}/pa_fp4.cpp.jinja", "r") as f:
     _TEMPLATE_TEXT = f.read()
 src_template = Template(_TEMPLATE_TEXT)
@@ -102,11 +115,49 @@ def _fail(name, expected, got):
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
-def workspace_size(num_tokens: int, num_heads: int, max_seq_len: int, head_size: int) -> int:
-    """Bytes of workspace: exp_sums and max_logits (fp32), tmp_out (2-byte query dtype), per
-    query token (decode: per sequence), head and partition."""
-    parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
-    return num_tokens * num_heads * parts * (2 * 4 + head_size * 2)
+def workspace_size(num_tokens: int, num_heads: int, max_seq_len: int, head_size: int, *,
+                   num_kv_heads: int, num_seqs: int = None, multi_token: bool = False,
+                   arch: str = "gfx950", num_cus: int = None, partition: int = None) -> int:
+    """Bytes of workspace of a call (pa_fp4_plan.plan(...).size): num_seqs defaults to num_tokens
+    (decode), multi_token: cu_query_lens given. gfx950: the partition length from num_cus (the
+    GPU's multi_processor_count), or partition (a multiple of 128) as given: partition=128 gives
+    the most any plan of the shape needs (a buffer reused across calls). gfx942: pa_v1's size."""
+    return plan.workspace_size(arch, num_seqs=num_tokens if num_seqs is None else num_seqs,
+                               num_tokens=num_tokens, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, head_size=head_size,
+                               max_seq_len=max_seq_len, multi_token=multi_token, num_cus=num_cus,
+                               partition=partition)
+
+
+def _device(device):
+    """(arch, CUs) of a torch device."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return props.gcnArchName.split(":")[0], props.multi_processor_count
+
+
+def new_workspace(query, num_kv_heads: int, max_seq_len: int, num_seqs: int = None,
+                  cu_query_lens=None, reusable: bool = False):
+    """A workspace for a call of this query on its device (uint8, its counters zeroed).
+    reusable: sized with the shortest partitions, enough for any call with at most as many query
+    tokens and sequences (the same heads, at most this max_seq_len), so the buffer can be
+    kept; the kernel leaves its counters zero."""
+    import torch
+
+    arch, num_cus = _device(query.device)
+    if arch not in ARCHS:
+        _fail("device", "a gfx950 (MI350X/MI355X) or gfx942 (MI300X) GPU", arch)
+    num_tokens, num_heads, head_size = query.shape
+    p = plan.plan(arch, num_seqs=num_tokens if num_seqs is None else num_seqs,
+                  num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  head_size=head_size, max_seq_len=max_seq_len,
+                  multi_token=cu_query_lens is not None, num_cus=num_cus,
+                  partition=plan.STEP if reusable and arch == "gfx950" else None)
+    ws = torch.empty(p.size, dtype=torch.uint8, device=query.device)
+    if "counters" in p.regions:  # from the counters to the end: where any later plan has its own
+        ws[p.regions["counters"].offset:].zero_()
+    return ws
 
 
 def _check_queries(query, seq_lens, block_tables, cu_query_lens, sliding_window):
@@ -166,16 +217,21 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
                                scale: float, logits_soft_cap: float = 0.0, use_native=None,
                                rotation_signs=None, seq_state=None, state_ids=None,
                                sink: bool = False, cu_query_lens=None, sliding_window: int = 0,
-                               sinks=None, lse=None):
+                               sinks=None, lse=None, zero_counters: bool = False):
     """Attention over the FP4 (or K8V4) paged cache into out: decode (cu_query_lens None: one query
     token per sequence) or cu_query_lens int32 [num_seqs + 1] (several, causal among
     themselves); sliding_window W > 0: keys p - W + 1 .. p. rotation_signs / seq_state +
     state_ids / sink: turboquant's transforms (None / False: off). sinks: learned sink logits
     float32 [num_heads] (one more logit per head, no value); lse: float32 [num_tokens,
-    num_heads], written with each row's natural-log log-sum-exp (None: not wanted)."""
+    num_heads], written with each row's natural-log log-sum-exp (None: not wanted).
+    workspace_buffer: contiguous, 16-byte aligned, at least workspace_size(...) bytes, its gfx950
+    counters zero (see the top of this file). zero_counters: a buffer that comes with no such
+    promise (pa_v1's, which its callers allocate with torch.empty): its counters are zeroed
+    before the launch, and on gfx950 one too small, misaligned or not contiguous for this call's
+    plan is replaced by a new one."""
     import torch
 
-    arch = torch.cuda.get_device_properties(query.device).gcnArchName.split(":")[0]
+    arch, num_cus = _device(query.device)
     if arch not in ARCHS:
         _fail("device", "a gfx950 (MI350X/MI355X) or gfx942 (MI300X) GPU (the FP4 paged attention "
               "uses their MFMA instructions)", arch)
@@ -242,14 +298,37 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
                               or not t.is_contiguous() or t.device != query.device):
             _fail(name, f"a contiguous float32 {list(shape)} tensor on {query.device}",
                   f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    max_parts = max(1, math.ceil(max_seq_len / PARTITION_SIZE))
-    need = workspace_size(num_tokens, num_heads, max_seq_len, head_size)
-    if workspace_buffer.numel() * workspace_buffer.element_size() < need:
-        _fail("workspace_buffer", f"at least {need} bytes",
-              workspace_buffer.numel() * workspace_buffer.element_size())
+    try:
+        max_seq_len = operator.index(max_seq_len)
+    except TypeError:
+        _fail("max_seq_len", "an int (a bound on seq_lens)", repr(max_seq_len))
+    if not 0 <= max_seq_len < 2 ** 31:
+        _fail("max_seq_len", "an int in [0, 2^31) (a bound on seq_lens)", max_seq_len)
+    kw = dict(num_seqs=num_seqs, num_tokens=num_tokens, num_heads=num_heads,
+              num_kv_heads=num_kv_heads, head_size=head_size, max_seq_len=max_seq_len,
+              multi_token=cu_query_lens is not None, num_cus=num_cus)
+    nbytes = workspace_buffer.numel() * workspace_buffer.element_size()
+    p = plan.plan(arch, buffer_nbytes=nbytes, **kw)
+    if zero_counters and arch == "gfx950" and (
+            nbytes < p.size or not workspace_buffer.is_contiguous()
+            or workspace_buffer.data_ptr() % 16):
+        workspace_buffer = torch.empty(p.size, dtype=torch.uint8, device=query.device)
+        nbytes = p.size
+        p = plan.plan(arch, buffer_nbytes=nbytes, **kw)
+    if not workspace_buffer.is_contiguous() or workspace_buffer.device != query.device:
+        _fail("workspace_buffer", f"a contiguous tensor on {query.device}",
+              f"strides {tuple(workspace_buffer.stride())} on {workspace_buffer.device}")
+    if nbytes < p.size:
+        _fail("workspace_buffer", f"at least {p.size} bytes (workspace_size)", nbytes)
+    if arch == "gfx950" and workspace_buffer.data_ptr() % 16:
+        _fail("workspace_buffer", "a 16-byte aligned data pointer",
+              hex(workspace_buffer.data_ptr()))
+    if zero_counters and "counters" in p.regions:
+        c = p.regions["counters"]
+        workspace_buffer.view(-1).view(torch.uint8)[c.offset:c.end].zero_()
     scalar = "Bf16" if query.dtype == torch.bfloat16 else "Fp16"
     gqa_ratio = num_heads // num_kv_heads
-    if cu_query_lens is None and gqa_ratio > MAX_DECODE_GQA:
+    if cu_query_lens is None and p.multi_token:
         # A decode workgroup holds one GQA group in the MFMA's 16 columns: a larger group runs
         # the multi-token kernel, one query token per sequence.
         cu_query_lens = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
@@ -257,14 +336,16 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
                    multi_token=cu_query_lens is not None,
                    key_format="fp8_e4m3" if key_e4m3 else "fp4", arch=arch)
     ptr = lambda t: ctypes.c_void_p(None if t is None else t.data_ptr())  # noqa: E731
-    func(ptr(out), ptr(workspace_buffer), ptr(query), ptr(key_cache), ptr(value_cache),
+    func(ptr(out), ptr(workspace_buffer),
+         *(ctypes.c_long(p.offset(name)) for name in plan.REGIONS),
+         ptr(query), ptr(key_cache), ptr(value_cache),
          ptr(key_scales), ptr(value_scales),
          ctypes.cast(block_tables.data_ptr(), ctypes.POINTER(ctypes.c_int)),
          ctypes.cast(seq_lens.data_ptr(), ctypes.POINTER(ctypes.c_int)),
          ptr(cu_query_lens), ctypes.c_float(scale), ctypes.c_float(logits_soft_cap),
          ctypes.c_int(sliding_window), ctypes.c_int(block_tables.size(1)),
-         ctypes.c_int(max_parts), ctypes.c_int(num_seqs), ctypes.c_int(num_tokens),
-         ctypes.c_int(num_kv_heads),
+         ctypes.c_int(p.max_parts), ctypes.c_int(p.partition_len), ctypes.c_int(p.row_tiles),
+         ctypes.c_int(num_seqs), ctypes.c_int(num_tokens), ctypes.c_int(num_kv_heads),
          ctypes.c_int(query.stride(0)), ctypes.c_long(value_cache.stride(0)),
          ctypes.c_int(value_cache.stride(1)), ctypes.c_int(value_cache.stride(2)),
          ptr(rotation_signs), ptr(seq_state), ptr(state_ids), ctypes.c_int(num_slots),
@@ -279,7 +360,10 @@ def paged_attention_v1_fp4(out, workspace_buffer, query, key_cache, value_cache,
                            fp8_out_scale, partition_size, mtp, q_scale, sliding_window):
     """pa_v1 with kv_cache_dtype 'fp4_e2m1': k_scale / v_scale are the E8M0 scale tensors.
     cu_query_lens (int32 [num_seqs + 1], or None: decode) and sliding_window go to the kernel;
-    with cu_query_lens, mtp (pa_v1's bound on the query tokens of a sequence) is not needed."""
+    with cu_query_lens, mtp (pa_v1's bound on the query tokens of a sequence) is not needed.
+    workspace_buffer: sized by pa_v1's caller for pa_v1's layout (256-token partitions; exactly
+    gfx942's) and not zeroed: on gfx950 the call zeroes its counters, and takes a new buffer
+    when this one is smaller than its plan (pa_fp4_plan.py)."""
     unsupported = {
         "kv_cache_layout": (kv_cache_layout, "HND"),
         "alibi_slopes": (alibi_slopes, None),
@@ -296,4 +380,4 @@ def paged_attention_v1_fp4(out, workspace_buffer, query, key_cache, value_cache,
                                       k_scale, v_scale, block_tables, context_lens,
                                       max_context_len, scale, logits_soft_cap,
                                       cu_query_lens=cu_query_lens,
-                                      sliding_window=0 if sliding_window is None else sliding_window)
+                                      sliding_window=sliding_window or 0, zero_counters=True)

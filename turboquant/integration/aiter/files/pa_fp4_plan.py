@@ -4,17 +4,19 @@
 # csrc.cpp_itfs.pa.pa_fp4_plan); removed by its --revert. Dependency-free (no torch, no AITER):
 # benchmarks/isa_model.py imports this file by path for its call model.
 #
-# gfx950 (tq_fp4_gfx950_attention.cuh): a Q pre-pass, then one wave per (row tile, partition, kv
-# head) over partitions of `partition_len` tokens (a multiple of the kernel's 128-token step,
-# chosen per call by `partition_len` below), then the reduce. Workspace, every region 16-byte
-# aligned, in this order:
-#   exp_sums, max_logits  float32    [num_tokens, num_heads, max_parts]
-#   tmp_out               query dtype [num_tokens, num_heads, max_parts, head_size]
-#   q8                    uint8      [num_tokens, num_heads, 2, head_size] (Q's two E4M3 terms)
-#   qrows                 16 bytes   [num_tokens, num_heads] (struct QRow {int qscale; float
-#                                    qadd; float x0; float pad;})
-#   counters              uint32     [row_tiles, num_kv_heads], at the END of the buffer
-# The counters must be zero when a call starts; the kernels leave them zero after each call.
+# gfx950 (tq_fp4_gfx950_attention.cuh): a Q pre-pass, then the partition kernel, one wave per
+# (row tile, partition, kv head) over partitions of `partition_len` tokens (a multiple of the
+# kernel's 128-token step, chosen per call by `partition_len` below); the last partition of a
+# row tile to finish (counted by the tile's counter) reduces the tile's rows. Workspace, every
+# region 16-byte aligned, in this order:
+#   exp_sums, max_logits  float32  [num_tokens, num_heads, max_parts]
+#   tmp_out               float32  [num_tokens, num_heads, max_parts, head_size] (O / l)
+#   q8                    uint8    [num_tokens, num_heads, 2, head_size] (Q's two E4M3 terms)
+#   qrows                 16 bytes [num_tokens, num_heads] (struct QRow {int qscale; float
+#                                  qadd; float x0; float pad;})
+#   counters              uint32   [row_tiles, num_kv_heads] (the reduce's tickets), at the END
+#                                  of the buffer
+# The counters must be zero when a call starts; the kernel leaves them zero after each call.
 # They sit at the end of the whole buffer (not of the call's other regions), so one buffer,
 # zeroed once, serves every later call whose plan fits it: size it with
 # workspace_size(..., partition=STEP) for the largest num_tokens / num_seqs it will see (the
@@ -36,6 +38,7 @@ TILE_ROWS = 16              # (query token, head) rows per row tile (the MFMA's 
 MAX_DECODE_GQA = 16         # a decode tile holds the whole GQA group; larger groups run multi-token
 ALIGN = 16                  # every workspace region starts at a multiple of this many bytes
 QROW_BYTES = 16             # sizeof(tq::gfx950::QRow)
+PARTIAL_BYTES = 4           # gfx950: tmp_out's element, fp32 (gfx942: the query dtype's)
 COUNTER_BYTES = 4           # uint32
 ARCHS = ("gfx950", "gfx942")
 REGIONS = ("exp_sums", "max_logits", "tmp_out", "q8", "qrows", "counters")
@@ -120,7 +123,8 @@ def plan(arch: str, *, num_seqs: int, num_tokens: int, num_heads: int, num_kv_he
     given one (a multiple of STEP) is taken as it is, e.g. STEP for the largest workspace any
     plan of the call's shape needs. buffer_nbytes: the caller's buffer, whose last bytes hold the
     counters (None: the counters end the plan, as workspace_size counts them). gfx942: 256-token
-    partitions, pa_v1's packed layout (num_cus, partition and buffer_nbytes unused)."""
+    partitions, pa_v1's packed layout (num_cus, partition and buffer_nbytes unused), tmp_out in
+    the query dtype (qo_bytes; gfx950's is fp32)."""
     if arch not in ARCHS:
         raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
     if num_heads % num_kv_heads:
@@ -147,7 +151,7 @@ def plan(arch: str, *, num_seqs: int, num_tokens: int, num_heads: int, num_kv_he
     parts = num_partitions(max_seq_len, partition)
     partials = rows * parts
     sizes = {"exp_sums": 4 * partials, "max_logits": 4 * partials,
-             "tmp_out": qo_bytes * partials * head_size, "q8": rows * 2 * head_size,
+             "tmp_out": PARTIAL_BYTES * partials * head_size, "q8": rows * 2 * head_size,
              "qrows": rows * QROW_BYTES}
     regions, off = {}, 0
     for name, n in sizes.items():

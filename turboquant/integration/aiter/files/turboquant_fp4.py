@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from csrc.cpp_itfs.pa.pa_fp4 import paged_attention_fp4_launch, workspace_size
+from csrc.cpp_itfs.pa.pa_fp4 import (  # noqa: F401 - workspace_size: for callers sizing their own
+    new_workspace, paged_attention_fp4_launch, workspace_size)
 from csrc.cpp_itfs.torch_utils import direct_register_custom_op
 
 
@@ -84,6 +85,10 @@ def paged_attention_fp4(
     and seq_len keys is at position seq_len - q + j and sees keys up to it (causal).
     sliding_window W > 0: a query at position p sees keys p - W + 1 .. p (0: off).
     max_seq_len: host-side bound on seq_lens (default: the block table's capacity).
+    workspace_buffer: None (a new one per call), or the caller's: uint8, contiguous, 16-byte
+    aligned, at least workspace_size(...) bytes (csrc.cpp_itfs.pa.pa_fp4), and all zero before
+    its first use (on gfx950 its last bytes are counters that the kernels leave zero after each
+    call); paged_attention_fp4_workspace makes one, reusable=True for one kept across calls.
     turboquant's accuracy transforms, each off when None / False: rotation_signs float32 [D]
     of +-1 (Q rotated, output rotated back); seq_state float32 [num_slots, num_kv_heads, 5, D]
     with state_ids int32 [num_seqs] (q scaled by the key scale of its slot; q.m added back
@@ -97,12 +102,27 @@ def paged_attention_fp4(
     if out is None:
         out = torch.empty_like(query)
     if workspace_buffer is None:
-        workspace_buffer = torch.empty(
-            workspace_size(query.size(0), query.size(1), max_seq_len, query.size(2)),
-            dtype=torch.uint8, device=query.device)
+        workspace_buffer = new_workspace(query, value_cache.size(1), max_seq_len,
+                                         num_seqs=seq_lens.size(0), cu_query_lens=cu_query_lens)
     torch.ops.aiter.paged_attention_fp4_out(
         out, workspace_buffer, query, key_cache, value_cache, key_scales, value_scales,
         block_tables, seq_lens, max_seq_len, scale, logits_soft_cap,
         -1 if use_native is None else int(use_native), rotation_signs, seq_state, state_ids,
         bool(sink), cu_query_lens, sliding_window, sinks, lse)
     return out
+
+
+def paged_attention_fp4_workspace(
+    query: torch.Tensor,
+    value_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    cu_query_lens: Optional[torch.Tensor] = None,
+    reusable: bool = False,
+) -> torch.Tensor:
+    """A workspace_buffer for paged_attention_fp4 calls like this one (uint8 on query's device,
+    ready to use: its counters zeroed). reusable: enough for every call with at most as many
+    query tokens and sequences, the same heads and at most this max_seq_len (sized for the
+    shortest partitions), to keep across calls; the kernels leave its counters zero."""
+    return new_workspace(query, value_cache.size(1), max_seq_len, num_seqs=seq_lens.size(0),
+                         cu_query_lens=cu_query_lens, reusable=reusable)
