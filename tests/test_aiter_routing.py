@@ -943,6 +943,19 @@ def test_rendered_source_compiles_for_gfx950(routes, tmp_path, case):
             assert all(fp4), k
 
 
+def test_each_library_compiles_for_the_other_arch(routes, tmp_path):
+    """AITER builds a library for every arch in GPU_ARCHS (the template's arch only picks the
+    launch code): the gfx950 library's gfx942 pass compiles without any kernel (the gfx950
+    kernels' instructions do not exist there; the launcher runs that library on gfx950 only),
+    the gfx942 library's gfx950 pass compiles its old kernel pair."""
+    asm = compile_rendered(routes["op decode"]["src"], routes["pa_dir"], "gfx942", tmp_path)
+    assert not [ln for ln in asm.splitlines() if ln.startswith("_ZN2tq")]
+    asm = compile_rendered(routes["gfx942 op decode"]["src"], routes["pa_dir"], "gfx950",
+                           tmp_path)
+    names = [ln.split(":")[0] for ln in asm.splitlines() if ln.startswith("_ZN2tq")]
+    assert len(names) == 2 and all("gfx950" not in n for n in names), names
+
+
 # Multi-token (cu_query_lens) and sliding-window calls: the launcher files (files/pa_fp4.py,
 # pa_fp4.cpp.jinja, turboquant_fp4.py) name the C parameters, so these tests find them by what
 # they carry: the cu_query_lens tensor, the window 8.
