@@ -90,7 +90,7 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
     workgroup's streaming rate, not the GPU's bandwidth. Per workgroup also: its dependent round
     trips before streaming (Q, the block table) and its instructions outside the loop; per call:
     launches, the pre-pass's round trips, the reduce's (ours: the ticket and the rows' records,
-    then one pass in chunks of 4 partitions; gfx942's: serial chunks of 8 partitions, 2 loops x
+    then one pass in chunks of partitions (8 at GQA 8, counted from the compiled loop); gfx942's: serial chunks of 8 partitions, 2 loops x
     ceil(partitions / 8) round trips; pa_v1's: all maxima and sums at once, then chunks of 64
     partitions) and the partials' bytes. The dependency factor (the
     H100's measured 1.4-1.5x of the instruction count) multiplies every kernel's issue time in
@@ -1320,15 +1320,20 @@ def amd_call(p: AmdPath, batch: int, context: int, dep: float = 1.0) -> dict:
             "pct": 100.0 * kv / total / hw.bw_gbs}
 
 
-def reduce_counts(ins, labels, start: int) -> tuple[Counter, Counter]:
+def reduce_counts(ins, labels, start: int) -> tuple[Counter, Counter, int]:
     """The fused reduce from instruction `start` on: (its straight-line instructions, its
-    chunk loop's body), every branch side; the loop runs once per chunk of partitions."""
+    chunk loop's body, every branch side; partitions per chunk): the loop runs once per chunk,
+    and a chunk loads each partition's maximum and sum as two global_load_dword."""
     loops = [(h, b) for h, b in amd_loops(ins, labels) if h >= start]
     if len(loops) != 1:
         raise ValueError(f"{len(loops)} loops in the fused reduce, expected its chunk loop")
     (h, b), = loops
+    scalar_loads = sum(op == "global_load_dword" for op, _ in ins[h:b + 1])
+    if scalar_loads < 2 or scalar_loads % 2:
+        raise ValueError(f"{scalar_loads} global_load_dword in the reduce's chunk loop, expected "
+                         "two per partition")
     return (amd_counts(ins[start:h] + ins[b + 1:], {}, [])[0],
-            amd_counts(ins[h:b + 1], {}, [])[0])
+            amd_counts(ins[h:b + 1], {}, [])[0], scalar_loads // 2)
 
 
 def step_loop(ins, labels, label: str) -> tuple[int, int]:
@@ -1347,7 +1352,6 @@ def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
     of the kernel once per partition, the step of the all-paths build beside it."""
     hot, every = hip_hot_path_asm(clang, src_dir), hip_hot_path_asm(clang, src_dir, hot=False)
     tiles = source_constant("kStep", src_dir) // TILE_TOKENS
-    chunk = source_constant("kChunk", src_dir)
     hw = MI355X()
     out = {}
     for name, label, native, e4 in GFX950_PATHS:
@@ -1359,13 +1363,14 @@ def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
         # after the step loop: the partial's stores up to the ticket's atomic (every wave),
         # then the fused reduce (the row tile's last wave only)
         ticket = next(i for i in range(b + 1, len(ins)) if "atomic" in ins[i][0])
+        red = reduce_counts(ins, labels, ticket + 1)
         out[name] = AmdPath(
             label, hw, K8V4_TILE_BYTES if e4 else FP4_TILE_BYTES,
             step=amd_counts(ins[h:b + 1], {}, [])[0], tiles_per_step=tiles,
             # the rest, every branch side (an upper bound); QK and PV at the FP8 rate (an FP8
             # operand in each, module docstring)
             once=amd_counts(ins[:h] + ins[b + 1:ticket + 1], {}, [])[0], mfma_clk=hw.mfma_fp8_clk,
-            reduce_code=reduce_counts(ins, labels, ticket + 1),
+            reduce_code=red[:2],
             waves_per_wg=k["meta"]["max_flat_workgroup_size"] // k["meta"]["wavefront_size"],
             occupancy=k["stats"]["Occupancy"], launches=2, wg_step_tokens=tiles * TILE_TOKENS,
             partition=partition_len(),
@@ -1375,7 +1380,7 @@ def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
             # the reduce, fused into the last partition of each row tile: the ticket's atomic,
             # then the rows' pre-pass results and records; one pass over the partials in
             # chunks (each chunk's loads before its first use)
-            reduce=(2, chunk, 1),
+            reduce=(2, red[2], 1),
             all_paths=amd_counts(ins_all[h2:b2 + 1], {}, [])[0],
             stats={"VGPRs": k["stats"]["NumVgprs"], "AGPRs": k["stats"]["NumAgprs"],
                    "occupancy": k["stats"]["Occupancy"], "LDS": k["stats"]["LDSByteSize"],

@@ -309,17 +309,24 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   const uint32_t kscale_off = uint32_t(mfma_row(lane) * num_kv_heads);
   for (int t0 = max_i32(p_start, (kv_lo / kStep) * kStep); t0 < p_end; t0 += kStep) {
     // Each tile's block (uniform; past the tile's keys, its last block: valid memory) gives
-    // uniform row and scale addresses; a lane adds its own 32-bit offset (the saddr form of
+    // uniform row and scale addresses, computed where they are used from the block id alone
+    // (few SGPRs live across the step); a lane adds its own 32-bit offset (the saddr form of
     // global loads: no 64-bit address arithmetic per lane).
-    int64_t kbase[kTilesPerStep];        // byte offset of the tile's first V row (K: x kKeyStride)
-    const uint8_t* kscales[kTilesPerStep];  // the tile's first key scale byte
-    for (int j = 0; j < kTilesPerStep; ++j) {
-      const int blk = btab[min_i32((t0 + kTile * j) / BLOCK_SIZE, last_block)];
-      const int slot = (t0 + kTile * j) % BLOCK_SIZE;
-      kbase[j] = int64_t(blk) * kv_block_stride + int64_t(kvh) * kv_head_stride +
-                 int64_t(slot) * kv_seq_stride;
-      kscales[j] = key_scales + (int64_t(blk) * BLOCK_SIZE + slot) * num_kv_heads + kvh;
-    }
+    // With blocks of at least a step (the step is aligned to its length) one block serves all.
+    constexpr int kBlocksPerStep = BLOCK_SIZE >= kStep ? 1 : kStep / BLOCK_SIZE;
+    int blk[kBlocksPerStep];
+    #pragma unroll
+    for (int b = 0; b < kBlocksPerStep; ++b)
+      blk[b] = btab[min_i32((t0 + BLOCK_SIZE * b) / BLOCK_SIZE, last_block)];
+    auto tile_block = [&](int j) { return blk[kBlocksPerStep == 1 ? 0 : kTile * j / BLOCK_SIZE]; };
+    auto kbase = [&](int j) {  // byte offset of tile j's first V row (K: x kKeyStride)
+      return int64_t(tile_block(j)) * kv_block_stride + int64_t(kvh) * kv_head_stride +
+             int64_t((t0 + kTile * j) % BLOCK_SIZE) * kv_seq_stride;
+    };
+    auto kscales = [&](int j) {  // tile j's first key scale byte
+      return key_scales + (int64_t(tile_block(j)) * BLOCK_SIZE + (t0 + kTile * j) % BLOCK_SIZE) *
+                              num_kv_heads + kvh;
+    };
     const bool full = t0 >= all_lo && t0 + kStep <= all_hi;
     TQ_HOT_PATH_ASSUME(full && !(logits_soft_cap > 0.0f));
     auto served = [&](int pos) { return pos >= kv_lo && pos < tile_keys.hi; };
@@ -329,11 +336,13 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     // lane l piece l % kLanesPerRow of token l / kLanesPerRow, at LDS piece 64 it + l (rows in
     // token order). The token's tile is uniform per load (two tiles at head 64).
     constexpr int kLanesPerRow = kVRow / 16, kRowsPerLoad = kWave / kLanesPerRow;
+    #pragma unroll
     for (int it = 0; it < kStep / kRowsPerLoad; ++it) {
       const int tl = lane / kLanesPerRow, piece = lane % kLanesPerRow;
       const int tok0 = it * kRowsPerLoad;
-      const uint8_t* tile_rows = value_cache +
-          kbase[tok0 / kTile + (kRowsPerLoad > kTile && tl >= kTile ? 1 : 0)];
+      // (head 64: lanes 32.. take the next tile, a select of two uniform bases, no index)
+      const uint8_t* tile_rows = value_cache + ((kRowsPerLoad > kTile && tl >= kTile)
+                                                    ? kbase(tok0 / kTile + 1) : kbase(tok0 / kTile));
       const uint32_t off = uint32_t((tok0 % kTile + tl % kTile) * kv_seq_stride + 16 * piece);
       const u32x4 codes = load_u32x4(tile_rows + off);
       const int chunk = kWave * it + lane;
@@ -341,17 +350,20 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
         *reinterpret_cast<u32x4*>(&lds->v[16 * chunk]) = codes;
       } else {  // LUT: the 32 codes as E4M3 bytes, rows of HEAD bytes
         u32x4 e[2];
+        #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const E4m3x8 d = fp4x8_to_e4m3x8(codes[i]);
           e[i / 2][2 * (i % 2)] = d.lo;
           e[i / 2][2 * (i % 2) + 1] = d.hi;
         }
+        #pragma unroll
         for (int h = 0; h < 2; ++h) *reinterpret_cast<u32x4*>(&lds->v[32 * chunk + 16 * h]) = e[h];
       }
     }
     float vbf;
     {
       float vs[2];
+      #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int tl = 2 * lane + k;  // per lane: its own block lookup
         const int tok = t0 + tl;
@@ -361,6 +373,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
       }
       // vb: the step's largest finite V scale byte (NaN bytes 255 excluded).
       vbf = wave_max(fmax_f32(vs[0] < 255.0f ? vs[0] : 0.0f, vs[1] < 255.0f ? vs[1] : 0.0f));
+      #pragma unroll
       for (int k = 0; k < 2; ++k)
         lds->w[2 * lane + k] = vs[k] < 0.0f ? 0.0f
                              : (vs[k] == 255.0f ? __builtin_nanf("") : ldexp_f32(1.0f, int(vs[k] - vbf)));
@@ -369,18 +382,22 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
 
     // QK: tile j, A row r = token t0 + 16 j + r.
     f32x4 x[kTilesPerStep];
+    #pragma unroll
     for (int j = 0; j < kTilesPerStep; ++j) {
       const int r = mfma_row(lane);
-      const uint8_t* krow = key_cache + kKeyStride * kbase[j] + koff;
-      const int kscale = kscales[j][kscale_off];
+      const uint8_t* krow = key_cache + kKeyStride * kbase(j) + koff;
+      const int kscale = kscales(j)[kscale_off];
       const u32x4 zero = {0u, 0u, 0u, 0u};
       f32x4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
+      #pragma unroll
       for (int c = 0; c < kQk; ++c) {
         if constexpr (KEY_E4M3) {
           i32x8 a;
+          #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int off = c * kMfmaK + mfma_fp8_k(g, 16 * h);
             const u32x4 w = off < kKeyRow ? load_u32x4(krow + off) : zero;
+            #pragma unroll
             for (int i = 0; i < 4; ++i) a[4 * h + i] = int(w[i]);
           }
           acc = mfma_fp8_fp8(a, qhi[c], acc, kscale, qscale);
@@ -392,6 +409,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
           acc = mfma_qk_fp4_fp8(a, qlo[c], acc, kscale, qscale_lo);
         } else {
           i32x8 a = {0, 0, 0, 0, 0, 0, 0, 0};
+          #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int off = c * kFp4BytesPerK + 32 * h + 8 * g;
             const uint64_t codes = off < kKeyRow ? load_u64(krow + off) : 0u;
@@ -412,12 +430,16 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     // Softmax step (lane: row my_row, tokens t0 + 16 j + 4 g + i), four logits of a tile as
     // one vector (packed v_pk_* arithmetic where the operation is linear).
     float mx = -__builtin_inff();
+    #pragma unroll
     for (int j = 0; j < kTilesPerStep; ++j) {
       if (logits_soft_cap > 0.0f)
+        #pragma unroll
         for (int i = 0; i < 4; ++i) x[j][i] = soft_cap(x[j][i] + qadd, logits_soft_cap) * kLog2e;
       if (!full)
+        #pragma unroll
         for (int i = 0; i < 4; ++i)
           x[j][i] = visible(t0 + kTile * j + 4 * g + i) ? x[j][i] : -__builtin_inff();
+      #pragma unroll
       for (int i = 0; i < 4; ++i) mx = fmax_f32(mx, x[j][i]);
     }
     mx = row_max(mx);
@@ -425,19 +447,24 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     const float m_use = m_new == -__builtin_inff() ? 0.0f : m_new;
     const float alpha = m_run == m_new ? 1.0f : exp2_fast(m_run - m_use);
     m_run = m_new;
+    #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) o[mt] = o[mt] * alpha;
     f32x4 lsum = {0.0f, 0.0f, 0.0f, 0.0f};
     f32x4 pw[kTilesPerStep];
     float smax = 0.0f;
     const f32x4 neg_m = {-m_use, -m_use, -m_use, -m_use};
+    #pragma unroll
     for (int j = 0; j < kTilesPerStep; ++j) {
       const f32x4 t = x[j] + neg_m;
       f32x4 e;
+      #pragma unroll
       for (int i = 0; i < 4; ++i) e[i] = exp2_fast(t[i]);
       lsum += e;
       pw[j] = e * *reinterpret_cast<const f32x4*>(&lds->w[kTile * j + 4 * g]);
       if (!full)
+        #pragma unroll
         for (int i = 0; i < 4; ++i) pw[j][i] = visible(t0 + kTile * j + 4 * g + i) ? pw[j][i] : 0.0f;
+      #pragma unroll
       for (int i = 0; i < 4; ++i) smax = fmax_f32(smax, pw[j][i]);
     }
     l_run = l_run * alpha + ((lsum[0] + lsum[1]) + (lsum[2] + lsum[3]));
@@ -457,8 +484,10 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     // The lo term where its scales exist; else converted with 2^127 (all zero bytes).
     const int cscale_lo = (pscale >= 4 && cscale >= 4) ? cscale - 4 : 254;
     i32x8 phi, plo;
+    #pragma unroll
     for (int j = 0; j < kTilesPerStep; ++j) {
       uint32_t hi = 0, lo = 0;
+      #pragma unroll
       for (int h = 0; h < 2; ++h) {
         hi = cvt_scaled_pk_e4m3(pw[j][2 * h], pw[j][2 * h + 1], cscale, hi, h == 1);
         f32x2 back;
@@ -471,6 +500,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     }
 
     // PV: O^T[element][row] += V^T P^T per 16-element output tile.
+    #pragma unroll
     for (int mt = 0; mt < kMt; ++mt) {
       if constexpr (NATIVE) {
         const u32x4 a = v_operand_fp4(lds->v, kVRow, mt, lane);
@@ -506,16 +536,23 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   fence_acquire_device();
   }  // runs
 
-  // Fused reduce, the tile's rows at once. Lane (n, g) owns row n and elements
-  // 32 k + 8 g + i (k < HEAD / 32, i < 8): partitions combined by their log-sum-exp in chunks
-  // (the partials' m are log2 units, without q.m unless the soft cap added it), then the sink
-  // (x0, v0: one more partial of weight 1) for rows that see position 0, learned sinks (one more
-  // logit, no value), the lse, and o = fwht(o) * HEAD^-0.5 * s with the rotation: stages
-  // h = 1, 2, 4 pair registers i, h = 8, 16 lanes (xor 16, 32), h >= 32 registers k.
-  constexpr int kK = HEAD / 32;
-  constexpr int kChunk = 4;  // partitions per round trip
-  const int n = lane & 15, g8 = lane >> 4;
-  const bool live = n < nrows;
+  // Fused reduce, the tile's rows at once, spread over the lanes: kRowsR rows (the tile's 16,
+  // or a decode group's GQA rounded up to a power of two) of kLanesR lanes each, lane
+  // l = n + kRowsR q owning row n and elements 8 (kLanesR k + q) + i (k < kKR, i < 8; lanes past
+  // kRowsR x kLanesR idle). Partitions are combined by their log-sum-exp in chunks (the
+  // partials' m are log2 units, without q.m unless the soft cap added it), then the sink (x0, v0:
+  // one more partial of weight 1) for rows that see position 0, learned sinks (one more logit,
+  // no value), the lse, and o = fwht(o) * HEAD^-0.5 * s with the rotation: stages h = 1, 2, 4
+  // pair registers i, the next log2(kLanesR) stages lanes (xor kRowsR, 2 kRowsR, ..), the rest
+  // registers k.
+  constexpr int kRowsR = (MULTI_TOKEN || GQA > 8) ? 16 : GQA > 4 ? 8 : GQA > 2 ? 4 : GQA > 1 ? 2 : 1;
+  constexpr int kLanesR = kWave / kRowsR < HEAD / 8 ? kWave / kRowsR : HEAD / 8;
+  constexpr int kKR = HEAD / (8 * kLanesR);
+  // Partitions per round trip: their loads in at most 128 VGPRs (kKR x 8 per partition).
+  constexpr int kChunk = 16 / kKR < 1 ? 1 : (16 / kKR > 8 ? 8 : 16 / kKR);
+  const int n = lane % kRowsR, q8l = lane / kRowsR;
+  const bool live = n < nrows && q8l < kLanesR;
+  auto elem = [&](int k, int i) { return 8 * (kLanesR * k + q8l) + i; };
   const KeyRange keys = row_keys(live ? n : 0);
   const int64_t row = out_row(live ? n : 0);
   const int begin = keys.hi > 0 ? keys.lo / partition_len : 0;
@@ -527,8 +564,8 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   const int head = row_head(live ? n : 0);
   const float learned = sinks != nullptr ? sinks[head] * kLog2e : -__builtin_inff();
   float M = -__builtin_inff(), den = 0.0f;
-  f32x4 num[kK][2];  // elements 32 k + 8 g8 + 4 h + i
-  for (int k = 0; k < kK; ++k) num[k][0] = num[k][1] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
+  f32x4 num[kKR][2];  // elements elem(k, 4 h + i)
+  for (int k = 0; k < kKR; ++k) num[k][0] = num[k][1] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
   // Rescales (M, den, num) to the maximum M' = max(M, mc) and returns 2^(-M') as the scale of
   // new weights' exponents (0 when M' is -inf).
   auto raise_max = [&](float mc) {
@@ -536,7 +573,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     const float ms = m2 == -__builtin_inff() ? 0.0f : m2;
     const float f = M == m2 ? 1.0f : exp2_f32(M - ms);
     den *= f;
-    for (int k = 0; k < kK; ++k)
+    for (int k = 0; k < kKR; ++k)
       for (int h = 0; h < 2; ++h) num[k][h] = num[k][h] * f;
     M = m2;
     return ms;
@@ -544,14 +581,14 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   const int64_t pbase = row * max_num_partitions;
   for (int p0 = begin; p0 < end; p0 += kChunk) {
     float ml[kChunk], es[kChunk];
-    f32x4 v[kChunk][kK][2];
+    f32x4 v[kChunk][kKR][2];
     for (int c = 0; c < kChunk; ++c) {
       const int64_t p = pbase + min_i32(p0 + c, end - 1);
       ml[c] = max_logits[p];
       es[c] = exp_sums[p];
-      for (int k = 0; k < kK; ++k)
+      for (int k = 0; k < kKR; ++k)
         for (int h = 0; h < 2; ++h)
-          v[c][k][h] = *reinterpret_cast<const f32x4*>(tmp_out + p * HEAD + 32 * k + 8 * g8 + 4 * h);
+          v[c][k][h] = *reinterpret_cast<const f32x4*>(tmp_out + p * HEAD + elem(k, 4 * h));
     }
     sched_barrier();
     float mc = -__builtin_inff();
@@ -560,7 +597,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     for (int c = 0; c < kChunk; ++c) {  // l == 0: no key of the row there (a NaN l stays NaN)
       const float w = (p0 + c >= end || es[c] == 0.0f) ? 0.0f : es[c] * exp2_f32(ml[c] + qadd_r - ms);
       den += w;
-      for (int k = 0; k < kK; ++k)
+      for (int k = 0; k < kKR; ++k)
         for (int h = 0; h < 2; ++h) num[k][h] += v[c][k][h] * w;
     }
   }
@@ -571,43 +608,43 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     const float ms = raise_max(qr.x0);
     const float w = exp2_f32(qr.x0 - ms);
     den += w;
-    for (int k = 0; k < kK; ++k)
+    for (int k = 0; k < kKR; ++k)
       for (int i = 0; i < 8; ++i)
-        num[k][i / 4][i % 4] += w * record_at<HEAD>(record, kSinkValue, 32 * k + 8 * g8 + i);
+        num[k][i / 4][i % 4] += w * record_at<HEAD>(record, kSinkValue, elem(k, i));
   }
   if (learned > -__builtin_inff()) {
     const float ms = raise_max(learned);
     den += exp2_f32(learned - ms);
   }
   const bool any = begin < end || sees0;
-  float o[kK][8];
-  for (int k = 0; k < kK; ++k)
+  float o[kKR][8];
+  for (int k = 0; k < kKR; ++k)
     for (int i = 0; i < 8; ++i) o[k][i] = any ? num[k][i / 4][i % 4] / den : 0.0f;
-  if (lse != nullptr && live && g8 == 0)  // a row that sees nothing: its learned sink, or -inf
+  if (lse != nullptr && live && q8l == 0)  // a row that sees nothing: its learned sink, or -inf
     lse[row] = o[0][0] != o[0][0] ? o[0][0] : any ? (M + log2_f32(den)) / kLog2e
              : (sinks != nullptr ? sinks[head] : -__builtin_inff());
   if (rotation_signs != nullptr) {
     for (int h = 1; h < 8; h *= 2)
-      for (int k = 0; k < kK; ++k)
+      for (int k = 0; k < kKR; ++k)
         for (int i = 0; i < 8; ++i)
           if ((i & h) == 0) butterfly(o[k][i], o[k][i + h]);
-    for (int m = 16; m <= 32; m *= 2)
-      for (int k = 0; k < kK; ++k)
+    for (int m = kRowsR; m < kRowsR * kLanesR; m *= 2)
+      for (int k = 0; k < kKR; ++k)
         for (int i = 0; i < 8; ++i) o[k][i] = butterfly_xor(o[k][i], lane, m);
-    for (int h = 1; h < kK; h *= 2)
-      for (int k = 0; k < kK; ++k)
+    for (int h = 1; h < kKR; h *= 2)
+      for (int k = 0; k < kKR; ++k)
         if ((k & h) == 0)
           for (int i = 0; i < 8; ++i) butterfly(o[k][i], o[k + h][i]);
-    for (int k = 0; k < kK; ++k)
+    for (int k = 0; k < kKR; ++k)
       for (int i = 0; i < 8; ++i)
-        o[k][i] *= rotation_norm<HEAD>() * rotation_signs[32 * k + 8 * g8 + i];
+        o[k][i] *= rotation_norm<HEAD>() * rotation_signs[elem(k, i)];
   }
   if (live)
-    for (int k = 0; k < kK; ++k) {
+    for (int k = 0; k < kKR; ++k) {
       u32x4 w;
       for (int i = 0; i < 4; ++i)
         w[i] = uint32_t(Scalar::from_float(o[k][2 * i])) | uint32_t(Scalar::from_float(o[k][2 * i + 1])) << 16;
-      *reinterpret_cast<u32x4*>(out + row * HEAD + 32 * k + 8 * g8) = w;
+      *reinterpret_cast<u32x4*>(out + row * HEAD + elem(k, 0)) = w;
     }
 }
 

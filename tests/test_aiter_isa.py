@@ -61,22 +61,17 @@ def kernels(asm: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def isa(tmp_path_factory):
-    return kernels(compile_to_asm(ISA_TU, tmp_path_factory.mktemp("isa") / "isa.s"))
+def isa942(tmp_path_factory):
+    return kernels(compile_to_asm(ISA_TU, tmp_path_factory.mktemp("isa942") / "isa.s", "gfx942"))
 
 
 def _one(isa, native: bool, multi: bool = False, key_e4m3: bool = False):
-    """The partition kernel <..., USE_NATIVE_FP4_MFMA = native, MULTI_TOKEN = multi,
-    KEY_E4M3 = key_e4m3>."""
+    """The gfx942 partition kernel <..., USE_NATIVE_FP4_MFMA = native, MULTI_TOKEN = multi,
+    KEY_E4M3 = key_e4m3> (tq_fp4_paged_attention.cuh)."""
     tag = f"ELb{int(native)}ELb{int(multi)}ELb{int(key_e4m3)}EEEv"
     names = [n for n in isa if "partition_kernel" in n and tag in n]
     assert len(names) == 1, names
     return isa[names[0]]
-
-
-# Today's decode figures (Bf16, head 128, block 16, GQA 8) before multi-token and window
-# support: native 82 VGPRs, 5 waves/SIMD; LUT 105 VGPRs, 4 waves/SIMD. Neither may get worse.
-DECODE_OCCUPANCY = {True: 5, False: 4}
 
 
 def _report(name, k):
@@ -95,83 +90,11 @@ def _no_spills(k):
     assert "scratch_" not in k["body"] and "buffer_store_dword" not in k["body"]
 
 
-def test_native_path_uses_fp4_operand(isa):
-    k = _one(isa, native=True)
-    lines = [ln.strip() for ln in k["body"].splitlines() if MFMA in ln]
-    for ln in lines:
-        print(ln)
-    fp4 = [ln for ln in lines if "cbsz:4" in ln]
-    fp8 = [ln for ln in lines if "cbsz" not in ln and "blgp" not in ln]
-    # QK: 4 tiles of 16 tokens per wave x (Q hi, Q lo); A = 4 VGPRs of FP4 (cbsz:4), B = 8
-    # VGPRs of FP8.
-    assert len(fp4) == 8
-    assert all(re.search(r"v\[\d+:\d+\], v\[(\d+):(\d+)\], v\[(\d+):(\d+)\]", ln) for ln in fp4)
-    for ln in fp4:
-        a0, a1, b0, b1 = map(int, re.search(r"v\[\d+:\d+\], v\[(\d+):(\d+)\], v\[(\d+):(\d+)\]", ln).groups())
-        assert (a1 - a0, b1 - b0) == (3, 7), ln
-    # PV: FP8 x FP8, 2 K-steps x 2 output tiles per wave x (P hi, P lo).
-    assert len(fp8) == 8
-    assert len(lines) == 16
-    _no_spills(k)
-    _report("native", k)
-    assert k["stats"]["Occupancy"] >= DECODE_OCCUPANCY[True]
-
-
-def test_lut_path_is_fp8_only(isa):
-    k = _one(isa, native=False)
-    lines = [ln.strip() for ln in k["body"].splitlines() if MFMA in ln]
-    for ln in lines:
-        print(ln)
-    assert len(lines) == 16
-    assert not [ln for ln in lines if "cbsz" in ln or "blgp" in ln]  # format 0 (E4M3) on both sides
-    assert "v_perm_b32" in k["body"]  # the FP4 -> E4M3 table
-    _no_spills(k)
-    _report("lut", k)
-    assert k["stats"]["Occupancy"] >= DECODE_OCCUPANCY[False]
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
-def test_multi_token_kernel_same_forms_and_occupancy(isa, native):
-    """The multi-token instantiation (cu_query_lens; window and soft cap are runtime
-    arguments of both): the same MFMA instructions as decode, in the same number, no spills,
-    and an occupancy no lower than decode's."""
-    decode, multi = _one(isa, native), _one(isa, native, multi=True)
-    forms = lambda k: sorted(re.sub(r"v\[?\d+(:\d+)?\]?", "v", ln.strip())  # noqa: E731
-                             for ln in k["body"].splitlines() if MFMA in ln)
-    assert forms(multi) == forms(decode)
-    _no_spills(multi)
-    _report(f"{'native' if native else 'lut'} multi-token", multi)
-    assert multi["stats"]["Occupancy"] >= decode["stats"]["Occupancy"]
-
-
-@pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi-token"])
-@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
-def test_k8v4_keys_use_the_fp8_operand(isa, native, multi):
-    """K8V4 (KEY_E4M3): the key operand of QK is the E4M3 bytes as they are, i.e. format 0
-    (no cbsz:4, no table) in both specializations; the same 16 MFMAs per wave and partition as
-    the FP4 kernels, no spills, and the native FP4 decode kernel's occupancy."""
-    k = _one(isa, native, multi, key_e4m3=True)
-    lines = [ln.strip() for ln in k["body"].splitlines() if MFMA in ln]
-    for ln in lines:
-        print(ln)
-    assert len(lines) == 16
-    assert not [ln for ln in lines if "cbsz" in ln or "blgp" in ln]
-    # every operand pair is 8 + 8 VGPRs (FP8 x FP8): QK's A is 32 key bytes per lane
-    for ln in lines:
-        a0, a1, b0, b1 = map(int, re.search(r"v\[\d+:\d+\], v\[(\d+):(\d+)\], v\[(\d+):(\d+)\]",
-                                            ln).groups())
-        assert (a1 - a0, b1 - b0) == (7, 7), ln
-    _no_spills(k)
-    _report(f"k8v4 {'native' if native else 'lut'} {'multi-token' if multi else 'decode'}", k)
-    assert k["stats"]["Occupancy"] >= DECODE_OCCUPANCY[True]
-
-
-def test_reduce_kernels(isa):
-    names = [n for n in isa if "reduce_kernel" in n]
-    assert len(names) == 2  # decode, multi-token
-    for name in names:
-        _no_spills(isa[name])
-        _report(name, isa[name])
+def _no_scratch_or_vgpr_spills(k):
+    assert k["stats"]["ScratchSize"] == 0
+    assert k["meta"]["vgpr_spill_count"] == 0
+    assert k["meta"]["private_segment_fixed_size"] == 0
+    assert "scratch_" not in k["body"] and "buffer_store_dword" not in k["body"]
 
 
 def _instructions(body: str) -> tuple[list[tuple[str, str]], list[tuple[int, int]]]:
@@ -188,39 +111,123 @@ def _waits(ins, counter: str) -> int:
     return sum(1 for op, rest in ins if op == "s_waitcnt" and f"{counter}(0)" in rest)
 
 
-# Issue 20: the per-partition prologue (Q, the state record's lam and m rows, the rotation
-# signs, the sink key) loads 16-byte vectors, all of a group before the group's one wait,
-# instead of one 16-bit / 32-bit load and one s_waitcnt vmcnt(0) per element (141 waits per
-# wave and partition at head 128, benchmarks/isa_model.py). Today, before the first MFMA:
-# 6 (native) / 7 (LUT) vmcnt(0) waits in straight-line code, among them the block table ->
-# scale bytes chain and the sink key, and one loop (the 8-element groups, 2 trips at head
-# 128, unrolled twice) with 14 vector loads and 2 such waits. The bounds leave a little room
-# for the scheduler; a return to element-at-a-time loads breaks both.
-PROLOGUE_VMCNT0_MAX = 8
-PROLOGUE_LOADS_PER_VMCNT0_MIN = 4
+# --------------------------------------------------------------------------- gfx950 (MI355X)
+# tq_fp4_gfx950_attention.cuh: the Q pre-pass and the partition kernel (one wave per workgroup,
+# 128-token steps, the reduce fused into the last partition of each row tile).
+
+PARTITION_950 = "tq::gfx950::tq_fp4_pa_gfx950_kernel"
+PREPASS_950 = "tq::gfx950::tq_fp4_q_prepass_kernel"
+SPILL_LANE_OPS = ("v_writelane_b32", "v_readlane_b32")
+MAX_SGPR_SPILLS = 16
 
 
-@pytest.mark.parametrize("key_e4m3", [False, True], ids=["fp4", "k8v4"])
+def _gfx950_source(shapes, natives=("true", "false"), key8s=("false", "true")) -> str:
+    """The gfx950 kernels of each (scalar, head, block, gqa) class: the partition kernel for both
+    specializations, decode and multi-token (multi-token only above GQA 16), both key formats,
+    and the pre-pass per (scalar, head); named by their template arguments alone."""
+    lines = ['#include "tq_fp4_gfx950_attention.cuh"']
+    for scalar, head, block, gqa in shapes:
+        for native in natives:
+            for multi in ("false", "true") if gqa <= 16 else ("true",):
+                for key8 in key8s:
+                    k = f"{PARTITION_950}<tq::{scalar}, {head}, {block}, {gqa}, {native}, {multi}, {key8}>"
+                    lines.append(f"template __attribute__((global)) decltype({k}) {k};")
+    for scalar, head in sorted({(sc, h) for sc, h, _, _ in shapes}):
+        k = f"{PREPASS_950}<tq::{scalar}, {head}>"
+        lines.append(f"template __attribute__((global)) decltype({k}) {k};")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def isa950(tmp_path_factory):
+    d = tmp_path_factory.mktemp("isa950")
+    src = d / "gfx950.hip"
+    src.write_text(_gfx950_source([("Bf16", 128, 16, 8)]))
+    return kernels(compile_to_asm(src, d / "gfx950.s"))
+
+
+def _partition950(isa, native: bool, multi: bool, key_e4m3: bool):
+    tag = f"ELb{int(native)}ELb{int(multi)}ELb{int(key_e4m3)}EEEv"
+    names = [n for n in isa if "tq_fp4_pa_gfx950_kernel" in n and tag in n]
+    assert len(names) == 1, names
+    return isa[names[0]]
+
+
+def _step_and_whole(k):
+    """(the step loop's instructions, the kernel's) of a gfx950 partition kernel."""
+    from isa_model import step_loop
+    ins, labels = parse_amd_body(k["body"])
+    h, b = step_loop(ins, labels, "gfx950")
+    return ins[h:b + 1], ins
+
+
+def _mfmas_per_step(head: int) -> int:
+    """QK: 8 tiles x ceil(head / 128) K-steps x (Q hi, Q lo); PV: head / 16 output tiles x
+    (P hi, P lo)."""
+    return 8 * -(-head // 128) * 2 + head // 16 * 2
+
+
+def _check_gfx950_partition(name, k, head, native, multi, key8):
+    loop, whole = _step_and_whole(k)
+    mf = [rest for op, rest in loop if op == MFMA]
+    assert len(mf) == _mfmas_per_step(head) == sum(op == MFMA for op, _ in whole), name
+    fp4 = [r for r in mf if "cbsz:4" in r]
+    ops = {op for op, _ in loop}
+    assert not [r for r in mf if "blgp" in r or ("cbsz" in r and "cbsz:4" not in r)]
+    if native:  # V always FP4 (PV), K FP4 unless E4M3 keys
+        assert len(fp4) == head // 16 * 2 + (0 if key8 else 8 * -(-head // 128) * 2), name
+        assert "ds_read_b64_tr_b4" in ops and "ds_read_b64_tr_b8" not in ops
+    else:
+        assert not fp4
+        assert "ds_read_b64_tr_b8" in ops and "ds_read_b64_tr_b4" not in ops
+    # the fused reduce's ticket: one device-scope atomic add, after the step loop
+    atomics = [op for op, _ in whole if "atomic" in op]
+    assert len(atomics) == 1 and "add" in atomics[0] and not [op for op, _ in loop if "atomic" in op]
+    _no_scratch_or_vgpr_spills(k)
+    # SGPR spills go to VGPR lanes (v_writelane / v_readlane), a few, never inside the step loop
+    # (the multi-token kernels' row ranges and head 256's bases: 2 to 11, in the prologue and the
+    # fused reduce)
+    assert not [op for op, _ in loop if op in SPILL_LANE_OPS], name
+    assert k["meta"]["sgpr_spill_count"] <= MAX_SGPR_SPILLS, name
+
+
+@pytest.mark.parametrize("key8", [False, True], ids=["fp4", "k8v4"])
 @pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi-token"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
-def test_prologue_loads_are_batched(isa, native, multi, key_e4m3):
-    ins, loops = _instructions(_one(isa, native, multi, key_e4m3)["body"])
-    first = next(i for i, (op, _) in enumerate(ins) if op.startswith("v_mfma"))
-    prologue = ins[:first]
-    narrow = sorted({op for op, _ in prologue if op.startswith("global_load")
-                     and ("short" in op or "d16" in op)})
-    assert not narrow, f"16-bit loads before the first MFMA (Q comes in 16-byte vectors): {narrow}"
-    waits = _waits(prologue, "vmcnt")
-    print(f"vmcnt(0) before the first MFMA: {waits}")
-    assert waits <= PROLOGUE_VMCNT0_MAX
-    for h, b in loops:
-        if h >= first:
-            continue
-        body = ins[h:b + 1]
-        loads = sum(op.startswith("global_load") for op, _ in body)
-        w = _waits(body, "vmcnt")
-        print(f"prologue loop {h}..{b}: {loads} global loads, {w} vmcnt(0)")
-        assert loads == 0 or w == 0 or loads >= PROLOGUE_LOADS_PER_VMCNT0_MIN * w
+def test_gfx950_partition_kernel_forms(isa950, native, multi, key8):
+    """The step loop holds every MFMA of the kernel: 32 per 128-token step at head 128; the
+    native path feeds K (FP4 keys) and V as FP4 operands (cbsz:4) with V through
+    ds_read_b64_tr_b4, the LUT path FP8 only with V through ds_read_b64_tr_b8; the fused
+    reduce's ticket is the kernel's one atomic; no scratch, no spills in the loop (none at all
+    in decode); two waves per SIMD at least (the one-wave workgroups' latency hiding)."""
+    k = _partition950(isa950, native, multi, key8)
+    _check_gfx950_partition("gfx950", k, 128, native, multi, key8)
+    if not multi:  # the decode kernels the estimate counts: no spill at all
+        assert k["meta"]["sgpr_spill_count"] == 0
+    _report(f"gfx950 {'native' if native else 'lut'} {'multi' if multi else 'decode'} "
+            f"{'k8v4' if key8 else 'fp4'}", k)
+    assert k["stats"]["Occupancy"] >= 2
+
+
+def test_gfx950_shape_matrix_compiles_without_spills(tmp_path):
+    """Every (head, block, GQA, dtype) class the backend can launch, both paths, decode and
+    multi-token, FP4 and E4M3 (K8V4) keys, and the pre-pass per (dtype, head): the same forms,
+    no scratch or VGPR spills, a few SGPR spills at most and none in the step loop."""
+    src = tmp_path / "matrix950.hip"
+    src.write_text(_gfx950_source(SHAPES))
+    ks = kernels(compile_to_asm(src, tmp_path / "matrix950.s"))
+    parts = {n: k for n, k in ks.items() if "tq_fp4_pa_gfx950_kernel" in n}
+    pre = {n: k for n, k in ks.items() if "tq_fp4_q_prepass_kernel" in n}
+    assert len(parts) == sum(8 if gqa <= 16 else 4 for _, _, _, gqa in SHAPES)
+    assert len(pre) == len({(sc, h) for sc, h, _, _ in SHAPES})
+    for name, k in sorted(parts.items()):
+        head = int(re.search(r"ELi(\d+)ELi\d+ELi\d+ELb", name).group(1))
+        native, multi, key8 = (bool(int(x)) for x in re.search(r"ELb(\d)ELb(\d)ELb(\d)EEEv", name).groups())
+        _check_gfx950_partition(name, k, head, native, multi, key8)
+        _report(name, k)
+    for name, k in sorted(pre.items()):
+        _no_spills(k)
+        _report(name, k)
 
 
 # The reduce combines up to max_num_partitions partials per row: it loads a chunk of 8
@@ -233,9 +240,8 @@ def test_prologue_loads_are_batched(isa, native, multi, key_e4m3):
 REDUCE_LOADS_PER_WAIT_MIN = 8
 
 
-@pytest.mark.parametrize("arch_isa", ["isa", "isa942"])
-def test_reduce_loads_are_batched(request, arch_isa):
-    isa_ = request.getfixturevalue(arch_isa)
+def test_gfx942_reduce_loads_are_batched(isa942):
+    isa_ = isa942
     names = [n for n in isa_ if "reduce_kernel" in n]
     assert len(names) == 2
     for name in names:
@@ -279,19 +285,6 @@ def _matrix_source(natives, key8s) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_shape_matrix_compiles_without_spills(tmp_path):
-    """Every (head, block, GQA, dtype) class the backend can launch, both paths, decode and
-    multi-token, FP4 and E4M3 (K8V4) keys: no spills."""
-    src = tmp_path / "matrix.hip"
-    src.write_text(_matrix_source(natives=("true", "false"), key8s=("false", "true")))
-    ks = kernels(compile_to_asm(src, tmp_path / "matrix.s"))
-    assert len(ks) == sum(8 if gqa <= 16 else 4 for _, _, _, gqa in SHAPES)
-    for name, k in sorted(ks.items()):
-        _no_spills(k)
-        assert MFMA in k["body"]
-        _report(name, k)
-
-
 # --------------------------------------------------------------------------- gfx942 (MI300X)
 
 MFMA_942 = "v_mfma_f32_16x16x32_fp8_fp8"
@@ -300,11 +293,6 @@ OCP_TABLE_WORDS = ("0x3c383000", "0x4c484440")
 # LDS per workgroup (28288 B at head 128) against gfx942's 64 KiB per CU: 2 workgroups of 4
 # waves per CU, i.e. 2 waves per SIMD; the VGPRs (83) would allow 5.
 GFX942_OCCUPANCY = 2
-
-
-@pytest.fixture(scope="module")
-def isa942(tmp_path_factory):
-    return kernels(compile_to_asm(ISA_TU, tmp_path_factory.mktemp("isa942") / "isa.s", "gfx942"))
 
 
 @pytest.mark.parametrize("multi", [False, True], ids=["decode", "multi-token"])

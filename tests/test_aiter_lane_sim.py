@@ -636,20 +636,21 @@ def _transform_call(prob, query, scale, soft_cap=0.0, cu_query_lens=None, slidin
                              sliding_window=sliding_window, **prob.kwargs)
 
 
-def _sim_call(lib, call, native):
+def _sim_call(lib, call, native, partition_len=PARTITION):
     return run_sim(lib, call.query, (call.key_cache, call.value_cache, call.key_scales,
                                      call.value_scales), call.block_tables, call.seq_lens,
                    call.scale, native=native, soft_cap=call.logits_soft_cap,
                    rotation_signs=call.rotation_signs, seq_state=call.seq_state,
                    state_ids=call.state_ids, sink=call.sink, cu_query_lens=call.cu_query_lens,
-                   sliding_window=call.sliding_window)
+                   sliding_window=call.sliding_window, partition_len=partition_len)
 
 
-def _emulate_call(call, fnuz=False):
+def _emulate_call(call, fnuz=False, partition_len=PARTITION):
     return emulate(call.query, (call.key_cache, call.value_cache, call.key_scales,
                                 call.value_scales), call.block_tables, call.seq_lens, call.scale,
                    call.logits_soft_cap, call.rotation_signs, call.seq_state, call.state_ids,
-                   call.sink, call.cu_query_lens, call.sliding_window, fnuz=fnuz)
+                   call.sink, call.cu_query_lens, call.sliding_window, fnuz=fnuz,
+                   partition_len=partition_len)
 
 
 def _reference_call(call):
@@ -873,6 +874,53 @@ def test_lane_sim_multi_token_and_window(sim_lib, shape, native):
             call = _transform_call(prob, query, head ** -0.5, cu_query_lens=cu, sliding_window=w)
             out, ref = _check(sim_lib, call, native, label=f"{name} W={w} {shape[:4]}")
             assert torch.isfinite(out).all(), "masked or poisoned bytes reached the output"
+
+
+@pytest.mark.parametrize("partition_len", [128, 384, 1024])
+def test_lane_sim_partition_lengths(sim_lib, partition_len):
+    """The launcher's plan picks the partition length (any multiple of 128): partitions of one
+    step, of three, and longer than every sequence, with multi-token rows, windows that cross
+    partition edges and the default transforms (the sink, the un-rotation in the fused
+    reduce), against the emulation with the same partitions and the reference; the tickets
+    are left at zero (the simulation checks)."""
+    prob, query, cu = _multi_problem([1, 97, 300, 700], [1, 3, 9, 2], 2, 128, 16, 4, seed=5,
+                                     config=QuantConfig())
+    for w in (0, 130):
+        call = _transform_call(prob, query, 128 ** -0.5, cu_query_lens=cu, sliding_window=w)
+        out = _sim_call(sim_lib, call, True, partition_len)
+        assert _rel_err(out, _emulate_call(call, partition_len=partition_len)) < 1e-3
+        assert _rel_err(out, _reference_call(call)) < 1e-2
+
+
+def _v_scale_spread_kv(seq, shape):
+    """Values whose magnitudes span 2^-60 .. 2^20 across tokens (so one 128-token step holds V
+    scales far apart), every 37th token's value row all zero (scale byte 0, 2^-127); the second
+    sequence's values all near 2^-118 (products with 2^(vs - 127) would leave fp32's normal
+    range: the step's own reference vb keeps them in it)."""
+    n, hkv, d = shape
+    g = torch.Generator().manual_seed(3 + seq)
+    k = torch.randn(shape, generator=g)
+    lo, hi = (-60, 21) if seq == 0 else (-119, -117)
+    mag = torch.exp2(torch.randint(lo, hi, (n, 1, 1), generator=g).float())
+    v = torch.randn(shape, generator=g) * mag
+    v[::37] = 0.0
+    return k.to(torch.bfloat16), v.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
+def test_lane_sim_v_scale_spread(sim_lib, native):
+    """V scales 80 binades apart within a step and all-zero value rows: P' is normalized per
+    row from its largest e 2^(vs - vb) (vb the step's largest V scale byte), so each row's
+    output keeps FP8's relative accuracy whatever the magnitudes; the zero rows add nothing."""
+    prob, gen = _problem([300, 54], 2, 128, 16, kv_factory=_v_scale_spread_kv)
+    query = torch.randn((2, 8, 128), generator=gen).to(torch.bfloat16)
+    args = (query, prob.cache, prob.block_tables, prob.seq_lens, 128 ** -0.5)
+    out = run_sim(sim_lib, *args, native=native)
+    assert torch.isfinite(out).all()
+    ref = reference(*args)
+    for s in range(2):  # each sequence on its own scale
+        assert _rel_err(out[s], emulate(*args)[s]) < 1e-3
+        assert _rel_err(out[s], ref[s]) < 1e-2
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
