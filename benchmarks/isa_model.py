@@ -779,16 +779,15 @@ def _hip_flags(arch: str) -> list[str]:
             "-nogpuinc", "-O3", "-std=c++20", "-S"]
 
 
-def hip_asm(clang: str, src_dir: Path | None = None, arch: str = "gfx950") -> str:
-    """AMDGCN assembly of csrc_hip/tq_fp4_gfx950_isa_check.hip for `arch` (gfx942 is the same
-    translation unit, TQ_GFX942 set by the arch), cached by the sources' hash. src_dir: another
-    copy of csrc_hip (e.g. from `git show`)."""
+def hip_asm(clang: str, src_dir: Path | None = None) -> str:
+    """gfx942 assembly of csrc_hip/tq_fp4_gfx942_isa_check.hip (the gfx942 kernel), cached by
+    the sources' hash. src_dir: another copy of csrc_hip (e.g. from `git show`)."""
     d = Path(src_dir or ROOT / "csrc_hip")
     srcs = [p for p in d.glob("*") if p.is_file()]
-    out = _cache_dir() / (f"hip_{_digest(srcs)}.s" if arch == "gfx950" else f"hip_{arch}_{_digest(srcs)}.s")
+    out = _cache_dir() / f"hip_gfx942_{_digest(srcs)}.s"
     if not out.exists():
-        subprocess.run([clang, *_hip_flags(arch), f"-I{d}", "-o", str(out),
-                        str(d / "tq_fp4_gfx950_isa_check.hip")], check=True)
+        subprocess.run([clang, *_hip_flags("gfx942"), f"-I{d}", "-o", str(out),
+                        str(d / "tq_fp4_gfx942_isa_check.hip")], check=True)
     return out.read_text()
 
 
@@ -839,9 +838,15 @@ def decode_kernel(asm: str, kernel: str, native: bool, key_e4m3: bool = False) -
     return ks[names[0]]
 
 
-def hip_partition_body(asm: str, native: bool, key_e4m3: bool = False) -> str:
-    """The old kernel's (tq_fp4_paged_attention.cuh) decode partition kernel body."""
-    return decode_kernel(asm, "partition_kernel", native, key_e4m3)["body"]
+def gfx942_decode_kernel(asm: str) -> dict:
+    """The gfx942 kernel's (tq_fp4_paged_attention.cuh) decode partition kernel
+    <..., MULTI_TOKEN = false>: tests/test_aiter_isa.py's {'body', 'stats', 'meta'} entry."""
+    from test_aiter_isa import kernels
+    ks = kernels(asm)
+    names = [n for n in ks if "partition_kernel" in n and "ELb0EEEv" in n]
+    if len(names) != 1:
+        raise ValueError(f"gfx942 decode partition kernel: {names}")
+    return ks[names[0]]
 
 
 # Trip counts of the partition kernel's outermost loops at HEAD 128, GQA 8, decode, in order:
@@ -1111,10 +1116,10 @@ def cuda_report(sass: str, hw: H100 = H100(),
     return "\n".join(lines), res
 
 
-# The old kernel (tq_fp4_paged_attention.cuh), which stays the gfx942 kernel: (label, arch,
-# native, K8V4 keys, GPU constants). gfx950 runs tq_fp4_gfx950_attention.cuh (`gfx950_paths`).
+# The gfx942 kernel (tq_fp4_paged_attention.cuh, the LUT path): (label, arch, GPU constants).
+# gfx950 runs tq_fp4_gfx950_attention.cuh (`gfx950_paths`).
 HIP_PATHS = [
-    ("gfx942 LUT", "gfx942", False, False, MI300X()),
+    ("gfx942 LUT", "gfx942", MI300X()),
 ]
 
 
@@ -1131,16 +1136,16 @@ def hip_report(asms, hw: MI355X | None = None, k: float = math.inf) -> tuple[str
     cols = AMD_CLASSES + ["valu_packed", "vmcnt0", "total", "lds_bytes"]
     lines.append("| path | " + " | ".join(cols) + " |")
     lines.append("|---" * (len(cols) + 1) + "|")
-    for label, arch, native, e4, gpu in HIP_PATHS:
+    for label, arch, gpu in HIP_PATHS:
         if arch not in asms:
             continue
-        ins, labels = parse_amd_body(hip_partition_body(asms[arch], native, e4))
+        ins, labels = parse_amd_body(gfx942_decode_kernel(asms[arch])["body"])
         loops = amd_loops(ins, labels)
         if len(loops) != len(HIP_DECODE_TRIPS):
             lines.append(f"{label}: {len(loops)} loops, expected {len(HIP_DECODE_TRIPS)}; skipped")
             continue
         c, lp = amd_counts(ins, labels, HIP_DECODE_TRIPS)
-        tb = K8V4_TILE_BYTES if e4 else FP4_TILE_BYTES
+        tb = FP4_TILE_BYTES
         res[label] = {"counts": c, "loops": lp, "tile_bytes": tb, "hw": hw or gpu, "arch": arch,
                       "regions": amd_regions(ins, labels, HIP_DECODE_TRIPS)}
         lines.append(f"| {label} | " + " | ".join(str(c[k]) for k in cols) + " |")
@@ -1391,8 +1396,8 @@ def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
 def gfx942_path(clang: str, src_dir: Path | None = None) -> AmdPath:
     """The old kernel's LUT path on gfx942 (HIP_PATHS' row): its whole partition body per wave
     (4 tiles, HIP_DECODE_TRIPS), 4 waves per workgroup, 256-token partitions, reduce."""
-    (label, arch, native, e4, hw), = HIP_PATHS
-    k = decode_kernel(hip_asm(clang, src_dir, arch), "partition_kernel", native, e4)
+    (label, arch, hw), = HIP_PATHS
+    k = gfx942_decode_kernel(hip_asm(clang, src_dir))
     ins, labels = parse_amd_body(k["body"])
     counts, _ = amd_counts(ins, labels, HIP_DECODE_TRIPS)
     waves = k["meta"]["max_flat_workgroup_size"] // k["meta"]["wavefront_size"]
@@ -1596,7 +1601,7 @@ def main(argv=None) -> int:
         return 0
     import aiter_anchor as aa
     print()
-    text, _ = hip_report({"gfx942": hip_asm(clang, args.hip_src, "gfx942")}, k=k)
+    text, _ = hip_report({"gfx942": hip_asm(clang, args.hip_src)}, k=k)
     print(text)
     paths = {**gfx950_paths(clang, args.hip_src), "gfx942_fp4_lut": gfx942_path(clang, args.hip_src),
              **aiter_paths(clang, aa.find_objdump())}

@@ -40,10 +40,12 @@
 // no garbage byte or NaN scale reaches a row that does not see it; a NaN V scale (255) that a
 // row sees makes w NaN and the row's output NaN. Tokens past the tile's keys are read from
 // the tile's last block (valid memory), never from block-table entries past the sequence.
-// Cache layout: tq_fp4_paged_attention.cuh's design note (CONTRACT.md section 1).
+// Cache layout: CONTRACT.md section 1 (key/value [num_blocks, num_kv_heads, block_size,
+// HEAD/2] of E2M1 codes, K8V4 keys [.., HEAD] E4M3; scales [num_blocks, block_size,
+// num_kv_heads] of E8M0 bytes).
 #pragma once
 
-#include "tq_fp4_paged_attention.cuh"
+#include "tq_fp4_common.cuh"
 
 // The ISA model's hot-path build (benchmarks/isa_model.py) defines this as __builtin_assume:
 // the count of a step where every row sees all 128 tokens and no soft cap is set.
@@ -241,20 +243,13 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   static_assert(kVChunks % kWave == 0, "whole V loads per lane");
 
   const int tile = block_id_x(), part = block_id_y(), kvh = block_id_z(), lane = thread_id();
-  int seq = tile, q0 = tile, qn = 1, first_row = 0;
-  if constexpr (MULTI_TOKEN) {
-    seq = tile_sequence<GQA>(cu_query_lens, num_seqs, tile);
-    q0 = min_i32(max_i32(cu_query_lens[seq], 0), num_tokens);
-    qn = min_i32(cu_query_lens[seq + 1], num_tokens) - q0;
-    first_row = kTile * (tile - tile_base<GQA>(seq, q0));
-    if (first_row >= qn * GQA) return;
-  }
-  const int nrows = MULTI_TOKEN ? min_i32(kTile, qn * GQA - first_row) : GQA;
+  const RowTile<GQA, MULTI_TOKEN> rt = row_tile<GQA, MULTI_TOKEN>(cu_query_lens, num_seqs, num_tokens, tile);
+  if (rt.nrows <= 0) return;  // a spare tile
+  const int seq = rt.seq, nrows = rt.nrows;
   const int seq_len = seq_lens[seq];
-  auto row_token = [&](int n) { return MULTI_TOKEN ? (first_row + n) / GQA : 0; };
-  auto row_head = [&](int n) { return kvh * GQA + (MULTI_TOKEN ? (first_row + n) % GQA : n); };
-  auto row_keys = [&](int n) { return query_keys(seq_len, qn, row_token(n), sliding_window); };
-  auto out_row = [&](int n) { return int64_t(q0 + row_token(n)) * (num_kv_heads * GQA) + row_head(n); };
+  auto row_head = [&](int n) { return rt.head(kvh, n); };
+  auto row_keys = [&](int n) { return query_keys(seq_len, rt.qn, rt.token(n), sliding_window); };
+  auto out_row = [&](int n) { return rt.out_row(kvh, num_kv_heads, n); };
   const KeyRange tile_keys = {row_keys(0).lo, row_keys(nrows - 1).hi};
   const int p_start = part * partition_len;
   // The partitions that hold some of the tile's keys, [first_part, first_part + tile_parts):
@@ -408,18 +403,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
           acc = mfma_qk_fp4_fp8(a, qhi[c], acc, kscale, qscale);
           acc = mfma_qk_fp4_fp8(a, qlo[c], acc, kscale, qscale_lo);
         } else {
-          i32x8 a = {0, 0, 0, 0, 0, 0, 0, 0};
-          #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int off = c * kFp4BytesPerK + 32 * h + 8 * g;
-            const uint64_t codes = off < kKeyRow ? load_u64(krow + off) : 0u;
-            const E4m3x8 d0 = fp4x8_to_e4m3x8(uint32_t(codes));
-            const E4m3x8 d1 = fp4x8_to_e4m3x8(uint32_t(codes >> 32));
-            a[4 * h + 0] = int(d0.lo);
-            a[4 * h + 1] = int(d0.hi);
-            a[4 * h + 2] = int(d1.lo);
-            a[4 * h + 3] = int(d1.hi);
-          }
+          const i32x8 a = fp4_row_as_fp8_operand(krow, c, g, kKeyRow, true);
           acc = mfma_fp8_fp8(a, qhi[c], acc, kscale, qscale);
           acc = mfma_fp8_fp8(a, qlo[c], acc, kscale, qscale_lo);
         }

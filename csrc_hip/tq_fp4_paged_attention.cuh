@@ -1,6 +1,11 @@
-// turboquant FP4 paged attention for gfx950 (MI355X), in the shape of AITER's pa_v1:
+// turboquant FP4 paged attention for gfx942 (MI300X), in the shape of AITER's pa_v1:
 // 256 threads = 4 wavefronts of 64, one workgroup per (row tile, partition of 256 tokens,
-// kv head), per-partition exp_sums / max_logits / tmp_out, then a reduce kernel.
+// kv head), per-partition exp_sums / max_logits / tmp_out, then a reduce kernel. gfx942 has
+// neither the scaled f8f6f4 MFMA nor the transposing LDS reads that gfx950's kernel
+// (tq_fp4_gfx950_attention.cuh) is built on: here K and V are decoded through a table and V is
+// transposed in LDS. Built for another arch (AITER compiles a library for every arch in
+// GPU_ARCHS, and the host pass instantiates it too) its MFMA traps; it is launched on gfx942
+// only.
 //
 // Rows: the MFMA's 16 columns of Q are 16 rows of (query token, head of the GQA group) of one
 // sequence and one kv head, query-token major: row R of a sequence is its query token R / GQA
@@ -26,37 +31,23 @@
 // tile's range are not loaded, tokens before it only in its first partition, with constant
 // scales (see the kernel's prologue).
 //
-// Cache (DESIGN.md section 1): key/value uint8 [num_blocks, num_kv_heads, block_size, HEAD/2]
-// of packed E2M1 codes (even element in the low nibble), scales uint8
-// [num_blocks, block_size, num_kv_heads] of E8M0 bytes, one per (token, kv head).
-// K8V4 (KEY_E4M3, DESIGN.md section 1b): the key rows are HEAD E4M3 bytes instead, one E8M0
-// scale per (token, kv head) as before, values unchanged. The kernel gets the value cache's
-// strides; the key cache's are twice those (the same layout with rows twice as long).
+// Cache (CONTRACT.md section 1): key/value uint8 [num_blocks, num_kv_heads, block_size,
+// HEAD/2] of packed E2M1 codes (even element in the low nibble), scales uint8
+// [num_blocks, block_size, num_kv_heads] of E8M0 bytes, one per (token, kv head). K8V4 caches
+// are declined on gfx942 (their OCP E4M3 key bytes are not its FNUZ FP8).
 //
-// QK^T: v_mfma_scale_f32_16x16x128_f8f6f4 with A = K (16 tokens) and B = Q (the 16 rows of
-// the tile) in FP8 E4M3, so a lane's accumulator holds logits of one row.
-//   USE_NATIVE_FP4_MFMA: A is the cache's FP4 bytes as they are (cbsz = 4) and scale_a is the
-//     token's E8M0 byte from the cache: the instruction applies the cache scale itself.
-//   LUT: the FP4 codes are decoded to E4M3 through a 16-entry table (cbsz = 0); scale_a is
-//     still the cache byte, exact because one scale covers the whole row.
-//   KEY_E4M3 (both specializations alike): A is the cache's E4M3 bytes as they are (cbsz = 0,
-//     no table), each lane loading the 2 x 16 bytes of its K group in the FP8 operand order
-//     (row bytes 16g.. and 64 + 16g.. of each 128), scale_a the token's E8M0 byte. A key byte
-//     past HEAD (HEAD 64) or of a token not loaded is the constant 0; a loaded token outside
-//     every row's range may hold any byte, NaN (0x7F) included, but it is alone in its row of
-//     A, so only its own logits see it and those are replaced by -inf.
-//   Q is scaled by one E8M0 power of two per row (largest |q| <= 448) and split into
-//   two E4M3 terms, q = hi + lo / 16, each its own MFMA with scale_b = the row's byte (hi)
-//   or that byte - 4 (lo): about 8 significant bits instead of E4M3's 4. With P split the
-//   same way this doubles the MFMAs (16 instead of 8 per wave and partition at head size
-//   128), which a kernel bound by memory does not feel. Every scale operand is the same byte
-//   in all four K groups of a row, so the result does not depend on how the hardware maps
-//   FP8 K groups to scale blocks.
-// PV: the same instruction, FP8 x FP8, K = tokens. V's codes are decoded to E4M3 (exact)
-// without their scale; the per-token V scale is folded into the probabilities in the log
-// domain (y = logit * log2(e) + vscale - 127, p' = 2^(y - ceil(max y)) <= 1), p' is split into
-// two E4M3 terms like Q, the remaining per-row power of two is P's scale_a byte and the rest
-// a float multiply at the end.
+// QK^T: A = K (16 tokens) and B = Q (the 16 rows of the tile) in FP8 E4M3FNUZ on
+// v_mfma_f32_16x16x32_fp8_fp8, four per 128-element K step (mfma_fp8_fp8_k128_unscaled), so a
+// lane's accumulator holds logits of one row; the FP4 codes are decoded through a 16-entry
+// table, and the E8M0 scales (K's per token, Q's per row) are applied in fp32 to the logits.
+//   Q is scaled by one E8M0 power of two per row (largest |q| <= 240) and split into two
+//   E4M3FNUZ terms, q = hi + lo / 16, each its own MFMA chain: about 8 significant bits
+//   instead of FP8's 4.
+// PV: the same instructions, K = tokens. V's codes are decoded to FP8 (exact) without their
+// scale and transposed in LDS; the per-token V scale is folded into the probabilities in the
+// log domain (y = logit * log2(e) + vscale - 127, p' = 2^(y - ceil(max y)) <= 1), p' is split
+// into two FP8 terms like Q, and the remaining per-row power of two and the rest are a float
+// multiply at the end.
 // Masking is by selection: tokens outside the tile's range (past seq_len included) have their
 // K fragment, scales and V codes replaced by constants; a token outside a row's own range has
 // its logit replaced by -inf (so its P bytes are 2^-inf = 0, and its V scale is not looked
@@ -97,79 +88,16 @@
 // bad slot and the un-rotation, and stores each row as consecutive elements.
 #pragma once
 
-#include "tq_fp4_platform.cuh"
+#include "tq_fp4_common.cuh"
 
 namespace tq {
 
-constexpr int kThreads = 256;
-constexpr int kWaveSize = 64;
 constexpr int kWaves = kThreads / kWaveSize;
 constexpr int kPartition = 256;                       // tokens per workgroup (pa_v1's T_PAR_SIZE)
 constexpr int kTokensPerWave = kPartition / kWaves;   // QK: each wave owns 64 tokens
-constexpr int kTile = 16;                             // MFMA M = N = 16
 constexpr int kTilesPerWave = kTokensPerWave / kTile; // 4 QK MFMAs per 128 head elements
-constexpr int kMfmaK = 128;                           // MFMA K: head elements (QK) or tokens (PV)
 constexpr int kPvSteps = kPartition / kMfmaK;         // 2 PV K-steps per partition
-constexpr int kFp4BytesPerK = kMfmaK / 2;             // one MFMA K step of a packed FP4 row: 64 bytes
-constexpr int kE8m0One = 127;
-constexpr float kLog2e = 1.4426950408889634f;
-// Rows of a state record (turboquant/smoothing.py): key center m, key scale lam, sink K, V,
-// 1 / lam (the writer's row; attention never reads it).
-constexpr int kKeyCenter = 0, kKeyScale = 1, kSinkKey = 2, kSinkValue = 3, kStateRows = 5;
 
-// HEAD^-0.5 as the fp32 constant the rotation multiplies by (turboquant.rotation.rotation_norm:
-// the double D^-0.5 rounded to fp32): 2^(-k/2) for HEAD = 2^k, sqrt(1/2) for odd k.
-template <int HEAD>
-constexpr float rotation_norm() {
-  static_assert(HEAD >= 2 && (HEAD & (HEAD - 1)) == 0, "power-of-two head size");
-  int k = 0;
-  while ((1 << k) < HEAD) ++k;
-  double r = (k & 1) ? 0.70710678118654752440 : 1.0;
-  for (int i = 0; i < k / 2; ++i) r *= 0.5;
-  return float(r);
-}
-
-// ---------------------------------------------------------------------------------------
-// v_mfma_scale_f32_16x16x128_f8f6f4 lane layout (wave64), as documented for gfx950 and
-// modelled by the lane simulation. Lane l: row/column r = l % 16, K group g = l / 16.
-//   FP4 operand (format 4): the lane's 16 bytes are K [32g, 32g + 32) of row r, packed like
-//     the cache (byte j = elements 32g + 2j in the low, 32g + 2j + 1 in the high nibble).
-//   FP8 operand (format 0): byte j < 16 is K 16g + j, byte j >= 16 is K 64 + 16g + (j - 16).
-//   scale operand: byte 0 (op_sel 0) is the E8M0 scale of K [32g, 32g + 32) of row r.
-//   accumulator: element i is D[row 4 * (l / 16) + i][column l % 16].
-TQ_HD int mfma_row(int lane) { return lane & 15; }
-TQ_HD int mfma_kgroup(int lane) { return lane >> 4; }
-TQ_HD int mfma_fp4_first_byte(int kgroup) { return 16 * kgroup; }
-TQ_HD int mfma_fp8_k(int kgroup, int byte) {
-  return byte < 16 ? 16 * kgroup + byte : 64 + 16 * kgroup + (byte - 16);
-}
-TQ_HD int mfma_out_row(int lane, int i) { return 4 * (lane >> 4) + i; }
-TQ_HD int mfma_out_col(int lane) { return lane & 15; }
-
-// A = K as FP4 (cbsz 4, only the first 4 dwords are read), B = Q as FP8 (blgp 0).
-TQ_HD f32x4 mfma_qk_fp4_fp8(u32x4 a_fp4, i32x8 b_fp8, f32x4 c, int scale_a, int scale_b) {
-  const i32x8 a = {int(a_fp4[0]), int(a_fp4[1]), int(a_fp4[2]), int(a_fp4[3]), 0, 0, 0, 0};
-#if defined(TQ_HOST_SIM)
-  return sim::mfma_scale_16x16x128(4, 0, a, b_fp8, c, scale_a, scale_b);
-#elif !TQ_GFX950
-  __builtin_trap();
-#else
-  return __builtin_amdgcn_mfma_scale_f32_16x16x128_f8f6f4(a, b_fp8, c, 4, 0, 0, scale_a, 0,
-                                                          scale_b);
-#endif
-}
-
-// A and B both FP8 E4M3 (cbsz 0, blgp 0): QK on the LUT path, and PV on both paths.
-TQ_HD f32x4 mfma_fp8_fp8(i32x8 a_fp8, i32x8 b_fp8, f32x4 c, int scale_a, int scale_b) {
-#if defined(TQ_HOST_SIM)
-  return sim::mfma_scale_16x16x128(0, 0, a_fp8, b_fp8, c, scale_a, scale_b);
-#elif !TQ_GFX950
-  __builtin_trap();
-#else
-  return __builtin_amdgcn_mfma_scale_f32_16x16x128_f8f6f4(a_fp8, b_fp8, c, 0, 0, 0, scale_a, 0,
-                                                          scale_b);
-#endif
-}
 
 // gfx942 (no scale operand, FNUZ FP8): one 128-K step of two FP8 operands built in the
 // 16x16x128 FP8 operand order above, as four v_mfma_f32_16x16x32_fp8_fp8, instruction i
@@ -193,83 +121,6 @@ TQ_HD float scale_e8m0_pair(float x, int sa, int sb) {
   return (sa == 255 || sb == 255) ? __builtin_nanf("") : ldexp_f32(x, sa + sb - 2 * kE8m0One);
 }
 
-// ---------------------------------------------------------------------------------------
-// Element types of the query and output (raw 16-bit storage).
-struct Bf16 {
-  static TQ_HD float to_float(uint16_t b) { return __builtin_bit_cast(float, uint32_t(b) << 16); }
-  static TQ_HD uint16_t from_float(float f) {
-    const uint32_t u = __builtin_bit_cast(uint32_t, f);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
-    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);                 // nearest even
-  }
-};
-struct Fp16 {
-  static TQ_HD float to_float(uint16_t b) { return float(__builtin_bit_cast(_Float16, b)); }
-  static TQ_HD uint16_t from_float(float f) { return __builtin_bit_cast(uint16_t, _Float16(f)); }
-};
-
-// 8 packed FP4 codes (4 bytes, element 0 in the low nibble) -> 8 E4M3 bytes in element order
-// (lo: elements 0..3, hi: elements 4..7): kFp4ToE4m3 as one v_perm_b32 on the magnitudes
-// (codes & 7) plus the sign bit (code & 8 -> bit 7) per 4 codes. gfx942: kFp4ToE4m3Fnuz, the
-// sign bit only where the magnitude is not 0 (m + 7 has bit 3 set iff m >= 1), so -0 is 0x00.
-struct E4m3x8 { uint32_t lo, hi; };
-TQ_HD uint32_t fp4x4_to_e4m3x4(uint32_t four_codes_in_16_bits) {
-  const uint32_t x = four_codes_in_16_bits;
-  const uint32_t spread = (x & 0xFu) | ((x & 0xF0u) << 4) | ((x & 0xF00u) << 8) | ((x & 0xF000u) << 12);
-  if constexpr (kGfx942) {
-    const uint32_t mag = spread & 0x07070707u;
-    return perm_b32(kFnuzMagHi, kFnuzMagLo, mag) | ((spread & (mag + 0x07070707u) & 0x08080808u) << 4);
-  }
-  return perm_b32(kE4m3MagHi, kE4m3MagLo, spread & 0x07070707u) | ((spread & 0x08080808u) << 4);
-}
-TQ_HD E4m3x8 fp4x8_to_e4m3x8(uint32_t w) {
-  return {fp4x4_to_e4m3x4(w & 0xFFFFu), fp4x4_to_e4m3x4(w >> 16)};
-}
-
-// Smallest E8M0 exponent byte s with amax / 2^(s-127) <= kFp8Max (the largest E4M3: 448, or
-// 240 for gfx942's FNUZ): Q's scale.
-TQ_HD int q_scale_byte(float amax) {
-  if (amax == 0.0f) return kE8m0One;
-  if (!(amax <= 3.0e38f)) return 255;                 // Inf or NaN in the query row
-  const float r = amax * (1.0f / kFp8Max);
-  int e = frexp_exp_f32(r);                           // r = m * 2^e, m in [0.5, 1)
-  if (ldexp_f32(1.0f, e - 1) >= r) e -= 1;            // r a power of two: 2^(e-1) suffices
-  e += kE8m0One;
-  return e < 1 ? 1 : (e > 254 ? 254 : e);
-}
-
-// Four floats -> two E4M3 words with x = hi + lo / 16 up to E4M3 rounding of lo (the
-// difference x - hi is exact in fp32; times 16 it fits E4M3 again).
-struct E4m3Split { uint32_t hi, lo; };
-TQ_HD E4m3Split split_e4m3x4(float a, float b, float c, float d) {
-  const uint32_t hi = pack_e4m3x4(a, b, c, d);
-  float h[4];
-  unpack_e4m3x4(hi, h);
-  return {hi, pack_e4m3x4((a - h[0]) * 16.0f, (b - h[1]) * 16.0f, (c - h[2]) * 16.0f,
-                          (d - h[3]) * 16.0f)};
-}
-
-// The E8M0 scale of the lo term of a split operand whose hi term has scale byte s: s - 4.
-// NaN stays NaN; below 4 the lo term is dropped (its bytes zeroed), it is < 2^-123 anyway.
-TQ_HD int lo_scale_byte(int s) { return s == 255 ? 255 : (s >= 4 ? s - 4 : kE8m0One); }
-
-TQ_HD float soft_cap(float x, float cap) {
-  // cap * tanh(x / cap) from exp2, so no libm is needed on the device.
-  const float z = fabs_f32(x / cap);
-  const float t = 1.0f - 2.0f / (exp2_f32(2.0f * kLog2e * z) + 1.0f);
-  return x < 0.0f ? -cap * t : cap * t;
-}
-
-// Wave-wide max / sum over the four lanes that share a row (lanes l, l^16, l^32, l^48).
-TQ_HD float row_max(float v) {
-  v = fmax_f32(v, wave_shfl_xor(v, 16));
-  return fmax_f32(v, wave_shfl_xor(v, 32));
-}
-TQ_HD float row_sum(float v) {
-  v += wave_shfl_xor(v, 16);
-  return v + wave_shfl_xor(v, 32);
-}
-
 template <int HEAD>
 struct PartitionLds {
   static_assert(kTile * (HEAD + 4) * 4 <= HEAD * kMfmaK, "obuf fits in vt");
@@ -287,72 +138,13 @@ struct PartitionLds {
   };                               // (rows padded: the 4 row groups of a wave hit other banks)
 };
 
-// A state record value: row `row`, element e of the record (nullptr: a bad slot, NaN).
-template <int HEAD>
-TQ_HD float record_at(const float* record, int row, int e) {
-  return record != nullptr ? record[row * HEAD + e] : __builtin_nanf("");
-}
-
-// One butterfly of the Walsh-Hadamard transform on a pair held by one lane:
-// (a, b) -> (a + b, a - b).
-TQ_HD void butterfly(float& a, float& b) {
-  const float s = a + b, d = a - b;
-  a = s;
-  b = d;
-}
-// The same butterfly across lanes l and l ^ mask (one shuffle): the lane with the mask bit
-// clear holds a and gets a + b, its partner holds b and gets a - b.
-TQ_HD float butterfly_xor(float v, int lane, int mask) {
-  const float other = wave_shfl_xor(v, mask);
-  return (lane & mask) ? other - v : v + other;
-}
-
-TQ_HD int min_i32(int a, int b) { return a < b ? a : b; }
-TQ_HD int max_i32(int a, int b) { return a > b ? a : b; }
-
-// The keys [lo, hi) query token qi of a sequence with qn query tokens and seq_len keys sees
-// (position p = seq_len - qn + qi, hi = p + 1; lo = hi - W with a sliding window W > 0). hi <= 0:
-// none (the row's output is 0).
-struct KeyRange { int lo, hi; };
-TQ_HD KeyRange query_keys(int seq_len, int qn, int qi, int sliding_window) {
-  const int hi = seq_len - qn + qi + 1;
-  return {sliding_window > 0 ? max_i32(0, hi - sliding_window) : 0, hi};
-}
-
-// Multi-token row tiles (see the design note): the first tile of sequence s is
-// base(s) = s + floor(cu[s] * GQA / 16); the tile's sequence is the last s with base(s) <= tile.
-template <int GQA>
-TQ_HD int tile_base(int s, int first_token) {
-  return s + int(int64_t(first_token) * GQA / kTile);
-}
-template <int GQA>
-TQ_HD int tile_sequence(const int* cu_query_lens, int num_seqs, int tile) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (tile_base<GQA>(mid, max_i32(cu_query_lens[mid], 0)) <= tile) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-// The sequence of query token `token`: the last s with cu[s] <= token.
-TQ_HD int token_sequence(const int* cu_query_lens, int num_seqs, int token) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (cu_query_lens[mid] <= token) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
 
 // grid (row tiles: num_seqs in decode, num_seqs + ceil(num_tokens * GQA / 16) with MULTI_TOKEN;
 //       max_num_partitions, num_kv_heads)  block (256)
-template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool USE_NATIVE_FP4_MFMA, bool MULTI_TOKEN,
-          bool KEY_E4M3>
+template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool MULTI_TOKEN>
 TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     const uint16_t* __restrict__ query,       // [num_tokens, num_kv_heads * GQA, HEAD] Scalar, row stride q_stride
-    const uint8_t* __restrict__ key_cache,    // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2] (KEY_E4M3: HEAD)
+    const uint8_t* __restrict__ key_cache,    // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
     const uint8_t* __restrict__ value_cache,  // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
     const uint8_t* __restrict__ key_scales,   // [num_blocks, BLOCK_SIZE, num_kv_heads]
     const uint8_t* __restrict__ value_scales, // [num_blocks, BLOCK_SIZE, num_kv_heads]
@@ -376,11 +168,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   static_assert(GQA >= 1 && (MULTI_TOKEN || GQA <= kTile), "a decode tile holds the whole GQA group");
   static_assert(BLOCK_SIZE >= 16 && BLOCK_SIZE <= kPartition && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0,
                 "block size a power of two in [16, 256]");
-  constexpr int kRowBytes = HEAD / 2;                         // packed FP4 bytes per value row
-  // A key row: HEAD / 2 FP4 bytes, or HEAD E4M3 bytes; the key cache's strides are the value
-  // cache's times kKeyStrideScale (the same layout with rows twice as long).
-  constexpr int kKeyRowBytes = KEY_E4M3 ? HEAD : kRowBytes;
-  constexpr int64_t kKeyStrideScale = KEY_E4M3 ? 2 : 1;
+  constexpr int kRowBytes = HEAD / 2;                         // packed FP4 bytes per K or V row
   constexpr int kQkSteps = (HEAD + kMfmaK - 1) / kMfmaK;      // MFMAs per 16-token tile
   constexpr int kNTilesPerWave = HEAD / kTile / kWaves;       // PV output tiles per wave
   constexpr int kVDwordsPerRow = kRowBytes / 4;               // V decode: 8 codes per dword
@@ -393,23 +181,14 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   const int wave = tid / kWaveSize;
   const int lane = tid % kWaveSize;
   // The tile's sequence, its query tokens [q0, q0 + qn), and its rows first_row .. + nrows - 1.
-  int seq = tile, q0 = tile, qn = 1, first_row = 0;
-  if constexpr (MULTI_TOKEN) {
-    seq = tile_sequence<GQA>(cu_query_lens, num_seqs, tile);
-    q0 = min_i32(max_i32(cu_query_lens[seq], 0), num_tokens);
-    qn = min_i32(cu_query_lens[seq + 1], num_tokens) - q0;
-    first_row = kTile * (tile - tile_base<GQA>(seq, q0));
-    if (first_row >= qn * GQA) return;  // a spare tile (the whole workgroup leaves together)
-  }
-  const int nrows = MULTI_TOKEN ? min_i32(kTile, qn * GQA - first_row) : GQA;
+  const RowTile<GQA, MULTI_TOKEN> rt = row_tile<GQA, MULTI_TOKEN>(cu_query_lens, num_seqs, num_tokens, tile);
+  if (rt.nrows <= 0) return;  // a spare tile (the whole workgroup leaves together)
+  const int seq = rt.seq, q0 = rt.q0, qn = rt.qn, nrows = rt.nrows;
   const int seq_len = seq_lens[seq];
-  // Row n of the tile: query token q0 + (first_row + n) / GQA, head kvh * GQA + (first_row + n) % GQA.
-  auto row_token = [&](int n) { return MULTI_TOKEN ? (first_row + n) / GQA : 0; };
-  auto row_head = [&](int n) { return kvh * GQA + (MULTI_TOKEN ? (first_row + n) % GQA : n); };
+  auto row_token = [&](int n) { return rt.token(n); };
+  auto row_head = [&](int n) { return rt.head(kvh, n); };
   auto row_keys = [&](int n) { return query_keys(seq_len, qn, row_token(n), sliding_window); };
-  auto out_row = [&](int n) {  // the row's index in [num_tokens, num_heads]
-    return int64_t(q0 + row_token(n)) * (num_kv_heads * GQA) + row_head(n);
-  };
+  auto out_row = [&](int n) { return rt.out_row(kvh, num_kv_heads, n); };
   // The tile's keys: from its first row's lo to its last row's hi (see the design note).
   const KeyRange tile_keys = {row_keys(0).lo, row_keys(nrows - 1).hi};
   const int part_start = part * kPartition;
@@ -527,7 +306,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   };
   if constexpr (kRuns <= 2) {
     // HEAD <= 128: a loop (unrolled, the scheduler would keep more groups' registers live:
-    // K8V4 would lose an occupancy step).
+    // the kernel would lose an occupancy step).
 #pragma nounroll
     for (int k = 0; k < kRuns; ++k)
       for (int i0 = 0; i0 < 16; i0 += kGroup) group(k, i0);
@@ -582,7 +361,6 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     for (int j = 0; j < 32; ++j) amax = fmax_f32(amax, fabs_f32(qv[c][j]));
   amax = row_max(amax);
   const int qscale = q_scale_byte(amax);
-  const int qscale_lo = lo_scale_byte(qscale);
   i32x8 q8[kQkSteps], q8lo[kQkSteps];
   for (int c = 0; c < kQkSteps; ++c)
     for (int w = 0; w < 8; ++w) {
@@ -602,63 +380,23 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   for (int t = 0; t < kTilesPerWave; ++t) {
     const int ktok = wave * kTokensPerWave + t * kTile + kr;
     const bool klive = loaded(part_start + ktok);
-    const uint8_t* krow = key_cache + kKeyStrideScale * lds->row_offset[ktok];
+    const uint8_t* krow = key_cache + lds->row_offset[ktok];
     const int kscale = lds->kscale[ktok];
     const u32x4 zero = {0u, 0u, 0u, 0u};
     f32x4 acc = {0.0f, 0.0f, 0.0f, 0.0f};
-    f32x4 acc_lo = {0.0f, 0.0f, 0.0f, 0.0f};  // gfx942: the lo terms' own (unscaled) sum
+    f32x4 acc_lo = {0.0f, 0.0f, 0.0f, 0.0f};  // the lo terms' own (unscaled) sum
     for (int c = 0; c < kQkSteps; ++c) {
-      const int base = c * kFp4BytesPerK;
-      if constexpr (KEY_E4M3) {
-        // The E4M3 bytes as they are: operand bytes 16h .. 16h + 15 are row bytes
-        // 128c + mfma_fp8_k(g, 16h) onwards (16g, then 64 + 16g), two 16-byte loads.
-        i32x8 a;
-        for (int h = 0; h < 2; ++h) {
-          const int off = c * kMfmaK + mfma_fp8_k(kg, 16 * h);
-          const u32x4 w = (klive && off < kKeyRowBytes) ? load_u32x4(krow + off) : zero;
-          for (int i = 0; i < 4; ++i) a[4 * h + i] = int(w[i]);
-        }
-        acc = mfma_fp8_fp8(a, q8[c], acc, kscale, qscale);
-        acc = mfma_fp8_fp8(a, q8lo[c], acc, kscale, qscale_lo);
-      } else if constexpr (USE_NATIVE_FP4_MFMA) {
-        const int off = base + mfma_fp4_first_byte(kg);
-        const u32x4 a = (klive && off < kKeyRowBytes) ? load_u32x4(krow + off) : zero;
-        acc = mfma_qk_fp4_fp8(a, q8[c], acc, kscale, qscale);
-        acc = mfma_qk_fp4_fp8(a, q8lo[c], acc, kscale, qscale_lo);
-      } else {
-        // FP8 operand bytes 0..15 = elements 16g.., bytes 16..31 = elements 64 + 16g..:
-        // 8 packed bytes each, at base + 8g and base + 32 + 8g.
-        i32x8 a = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int h = 0; h < 2; ++h) {
-          const int off = base + 32 * h + 8 * kg;
-          const uint64_t codes = (klive && off < kKeyRowBytes) ? load_u64(krow + off) : 0u;
-          const E4m3x8 d0 = fp4x8_to_e4m3x8(uint32_t(codes));
-          const E4m3x8 d1 = fp4x8_to_e4m3x8(uint32_t(codes >> 32));
-          a[4 * h + 0] = int(d0.lo);
-          a[4 * h + 1] = int(d0.hi);
-          a[4 * h + 2] = int(d1.lo);
-          a[4 * h + 3] = int(d1.hi);
-        }
-        if constexpr (kGfx942) {
-          acc = mfma_fp8_fp8_k128_unscaled(a, q8[c], acc);
-          acc_lo = mfma_fp8_fp8_k128_unscaled(a, q8lo[c], acc_lo);
-        } else {
-          acc = mfma_fp8_fp8(a, q8[c], acc, kscale, qscale);
-          acc = mfma_fp8_fp8(a, q8lo[c], acc, kscale, qscale_lo);
-        }
-      }
+      const i32x8 a = fp4_row_as_fp8_operand(krow, c, kg, kRowBytes, klive);
+      acc = mfma_fp8_fp8_k128_unscaled(a, q8[c], acc);
+      acc_lo = mfma_fp8_fp8_k128_unscaled(a, q8lo[c], acc_lo);
     }
-    if constexpr (kGfx942) {
-      // The scales the gfx950 instruction applies, in fp32: K's byte belongs to the output
-      // row's token (tokens 4 (lane / 16) + i of the tile, one aligned dword of kscale), Q's
-      // to the lane's own row; the lo terms weigh 1/16.
-      const uint32_t ks4 = *reinterpret_cast<const uint32_t*>(
-          &lds->kscale[wave * kTokensPerWave + t * kTile + mfma_out_row(lane, 0)]);
-      for (int i = 0; i < 4; ++i)
-        logit[t][i] = scale_e8m0_pair(acc[i] + acc_lo[i] * 0.0625f, int((ks4 >> (8 * i)) & 0xFFu), qscale);
-    } else {
-      for (int i = 0; i < 4; ++i) logit[t][i] = acc[i];
-    }
+    // The E8M0 scales in fp32: K's byte belongs to the output row's token (tokens
+    // 4 (lane / 16) + i of the tile, one aligned dword of kscale), Q's to the lane's own row;
+    // the lo terms weigh 1/16.
+    const uint32_t ks4 = *reinterpret_cast<const uint32_t*>(
+        &lds->kscale[wave * kTokensPerWave + t * kTile + mfma_out_row(lane, 0)]);
+    for (int i = 0; i < 4; ++i)
+      logit[t][i] = scale_e8m0_pair(acc[i] + acc_lo[i] * 0.0625f, int((ks4 >> (8 * i)) & 0xFFu), qscale);
   }
 
   // Softmax statistics. Lane holds row my_row, tokens 64w + 16t + mfma_out_row(lane, i).
@@ -704,7 +442,6 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   const float fl = floor_f32(tpow);
   const int ip = (row_live && fl == fl) ? (fl < -127.0f ? 0 : (fl > 127.0f ? 254 : int(fl) + kE8m0One)) : kE8m0One;
   const int pscale = vnan > 0.0f ? 255 : ip;
-  const int pscale_lo = lo_scale_byte(pscale);
   const float mx_safe = mx == -__builtin_inff() ? 0.0f : mx;
   const float ytop_safe = ytop == -__builtin_inff() ? 0.0f : ytop;
   float lsum = 0.0f;
@@ -748,14 +485,14 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       max_logits[idx] = m_out;
     }
     // gfx942: the PV MFMA applies no scale; P's power of two (lane = row here) joins post.
-    if constexpr (kGfx942) post = scale_e8m0_pair(post, pscale, kE8m0One);
+    post = scale_e8m0_pair(post, pscale, kE8m0One);  // the PV MFMA applies no scale
     lds->post[lane] = post;
     lds->sinkw[lane] = sinkw;
   }
 
   // PV: A = P (row = row of the tile, K = 128 tokens of step s), B = V (column = head element).
   f32x4 out_acc[kNTilesPerWave];
-  f32x4 out_lo[kNTilesPerWave];  // gfx942: the lo terms' own (unscaled) sum
+  f32x4 out_lo[kNTilesPerWave];  // the lo terms' own (unscaled) sum
   for (int n = 0; n < kNTilesPerWave; ++n) out_acc[n] = out_lo[n] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
   for (int s = 0; s < kPvSteps; ++s) {
     block_barrier();  // previous step's vt fully read; post written
@@ -796,13 +533,8 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       i32x8 b;
       for (int w = 0; w < 8; ++w)
         b[w] = *reinterpret_cast<const int*>(&lds->vt[elem][mfma_fp8_k(pg, 4 * w)]);
-      if constexpr (kGfx942) {
-        out_acc[n] = mfma_fp8_fp8_k128_unscaled(a, b, out_acc[n]);
-        out_lo[n] = mfma_fp8_fp8_k128_unscaled(a_lo, b, out_lo[n]);
-      } else {
-        out_acc[n] = mfma_fp8_fp8(a, b, out_acc[n], pscale, kE8m0One);
-        out_acc[n] = mfma_fp8_fp8(a_lo, b, out_acc[n], pscale_lo, kE8m0One);
-      }
+      out_acc[n] = mfma_fp8_fp8_k128_unscaled(a, b, out_acc[n]);
+      out_lo[n] = mfma_fp8_fp8_k128_unscaled(a_lo, b, out_lo[n]);
     }
   }
 
@@ -813,7 +545,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   for (int n = 0; n < kNTilesPerWave; ++n)
     for (int i = 0; i < 4; ++i) {
       const int h = mfma_out_row(lane, i);
-      const float o = kGfx942 ? out_acc[n][i] + out_lo[n][i] * 0.0625f : out_acc[n][i];
+      const float o = out_acc[n][i] + out_lo[n][i] * 0.0625f;
       lds->obuf[h][(wave + kWaves * n) * kTile + mfma_out_col(lane)] = o * lds->post[h];
     }
   block_barrier();

@@ -1,13 +1,14 @@
-"""gfx950 machine code of the FP4 paged-attention kernel, compiled here with clang-22 alone.
+"""AMD machine code of the FP4 paged-attention kernels, compiled here with clang-22 alone.
 
 clang-22 comes from Debian's packages (``apt-get install clang-22``); no ROCm, no HIP
-headers: ``-nogpulib -nogpuinc`` and the kernel uses clang builtins only. The tests read the
+headers: ``-nogpulib -nogpuinc`` and the kernels use clang builtins only. The tests read the
 assembly and check the instruction forms, spills, registers and occupancy of each kernel.
 
-gfx942 (MI300X): the same translation unit compiled with ``--offload-arch=gfx942`` gives the
-LUT path on ``v_mfma_f32_16x16x32_fp8_fp8`` (FP8 = E4M3FNUZ, no scale operand: four
-instructions per 128-element K step, the E8M0 scales applied in fp32); the native FP4 and the
-K8V4 instantiations are trap stubs there (the launcher never picks them on gfx942).
+gfx950 (MI350X/MI355X): tq_fp4_gfx950_attention.cuh's pre-pass and partition kernel (native
+FP4 and LUT, FP4 and E4M3 keys, decode and multi-token) for every shape class.
+gfx942 (MI300X): tq_fp4_paged_attention.cuh, the LUT path on ``v_mfma_f32_16x16x32_fp8_fp8``
+(FP8 = E4M3FNUZ, no scale operand: four instructions per 128-element K step, the E8M0 scales
+applied in fp32), and its reduce.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from isa_model import parse_amd_body  # noqa: E402 - one AMDGCN asm parser for the ISA checks and the estimate
 CSRC = ROOT / "csrc_hip"
-ISA_TU = CSRC / "tq_fp4_gfx950_isa_check.hip"
+ISA_TU_942 = CSRC / "tq_fp4_gfx942_isa_check.hip"  # the gfx942 kernel's instantiations
 MFMA = "v_mfma_scale_f32_16x16x128_f8f6f4"
 FLAGS = ["-x", "hip", "--offload-arch=gfx950", "--offload-device-only", "-nogpulib", "-nogpuinc",
          "-O3", "-std=c++20", "-S"]
@@ -62,13 +63,12 @@ def kernels(asm: str) -> dict:
 
 @pytest.fixture(scope="module")
 def isa942(tmp_path_factory):
-    return kernels(compile_to_asm(ISA_TU, tmp_path_factory.mktemp("isa942") / "isa.s", "gfx942"))
+    return kernels(compile_to_asm(ISA_TU_942, tmp_path_factory.mktemp("isa942") / "isa.s", "gfx942"))
 
 
-def _one(isa, native: bool, multi: bool = False, key_e4m3: bool = False):
-    """The gfx942 partition kernel <..., USE_NATIVE_FP4_MFMA = native, MULTI_TOKEN = multi,
-    KEY_E4M3 = key_e4m3> (tq_fp4_paged_attention.cuh)."""
-    tag = f"ELb{int(native)}ELb{int(multi)}ELb{int(key_e4m3)}EEEv"
+def _one(isa, multi: bool = False):
+    """The gfx942 partition kernel <..., MULTI_TOKEN = multi> (tq_fp4_paged_attention.cuh)."""
+    tag = f"ELb{int(multi)}EEEv"
     names = [n for n in isa if "partition_kernel" in n and tag in n]
     assert len(names) == 1, names
     return isa[names[0]]
@@ -185,7 +185,7 @@ def _check_gfx950_partition(name, k, head, native, multi, key8):
     assert len(atomics) == 1 and "add" in atomics[0] and not [op for op, _ in loop if "atomic" in op]
     _no_scratch_or_vgpr_spills(k)
     # SGPR spills go to VGPR lanes (v_writelane / v_readlane), a few, never inside the step loop
-    # (the multi-token kernels' row ranges and head 256's bases: 2 to 11, in the prologue and the
+    # (the multi-token kernels' row ranges and head 256's bases: 2 to 12, in the prologue and the
     # fused reduce)
     assert not [op for op, _ in loop if op in SPILL_LANE_OPS], name
     assert k["meta"]["sgpr_spill_count"] <= MAX_SGPR_SPILLS, name
@@ -199,10 +199,10 @@ def test_gfx950_partition_kernel_forms(isa950, native, multi, key8):
     native path feeds K (FP4 keys) and V as FP4 operands (cbsz:4) with V through
     ds_read_b64_tr_b4, the LUT path FP8 only with V through ds_read_b64_tr_b8; the fused
     reduce's ticket is the kernel's one atomic; no scratch, no spills in the loop (none at all
-    in decode); two waves per SIMD at least (the one-wave workgroups' latency hiding)."""
+    in head-128 decode); two waves per SIMD at least (the one-wave workgroups' latency hiding)."""
     k = _partition950(isa950, native, multi, key8)
     _check_gfx950_partition("gfx950", k, 128, native, multi, key8)
-    if not multi:  # the decode kernels the estimate counts: no spill at all
+    if not multi:  # the head-128 decode kernels (the estimate counts them): no spill at all
         assert k["meta"]["sgpr_spill_count"] == 0
     _report(f"gfx950 {'native' if native else 'lut'} {'multi' if multi else 'decode'} "
             f"{'k8v4' if key8 else 'fp4'}", k)
@@ -267,21 +267,14 @@ SHAPES = [  # (scalar, head, block, gqa)
 ]
 
 
-def _matrix_source(natives, key8s) -> str:
-    """A translation unit instantiating the partition kernel for every SHAPES class, decode and
-    multi-token (multi-token only above GQA 16), each native-path and key-format flag given."""
-    args = ("const uint16_t*, const uint8_t*, const uint8_t*, const uint8_t*, const uint8_t*, "
-            "const int*, const int*, const int*, float*, float*, uint16_t*, float, float, int, "
-            "int, int, int, int, int, int, int64_t, int, int, const float*, const float*, "
-            "const int*, int, int, int")
+def _matrix_source() -> str:
+    """A translation unit instantiating the gfx942 partition kernel for every SHAPES class,
+    decode and multi-token (multi-token only above GQA 16)."""
     lines = ['#include "tq_fp4_paged_attention.cuh"']
     for scalar, head, block, gqa in SHAPES:
-        for native in natives:
-            for multi in ("false", "true") if gqa <= 16 else ("true",):
-                for key8 in key8s:
-                    lines.append(f"template __attribute__((global)) void "
-                                 f"tq::tq_fp4_pa_partition_kernel<tq::{scalar}, {head}, {block}, "
-                                 f"{gqa}, {native}, {multi}, {key8}>({args});")
+        for multi in ("false", "true") if gqa <= 16 else ("true",):
+            k = f"tq::tq_fp4_pa_partition_kernel<tq::{scalar}, {head}, {block}, {gqa}, {multi}>"
+            lines.append(f"template __attribute__((global)) decltype({k}) {k};")
     return "\n".join(lines) + "\n"
 
 
@@ -301,7 +294,7 @@ def test_gfx942_lut_path_on_fp8_fp8_mfma(isa942, multi):
     2 K-steps x 2 output tiles x (P hi, P lo) per wave, each 128-element K step as four
     16x16x32 instructions on 2 + 2 VGPRs (8 FP8 bytes per lane): 64 in all; the FP4 -> FP8
     table is the FNUZ one; no spills."""
-    k = _one(isa942, native=False, multi=multi)
+    k = _one(isa942, multi=multi)
     body = k["body"]
     assert "s_trap" not in body
     assert "v_mfma_scale" not in body
@@ -320,15 +313,6 @@ def test_gfx942_lut_path_on_fp8_fp8_mfma(isa942, multi):
     assert k["stats"]["Occupancy"] >= GFX942_OCCUPANCY
 
 
-@pytest.mark.parametrize("key_e4m3", [False, True], ids=["fp4", "k8v4"])
-def test_gfx942_native_and_k8v4_are_stubs(isa942, key_e4m3):
-    """No scaled MFMA on gfx942: the native FP4 kernels and the K8V4 kernels (whose OCP E4M3
-    key bytes the FNUZ MFMA would misread) trap; the launcher declines them on gfx942."""
-    for native, multi in ((True, False), (True, True)) + (((False, False), (False, True)) if key_e4m3 else ()):
-        k = _one(isa942, native, multi, key_e4m3)
-        assert "s_trap" in k["body"] and MFMA_942 not in k["body"]
-
-
 def test_gfx942_reduce_kernels(isa942):
     names = [n for n in isa942 if "reduce_kernel" in n]
     assert len(names) == 2
@@ -342,7 +326,7 @@ def test_gfx942_shape_matrix_compiles_without_spills(tmp_path):
     """Every (head, block, GQA, dtype) class, LUT path with FP4 keys, decode and multi-token,
     for gfx942: the 16x16x32 FP8 MFMA, no trap, no spills."""
     src = tmp_path / "matrix942.hip"
-    src.write_text(_matrix_source(natives=("false",), key8s=("false",)))
+    src.write_text(_matrix_source())
     ks = kernels(compile_to_asm(src, tmp_path / "matrix942.s", "gfx942"))
     assert len(ks) == sum(2 if gqa <= 16 else 1 for _, _, _, gqa in SHAPES)
     for name, k in sorted(ks.items()):

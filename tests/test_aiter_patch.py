@@ -196,7 +196,8 @@ def test_round_trip(pristine):
     added = sorted(set(patched) - set(stat_before))
     changed = sorted(k for k in stat_before if stat_before[k] != patched.get(k))
     print("added:", added, "\nchanged:", changed)
-    assert added == sorted([f"{pa}/tq_fp4_platform.cuh", f"{pa}/tq_fp4_paged_attention.cuh",
+    assert added == sorted([f"{pa}/tq_fp4_platform.cuh", f"{pa}/tq_fp4_common.cuh",
+                            f"{pa}/tq_fp4_paged_attention.cuh",
                             f"{pa}/tq_fp4_gfx950_attention.cuh", f"{pa}/pa_fp4.cpp.jinja",
                             f"{pa}/pa_fp4.py", f"{pa}/pa_fp4_plan.py",
                             "aiter/ops/turboquant_fp4.py", *WRITER_FILES(pa)])

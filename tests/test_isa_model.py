@@ -326,12 +326,12 @@ def hip_asm942():
     clang = find_clang()
     if clang is None:
         pytest.skip(CLANG_MISSING)
-    return im.hip_asm(clang, arch="gfx942")
+    return im.hip_asm(clang)
 
 
 def test_gfx942_lut_counts_and_estimate(hip_asm942):
-    ins, labels = im.parse_amd_body(im.hip_partition_body(hip_asm942, native=False))
-    assert len(im.amd_loops(ins, labels)) == len(im.HIP_DECODE_TRIPS)  # the gfx950 structure
+    ins, labels = im.parse_amd_body(im.gfx942_decode_kernel(hip_asm942)["body"])
+    assert len(im.amd_loops(ins, labels)) == len(im.HIP_DECODE_TRIPS)
     c, _ = im.amd_counts(ins, labels, im.HIP_DECODE_TRIPS)
     assert c["mfma"] == 64  # 16x16x32 fp8_fp8: four per 128-element step (tests/test_aiter_isa.py)
     cyc = im.amd_tile_cycles(c, im.MI300X())

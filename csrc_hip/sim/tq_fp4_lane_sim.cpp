@@ -1,17 +1,18 @@
-// Host lane simulation of the gfx950 FP4 paged-attention kernels.
+// Host lane simulation of the AMD FP4 paged-attention kernels.
 //
-// The kernel source (csrc_hip/tq_fp4_paged_attention.cuh) is compiled unchanged for the host
-// with -DTQ_HOST_SIM. Each of the 256 threads of a workgroup runs the kernel as a cooperative
-// fiber (ucontext); barriers, wave shuffles and the MFMA are rendezvous points where every
-// lane of the wave (or workgroup) has arrived before any continues. The MFMA is replaced by
-// a software model of v_mfma_scale_f32_16x16x128_f8f6f4 written from the instruction's
-// documented operand layouts (not from the kernel's layout helpers), so a lane that loads the
-// wrong bytes or scale gives a wrong result here.
+// The kernel sources (csrc_hip/tq_fp4_gfx950_attention.cuh, and with -DTQ_SIM_GFX942
+// tq_fp4_paged_attention.cuh) are compiled unchanged for the host with -DTQ_HOST_SIM. Each
+// thread of a workgroup runs the kernel as a cooperative fiber (ucontext); barriers, wave
+// shuffles, the transposing LDS reads and the MFMA are rendezvous points where every lane of
+// the wave (or workgroup) has arrived before any continues. The MFMA is replaced by a software
+// model of v_mfma_scale_f32_16x16x128_f8f6f4 written from the instruction's documented operand
+// layouts (not from the kernel's layout helpers), so a lane that loads the wrong bytes or scale
+// gives a wrong result here; ds_read_b64_tr_b4 / _b8 likewise from the CDNA4 ISA's description.
 //
-// Built with -DTQ_SIM_GFX942 it simulates the gfx942 (MI300X) build instead: the kernel's LUT
-// path with FP8 = E4M3FNUZ (table, conversions) on v_mfma_f32_16x16x32_fp8_fp8, modelled here
-// from that instruction's documented layout (8 bytes per lane, K 8 (l / 16) + j, FNUZ decode,
-// no scale operand). The native FP4 and K8V4 instantiations do not exist on gfx942 (rc -3).
+// Built with -DTQ_SIM_GFX942 it simulates the gfx942 (MI300X) build instead: its LUT kernel
+// with FP8 = E4M3FNUZ (table, conversions) on v_mfma_f32_16x16x32_fp8_fp8, modelled here from
+// that instruction's documented layout (8 bytes per lane, K 8 (l / 16) + j, FNUZ decode, no
+// scale operand).
 //
 // Built as a shared library by tests/test_aiter_lane_sim.py and driven through ctypes.
 #include <ucontext.h>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "../tq_fp4_gfx950_attention.cuh"
+#include "../tq_fp4_paged_attention.cuh"
 
 namespace {
 
@@ -314,10 +316,12 @@ struct Args {
   float* lse;          // [num_tokens, num_heads], or nullptr
 };
 
-template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI, bool KEY8>
+#if TQ_GFX942
+// The gfx942 kernel (tq_fp4_paged_attention.cuh): partition kernel, then its reduce.
+template <class Scalar, int HEAD, int BS, int GQA, bool MULTI>
 void partition_body(void* p) {
   const Args& a = *static_cast<const Args*>(p);
-  tq::tq_fp4_pa_partition_kernel<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>(
+  tq::tq_fp4_pa_partition_kernel<Scalar, HEAD, BS, GQA, MULTI>(
       a.query, a.key_cache, a.value_cache, a.key_scales, a.value_scales, a.block_tables,
       a.seq_lens, a.cu_query_lens, a.exp_sums, a.max_logits, a.tmp_out, a.scale, a.soft_cap,
       a.sliding_window, a.max_blocks_per_seq, a.max_num_partitions, a.num_seqs, a.num_tokens,
@@ -327,14 +331,14 @@ void partition_body(void* p) {
 }
 
 // The grid of the launcher (pa_fp4.cpp.jinja), one workgroup at a time, then the reduce.
-template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI, bool KEY8>
+template <class Scalar, int HEAD, int BS, int GQA, bool MULTI>
 int run_all(const Args& a) {
   const int row_tiles = MULTI ? a.num_seqs + (a.num_tokens * GQA + tq::kTile - 1) / tq::kTile
                               : a.num_seqs;
   for (int tile = 0; tile < row_tiles; ++tile)
     for (int part = 0; part < a.max_num_partitions; ++part)
       for (int kvh = 0; kvh < a.num_kv_heads; ++kvh)
-        if (run_workgroup(tile, part, kvh, partition_body<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>,
+        if (run_workgroup(tile, part, kvh, partition_body<Scalar, HEAD, BS, GQA, MULTI>,
                           const_cast<Args*>(&a)) != 0)
           return -1;
   const int num_heads = a.num_kv_heads * GQA;
@@ -349,6 +353,7 @@ int run_all(const Args& a) {
   }
   return 0;
 }
+#endif
 
 
 // The gfx950 kernels (tq_fp4_gfx950_attention.cuh): the Q pre-pass, then the partition kernel
@@ -414,9 +419,9 @@ int run_all_950(Args950& x) {
 
 }  // namespace
 
-// The instantiations the tests use: (dtype, head, block, gqa) x {LUT, native} x {decode,
-// multi-token}, with FP4 keys, and for the K8V4 list with E4M3 keys. The gfx942 build: the LUT
-// path with FP4 keys only, for a few shapes.
+// The instantiations the tests use, per (dtype, head, block, gqa): the gfx950 build's kernels
+// {LUT, native} x {decode, multi-token} x {FP4, E4M3 keys}; the gfx942 build's kernel, the LUT
+// path with FP4 keys, decode and multi-token, for a few shapes.
 #if TQ_GFX942
 #define TQ_SIM_CONFIGS(X)      \
   X(tq::Bf16, 1, 128, 16, 4)   \
@@ -425,8 +430,6 @@ int run_all_950(Args950& x) {
   X(tq::Bf16, 1, 256, 32, 2)   \
   X(tq::Fp16, 0, 128, 16, 16)  \
   X(tq::Bf16, 1, 64, 16, 3)
-#define TQ_SIM_MULTI_ONLY_CONFIGS(X)
-#define TQ_SIM_KEY8_CONFIGS(X)
 #else
 #define TQ_SIM_CONFIGS(X)      \
   X(tq::Bf16, 1, 128, 16, 4)   \
@@ -442,12 +445,6 @@ int run_all_950(Args950& x) {
 // GQA above 16: the multi-token instantiation only (decode calls pass cu_query_lens 0, 1, ..).
 #define TQ_SIM_MULTI_ONLY_CONFIGS(X) \
   X(tq::Bf16, 1, 64, 16, 32)
-// K8V4 (E4M3 keys): head sizes 64, 128, 256, both query dtypes, GQA 2 .. 16.
-#define TQ_SIM_KEY8_CONFIGS(X) \
-  X(tq::Bf16, 1, 128, 16, 4)    \
-  X(tq::Bf16, 1, 64, 16, 8)     \
-  X(tq::Bf16, 1, 256, 32, 2)    \
-  X(tq::Fp16, 0, 128, 16, 16)
 #endif
 
 extern "C" int tq_sim_paged_attention(
@@ -468,34 +465,19 @@ extern "C" int tq_sim_paged_attention(
                   sliding_window, num_seqs, num_tokens, num_kv_heads, max_blocks_per_seq,
                   max_num_partitions, q_stride, kv_block_stride, kv_head_stride, kv_seq_stride,
                   rotation_signs, seq_state, state_ids, num_slots, sink, sinks, lse};
-  const bool multi = cu_query_lens != nullptr;
-  if (tq::kGfx942 && (native || key_e4m3)) return -3;  // not on gfx942 (no scaled MFMA)
-  int rc = -2;  // no such instantiation
-#define TQ_SIM_RUN(S, H, BS, G, N, K8) \
-  (multi ? run_all<S, H, BS, G, N, true, K8>(a) : run_all<S, H, BS, G, N, false, K8>(a))
+  int rc = -3;  // not in this build: the gfx950 build has the gfx950 kernels' entry below
 #if TQ_GFX942
+  const bool multi = cu_query_lens != nullptr;
+  if (native || key_e4m3) return -3;  // gfx942: the LUT path with FP4 keys only
+  rc = -2;  // no such instantiation
 #define TQ_SIM_DISPATCH(S, BF, H, BS, G)                                         \
-  if (!key_e4m3 && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
-    rc = TQ_SIM_RUN(S, H, BS, G, false, false);
-#else
-#define TQ_SIM_DISPATCH(S, BF, H, BS, G)                                         \
-  if (!key_e4m3 && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
-    rc = native ? TQ_SIM_RUN(S, H, BS, G, true, false) : TQ_SIM_RUN(S, H, BS, G, false, false);
-#endif
+  if (is_bf16 == BF && head == H && block_size == BS && gqa == G)                \
+    rc = multi ? run_all<S, H, BS, G, true>(a) : run_all<S, H, BS, G, false>(a);
   TQ_SIM_CONFIGS(TQ_SIM_DISPATCH)
 #undef TQ_SIM_DISPATCH
-#define TQ_SIM_DISPATCH_MULTI(S, BF, H, BS, G)                                            \
-  if (!key_e4m3 && multi && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
-    rc = native ? run_all<S, H, BS, G, true, true, false>(a)                              \
-                : run_all<S, H, BS, G, false, true, false>(a);
-  TQ_SIM_MULTI_ONLY_CONFIGS(TQ_SIM_DISPATCH_MULTI)
-#undef TQ_SIM_DISPATCH_MULTI
-#define TQ_SIM_DISPATCH_KEY8(S, BF, H, BS, G)                                   \
-  if (key_e4m3 && is_bf16 == BF && head == H && block_size == BS && gqa == G) \
-    rc = native ? TQ_SIM_RUN(S, H, BS, G, true, true) : TQ_SIM_RUN(S, H, BS, G, false, true);
-  TQ_SIM_KEY8_CONFIGS(TQ_SIM_DISPATCH_KEY8)
-#undef TQ_SIM_DISPATCH_KEY8
-#undef TQ_SIM_RUN
+#else
+  (void)a;
+#endif
   g_sim = nullptr;
   return rc;
 }

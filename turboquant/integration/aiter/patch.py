@@ -7,9 +7,10 @@ site-packages directory of an installed amd-aiter wheel (``aiter_meta/csrc/`` an
 
 What it does:
 
-- adds new files: the kernel headers (``csrc_hip/*.cuh``: the platform header, gfx942's
-  kernel ``tq_fp4_paged_attention.cuh`` and gfx950's ``tq_fp4_gfx950_attention.cuh``),
-  ``pa_fp4.cpp.jinja`` (both ``USE_NATIVE_FP4_MFMA`` specializations, one picked at launch),
+- adds new files: the kernel headers (``csrc_hip/*.cuh``: the platform header, the shared
+  ``tq_fp4_common.cuh``, gfx942's kernel ``tq_fp4_paged_attention.cuh`` and gfx950's
+  ``tq_fp4_gfx950_attention.cuh``), ``pa_fp4.cpp.jinja`` (on gfx950 both specializations of the
+  kernel, native FP4 and LUT, one picked at launch),
   ``pa_fp4.py`` (the launcher, compiled under its own module name ``pa_v1_fp4`` with a digest of
   the kernel sources in the compile key) and ``pa_fp4_plan.py`` (its launch plan: partition
   length, grid, workspace layout) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4.py``
@@ -275,6 +276,7 @@ def new_files(layout: Layout) -> dict[Path, bytes]:
     src = kernel_source_dir()
     files = {
         layout.pa_dir / "tq_fp4_platform.cuh": (src / "tq_fp4_platform.cuh").read_bytes(),
+        layout.pa_dir / "tq_fp4_common.cuh": (src / "tq_fp4_common.cuh").read_bytes(),
         layout.pa_dir / "tq_fp4_paged_attention.cuh": (src / "tq_fp4_paged_attention.cuh").read_bytes(),
         layout.pa_dir / "tq_fp4_gfx950_attention.cuh": (src / "tq_fp4_gfx950_attention.cuh").read_bytes(),
         layout.pa_dir / "pa_fp4.cpp.jinja": (FILES / "pa_fp4.cpp.jinja").read_bytes(),

@@ -52,8 +52,8 @@ ARCHS = ("gfx950", "gfx942")
 NATIVE_ARCHS = ("gfx950",)
 
 _DIR = f"{AITER_CORE_DIR}/csrc/cpp_itfs/pa"
-_HEADERS = [f"{_DIR}/tq_fp4_platform.cuh", f"{_DIR}/tq_fp4_paged_attention.cuh",
-            f"{_DIR}/tq_fp4_gfx950_attention.cuh"]
+_HEADERS = [f"{_DIR}/tq_fp4_platform.cuh", f"{_DIR}/tq_fp4_common.cuh",
+            f"{_DIR}/tq_fp4_paged_attention.cuh", f"{_DIR}/tq_fp4_gfx950_attention.cuh"]
 with open(f"{_DIR}/pa_fp4.cpp.jinja", "r") as f:
     _TEMPLATE_TEXT = f.read()
 src_template = Template(_TEMPLATE_TEXT)
