@@ -40,6 +40,11 @@
 // no garbage byte or NaN scale reaches a row that does not see it; a NaN V scale (255) that a
 // row sees makes w NaN and the row's output NaN. Tokens past the tile's keys are read from
 // the tile's last block (valid memory), never from block-table entries past the sequence.
+// Subnormals: AITER builds with -fgpu-flush-denormals-to-zero. Every fp32 value here that could
+// fall below 2^-126 is a weight relative to the row's or step's largest (e, w, the reduce's
+// 2^(m - M)) or a Q element under 2^-126 of its row's scale, so flushing it changes nothing
+// beyond fp32's own rounding; the E8M0 scales reach the MFMA and the scaled conversions as
+// exponent bytes, not as fp32 values. (The lane simulation does not flush.)
 // Cache layout: CONTRACT.md section 1 (key/value [num_blocks, num_kv_heads, block_size,
 // HEAD/2] of E2M1 codes, K8V4 keys [.., HEAD] E4M3; scales [num_blocks, block_size,
 // num_kv_heads] of E8M0 bytes).
