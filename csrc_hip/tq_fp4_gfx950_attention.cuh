@@ -1,4 +1,4 @@
-// turboquant FP4 paged attention for gfx950 (MI350X/MI355X): three kernels per call.
+// turboquant FP4 paged attention for gfx950 (MI350X/MI355X): two kernels per call.
 //
 // 1. Q pre-pass, one wave per (query token, head) row: the accuracy transforms (q * lam, the
 //    Walsh-Hadamard rotation, q.m), the logit factor (scale * log2(e), or scale alone under a
@@ -25,10 +25,11 @@
 //    A step whose 128 tokens every live row sees takes the unmasked path (no selects); edge
 //    steps (the partition's or sequence's ends, position 0 with the sink, windows, causal
 //    multi-token rows) select per token. The partition writes (m, l, O / l) per row, O / l in
-//    fp32.
-// 3. Reduce, one workgroup of HEAD threads per row: combines the partitions by their log-sum-
-//    exp, merges the sink (x0, v0 from the record) and learned sinks, writes the lse, and
-//    un-rotates the output (the rotation is linear, so once per row instead of per partition).
+//    fp32, then takes its row tile's ticket (a device-scope atomic): the last partition of the
+//    tile to finish reduces it, combining the partitions by their log-sum-exp, merging the sink
+//    (x0, v0 from the record) and learned sinks, writing the lse and un-rotating the output
+//    (the rotation is linear, so once per row instead of per partition); it leaves the ticket
+//    at zero for the next call. No third launch.
 //
 // Token order tau within a step (the K index of the PV MFMA): the FP8 B operand of lane
 // (n = l % 16, g = l / 16) holds K = 16 g + j (bytes j < 16) and K = 64 + 16 g + (j - 16), and
