@@ -89,8 +89,9 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
     per lane stay in flight). That last term is what holds the asm kernel at small batch: a
     workgroup's streaming rate, not the GPU's bandwidth. Per workgroup also: its dependent round
     trips before streaming (Q, the block table) and its instructions outside the loop; per call:
-    launches, the pre-pass's round trips, the reduce's (ours: the ticket and the rows' records,
-    then one pass in chunks of partitions (8 at GQA 8, counted from the compiled loop); gfx942's: serial chunks of 8 partitions, 2 loops x
+    launches, the pre-pass's round trips, the reduce's (ours: the waits from the ticket's atomic
+    to its chunk loop, then one pass in chunks of partitions (8 at GQA 8), both counted from
+    the compiled code; gfx942's: serial chunks of 8 partitions, 2 loops x
     ceil(partitions / 8) round trips; pa_v1's: all maxima and sums at once, then chunks of 64
     partitions) and the partials' bytes. The dependency factor (the
     H100's measured 1.4-1.5x of the instruction count) multiplies every kernel's issue time in
@@ -1325,11 +1326,14 @@ def amd_call(p: AmdPath, batch: int, context: int, dep: float = 1.0) -> dict:
             "pct": 100.0 * kv / total / hw.bw_gbs}
 
 
-def reduce_counts(ins, labels, start: int) -> tuple[Counter, Counter, int]:
-    """The fused reduce from instruction `start` on: (its straight-line instructions, its
-    chunk loop's body, every branch side; partitions per chunk): the loop runs once per chunk,
-    and a chunk loads each partition's maximum and sum as two global_load_dword."""
-    loops = [(h, b) for h, b in amd_loops(ins, labels) if h >= start]
+def reduce_counts(ins, labels, ticket: int) -> tuple[Counter, Counter, int, int]:
+    """The fused reduce from the ticket's atomic (instruction `ticket`) on: (its straight-line
+    instructions after the atomic and its chunk loop's body, every branch side; partitions per
+    chunk; dependent round trips before the loop): the loop runs once per chunk, a chunk loads
+    each partition's maximum and sum as two global_load_dword, and every s_waitcnt vmcnt(0)
+    from the atomic to the loop is a round trip of its own (the atomic's return, then the
+    rows' pre-pass results and records)."""
+    loops = [(h, b) for h, b in amd_loops(ins, labels) if h > ticket]
     if len(loops) != 1:
         raise ValueError(f"{len(loops)} loops in the fused reduce, expected its chunk loop")
     (h, b), = loops
@@ -1337,8 +1341,9 @@ def reduce_counts(ins, labels, start: int) -> tuple[Counter, Counter, int]:
     if scalar_loads < 2 or scalar_loads % 2:
         raise ValueError(f"{scalar_loads} global_load_dword in the reduce's chunk loop, expected "
                          "two per partition")
-    return (amd_counts(ins[start:h] + ins[b + 1:], {}, [])[0],
-            amd_counts(ins[h:b + 1], {}, [])[0], scalar_loads // 2)
+    trips = sum(op == "s_waitcnt" and "vmcnt(0)" in rest for op, rest in ins[ticket:h])
+    return (amd_counts(ins[ticket + 1:h] + ins[b + 1:], {}, [])[0],
+            amd_counts(ins[h:b + 1], {}, [])[0], scalar_loads // 2, trips)
 
 
 def step_loop(ins, labels, label: str) -> tuple[int, int]:
@@ -1368,7 +1373,7 @@ def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
         # after the step loop: the partial's stores up to the ticket's atomic (every wave),
         # then the fused reduce (the row tile's last wave only)
         ticket = next(i for i in range(b + 1, len(ins)) if "atomic" in ins[i][0])
-        red = reduce_counts(ins, labels, ticket + 1)
+        red = reduce_counts(ins, labels, ticket)
         out[name] = AmdPath(
             label, hw, K8V4_TILE_BYTES if e4 else FP4_TILE_BYTES,
             step=amd_counts(ins[h:b + 1], {}, [])[0], tiles_per_step=tiles,
@@ -1382,10 +1387,10 @@ def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
             # Q's terms and the row record, then the block table before the first KV load
             prologue_trips=2, in_flight_bytes=loads_in_flight_bytes(ins[h:b + 1]),
             prepass_trips=2,   # Q (and the state record) in, Q's E4M3 terms out
-            # the reduce, fused into the last partition of each row tile: the ticket's atomic,
-            # then the rows' pre-pass results and records; one pass over the partials in
+            # the reduce, fused into the last partition of each row tile: the round trips
+            # counted from the atomic to the chunk loop, then one pass over the partials in
             # chunks (each chunk's loads before its first use)
-            reduce=(2, red[2], 1),
+            reduce=(red[3], red[2], 1),
             all_paths=amd_counts(ins_all[h2:b2 + 1], {}, [])[0],
             stats={"VGPRs": k["stats"]["NumVgprs"], "AGPRs": k["stats"]["NumAgprs"],
                    "occupancy": k["stats"]["Occupancy"], "LDS": k["stats"]["LDSByteSize"],

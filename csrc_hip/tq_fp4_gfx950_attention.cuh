@@ -262,8 +262,10 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   // each runs and takes a ticket, the last one to finish reduces the tile's rows. A tile with no
   // keys at all (hi <= 0) has none: its partition 0 reduces at once (zeros, learned sinks).
   const int first_part = tile_keys.hi > 0 ? tile_keys.lo / partition_len : 0;
+  // (none either when the caller's max_seq_len is below a window's start: zeros, not garbage)
   const int tile_parts = tile_keys.hi > 0
-      ? min_i32((tile_keys.hi - 1) / partition_len + 1, max_num_partitions) - first_part : 0;
+      ? max_i32(min_i32((tile_keys.hi - 1) / partition_len + 1, max_num_partitions) - first_part, 0)
+      : 0;
   const bool runs = part >= first_part && part < first_part + tile_parts;
   if (!runs && !(tile_parts == 0 && part == 0)) return;
   const int first_pos = sink != 0 ? 1 : 0;
@@ -518,12 +520,13 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
       *reinterpret_cast<f32x4*>(tmp_out + idx * HEAD + kTile * mt + 4 * g) = o[mt] * inv;
   }
   // The last partition of the tile to finish reduces it (the partials written before the
-  // ticket, read after it); it leaves the ticket at 0 for the next call.
+  // ticket, read after it); it leaves the ticket at 0 for the next call, a store after the
+  // acquire fence, which nothing waits for.
   fence_release_device();
   const uint32_t ticket = wave_first_lane(lane == 0 ? atomic_add_device(&tickets[int64_t(tile) * num_kv_heads + kvh], 1u) : 0u);
   if (ticket != uint32_t(tile_parts - 1)) return;
-  if (lane == 0) tickets[int64_t(tile) * num_kv_heads + kvh] = 0u;
   fence_acquire_device();
+  if (lane == 0) tickets[int64_t(tile) * num_kv_heads + kvh] = 0u;
   }  // runs
 
   // Fused reduce, the tile's rows at once, spread over the lanes: kRowsR rows (the tile's 16,
@@ -561,7 +564,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   auto raise_max = [&](float mc) {
     const float m2 = fmax_f32(M, mc);
     const float ms = m2 == -__builtin_inff() ? 0.0f : m2;
-    const float f = M == m2 ? 1.0f : exp2_f32(M - ms);
+    const float f = M == m2 ? 1.0f : exp2_fast(M - ms);
     den *= f;
     for (int k = 0; k < kKR; ++k)
       for (int h = 0; h < 2; ++h) num[k][h] = num[k][h] * f;
@@ -585,7 +588,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     for (int c = 0; c < kChunk; ++c) mc = p0 + c < end ? fmax_f32(mc, ml[c] + qadd_r) : mc;
     const float ms = raise_max(mc);
     for (int c = 0; c < kChunk; ++c) {  // l == 0: no key of the row there (a NaN l stays NaN)
-      const float w = (p0 + c >= end || es[c] == 0.0f) ? 0.0f : es[c] * exp2_f32(ml[c] + qadd_r - ms);
+      const float w = (p0 + c >= end || es[c] == 0.0f) ? 0.0f : es[c] * exp2_fast(ml[c] + qadd_r - ms);
       den += w;
       for (int k = 0; k < kKR; ++k)
         for (int h = 0; h < 2; ++h) num[k][h] += v[c][k][h] * w;
@@ -596,15 +599,15 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     const float* record = (seq_state != nullptr && slot >= 0 && slot < num_slots)
         ? seq_state + (int64_t(slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
     const float ms = raise_max(qr.x0);
-    const float w = exp2_f32(qr.x0 - ms);
+    const float w = exp2_fast(qr.x0 - ms);
     den += w;
     for (int k = 0; k < kKR; ++k)
       for (int i = 0; i < 8; ++i)
         num[k][i / 4][i % 4] += w * record_at<HEAD>(record, kSinkValue, elem(k, i));
   }
-  if (learned > -__builtin_inff()) {
+  if (!(learned == -__builtin_inff())) {  // a NaN learned sink makes the row NaN
     const float ms = raise_max(learned);
-    den += exp2_f32(learned - ms);
+    den += exp2_fast(learned - ms);
   }
   const bool any = begin < end || sees0;
   float o[kKR][8];

@@ -1285,6 +1285,13 @@ def test_lane_sim_lse_nan_rows_and_merge(sim_lib, native):
                                             native, sinks)
     assert torch.isnan(lse[1]).all() and torch.isnan(rl[1]).all() and torch.isnan(out[1]).all()
     assert torch.equal(lse[0], base[1][0])
+    # a NaN learned sink: its head's rows NaN (output and lse), the other heads' unchanged
+    nan_sinks = sinks.clone()
+    nan_sinks[2] = float("nan")
+    (out, lse), _, (ro, rl) = _state_outputs(sim_lib, call, native, nan_sinks)
+    assert torch.isnan(out[:, 2]).all() and torch.isnan(lse[:, 2]).all()
+    assert torch.isnan(ro[:, 2]).all() and torch.isnan(rl[:, 2]).all()
+    assert torch.equal(out[:, 3], base[0][:, 3]) and torch.equal(lse[:, 3], base[1][:, 3])
     # split sequence 0 (300 keys) into keys [0, 200) and [200, 300) through the window-free
     # multi-token path: a part's keys as their own sequence; sinks in the first part only
     plain, gen = _problem([300], 2, 64, 16, seed=65)
