@@ -83,7 +83,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))
 from isa_model import (  # noqa: E402
     MI355X, TILE_TOKENS, _cache_dir, _digest, amd_class, amd_counts, amd_loops, amd_tile_cycles,
-    parse_amd_body, predict_pct)
+    amd_branch_target, parse_amd_body, predict_pct, real_loops)
 
 WHEEL = "amd_aiter-0.1.7.post2.dev18-py3-none-any.whl"
 ATTENTION_COMMON = "aiter_meta/csrc/include/attention_common.cuh"
@@ -130,55 +130,12 @@ def _wheel_member(name: str, wheel: Path | None) -> bytes:
         return z.read(name)
 
 
-# ----------------------------------------------------------------------------------------------
-# control flow
-# ----------------------------------------------------------------------------------------------
-def _target(ins, labels, i) -> int | None:
-    op, rest = ins[i]
-    if not op.startswith(("s_branch", "s_cbranch")) or not rest:
-        return None
-    return labels.get(rest.split()[0])
-
-
-def _successors(ins, labels, i) -> list[int]:
-    op = ins[i][0]
-    if op == "s_endpgm":
-        return []
-    t = _target(ins, labels, i)
-    if op.startswith("s_branch"):
-        return [t] if t is not None else []
-    nxt = [i + 1] if i + 1 < len(ins) else []
-    return nxt + ([t] if t is not None else [])
-
-
-def real_loops(ins, labels) -> list[tuple[int, int]]:
-    """(head, back-edge index) of each loop: a backward branch whose target can reach the branch
-    again. A backward jump that only leaves a region (to an s_endpgm block or an exit laid out
-    earlier) is not a loop; isa_model.amd_loops, which takes every backward branch, would merge
-    it into one."""
-    loops = []
-    for i in range(len(ins)):
-        t = _target(ins, labels, i)
-        if t is None or t > i:
-            continue
-        seen, todo = set(), [t]
-        while todo:
-            j = todo.pop()
-            if j in seen:
-                continue
-            seen.add(j)
-            todo.extend(_successors(ins, labels, j))
-        if i in seen:
-            loops.append((t, i))
-    return loops
-
-
 def loop_token_step(ins, labels, head: int, back: int) -> int:
     """Tokens one workgroup advances per iteration of the loop [head, back]: the sum of the
     s_addk_i32 increments of the counter that the s_cmp before each exit branch tests."""
     counters = set()
     for i in range(head + 1, back + 1):
-        t = _target(ins, labels, i)
+        t = amd_branch_target(ins, labels, i)
         if t is not None and not head <= t <= back and ins[i - 1][0].startswith("s_cmp"):
             counters.add(ins[i - 1][1].split(",")[0].strip())
     step = 0

@@ -616,6 +616,47 @@ def amd_loops(ins, labels) -> list[tuple[int, int]]:
     return [tuple(x) for x in outer]
 
 
+def amd_branch_target(ins, labels, i) -> int | None:
+    """The index a branch instruction of parse_amd_body's list jumps to (None: not a branch)."""
+    op, rest = ins[i]
+    if not op.startswith(("s_branch", "s_cbranch")) or not rest:
+        return None
+    return labels.get(rest.split()[0])
+
+
+def _amd_successors(ins, labels, i) -> list[int]:
+    op = ins[i][0]
+    if op == "s_endpgm":
+        return []
+    t = amd_branch_target(ins, labels, i)
+    if op.startswith("s_branch"):
+        return [t] if t is not None else []
+    nxt = [i + 1] if i + 1 < len(ins) else []
+    return nxt + ([t] if t is not None else [])
+
+
+def real_loops(ins, labels) -> list[tuple[int, int]]:
+    """(head, back-edge index) of each loop: a backward branch whose target can reach the branch
+    again. A backward jump that only leaves a region (to an s_endpgm block or an exit laid out
+    earlier) is not a loop; amd_loops, which takes every backward branch, would merge it
+    into one."""
+    loops = []
+    for i in range(len(ins)):
+        t = amd_branch_target(ins, labels, i)
+        if t is None or t > i:
+            continue
+        seen, todo = set(), [t]
+        while todo:
+            j = todo.pop()
+            if j in seen:
+                continue
+            seen.add(j)
+            todo.extend(_amd_successors(ins, labels, j))
+        if i in seen:
+            loops.append((t, i))
+    return loops
+
+
 def amd_counts(ins, labels, trips: list[int]) -> tuple[Counter, list[tuple[int, int, int]]]:
     """Class counts of one wave's run of the body: each instruction once, loop bodies times
     their trip counts (one per outermost loop, in order)."""

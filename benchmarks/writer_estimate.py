@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from isa_model import (  # noqa: E402
-    MI355X, amd_class, amd_counts, amd_loops, amd_tile_cycles, parse_amd_body, predict_pct)
+    MI355X, amd_class, amd_counts, amd_loops, amd_tile_cycles, parse_amd_body, predict_pct,
+    real_loops)
 from turboquant import hip_writer  # noqa: E402
 from turboquant.bench_problems import writer_bytes  # noqa: E402
 
@@ -92,40 +93,6 @@ def kernel_body(asm: str, name: str) -> tuple[str, dict]:
         raise ValueError(f"kernel {name} is not in the assembly")
     tail = asm[m.end():].split("\t.type\t", 1)[0]
     return m.group(1), {k: int(v) for k, v in re.findall(r"^; (\w+): (\d+)", tail, re.M)}
-
-
-def _target(ins, labels, i):
-    op, rest = ins[i]
-    if op.startswith(("s_branch", "s_cbranch")) and rest:
-        return labels.get(rest.split()[0])
-    return None
-
-
-def _successors(ins, labels, i):
-    op = ins[i][0]
-    if op == "s_endpgm":
-        return []
-    t = _target(ins, labels, i)
-    nxt = [i + 1] if i + 1 < len(ins) and op != "s_branch" else []
-    return nxt + ([t] if t is not None else [])
-
-
-def real_loops(ins, labels) -> list[tuple[int, int]]:
-    """(head, back edge) of every backward branch whose target reaches the branch again."""
-    loops = []
-    for i in range(len(ins)):
-        t = _target(ins, labels, i)
-        if t is None or t > i:
-            continue
-        seen, todo = set(), [t]
-        while todo:
-            j = todo.pop()
-            if j not in seen:
-                seen.add(j)
-                todo.extend(_successors(ins, labels, j))
-        if i in seen:
-            loops.append((t, i))
-    return loops
 
 
 def wave_counts(body: str) -> tuple[Counter, Counter]:
