@@ -19,9 +19,11 @@
 # The counters must be zero when a call starts; the kernel leaves them zero after each call.
 # They sit at the end of the whole buffer (not of the call's other regions), so one buffer,
 # zeroed once, serves every later call whose plan fits it: size it with
-# workspace_size(..., partition=STEP) for the largest num_tokens / num_seqs it will see (the
-# shortest partitions need the most bytes), and no call's other regions ever reach the bytes
-# another call uses as counters.
+# workspace_size(..., partition=STEP) for the largest num_tokens, num_seqs AND max_seq_len it
+# will see, together (the shortest partitions need the most bytes), and no call's other regions
+# ever reach the bytes another call uses as counters. A buffer sized for less (e.g. a call with
+# fewer sequences but a longer max_seq_len than the sizing) can have one call's partials
+# written over another's counters: the launcher checks only the call's own size.
 # gfx942 (tq_fp4_paged_attention.cuh, the LUT kernel): 256-token partitions of 4 waves, and the
 # workspace pa_v1 lays out, packed: exp_sums, max_logits (float32), tmp_out (query dtype), each
 # [num_tokens, num_heads, max_parts(, head_size)]. No q8, qrows or counters.
