@@ -72,7 +72,7 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
   the bench's own definition, so it compares with the measured rows one to one.
 
 3. One call on AMD (`amd_call`), for the one table of issue 38 (`amd_table`): our gfx950 call
-  (pre-pass and partition kernel: 2 launches, the reduce fused into the last partition of each
+  (one launch: the partition kernel, Q's transform in its prologue, the reduce fused into the last partition of each
   row tile to finish; one wave per (sequence, partition, kv head),
   partitions from the launcher's plan, `partition_len`), gfx942's old kernel and AITER's pa_v1
   (partition kernel + reduce: 2 launches, 256-token partitions, 4 waves per workgroup) and
@@ -89,7 +89,7 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
     per lane stay in flight). That last term is what holds the asm kernel at small batch: a
     workgroup's streaming rate, not the GPU's bandwidth. Per workgroup also: its dependent round
     trips before streaming (Q, the block table) and its instructions outside the loop; per call:
-    launches, the pre-pass's round trips, the reduce's (ours: the waits from the ticket's atomic
+    launches, the reduce's round trips (ours: the waits from the ticket's atomic
     to its chunk loop, then one pass in chunks of partitions (8 at GQA 8), both counted from
     the compiled code; gfx942's: serial chunks of 8 partitions, 2 loops x
     ceil(partitions / 8) round trips; pa_v1's: all maxima and sums at once, then chunks of 64
@@ -605,7 +605,12 @@ def amd_loops(ins, labels) -> list[tuple[int, int]]:
             t = labels.get(rest.split()[0]) if rest else None
             if t is not None and t <= i:
                 edges.append((t, i))
-    edges.sort()
+    return outermost(edges)
+
+
+def outermost(edges) -> list[tuple[int, int]]:
+    """(head, back-edge) ranges with nested and overlapping ones merged."""
+    edges = sorted(edges)
     outer: list[list[int]] = []
     for h, b in edges:
         if outer and h <= outer[-1][1]:
@@ -1263,7 +1268,7 @@ def partition_len() -> Callable[[int, int, int, int], int]:
     path from pa_fp4_plan.py (a dependency-free module: the AITER patch ships it beside the
     launcher, so the model and the launcher split a call the same way). The largest
     128 x 2^k <= 2048 tokens that still gives row_tiles x num_kv_heads x ceil(max_seq_len / P)
-    >= 2 waves x 4 SIMDs x num_cus waves, else 128."""
+    >= 1 wave x 4 SIMDs x num_cus waves, else 256."""
     import importlib.util
     import sys
     mod = sys.modules.get("pa_fp4_plan")
@@ -1292,7 +1297,6 @@ class AmdPath:
     partition: Callable[[int, int, int, int], int] | None  # partition_len's signature; None: no split
     prologue_trips: int        # dependent DRAM round trips before a workgroup's first step
     in_flight_bytes: int       # a wave's bytes in flight across steps; 0: each step drains its loads
-    prepass_trips: int = 0     # round trips of a pre-pass kernel (its launch is in `launches`)
     # a fused reduce's instructions (one wave per row tile): straight line, chunk loop body
     reduce_code: tuple[Counter, Counter] | None = None
     reduce: tuple[int, int, int] = (0, 0, 0)  # round trips: base + per_chunk x ceil(partitions / chunk)
@@ -1353,7 +1357,6 @@ def amd_call(p: AmdPath, batch: int, context: int, dep: float = 1.0) -> dict:
     base, chunk, per_chunk = p.reduce
     partials = batch * Q_HEADS * nparts * (HEAD * 2 + 8)             # bf16 O, fp32 m and l
     fixed = {"launches": p.launches * hw.launch_us * 1e3,
-             "pre-pass": p.prepass_trips * lat,
              "reduce": (base + per_chunk * -(-nparts // chunk)) * lat + 2 * partials / hw.bw_gbs
              + ((simd_issue_clocks(p.reduce_code[0], hw, p.mfma_clk)
                  + -(-nparts // chunk) * simd_issue_clocks(p.reduce_code[1], hw, p.mfma_clk))
@@ -1373,8 +1376,8 @@ def reduce_counts(ins, labels, ticket: int) -> tuple[Counter, Counter, int, int]
     chunk; dependent round trips before the loop): the loop runs once per chunk, a chunk loads
     each partition's maximum and sum as two global_load_dword, and every s_waitcnt vmcnt(0)
     from the atomic to the loop is a round trip of its own (the atomic's return, then the
-    rows' pre-pass results and records)."""
-    loops = [(h, b) for h, b in amd_loops(ins, labels) if h > ticket]
+    sink's state record)."""
+    loops = [(h, b) for h, b in outermost(real_loops(ins, labels)) if h > ticket]
     if len(loops) != 1:
         raise ValueError(f"{len(loops)} loops in the fused reduce, expected its chunk loop")
     (h, b), = loops
@@ -1388,9 +1391,10 @@ def reduce_counts(ins, labels, ticket: int) -> tuple[Counter, Counter, int, int]
 
 
 def step_loop(ins, labels, label: str) -> tuple[int, int]:
-    """The partition kernel's step loop: the one outermost loop that holds the MFMAs (the other
-    loop is the fused reduce's pass over the partials, run by one wave per row tile)."""
-    loops = [(h, b) for h, b in amd_loops(ins, labels)
+    """The partition kernel's step loop: the one outermost loop that holds the MFMAs (the others
+    are the prologue's row passes and the fused reduce's pass over the partials); loops found by
+    reachability (real_loops: the compiler may lay a block out after the reduce and jump back)."""
+    loops = [(h, b) for h, b in outermost(real_loops(ins, labels))
              if any(op.startswith("v_mfma") for op, _ in ins[h:b + 1])]
     if len(loops) != 1:
         raise ValueError(f"{label}: {len(loops)} outermost loops with MFMAs, expected the one "
@@ -1423,11 +1427,11 @@ def gfx950_paths(clang: str, src_dir: Path | None = None) -> dict[str, AmdPath]:
             once=amd_counts(ins[:h] + ins[b + 1:ticket + 1], {}, [])[0], mfma_clk=hw.mfma_fp8_clk,
             reduce_code=red[:2],
             waves_per_wg=k["meta"]["max_flat_workgroup_size"] // k["meta"]["wavefront_size"],
-            occupancy=k["stats"]["Occupancy"], launches=2, wg_step_tokens=tiles * TILE_TOKENS,
+            occupancy=k["stats"]["Occupancy"], launches=1, wg_step_tokens=tiles * TILE_TOKENS,
             partition=partition_len(),
-            # Q's terms and the row record, then the block table before the first KV load
+            # Q and the state record (transformed in the prologue: its instructions are in
+            # `once`), then the block table before the first KV load
             prologue_trips=2, in_flight_bytes=loads_in_flight_bytes(ins[h:b + 1]),
-            prepass_trips=2,   # Q (and the state record) in, Q's E4M3 terms out
             # the reduce, fused into the last partition of each row tile: the round trips
             # counted from the atomic to the chunk loop, then one pass over the partials in
             # chunks (each chunk's loads before its first use)
@@ -1570,14 +1574,15 @@ def amd_table(paths: dict[str, AmdPath], dep_high: float) -> tuple[str, dict]:
               "3.865 us per node of a replayed graph of serialized tiny kernels, measured on "
               "gfx1100; no CDNA figure found), a dependent DRAM round trip "
               f"{hw.dram_latency_us} us (gfx950 pointer chase, facebookexperimental/triton "
-              "AMDLatencyModel.h: ~360 ns, idle). Ours: pre-pass + partition kernel (the reduce "
-              "fused into each row tile's last partition) = 2 launches, one wave per (sequence, partition, kv head), partitions from the "
+              "AMDLatencyModel.h: ~360 ns, idle). Ours: the partition kernel (Q transformed in "
+              "each wave's prologue, the reduce fused into each row tile's last partition) = 1 "
+              "launch, one wave per (sequence, partition, kv head), partitions from the "
               "launcher's plan (`partition_len` of pa_fp4_plan.py); "
               "pa_v1 and gfx942: partition kernel + reduce = 2 launches, 256-token partitions of "
               "4 waves; AITER asm: 1 launch, one workgroup of 4 waves per (sequence, kv head) over "
               "the whole context, no split. Per call at 1 x 4k and 64 x 32k (factor 1): "
               "partition x partitions, workgroups / rounds, the first round's per-step terms' "
-              "bound, streaming + fixed us (launches, pre-pass, reduce), total us, % of HBM:", "",
+              "bound, streaming + fixed us (launches, reduce), total us, % of HBM:", "",
               "| path | waves per workgroup / per SIMD | bytes in flight per wave | 1 x 4k | "
               "64 x 32k |", "|---|---|---|---|---|"]
 
@@ -1585,7 +1590,7 @@ def amd_table(paths: dict[str, AmdPath], dep_high: float) -> tuple[str, dict]:
         f = c["fixed_us"]
         return (f"{c['partition']} x {c['nparts']}, {c['workgroups']} / {c['rounds']}, "
                 f"{c['bound']}: {c['stream_us']:.1f} + {f['launches']:.1f} + "
-                f"{f['pre-pass']:.1f} + {f['reduce']:.1f} = {c['total_us']:.1f} us, "
+                f"{f['reduce']:.1f} = {c['total_us']:.1f} us, "
                 f"{c['pct']:.1f} %")
 
     for name, p in paths.items():

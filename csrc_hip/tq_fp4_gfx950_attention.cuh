@@ -1,14 +1,14 @@
-// turboquant FP4 paged attention for gfx950 (MI350X/MI355X): two kernels per call.
-//
-// 1. Q pre-pass, one wave per (query token, head) row: the accuracy transforms (q * lam, the
-//    Walsh-Hadamard rotation, q.m), the logit factor (scale * log2(e), or scale alone under a
-//    soft cap), and the quantization into two E4M3 terms with one E8M0 scale per row, written
-//    once to the workspace; also the sink's fp32 logit (position 0 from the state record).
-//    The partition kernel below only loads the result: Q's transform is paid once per row and
-//    call, not once per wave and partition.
-// 2. Partition kernel, one wave per (row tile, partition, kv head): a partition is
-//    `partition_len` tokens (a multiple of 128, chosen by the launcher), streamed in steps of
-//    128 tokens with an online softmax in the log2 domain. Per step:
+// turboquant FP4 paged attention for gfx950 (MI350X/MI355X): one kernel per call, one wave
+// per (row tile, partition, kv head). A partition is `partition_len` tokens (a multiple of
+// 128, chosen by the launcher), streamed in steps of 128 tokens with an online softmax in the
+// log2 domain.
+//   Prologue (transform_q_rows): the accuracy transforms of the tile's query rows (q * lam,
+//    the Walsh-Hadamard rotation, q.m), the logit factor (scale * log2(e), or scale alone under
+//    a soft cap), the quantization into two E4M3 terms with one E8M0 scale per row, and the
+//    sink's fp32 logit, into LDS. Every partition wave of a tile repeats it (a few hundred VALU
+//    per wave) instead of a pre-pass kernel whose results a second, dependent launch would wait
+//    for: at small batch the launch costs more than the redone work.
+// Per step:
 //      QK:  8 tiles of 16 tokens, v_mfma_scale_f32_16x16x128_f8f6f4 with A = K (the cache's FP4
 //           bytes as they are, or E4M3 bytes for K8V4, or FP4 decoded through a table on the LUT
 //           path) and B = Q's E4M3 terms; lane l holds the logits of row l % 16 for tokens
@@ -29,7 +29,8 @@
 //    tile to finish reduces it, combining the partitions by their log-sum-exp, merging the sink
 //    (x0, v0 from the record) and learned sinks, writing the lse and un-rotating the output
 //    (the rotation is linear, so once per row instead of per partition); it leaves the ticket
-//    at zero for the next call. No third launch.
+//    at zero for the next call (the launcher's ticket array, zero when first allocated, is
+//    therefore zero whenever a call starts).
 //
 // Token order tau within a step (the K index of the PV MFMA): the FP8 B operand of lane
 // (n = l % 16, g = l / 16) holds K = 16 g + j (bytes j < 16) and K = 64 + 16 g + (j - 16), and
@@ -40,7 +41,9 @@
 // Masking, NaN: a token outside a row's range has x = -inf (e = 0) and P' = 0 by selection, so
 // no garbage byte or NaN scale reaches a row that does not see it; a NaN V scale (255) that a
 // row sees makes w NaN and the row's output NaN. Tokens past the tile's keys are read from
-// the tile's last block (valid memory), never from block-table entries past the sequence.
+// the tile's last block (valid memory), never from block-table entries past the sequence. A
+// block-table entry outside [0, num_blocks) reads block 0 and counts as NaN scales: the rows
+// that see its tokens are NaN, and no load leaves the caches.
 // Subnormals: AITER builds with -fgpu-flush-denormals-to-zero. Every fp32 value here that could
 // fall below 2^-126 is a weight relative to the row's or step's largest (e, w, the reduce's
 // 2^(m - M)) or a Q element under 2^-126 of its row's scale, so flushing it changes nothing
@@ -66,7 +69,7 @@ constexpr int kWave = 64;
 constexpr int kStep = 128;                 // tokens per online-softmax step = PV MFMA K
 constexpr int kTilesPerStep = kStep / kTile;
 
-// Per-row results of the Q pre-pass, beside Q's E4M3 terms in the workspace.
+// Per-row results of Q's transform, kept in LDS from the prologue to the reduce.
 struct QRow {
   int qscale;   // E8M0 byte of Q's hi term (the lo term's is qscale - 4)
   float qadd;   // scale * q.m, in the logits' units (log2, or natural under a soft cap)
@@ -74,13 +77,18 @@ struct QRow {
   float pad;
 };
 
-// Wave-wide reductions over all 64 lanes (xor stages 1 .. 32).
-TQ_HD float wave_sum(float v) {
-  for (int m = 1; m < kWave; m *= 2) v += wave_shfl_xor(v, m);
-  return v;
-}
+// Wave-wide maximum over all 64 lanes (xor stages 1 .. 32).
 TQ_HD float wave_max(float v) {
   for (int m = 1; m < kWave; m *= 2) v = fmax_f32(v, wave_shfl_xor(v, m));
+  return v;
+}
+// Wave-wide reductions over the 8 lanes of a row group (xor stages 1, 2, 4).
+TQ_HD float group8_sum(float v) {
+  for (int m = 1; m < 8; m *= 2) v += wave_shfl_xor(v, m);
+  return v;
+}
+TQ_HD float group8_max(float v) {
+  for (int m = 1; m < 8; m *= 2) v = fmax_f32(v, wave_shfl_xor(v, m));
   return v;
 }
 
@@ -90,88 +98,126 @@ TQ_HD int step_token(int k) { return 64 * (k / 64) + 16 * ((k % 16) / 4) + 4 * (
 TQ_HD int v_operand_token(int g, int x) { return step_token(32 * g + x); }
 
 // ---------------------------------------------------------------------------------------
-// 1. Q pre-pass. grid (num_tokens, num_heads)  block (64)
-template <class Scalar, int HEAD>
-TQ_KERNEL(kWave, kWave) void tq_fp4_q_prepass_kernel(
-    const uint16_t* __restrict__ query,       // [num_tokens, num_heads, HEAD] Scalar, row stride q_stride
-    uint8_t* __restrict__ q8,                 // [num_tokens, num_heads, 2, HEAD] E4M3 hi, lo terms
-    QRow* __restrict__ qrows,                 // [num_tokens, num_heads]
-    const int* __restrict__ cu_query_lens,    // [num_seqs + 1], or nullptr: token = sequence
-    int num_seqs, int num_heads, int gqa, int q_stride, float scale, float logits_soft_cap,
-    const float* __restrict__ rotation_signs, // [HEAD] of +-1, or nullptr
-    const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr
-    const int* __restrict__ state_ids,        // [num_seqs]
-    int num_slots, int sink) {
-  static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
-  constexpr int kPer = HEAD / kWave;  // lane l holds elements 64 j + l
-  const int token = block_id_x(), head = block_id_y(), lane = thread_id();
-  const int seq = cu_query_lens != nullptr ? token_sequence(cu_query_lens, num_seqs, token) : token;
-  const int kvh = head / gqa, num_kv_heads = num_heads / gqa;
-  const bool has_state = seq_state != nullptr;
-  const int slot = has_state ? state_ids[seq] : 0;
-  const bool bad = has_state && (slot < 0 || slot >= num_slots);
-  const float* record = (has_state && !bad)
-      ? seq_state + (int64_t(slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
-  const uint16_t* qrow = query + int64_t(token) * q_stride + int64_t(head) * HEAD;
-  float q[kPer];
-  float qdm = 0.0f;
-  for (int j = 0; j < kPer; ++j) {
-    const int e = kWave * j + lane;
-    q[j] = Scalar::to_float(qrow[e]);
-    if (has_state) {
-      qdm += q[j] * record_at<HEAD>(record, kKeyCenter, e);
-      q[j] *= record_at<HEAD>(record, kKeyScale, e);  // a bad slot: NaN
+// Q's transform, in the prologue of every partition wave (see the design note above).
+// The tile's rows (at most ROWS) in passes of 8, 8 lanes per row: lane s of a row holds
+// elements kQe s .. kQe s + kQe - 1 (kQe = HEAD / 8), so Q's row is two to eight 16-byte loads
+// per lane, the rotation's first log2(kQe) butterfly stages are within a lane and the last
+// three across the row's lanes (xor 1, 2, 4), and every row sum or maximum is 8 lanes wide: a
+// few hundred VALU per wave, no dependent chain longer than three shuffles. Each wave of a row
+// tile repeats it for its rows (the price of one launch instead of a pre-pass kernel and its
+// dependent launch). Results: Q's two E4M3 terms per row into LDS (q8, read back below as the
+// QK MFMA's B operand) and the row's QRow (qscale, q.m in logit units, the sink's logit).
+template <int HEAD, int ROWS>
+struct QLds {
+  uint8_t q8[ROWS][2][HEAD];  // E4M3 hi, lo terms of each row
+};
+
+template <class Scalar, int HEAD, int ROWS, class RowQuery>
+TQ_HD void transform_q_rows(QLds<HEAD, ROWS>* ql, QRow* rows, int nrows, RowQuery row_query,
+                            float scale, float logits_soft_cap, const float* rotation_signs,
+                            const float* record, bool has_state, int sink, int lane) {
+  constexpr int kQe = HEAD / 8;
+  static_assert(kQe % 8 == 0, "whole 16-byte query loads per lane");
+  const int s = lane % 8;
+  // The per-kv-head vectors, the same for every row: the lane's kQe elements.
+  auto vec = [&](const float* v, float* dst) {
+    for (int j = 0; j < kQe; j += 4) {
+      const f32x4 w = *reinterpret_cast<const f32x4*>(v + kQe * s + j);
+      for (int i = 0; i < 4; ++i) dst[j + i] = w[i];
     }
+  };
+  float center[kQe], lam[kQe], sign[kQe], k0[kQe];
+  const bool bad_record = has_state && record == nullptr;  // a bad slot: NaN rows
+  if (has_state && !bad_record) {
+    vec(record + kKeyCenter * HEAD, center);
+    vec(record + kKeyScale * HEAD, lam);
+    if (sink != 0) vec(record + kSinkKey * HEAD, k0);
   }
-  if (rotation_signs != nullptr) {
-    // q' = fwht(q' * s) * HEAD^-0.5, stages h = 1 .. HEAD/2 in the reference's order.
-    for (int j = 0; j < kPer; ++j) q[j] *= rotation_signs[kWave * j + lane];
-    for (int h = 1; h < kWave && h < HEAD; h *= 2)
-      for (int j = 0; j < kPer; ++j) q[j] = butterfly_xor(q[j], lane, h);
-    for (int m = 1; m < kPer; m *= 2)
-      for (int j = 0; j < kPer; ++j)
-        if ((j & m) == 0) butterfly(q[j], q[j + m]);
-    for (int j = 0; j < kPer; ++j) q[j] *= rotation_norm<HEAD>();
-  }
-  if (has_state) qdm = wave_sum(qdm);
-  float x0 = -__builtin_inff();
-  if (sink != 0) {
-    float d = 0.0f;
-    for (int j = 0; j < kPer; ++j) d += q[j] * record_at<HEAD>(record, kSinkKey, kWave * j + lane);
-    x0 = (wave_sum(d) + qdm) * scale;
-    if (logits_soft_cap > 0.0f) x0 = soft_cap(x0, logits_soft_cap);
-    x0 *= kLog2e;
-  }
+  if (rotation_signs != nullptr) vec(rotation_signs, sign);
   // The MFMA's logits come out in the units the partition kernel works in: log2 (x = scale *
   // log2(e) * q.k), or natural under a soft cap (the cap acts there).
   const float f = logits_soft_cap > 0.0f ? scale : scale * kLog2e;
-  float amax = 0.0f;
-  for (int j = 0; j < kPer; ++j) {
-    q[j] *= f;
-    amax = fmax_f32(amax, fabs_f32(q[j]));
+  for (int pass = 0; pass < (ROWS + 7) / 8; ++pass) {
+    const int r = 8 * pass + lane / 8;
+    if (8 * pass >= nrows) break;  // uniform
+    const bool live = r < nrows;
+    float q[kQe];
+    const uint16_t* qp = row_query(live ? r : 0) + kQe * s;
+    for (int j = 0; j < kQe; j += 8) {
+      const u32x4 w = load_u32x4(reinterpret_cast<const uint8_t*>(qp + j));
+      for (int i = 0; i < 4; ++i) {
+        q[j + 2 * i] = Scalar::to_float(uint16_t(w[i]));
+        q[j + 2 * i + 1] = Scalar::to_float(uint16_t(w[i] >> 16));
+      }
+    }
+    float qdm = 0.0f;
+    if (has_state) {
+      for (int j = 0; j < kQe; ++j) {
+        qdm += bad_record ? __builtin_nanf("") : q[j] * center[j];
+        q[j] = bad_record ? __builtin_nanf("") : q[j] * lam[j];
+      }
+      qdm = group8_sum(qdm);
+    }
+    if (rotation_signs != nullptr) {
+      // q' = fwht(q' * s) * HEAD^-0.5, stages h = 1 .. HEAD/2 in the reference's order: in the
+      // lane up to kQe / 2, then across lanes.
+      for (int j = 0; j < kQe; ++j) q[j] *= sign[j];
+      for (int h = 1; h < kQe; h *= 2)
+        for (int j = 0; j < kQe; ++j)
+          if ((j & h) == 0) butterfly(q[j], q[j + h]);
+      for (int m = 1; m < 8; m *= 2)
+        for (int j = 0; j < kQe; ++j) q[j] = butterfly_xor(q[j], lane, m);
+      for (int j = 0; j < kQe; ++j) q[j] *= rotation_norm<HEAD>();
+    }
+    float x0 = -__builtin_inff();
+    if (sink != 0) {
+      float d = 0.0f;
+      for (int j = 0; j < kQe; ++j) d += q[j] * (bad_record ? __builtin_nanf("") : k0[j]);
+      x0 = (group8_sum(d) + qdm) * scale;
+      if (logits_soft_cap > 0.0f) x0 = soft_cap(x0, logits_soft_cap);
+      x0 *= kLog2e;
+    }
+    float amax = 0.0f, nan = 0.0f;
+    for (int j = 0; j < kQe; ++j) {
+      q[j] *= f;
+      amax = fmax_f32(amax, fabs_f32(q[j]));
+      nan = q[j] == q[j] ? nan : 1.0f;  // fmax drops NaN: look for it apart
+    }
+    amax = group8_max(amax);
+    const int qscale = group8_max(nan) > 0.0f ? 255 : q_scale_byte(amax);
+    if (live) {
+      for (int j = 0; j < kQe; j += 4) {
+        const E4m3Split t = split_e4m3x4(ldexp_f32(q[j], kE8m0One - qscale),
+                                         ldexp_f32(q[j + 1], kE8m0One - qscale),
+                                         ldexp_f32(q[j + 2], kE8m0One - qscale),
+                                         ldexp_f32(q[j + 3], kE8m0One - qscale));
+        *reinterpret_cast<uint32_t*>(&ql->q8[r][0][kQe * s + j]) = t.hi;
+        *reinterpret_cast<uint32_t*>(&ql->q8[r][1][kQe * s + j]) = qscale >= 4 ? t.lo : 0u;
+      }
+      if (s == 0) rows[r] = {qscale, qdm * f, x0, 0.0f};
+    }
   }
-  // NaN in the row: fmax drops it, so look for it apart (q != q).
-  float nan = 0.0f;
-  for (int j = 0; j < kPer; ++j) nan = q[j] == q[j] ? nan : 1.0f;
-  amax = wave_max(amax);
-  const int qscale = wave_max(nan) > 0.0f ? 255 : q_scale_byte(amax);
-  uint8_t* row8 = q8 + (int64_t(token) * num_heads + head) * (2 * HEAD);
-  for (int j = 0; j < kPer; ++j) {
-    const E4m3Split s = split_e4m3x4(ldexp_f32(q[j], kE8m0One - qscale), 0.0f, 0.0f, 0.0f);
-    row8[kWave * j + lane] = uint8_t(s.hi);
-    row8[HEAD + kWave * j + lane] = uint8_t(qscale >= 4 ? s.lo : 0u);
-  }
-  if (lane == 0) qrows[int64_t(token) * num_heads + head] = {qscale, qdm * f, x0, 0.0f};
 }
 
 // ---------------------------------------------------------------------------------------
-// 2. Partition kernel.
+// The partition kernel.
 
 template <int HEAD, bool NATIVE>
 struct StepLds {
   uint8_t v[kStep * (NATIVE ? HEAD / 2 : HEAD)];  // the step's V rows: FP4 [token][HEAD/2],
                                                   // or E4M3 [token][HEAD] (LUT)
   float w[kStep];  // 2^(vs - vb) per token of the step (NaN for a NaN scale, 0 unserved)
+};
+
+// The partition kernel's LDS: Q's terms (prologue) and the step's V rows share their bytes;
+// the rows' records stay for the reduce.
+template <int HEAD, bool NATIVE, int ROWS>
+struct PartitionLds {
+  union {
+    QLds<HEAD, ROWS> q;
+    StepLds<HEAD, NATIVE> step;
+  };
+  QRow rows[ROWS];
 };
 
 // The FP4 V^T operand of output tile mt (elements 16 mt ..) from the step's V rows in LDS
@@ -209,8 +255,7 @@ TQ_HD i32x8 v_operand_fp8(const uint8_t* v, int row_bytes, int mt, int lane) {
 // grid (row tiles, partitions, num_kv_heads)  block (64)
 template <class Scalar, int HEAD, int BLOCK_SIZE, int GQA, bool NATIVE, bool MULTI_TOKEN, bool KEY_E4M3>
 TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
-    const uint8_t* __restrict__ q8,           // [num_tokens, num_heads, 2, HEAD] (pre-pass)
-    const QRow* __restrict__ qrows,           // [num_tokens, num_heads] (pre-pass)
+    const uint16_t* __restrict__ query,       // [num_tokens, num_heads, HEAD] Scalar, token stride q_stride
     const uint8_t* __restrict__ key_cache,    // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2] (KEY_E4M3: HEAD)
     const uint8_t* __restrict__ value_cache,  // [num_blocks, num_kv_heads, BLOCK_SIZE, HEAD/2]
     const uint8_t* __restrict__ key_scales,   // [num_blocks, BLOCK_SIZE, num_kv_heads]
@@ -221,9 +266,11 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     float* __restrict__ exp_sums,             // [num_tokens, num_heads, max_num_partitions]: l
     float* __restrict__ max_logits,           // [num_tokens, num_heads, max_num_partitions]: m (log2)
     float* __restrict__ tmp_out,              // [num_tokens, num_heads, max_num_partitions, HEAD] fp32
-    float logits_soft_cap, int sliding_window, int max_blocks_per_seq, int max_num_partitions,
+    float scale, float logits_soft_cap, int sliding_window, int max_blocks_per_seq,
+    int max_num_partitions,
     int partition_len,                        // tokens per partition, a multiple of kStep
-    int num_seqs, int num_tokens, int num_kv_heads,
+    int num_seqs, int num_tokens, int num_kv_heads, int q_stride,
+    int num_blocks,                           // the caches' first dimension (block-id bound)
     int64_t kv_block_stride, int kv_head_stride, int kv_seq_stride,  // value_cache's byte strides
     int sink,                                 // != 0: position 0 comes from the record (reduce)
     int add_qm,                               // != 0: add QRow::qadd before the soft cap
@@ -234,7 +281,7 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr
     const int* __restrict__ state_ids,        // [num_seqs]
     int num_slots,
-    uint32_t* __restrict__ tickets) {         // [row tiles, num_kv_heads], zero at first use
+    uint32_t* __restrict__ tickets) {         // [row tiles, num_kv_heads], zero when the call starts
   static_assert(HEAD == 64 || HEAD == 128 || HEAD == 256, "head size 64, 128 or 256");
   static_assert(GQA >= 1 && (MULTI_TOKEN || GQA <= kTile), "a decode tile holds the whole GQA group");
   static_assert(BLOCK_SIZE >= 16 && BLOCK_SIZE <= 256 && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0,
@@ -278,10 +325,32 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   const int row_lo = max_i32(my_keys.lo, first_pos);
   const uint32_t row_n = uint32_t(max_i32(my_keys.hi - row_lo, 0));
 
+  // Q's transform for the tile's rows (LDS: Q's terms, then the step's V rows in the same bytes).
+  constexpr int kQRows = MULTI_TOKEN ? kTile : GQA;
+  using Lds = PartitionLds<HEAD, NATIVE, kQRows>;
+  TQ_LDS(Lds, lds_all);
+  StepLds<HEAD, NATIVE>* const lds = &lds_all->step;
+  const int slot = seq_state != nullptr ? state_ids[seq] : 0;
+  const float* const record = (seq_state != nullptr && slot >= 0 && slot < num_slots)
+      ? seq_state + (int64_t(slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
+  transform_q_rows<Scalar, HEAD, kQRows>(
+      &lds_all->q, lds_all->rows, nrows,
+      [&](int n) { return query + int64_t(rt.q0 + rt.token(n)) * q_stride + int64_t(row_head(n)) * HEAD; },
+      scale, logits_soft_cap, rotation_signs, record, seq_state != nullptr, sink, lane);
+  block_barrier();  // the rows' terms and records visible to every lane
+
+  // The fused reduce's rows (see there): kRowsR of them, lane l's is l % kRowsR. Their learned
+  // sink logits are loaded before the ticket, so that the atomic's wait covers them.
+  constexpr int kRowsR = (MULTI_TOKEN || GQA > 8) ? 16 : GQA > 4 ? 8 : GQA > 2 ? 4 : GQA > 1 ? 2 : 1;
+  auto learned_sink = [&]() {
+    const int nr = lane % kRowsR;
+    return sinks != nullptr ? sinks[row_head(nr < nrows ? nr : 0)] : -__builtin_inff();
+  };
+  float learned_raw;
+
   if (runs) {
   // Q's E4M3 terms as the B operand: lane (n, g) holds elements 128 c + mfma_fp8_k(g, j).
-  const int64_t qr = out_row(row_live ? my_row : 0);
-  const uint8_t* qp = q8 + qr * (2 * HEAD);
+  const uint8_t* qp = lds_all->q.q8[row_live ? my_row : 0][0];
   i32x8 qhi[kQk], qlo[kQk];
   for (int c = 0; c < kQk; ++c)
     for (int h = 0; h < 2; ++h) {
@@ -294,12 +363,10 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
         qlo[c][4 * h + i] = int(b[i]);
       }
     }
-  const QRow qrow = qrows[qr];
+  const QRow qrow = lds_all->rows[row_live ? my_row : 0];
   const int qscale = qrow.qscale, qscale_lo = lo_scale_byte(qrow.qscale);
   const float qadd = add_qm != 0 ? qrow.qadd : 0.0f;
-
-  using Lds = StepLds<HEAD, NATIVE>;
-  TQ_LDS(Lds, lds);
+  block_barrier();  // every lane's Q terms read before the first step writes V over them
 
   float m_run = -__builtin_inff(), l_run = 0.0f;
   f32x4 o[kMt];
@@ -307,6 +374,14 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   const int p_end = min_i32(p_start + partition_len, tile_keys.hi);
   const int* btab = block_tables + int64_t(seq) * max_blocks_per_seq;
   const int last_block = (tile_keys.hi - 1) / BLOCK_SIZE;
+  // The cache block of block-table column col, and whether the entry is one: an entry outside
+  // [0, num_blocks), or a column past the table, reads block 0 (valid memory) and its tokens'
+  // V scales read as NaN, so exactly the rows that see them are NaN (CONTRACT section 3).
+  auto cache_block = [&](int col, bool& ok) {
+    const int b = col < max_blocks_per_seq ? btab[col] : -1;
+    ok = uint32_t(b) < uint32_t(num_blocks);
+    return ok ? b : 0;
+  };
 
   const uint32_t koff = uint32_t(mfma_row(lane) * kKeyStride * kv_seq_stride);  // the lane's K row
   const uint32_t kscale_off = uint32_t(mfma_row(lane) * num_kv_heads);
@@ -319,8 +394,10 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     constexpr int kBlocksPerStep = BLOCK_SIZE >= kStep ? 1 : kStep / BLOCK_SIZE;
     int blk[kBlocksPerStep];
     #pragma unroll
-    for (int b = 0; b < kBlocksPerStep; ++b)
-      blk[b] = btab[min_i32((t0 + BLOCK_SIZE * b) / BLOCK_SIZE, last_block)];
+    for (int b = 0; b < kBlocksPerStep; ++b) {
+      bool ok;  // (a bad entry: its V scales below make its tokens NaN)
+      blk[b] = cache_block(min_i32((t0 + BLOCK_SIZE * b) / BLOCK_SIZE, last_block), ok);
+    }
     auto tile_block = [&](int j) { return blk[kBlocksPerStep == 1 ? 0 : kTile * j / BLOCK_SIZE]; };
     auto kbase = [&](int j) {  // byte offset of tile j's first V row (K: x kKeyStride)
       return int64_t(tile_block(j)) * kv_block_stride + int64_t(kvh) * kv_head_stride +
@@ -370,9 +447,11 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
       for (int k = 0; k < 2; ++k) {
         const int tl = 2 * lane + k;  // per lane: its own block lookup
         const int tok = t0 + tl;
-        const int blk = btab[min_i32(tok / BLOCK_SIZE, last_block)];
+        bool ok;
+        const int blk = cache_block(min_i32(tok / BLOCK_SIZE, last_block), ok);
         const int b = value_scales[(int64_t(blk) * BLOCK_SIZE + tok % BLOCK_SIZE) * num_kv_heads + kvh];
-        vs[k] = served(t0 + tl) ? float(b) : -1.0f;  // unserved: no weight (w = 0)
+        // unserved: no weight (w = 0); a bad block id: the NaN scale byte
+        vs[k] = served(t0 + tl) ? (ok ? float(b) : 255.0f) : -1.0f;
       }
       // vb: the step's largest finite V scale byte (NaN bytes 255 excluded).
       vbf = wave_max(fmax_f32(vs[0] < 255.0f ? vs[0] : 0.0f, vs[1] < 255.0f ? vs[1] : 0.0f));
@@ -522,12 +601,15 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   // The last partition of the tile to finish reduces it (the partials written before the
   // ticket, read after it); it leaves the ticket at 0 for the next call, a store after the
   // acquire fence, which nothing waits for.
+  learned_raw = learned_sink();
   fence_release_device();
   const uint32_t ticket = wave_first_lane(lane == 0 ? atomic_add_device(&tickets[int64_t(tile) * num_kv_heads + kvh], 1u) : 0u);
   if (ticket != uint32_t(tile_parts - 1)) return;
   fence_acquire_device();
   if (lane == 0) tickets[int64_t(tile) * num_kv_heads + kvh] = 0u;
-  }  // runs
+  } else {  // runs
+    learned_raw = learned_sink();
+  }
 
   // Fused reduce, the tile's rows at once, spread over the lanes: kRowsR rows (the tile's 16,
   // or a decode group's GQA rounded up to a power of two) of kLanesR lanes each, lane
@@ -538,7 +620,6 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   // no value), the lse, and o = fwht(o) * HEAD^-0.5 * s with the rotation: stages h = 1, 2, 4
   // pair registers i, the next log2(kLanesR) stages lanes (xor kRowsR, 2 kRowsR, ..), the rest
   // registers k.
-  constexpr int kRowsR = (MULTI_TOKEN || GQA > 8) ? 16 : GQA > 4 ? 8 : GQA > 2 ? 4 : GQA > 1 ? 2 : 1;
   constexpr int kLanesR = kWave / kRowsR < HEAD / 8 ? kWave / kRowsR : HEAD / 8;
   constexpr int kKR = HEAD / (8 * kLanesR);
   // Partitions per round trip: their loads in at most 128 VGPRs (kKR x 8 per partition).
@@ -551,11 +632,10 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
   const int begin = keys.hi > 0 ? keys.lo / partition_len : 0;
   const int end = (live && keys.hi > 0)
       ? min_i32((keys.hi - 1) / partition_len + 1, max_num_partitions) : begin;
-  const QRow qr = qrows[row];
+  const QRow qr = lds_all->rows[live ? n : 0];
   const float qadd_r = add_qm != 0 ? 0.0f : qr.qadd;
   const bool sees0 = sink != 0 && keys.hi > 0 && keys.lo == 0;
-  const int head = row_head(live ? n : 0);
-  const float learned = sinks != nullptr ? sinks[head] * kLog2e : -__builtin_inff();
+  const float learned = learned_raw * kLog2e;
   float M = -__builtin_inff(), den = 0.0f;
   f32x4 num[kKR][2];  // elements elem(k, 4 h + i)
   for (int k = 0; k < kKR; ++k) num[k][0] = num[k][1] = f32x4{0.0f, 0.0f, 0.0f, 0.0f};
@@ -595,9 +675,6 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     }
   }
   if (sees0) {
-    const int slot = state_ids[seq];
-    const float* record = (seq_state != nullptr && slot >= 0 && slot < num_slots)
-        ? seq_state + (int64_t(slot) * num_kv_heads + kvh) * (kStateRows * HEAD) : nullptr;
     const float ms = raise_max(qr.x0);
     const float w = exp2_fast(qr.x0 - ms);
     den += w;
@@ -610,12 +687,13 @@ TQ_KERNEL(kWave, kWave) void tq_fp4_pa_gfx950_kernel(
     den += exp2_fast(learned - ms);
   }
   const bool any = begin < end || sees0;
+  const float inv = any ? 1.0f / den : 0.0f;  // one division per row, not one per element
   float o[kKR][8];
   for (int k = 0; k < kKR; ++k)
-    for (int i = 0; i < 8; ++i) o[k][i] = any ? num[k][i / 4][i % 4] / den : 0.0f;
+    for (int i = 0; i < 8; ++i) o[k][i] = any ? num[k][i / 4][i % 4] * inv : 0.0f;
   if (lse != nullptr && live && q8l == 0)  // a row that sees nothing: its learned sink, or -inf
     lse[row] = o[0][0] != o[0][0] ? o[0][0] : any ? (M + log2_f32(den)) / kLog2e
-             : (sinks != nullptr ? sinks[head] : -__builtin_inff());
+             : learned_raw;
   if (rotation_signs != nullptr) {
     for (int h = 1; h < 8; h *= 2)
       for (int k = 0; k < kKR; ++k)

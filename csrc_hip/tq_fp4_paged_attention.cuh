@@ -158,6 +158,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     int sliding_window,                       // W > 0: position p sees keys p - W + 1 .. p; 0: off
     int max_blocks_per_seq, int max_num_partitions, int num_seqs, int num_tokens,
     int num_kv_heads, int q_stride,
+    int num_blocks,                           // the caches' first dimension (block-id bound)
     int64_t kv_block_stride, int kv_head_stride, int kv_seq_stride,  // value_cache's byte strides
     const float* __restrict__ rotation_signs, // [HEAD] of +-1, or nullptr: no rotation
     const float* __restrict__ seq_state,      // [num_slots, num_kv_heads, 5, HEAD], or nullptr: no record
@@ -232,12 +233,17 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
     const int tok = part_start + tid;
     const bool live = served(tok);
     const int logical = live ? tok / BLOCK_SIZE : (tile_keys.hi - 1) / BLOCK_SIZE;
-    const int64_t blk = block_tables[int64_t(seq) * max_blocks_per_seq + logical];
+    // A table entry outside [0, num_blocks), or a column past the table, reads block 0 (valid
+    // memory) with a NaN value scale: the rows that see the token are NaN (CONTRACT section 3).
+    const int entry = logical < max_blocks_per_seq
+        ? block_tables[int64_t(seq) * max_blocks_per_seq + logical] : -1;
+    const bool ok = uint32_t(entry) < uint32_t(num_blocks);
+    const int64_t blk = ok ? entry : 0;
     const int slot = tok % BLOCK_SIZE;
     lds->row_offset[tid] = blk * kv_block_stride + int64_t(slot) * kv_seq_stride + int64_t(kvh) * kv_head_stride;
     const int64_t sidx = (blk * BLOCK_SIZE + slot) * num_kv_heads + kvh;
     lds->kscale[tid] = live ? key_scales[sidx] : uint8_t(kE8m0One);
-    lds->vscale[tid] = live ? value_scales[sidx] : uint8_t(kE8m0One);
+    lds->vscale[tid] = live ? (ok ? value_scales[sidx] : uint8_t(255)) : uint8_t(kE8m0One);
   }
 
   // Q as the B operand: lane (column n = row of the tile, K group g) holds head elements

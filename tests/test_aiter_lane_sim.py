@@ -4,8 +4,9 @@ The kernel sources are compiled for the host (``-DTQ_HOST_SIM``) with every thre
 workgroup as a fiber; the MFMA is replaced by a software model of
 ``v_mfma_scale_f32_16x16x128_f8f6f4`` written from its documented lane layouts, and the
 transposing LDS reads (``ds_read_b64_tr_b4`` / ``_b8``) by a model of the CDNA4 ISA's
-description (csrc_hip/sim/tq_fp4_lane_sim.cpp). The gfx950 build runs the three kernels of
-tq_fp4_gfx950_attention.cuh (Q pre-pass, one-wave partitions of 128-token steps, reduce); each
+description (csrc_hip/sim/tq_fp4_lane_sim.cpp). The gfx950 build runs the kernel of
+tq_fp4_gfx950_attention.cuh (Q's transform in each wave's prologue, one-wave partitions of
+128-token steps, fused reduce); each
 case runs both specializations (native FP4 operands for K and V, and LUT: both decoded to
 E4M3) and is compared with
 
@@ -104,7 +105,7 @@ def _ptr(t):
 def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_cap=0.0,
             rotation_signs=None, seq_state=None, state_ids=None, sink=False, cu_query_lens=None,
             sliding_window=0, sinks=None, return_lse=False, partition_len=PARTITION):
-    """The simulated kernels: the gfx950 build runs the pre-pass, partition and reduce kernels
+    """The simulated kernels: the gfx950 build runs the partition kernel (and its fused reduce)
     of tq_fp4_gfx950_attention.cuh with partitions of partition_len tokens (a multiple of 128);
     the gfx942 build the partition + reduce pair of tq_fp4_paged_attention.cuh (256-token
     partitions). -> out like query. The transforms' tensors as in an AttentionCall (None: off);
@@ -138,9 +139,9 @@ def run_sim(lib, query, cache, block_tables, seq_lens, scale, *, native, soft_ca
                  value_cache.stride(2), _ptr(rotation_signs), _ptr(seq_state), _ptr(state_ids),
                  0 if seq_state is None else seq_state.shape[0], int(sink), _ptr(sinks), _ptr(lse))
     if gfx942:
-        rc = lib.tq_sim_paged_attention(*head_args, *tail_args)
+        rc = lib.tq_sim_paged_attention(*head_args, key_cache.shape[0], *tail_args)
     else:
-        rc = lib.tq_sim_paged_attention_gfx950(*head_args, plen, *tail_args)
+        rc = lib.tq_sim_paged_attention_gfx950(*head_args, plen, key_cache.shape[0], *tail_args)
     assert rc == 0, (f"lane simulation failed (rc={rc}: -1 barrier deadlock, -2 no instantiation, "
                      "-4 a reduce ticket left set)")
     return (out, lse) if return_lse else out
@@ -184,7 +185,7 @@ def emulate(query, cache, block_tables, seq_lens, scale, soft_cap=0.0, rotation_
     """The kernels' arithmetic in float64 without any lane layout: fnuz=True the gfx942 kernel
     (_emulate_gfx942), else the gfx950 kernels (tq_fp4_gfx950_attention.cuh):
 
-    - pre-pass: q' = rotate(q * lam) in fp32, times f = scale * log2(e) (scale alone under a
+    - prologue: q' = rotate(q * lam) in fp32, times f = scale * log2(e) (scale alone under a
       soft cap), as two E4M3 terms with the row's E8M0 scale; q.m and the sink's logit x0
       (log2 units) from the fp32 q';
     - partitions of partition_len tokens in steps of 128, per row an online softmax in log2
@@ -993,6 +994,48 @@ def test_lane_sim_masked_nan_reaches_exactly_the_rows_that_see_it(sim_lib, nativ
                 else:
                     assert torch.equal(kv1, base[q0 + j, 4:]), (s, key, j)
                 assert torch.equal(out[q0 + j, :4], base[q0 + j, :4])  # the other kv head
+
+
+@pytest.mark.parametrize("build,native", [("sim_lib", True), ("sim_lib", False),
+                                          ("sim_lib_942", False)],
+                         ids=["native", "lut", "gfx942"])
+def test_lane_sim_bad_block_ids_give_nan_rows(request, build, native):
+    """Block-table entries the host checks would refuse (skipped under graph capture): -1
+    padding, an id past the cache, a sequence longer than its table row. No load leaves the
+    caches (the sim reads real host memory: an id of 10^8 would fault); exactly the rows that
+    see a bad block's tokens are NaN, every other row keeps its bits (CONTRACT section 3).
+    Both architectures' kernels."""
+    sim_lib = request.getfixturevalue(build)
+    seq_lens, q_lens, w = [97, 300], [20, 12], 5
+    prob, query, cu = _multi_problem(seq_lens, q_lens, 2, 64, 16, 4, seed=31)
+    call = _transform_call(prob, query, 0.125, cu_query_lens=cu, sliding_window=w)
+    base = _sim_call(sim_lib, call, native)
+    assert not torch.isnan(base).any()
+    num_blocks = prob.cache[0].shape[0]
+    # seq 1, column 17 (keys 272..287): rows at 288..291 see keys 284 .. 287 through the window
+    for bad_id in (-1, num_blocks, 10 ** 8):
+        table = prob.block_tables.clone()
+        table[1, 17] = bad_id
+        out = _sim_call(sim_lib, dataclasses.replace(call, block_tables=table), native)
+        pos = torch.arange(seq_lens[1] - q_lens[1], seq_lens[1])
+        sees = (pos - w + 1 <= 287) & (pos >= 272)
+        assert bool(sees.any()) and not bool(sees.all())
+        q0 = int(cu[1])
+        for j in range(q_lens[1]):
+            if sees[j]:
+                assert torch.isnan(out[q0 + j]).all(), (bad_id, j)
+            else:
+                assert torch.equal(out[q0 + j], base[q0 + j]), (bad_id, j)
+        assert torch.equal(out[:q0], base[:q0])  # the other sequence
+    # decode: sequence 1's table one column short of its 300 keys (its last 12 keys past the
+    # row): all its rows NaN, sequence 0 unchanged
+    dq = query[[int(cu[1]) - 1, int(cu[2]) - 1]]
+    dcall = _transform_call(prob, dq, 0.125)
+    dbase = _sim_call(sim_lib, dcall, native)
+    short = prob.block_tables[:, :18].contiguous()
+    out = _sim_call(sim_lib, dataclasses.replace(dcall, block_tables=short), native)
+    assert torch.isnan(out[1]).all() and torch.equal(out[0], dbase[0])
+    assert not torch.isnan(dbase).any()
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])

@@ -43,39 +43,41 @@ def test_dependency_free():
 
 def _spec_partition_len(tiles, kvh, ctx, cus):
     """The rule as the brief states it, by brute force over every candidate."""
-    fits = [p for p in LENGTHS if tiles * kvh * math.ceil(ctx / p) >= 2 * 4 * cus]
-    return max(fits) if fits else 128
+    fits = [p for p in LENGTHS if p >= 256 and tiles * kvh * math.ceil(ctx / p) >= 4 * cus]
+    return max(fits) if fits else 256
 
 
 @pytest.mark.parametrize("cus", CUS)
 def test_partition_len_rule(cus):
     """Batch 1, 17, 128 x contexts 1, 97, 4k, 32k x kv heads 1, 8 x decode and multi-token row
     tiles (4 query tokens per sequence at GQA 8): the largest 128 x 2^k <= 2048 whose grid still
-    has 2 waves per SIMD of every CU, else 128; the next longer one would not have them."""
+    has a wave per SIMD of every CU, else 256 (never 128); the next longer one would not have
+    them."""
     for b, ctx, kvh, q in itertools.product(BATCHES, CONTEXTS, (1, 8), (None, 4)):
         tiles = P.row_tiles(b, b if q is None else b * q, 8, q is not None)
         p = P.partition_len(tiles, kvh, ctx, cus)
         assert p == _spec_partition_len(tiles, kvh, ctx, cus), (b, ctx, kvh, q, cus)
         waves = tiles * kvh * math.ceil(ctx / p)
-        assert p in LENGTHS
-        assert p == 128 or waves >= 8 * cus
+        assert p in LENGTHS and p >= 256
+        assert p == 256 or waves >= 4 * cus
         if p < 2048:
-            assert tiles * kvh * math.ceil(ctx / (2 * p)) < 8 * cus
+            assert tiles * kvh * math.ceil(ctx / (2 * p)) < 4 * cus
 
 
 @pytest.mark.parametrize("tiles, kvh, ctx, cus, want", [
-    (1, 8, 32768, 256, 128),      # 8 x 256 partitions = 2048 waves = 2 x 4 x 256: just enough
-    (1, 8, 32769, 256, 128),      # one token more: still the shortest
-    (1, 8, 4096, 256, 128),       # never enough: the shortest
-    (1, 1, 1, 304, 128),          # one token
-    (17, 8, 4096, 80, 512),       # 17 x 8 x 8 = 1088 >= 640; at 1024: 544 < 640
-    (17, 8, 97, 80, 128),         # 136 waves whatever P: the shortest
-    (128, 8, 97, 80, 2048),       # 1024 waves >= 640 with one partition
-    (128, 8, 32768, 304, 2048),   # 16384 >= 2432
-    (16, 8, 4096, 256, 256),      # 128 x 16
+    (1, 8, 65536, 256, 512),      # 8 x 128 partitions of 512 = 1024 waves = 1 x 4 x 256
+    (1, 8, 32768, 256, 256),      # 8 x 128 of 256: just enough at 256
+    (1, 8, 65537, 256, 512),      # 8 x 129 of 512 >= 1024; at 1024: 8 x 65 < 1024
+    (1, 8, 4096, 256, 256),       # never enough: the shortest (256, not 128)
+    (1, 1, 1, 304, 256),          # one token
+    (17, 8, 4096, 80, 1024),      # 17 x 8 x 4 = 544 >= 320; at 2048: 272 < 320
+    (17, 8, 97, 80, 256),         # 136 waves whatever P: the shortest
+    (128, 8, 97, 80, 2048),       # 1024 waves >= 320 with one partition
+    (128, 8, 32768, 304, 2048),   # 16384 >= 1216
+    (16, 8, 4096, 256, 512),      # 128 x 8 = 1024
     (16, 8, 32768, 256, 2048),
-    (128, 1, 4096, 256, 256),     # 128 x 16 = 2048
-    (128, 1, 0, 256, 128),        # no keys at all
+    (128, 1, 4096, 256, 512),     # 128 x 8 = 1024
+    (128, 1, 0, 256, 256),        # no keys at all
 ])
 def test_partition_len_values(tiles, kvh, ctx, cus, want):
     assert P.partition_len(tiles, kvh, ctx, cus) == want
@@ -120,7 +122,7 @@ def _check_disjoint(plan, aligned):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_gfx950_workspace_layout(shape):
     """Regions in order, disjoint, 16-byte aligned, each as large as its tensor, the partitions
-    covering max_seq_len, the counters [row_tiles, num_kv_heads] last; the size the sum."""
+    covering max_seq_len; the size the sum; one ticket per (row tile, kv head), kept apart."""
     for plan, a in _plans(shape, "gfx950"):
         assert list(plan.regions) == list(P.REGIONS)
         _check_disjoint(plan, aligned=True)
@@ -129,11 +131,11 @@ def test_gfx950_workspace_layout(shape):
         assert plan.max_parts == max(1, math.ceil(a["max_seq_len"] / plan.partition_len))
         partials = rows * plan.max_parts
         want = {"exp_sums": 4 * partials, "max_logits": 4 * partials,
-                "tmp_out": 4 * partials * a["head_size"], "q8": rows * 2 * a["head_size"],
-                "qrows": 16 * rows, "counters": 4 * plan.row_tiles * a["num_kv_heads"]}
+                "tmp_out": 4 * partials * a["head_size"]}
         assert {n: r.nbytes for n, r in plan.regions.items()} == want
-        assert plan.regions["counters"].end <= plan.size < plan.regions["counters"].end + 16
-        assert plan.offset("q8") == plan.regions["q8"].offset
+        assert plan.regions["tmp_out"].end <= plan.size < plan.regions["tmp_out"].end + 16
+        assert plan.offset("tmp_out") == plan.regions["tmp_out"].offset
+        assert P.num_tickets(plan, a["num_kv_heads"]) == plan.row_tiles * a["num_kv_heads"]
         assert P.workspace_size("gfx950", num_cus=256, **a) == P.plan(
             "gfx950", num_cus=256, **a).size
 
@@ -150,42 +152,30 @@ def test_gfx942_workspace_is_pa_v1s(shape):
             "exp_sums": (0, 4 * partials), "max_logits": (4 * partials, 4 * partials),
             "tmp_out": (8 * partials, 2 * partials * a["head_size"])}
         assert plan.size == partials * (2 * 4 + 2 * a["head_size"])
-        assert [plan.offset(n) for n in ("q8", "qrows", "counters")] == [-1, -1, -1]
         _check_disjoint(plan, aligned=False)
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_shortest_partition_bounds_every_plan(shape):
-    """workspace_size(..., partition=128) is at least what any num_cus's plan needs, and a buffer
-    of that size holds every plan with its counters at its end and no plan's other regions
-    there: zeroed once, it serves them all."""
+    """workspace_size(..., partition=128) is at least what any num_cus's plan needs: a buffer of
+    that size serves them all."""
     seqs, tokens, heads, kvh, d, ctx = shape
     args = dict(num_seqs=seqs, num_tokens=seqs if tokens is None else tokens, num_heads=heads,
                 num_kv_heads=kvh, head_size=d, max_seq_len=ctx, multi_token=tokens is not None)
     bound = P.workspace_size("gfx950", partition=128, **args)
-    plans = [P.plan("gfx950", partition=p, buffer_nbytes=bound, **args) for p in LENGTHS]
-    plans += [P.plan("gfx950", num_cus=c, buffer_nbytes=bound, **args) for c in CUS]
-    for plan in plans:
-        assert plan.size <= bound
-        c = plan.regions["counters"]
-        assert c.end <= bound and bound - c.end < 16 and c.offset % 16 == 0
-        _check_disjoint(dataclasses.replace(plan, size=bound), aligned=True)
-        for other in plans:  # no other plan's data where this one keeps its counters
-            last = max(r.end for n, r in other.regions.items() if n != "counters")
-            assert last <= c.offset
+    plans = [P.plan("gfx950", partition=p, **args) for p in LENGTHS]
+    plans += [P.plan("gfx950", num_cus=c, **args) for c in CUS]
+    assert max(plan.size for plan in plans) == bound
 
 
 def test_smaller_calls_fit_a_buffer_sized_for_more():
     """A buffer sized for 64 sequences at the shortest partition holds the plan of any smaller
-    decode batch, counters included, at the buffer's end."""
+    decode batch."""
     big = dict(num_heads=64, num_kv_heads=8, head_size=128, max_seq_len=32768, multi_token=False)
     bound = P.workspace_size("gfx950", num_seqs=64, num_tokens=64, partition=128, **big)
     for b in (1, 2, 17, 63, 64):
-        plan = P.plan("gfx950", num_seqs=b, num_tokens=b, num_cus=256, buffer_nbytes=bound, **big)
+        plan = P.plan("gfx950", num_seqs=b, num_tokens=b, num_cus=256, **big)
         assert plan.size <= bound
-        c = plan.regions["counters"]
-        assert bound - c.end < 16
-        assert all(r.end <= c.offset for n, r in plan.regions.items() if n != "counters")
 
 
 def test_plan_refusals():

@@ -572,11 +572,11 @@ def _host_backend_call(prob, q, cu=None, **kw):
 def _host_pa_v1_call(prob, q, ws_bytes=None):
     """pa_v1's fp4 branch (no transforms: a plain cache) with a workspace as pa_v1's callers
     fill it (torch.empty: here 0xFF bytes), of ws_bytes (None: pa_v1's size, 256-token
-    partitions); after the call, whether the plan's counters in it are zero."""
+    partitions); after the call, whether the launcher's tickets are all zero."""
     import torch
 
     import turboquant
-    from csrc.cpp_itfs.pa import pa_fp4_plan, pa_v1
+    from csrc.cpp_itfs.pa import pa_fp4, pa_v1
 
     num_tokens, num_heads, d = q.shape
     max_len = prob.block_tables.size(1) * prob.cache[0].size(2)
@@ -596,11 +596,9 @@ def _host_pa_v1_call(prob, q, ws_bytes=None):
             HOST_BUILD["on"] = False
         ref = turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
                                              scale, backend="reference", **prob.kwargs)
-        c = pa_fp4_plan.plan("gfx950", num_seqs=num_tokens, num_tokens=num_tokens,
-                             num_heads=num_heads, num_kv_heads=prob.cache[1].size(1),
-                             head_size=d, max_seq_len=max_len, multi_token=False,
-                             num_cus=256, buffer_nbytes=ws.numel()).regions["counters"]
-        return {**_compare(out, ref), "counters_zero": bool((ws[c.offset:c.end] == 0).all())}
+        tickets = [t for have in pa_fp4._TICKETS.values() for t in have]
+        return {**_compare(out, ref), "tickets_zero": bool(tickets) and all(
+            bool((t == 0).all()) for t in tickets)}
     return {"query": q, "workspace": ws, "out": out}, call
 
 
@@ -618,18 +616,18 @@ def _host_cases():
     multi = _host_problem(lens, q_lens=[1, 5, 3], seed=2)
     k8v4 = _host_problem(lens, config="plain", key_format="fp8_e4m3", seed=3)
     cases = {
-        # 304 tokens of block table, 256 CUs: 128-token partitions (3)
+        # 304 tokens of block table, 256 CUs: 256-token partitions (2)
         "host decode default": ({}, *_host_backend_call(*default)),
         "host decode default LUT soft cap": (
             {"AITER_FP4_KV_LUT": "1"}, *_host_backend_call(*default, logits_soft_cap=5.0)),
-        # one CU: 2 x 4 waves wanted, 3 sequences x 2 kv heads x 2 partitions of 256 give them
+        # one CU: 4 waves wanted, 3 sequences x 2 kv heads x one partition of 2048 give them
         "host decode 1 CU": ({CUS_ENV: "1"}, *_host_backend_call(*plain)),
         "host multi-token window sinks lse": ({}, *_host_backend_call(
             *multi, sliding_window=64, sinks=torch.linspace(-1, 2, 8), return_lse=True)),
         "host k8v4 soft cap": ({}, *_host_backend_call(*k8v4, logits_soft_cap=5.0)),
         # pa_v1's size is too small for the gfx950 plan: the call takes a buffer of its own
         "host pa_v1 fp4 garbage workspace": ({}, *_host_pa_v1_call(plain[0], plain[1])),
-        # large enough: used, its counters zeroed first (pa_v1's callers never zero it)
+        # large enough: used as it is (pa_v1's callers never zero it; nothing needs it zero)
         "host pa_v1 fp4 large garbage workspace": (
             {}, *_host_pa_v1_call(plain[0], plain[1], ws_bytes=1 << 16)),
     }
@@ -752,19 +750,13 @@ def _plan_module():
 
 
 PLAN = _plan_module()
-WORKSPACE = 1 << 22  # _problem's workspace bytes
-PLAN_PARAMS = ("exp_sums_offset", "max_logits_offset", "tmp_out_offset", "q8_offset",
-               "qrows_offset", "counters_offset", "max_num_partitions", "partition_len",
-               "row_tiles")
-
-
 def _plan_args(arch, seqs=(20, 33, 1), tokens=None, hkv=2, gqa=4, d=128, max_seq_len=48,
-               num_cus=256, buffer=WORKSPACE, multi_token=None):
+               num_cus=256, multi_token=None):
     """The launcher arguments pa_fp4_plan.plan gives a call of _problem's shape."""
     p = PLAN.plan(arch, num_seqs=len(seqs), num_tokens=tokens or len(seqs), num_heads=hkv * gqa,
                   num_kv_heads=hkv, head_size=d, max_seq_len=max_seq_len,
                   multi_token=tokens is not None if multi_token is None else multi_token,
-                  num_cus=num_cus, buffer_nbytes=buffer)
+                  num_cus=num_cus)
     args = {f"{name}_offset": p.offset(name) for name in PLAN.REGIONS}
     args.update(max_num_partitions=p.max_parts, partition_len=p.partition_len,
                 row_tiles=p.row_tiles)
@@ -789,17 +781,17 @@ def test_op_decode_reaches_native_kernel(routes):
                  max_num_partitions=1, q_stride=8 * 128, kv_block_stride=2 * 16 * 64,
                  kv_head_stride=16 * 64, kv_seq_stride=64, rotation_signs_ptr=None,
                  seq_state_ptr=None, state_ids_ptr=None, num_slots=0, sink=0,
-                 use_native_fp4_mfma=1)
-    # the plan's: 48 tokens of block table, 256 CUs: one 128-token partition; the workspace's
-    # regions from its start, the counters (3 row tiles x 2 kv heads) at its end
+                 use_native_fp4_mfma=1, num_blocks=9)
+    # the plan's: 48 tokens of block table, 256 CUs: one 256-token partition; the workspace's
+    # regions from its start; the tickets (3 row tiles x 2 kv heads) the launcher's own array
     _decode_args(rec, **_plan_args("gfx950"))
-    _decode_args(rec, partition_len=128, max_num_partitions=1, row_tiles=3, exp_sums_offset=0,
-                 counters_offset=WORKSPACE - 32)
+    _decode_args(rec, partition_len=256, max_num_partitions=1, row_tiles=3, exp_sums_offset=0)
+    assert isinstance(rec["args"]["tickets_ptr"], int)
 
 
 @pytest.mark.parametrize("case, num_cus, partition, parts", [
-    ("op decode max_seq_len 4096", 256, 128, 32),      # 3 x 2 x 32 = 192 waves < 2048: shortest
-    ("op decode max_seq_len 4096 1 CU", 1, 2048, 2),   # 3 x 2 x 2 = 12 >= 8: the longest
+    ("op decode max_seq_len 4096", 256, 256, 16),      # 3 x 2 x 16 = 96 waves < 1024: shortest
+    ("op decode max_seq_len 4096 1 CU", 1, 2048, 2),   # 3 x 2 x 2 = 12 >= 4: the longest
 ])
 def test_partition_length_follows_the_plan(routes, case, num_cus, partition, parts):
     """The partition length comes from the device's CUs and max_seq_len (pa_fp4_plan), the
@@ -812,8 +804,7 @@ def test_partition_length_follows_the_plan(routes, case, num_cus, partition, par
 
 def test_gqa_above_16_decode_runs_multi_token(routes):
     """A decode whose GQA group (32) exceeds a tile's 16 columns: the multi-token library, the
-    launcher's cu_query_lens 0, 1, .., num_seqs, row tiles num_seqs + ceil(3 x 32 / 16), the
-    counters sized for them."""
+    launcher's cu_query_lens 0, 1, .., num_seqs, row tiles num_seqs + ceil(3 x 32 / 16)."""
     rec = _reached(routes, "op decode gqa 32")
     assert rec["template"] == _template(32, 64, 16, "Bf16", routes["digest"], multi_token=True)
     assert rec["args"]["cu_query_lens_ptr"] is not None
@@ -823,8 +814,7 @@ def test_gqa_above_16_decode_runs_multi_token(routes):
 
 def test_workspace_refusals_and_allocation(routes):
     """A caller's workspace smaller than the plan or not 16-byte aligned is refused naming the
-    argument, before anything is compiled; without one, the op allocates what the plan needs
-    (its counters at the end of it)."""
+    argument, before anything is compiled; without one, the op allocates what the plan needs."""
     need = PLAN.workspace_size("gfx950", num_seqs=3, num_tokens=3, num_heads=8, num_kv_heads=2,
                                head_size=128, max_seq_len=4096, multi_token=False, num_cus=256)
     small = routes["op workspace too small"]
@@ -836,7 +826,9 @@ def test_workspace_refusals_and_allocation(routes):
     rec = _reached(routes, "op no workspace")
     size = PLAN.workspace_size("gfx950", num_seqs=3, num_tokens=3, num_heads=8, num_kv_heads=2,
                                head_size=128, max_seq_len=48, multi_token=False, num_cus=256)
-    _decode_args(rec, **_plan_args("gfx950", buffer=size))
+    _decode_args(rec, **_plan_args("gfx950"))
+    assert PLAN.plan("gfx950", num_seqs=3, num_tokens=3, num_heads=8, num_kv_heads=2,
+                     head_size=128, max_seq_len=48, multi_token=False, num_cus=256).size == size
     assert isinstance(rec["args"]["workspace_buffer_ptr"], int)  # not the problem's workspace
 
 
@@ -914,8 +906,8 @@ def compile_rendered(src: str, pa_dir, arch: str, tmp_path) -> str:
 def test_rendered_source_compiles_for_gfx950(routes, tmp_path, case):
     """The translation unit AITER would build, with the injected headers, compiles for gfx950
     (host launch code and device code; csrc_hip/shims stands in for <hip/hip_runtime.h>), with
-    the Q pre-pass and both specializations of the partition kernel (its reduce fused; no
-    kernel of gfx942's), on the scaled MFMA: in the native path FP4 keys and FP4 V (cbsz:4), for
+    both specializations of the partition kernel (Q's transform in its prologue, its reduce
+    fused; no pre-pass kernel, no kernel of gfx942's), on the scaled MFMA: in the native path FP4 keys and FP4 V (cbsz:4), for
     K8V4 E4M3 keys (the FP8 operand form, no cbsz) and FP4 V; the LUT path FP8 operands only."""
     src = routes[case]["src"]
     assert "TQ_LAUNCH_GFX950(true)" in src and "TQ_LAUNCH_GFX950(false)" in src
@@ -924,7 +916,7 @@ def test_rendered_source_compiles_for_gfx950(routes, tmp_path, case):
     names = [ln.split(":")[0] for ln in asm.splitlines() if ln.startswith("_ZN2tq")]
     kernels = [n for n in names if n.startswith("_ZN2tq6gfx95023tq_fp4_pa_gfx950_kernel")]
     assert len(kernels) == 2, names
-    assert any(n.startswith("_ZN2tq6gfx95023tq_fp4_q_prepass_kernel") for n in names), names
+    assert not any("prepass" in n for n in names), names
     assert not any("tq_fp4_pa_partition_kernel" in n for n in names), names
     # <Bf16, 128, 16, gqa 4, USE_NATIVE_FP4_MFMA, ...>: both values of the bool after gqa 4
     # the last bool: KEY_E4M3
@@ -1052,8 +1044,8 @@ def test_gfx942_decode_reaches_the_lut_kernel(routes, case):
     assert rec["func_name"] != gfx950["func_name"]  # never the gfx950 library
     # the same arguments but the plan's: 256-token partitions, pa_v1's packed workspace
     plan = _plan_args("gfx942")
-    assert plan["partition_len"] == 256 and plan["q8_offset"] == plan["counters_offset"] == -1
-    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0, **plan}
+    assert plan["partition_len"] == 256
+    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0, "tickets_ptr": None, **plan}
     # gfx942's LUT kernel, one instantiation (no native or K8V4 form exists there)
     assert rec["src"].count("tq::tq_fp4_pa_partition_kernel<Scalar, head_size, block_size, "
                             "gqa_ratio, multi_token>") == 1
@@ -1065,7 +1057,7 @@ def test_gfx942_multi_token_reaches_the_lut_kernel(routes):
     rec = _reached(routes, "gfx942 op multi-token")
     gfx950 = _reached(routes, "op multi-token")
     assert rec["template"] == {**gfx950["template"], "arch": "gfx942"}
-    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0,
+    assert rec["args"] == {**gfx950["args"], "use_native_fp4_mfma": 0, "tickets_ptr": None,
                            **_plan_args("gfx942", seqs=(20, 33), tokens=5)}
 
 
@@ -1103,13 +1095,13 @@ def test_rendered_source_compiles_for_gfx942(routes, tmp_path):
 # ---------------------------------------------------------------- gfx950 on the lane simulation
 
 HOST_CASES = {  # case -> (partition_len, partitions, use_native_fp4_mfma)
-    "host decode default": (128, 3, 1),                 # 304 tokens of block table, 256 CUs
-    "host decode default LUT soft cap": (128, 3, 0),
-    "host decode 1 CU": (256, 2, 1),                    # 3 x 2 x 2 = 12 >= 2 x 4 waves
-    "host multi-token window sinks lse": (128, 3, 1),
-    "host k8v4 soft cap": (128, 3, 1),
-    "host pa_v1 fp4 garbage workspace": (128, 3, 1),
-    "host pa_v1 fp4 large garbage workspace": (128, 3, 1),
+    "host decode default": (256, 2, 1),                 # 304 tokens of block table, 256 CUs
+    "host decode default LUT soft cap": (256, 2, 0),
+    "host decode 1 CU": (2048, 1, 1),                   # 3 x 2 x 1 = 6 >= 1 x 4 waves
+    "host multi-token window sinks lse": (256, 2, 1),
+    "host k8v4 soft cap": (256, 2, 1),
+    "host pa_v1 fp4 garbage workspace": (256, 2, 1),
+    "host pa_v1 fp4 large garbage workspace": (256, 2, 1),
 }
 
 
@@ -1117,9 +1109,9 @@ HOST_CASES = {  # case -> (partition_len, partitions, use_native_fp4_mfma)
 def test_gfx950_launcher_on_the_lane_simulation(routes, case):
     """The gfx950 launcher as AITER's JIT builds it from the patch (the rendered
     pa_fp4.cpp.jinja and the shipped headers, compiled for the host over the lane simulation),
-    called from turboquant's aiter backend (or pa_v1's fp4 branch): its two launches (the Q
-    pre-pass, the partition kernel with its fused reduce) with the plan's arguments give
-    turboquant's reference attention and leave the workspace's counters zero (default
+    called from turboquant's aiter backend (or pa_v1's fp4 branch): its
+    one launch (the partition kernel, Q's transform in its prologue, its fused reduce) with the
+    plan's arguments gives turboquant's reference attention and leaves the tickets zero (default
     config: rotation, key smoothing, the sink; soft cap, window, learned sinks, lse, K8V4, both
     paths) on 3 sequences of 1, 54 and 300 tokens."""
     partition, parts, native = HOST_CASES[case]
@@ -1134,13 +1126,12 @@ def test_gfx950_launcher_on_the_lane_simulation(routes, case):
     assert rec["rel"] < 1e-2, rec["rel"]  # the lane simulation's tests: about 1e-3 on such data
     if "lse_max_err" in rec:
         assert rec["lse_max_err"] < 1e-2, rec["lse_max_err"]
-    if "counters_zero" in rec:
-        assert rec["counters_zero"]
+    if "tickets_zero" in rec:
+        assert rec["tickets_zero"]
     if case == "host pa_v1 fp4 garbage workspace":  # too small for the plan: its own buffer
         assert rec["args"]["workspace_buffer_ptr"] != "<workspace>"
     if case == "host pa_v1 fp4 large garbage workspace":
         assert rec["args"]["workspace_buffer_ptr"] == "<workspace>"
-        assert rec["args"]["counters_offset"] == (1 << 16) - 32  # 3 tiles x 2 heads, at the end
 
 
 def test_host_cases_share_libraries(routes):

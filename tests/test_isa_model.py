@@ -343,7 +343,7 @@ def test_gfx942_lut_counts_and_estimate(hip_asm942):
 
 
 # ---------------------------------------------------------------------------------------------
-# AMD: one call (pre-pass, partitions, reduce; AITER's kernels), the launcher's plan
+# AMD: one call (partitions, reduce; AITER's kernels), the launcher's plan
 # ---------------------------------------------------------------------------------------------
 def _toy_path(**kw) -> "im.AmdPath":
     """A one-wave-per-workgroup kernel of 100 VALU per 8-tile step: 400 SIMD clocks = 166.7 ns
@@ -351,7 +351,7 @@ def _toy_path(**kw) -> "im.AmdPath":
     args = dict(label="toy", hw=im.MI355X(), tile_bytes=im.FP4_TILE_BYTES,
                 step=Counter(valu=100, total=100), tiles_per_step=8, once=Counter(),
                 mfma_clk=32.0, waves_per_wg=1, occupancy=2, launches=3, wg_step_tokens=128,
-                partition=lambda *_: 128, prologue_trips=2, in_flight_bytes=0, prepass_trips=2,
+                partition=lambda *_: 128, prologue_trips=2, in_flight_bytes=0,
                 reduce=(2, 8, 2))
     args.update(kw)
     return im.AmdPath(**args)
@@ -368,7 +368,7 @@ def test_amd_call_small_shape_is_latency_and_fixed_costs():
     assert c["terms"]["HBM"] == pytest.approx(8 * 8 * 2080 / 8000)
     assert c["stream_us"] * 1e3 == pytest.approx(2 * lat + lat + issue)
     partials = 64 * 1 * (128 * 2 + 8)
-    assert c["fixed_us"] == pytest.approx({"launches": 3 * hw.launch_us, "pre-pass": 2 * lat / 1e3,
+    assert c["fixed_us"] == pytest.approx({"launches": 3 * hw.launch_us,
                                            "reduce": (4 * lat + 2 * partials / 8000) / 1e3})
     assert c["total_us"] == pytest.approx(c["stream_us"] + sum(c["fixed_us"].values()))
     # the dependency factor scales the instruction time only
@@ -396,7 +396,7 @@ def test_amd_call_little_law_and_rounds():
     # no split (AITER's asm kernel): one workgroup of 4 waves per (sequence, kv head) streams
     # the whole context, so at batch 1 only 8 CUs work and the time grows with the context
     asm = _toy_path(partition=None, waves_per_wg=4, wg_step_tokens=512, launches=1,
-                    prepass_trips=0, reduce=(0, 0, 0), in_flight_bytes=step_bytes // 2)
+                    reduce=(0, 0, 0), in_flight_bytes=step_bytes // 2)
     a4, a32 = im.amd_call(asm, 1, 4096), im.amd_call(asm, 1, 32768)
     assert (a4["workgroups"], a4["nparts"]) == (8, 1)
     assert a32["stream_us"] == pytest.approx(8 * (a4["stream_us"] - 2 * lat / 1e3) + 2 * lat / 1e3)
@@ -418,19 +418,19 @@ def test_partition_len_is_the_launchers_plan():
     on more shapes)."""
     f = im.partition_len()
     assert f.__code__.co_filename == str(im.PLAN_FILE)
-    # 2 waves per SIMD x 4 SIMDs x 256 CUs = 2048 waves wanted
-    assert f(1, 8, 4096, 256) == 128       # never enough: the shortest
-    assert f(1, 8, 32768, 256) == 128      # 8 x 256 = 2048
-    assert f(16, 8, 4096, 256) == 256      # 128 x 16
+    # 1 wave per SIMD x 4 SIMDs x 256 CUs = 1024 waves wanted; 256 tokens at least
+    assert f(1, 8, 4096, 256) == 256       # never enough: the shortest
+    assert f(1, 8, 32768, 256) == 256      # 8 x 128 = 1024
+    assert f(16, 8, 4096, 256) == 512      # 128 x 8
     assert f(16, 8, 32768, 256) == 2048    # 128 x 16
     assert f(64, 8, 32768, 256) == 2048    # the longest: 512 x 16
     for args in [(b, h, L, cus) for b in (1, 3, 16, 64, 200) for h in (1, 8) for L in
                  (1, 100, 4096, 5000, 32768) for cus in (80, 256, 304)]:
         p = f(*args)
-        assert p in (128, 256, 512, 1024, 2048)
-        assert p == 128 or args[0] * args[1] * -(-args[2] // p) >= 8 * args[3]
+        assert p in (256, 512, 1024, 2048)
+        assert p == 256 or args[0] * args[1] * -(-args[2] // p) >= 4 * args[3]
         if p < 2048:   # the next longer one would not fill the GPU
-            assert args[0] * args[1] * -(-args[2] // (2 * p)) < 8 * args[3]
+            assert args[0] * args[1] * -(-args[2] // (2 * p)) < 4 * args[3]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +527,7 @@ def test_gfx950_paths_counts_and_call(hot_asm, all_paths_asm):
     paths = im.gfx950_paths(_clang())
     assert list(paths) == GFX950_IDS
     for name, p in paths.items():
-        assert p.tiles_per_step == TILES and p.waves_per_wg == 1 and p.launches == 2
+        assert p.tiles_per_step == TILES and p.waves_per_wg == 1 and p.launches == 1
         assert p.in_flight_bytes == 0                        # each step waits for its loads
         assert p.stats["scratch"] == 0 and 1 <= p.occupancy <= 8
         hot, every = p.cycles()["limits_cu"]["valu"], p.cycles(p.all_paths)["limits_cu"]["valu"]

@@ -314,6 +314,7 @@ struct Args {
   int num_slots, sink;
   const float* sinks;  // [num_heads] learned sink logits, or nullptr
   float* lse;          // [num_tokens, num_heads], or nullptr
+  int num_blocks;      // the caches' first dimension
 };
 
 #if TQ_GFX942
@@ -325,8 +326,8 @@ void partition_body(void* p) {
       a.query, a.key_cache, a.value_cache, a.key_scales, a.value_scales, a.block_tables,
       a.seq_lens, a.cu_query_lens, a.exp_sums, a.max_logits, a.tmp_out, a.scale, a.soft_cap,
       a.sliding_window, a.max_blocks_per_seq, a.max_num_partitions, a.num_seqs, a.num_tokens,
-      a.num_kv_heads, a.q_stride, a.kv_block_stride, a.kv_head_stride, a.kv_seq_stride,
-      a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink,
+      a.num_kv_heads, a.q_stride, a.num_blocks, a.kv_block_stride, a.kv_head_stride,
+      a.kv_seq_stride, a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink,
       a.sinks != nullptr || a.lse != nullptr);
 }
 
@@ -356,53 +357,33 @@ int run_all(const Args& a) {
 #endif
 
 
-// The gfx950 kernels (tq_fp4_gfx950_attention.cuh): the Q pre-pass, then the partition kernel
-// (one wave per workgroup; the last partition of each row tile reduces it), in the launcher's
-// order.
+// The gfx950 kernel (tq_fp4_gfx950_attention.cuh): one wave per workgroup, the last partition
+// of each row tile reducing it, in the launcher's grid order.
 struct Args950 {
   Args a;
   int partition_len;
-  std::vector<uint8_t> q8;
-  std::vector<tq::gfx950::QRow> qrows;
   std::vector<uint32_t> tickets;  // [row tiles, num_kv_heads]
-  int num_heads;
   float* tmp_out;  // [num_tokens, num_heads, max_num_partitions, HEAD] fp32 partials
 };
-
-template <class Scalar, int HEAD>
-void prepass_body(void* p) {
-  Args950& x = *static_cast<Args950*>(p);
-  const Args& a = x.a;
-  tq::gfx950::tq_fp4_q_prepass_kernel<Scalar, HEAD>(
-      a.query, x.q8.data(), x.qrows.data(), a.cu_query_lens, a.num_seqs, x.num_heads,
-      x.num_heads / a.num_kv_heads, a.q_stride, a.scale,
-      a.soft_cap, a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, a.sink);
-}
 
 template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI, bool KEY8>
 void partition950_body(void* p) {
   Args950& x = *static_cast<Args950*>(p);
   const Args& a = x.a;
   tq::gfx950::tq_fp4_pa_gfx950_kernel<Scalar, HEAD, BS, GQA, NATIVE, MULTI, KEY8>(
-      x.q8.data(), x.qrows.data(), a.key_cache, a.value_cache, a.key_scales, a.value_scales,
+      a.query, a.key_cache, a.value_cache, a.key_scales, a.value_scales,
       a.block_tables, a.seq_lens, a.cu_query_lens, a.exp_sums, a.max_logits, x.tmp_out,
-      a.soft_cap, a.sliding_window, a.max_blocks_per_seq, a.max_num_partitions, x.partition_len,
-      a.num_seqs, a.num_tokens, a.num_kv_heads, a.kv_block_stride, a.kv_head_stride,
-      a.kv_seq_stride, a.sink, a.seq_state != nullptr && a.soft_cap > 0.0f, a.out, a.lse,
-      a.sinks, a.rotation_signs, a.seq_state, a.state_ids, a.num_slots, x.tickets.data());
+      a.scale, a.soft_cap, a.sliding_window, a.max_blocks_per_seq, a.max_num_partitions,
+      x.partition_len, a.num_seqs, a.num_tokens, a.num_kv_heads, a.q_stride, a.num_blocks,
+      a.kv_block_stride, a.kv_head_stride, a.kv_seq_stride, a.sink,
+      a.seq_state != nullptr && a.soft_cap > 0.0f, a.out, a.lse, a.sinks, a.rotation_signs,
+      a.seq_state, a.state_ids, a.num_slots, x.tickets.data());
 }
 
-// The launcher's grids (pa_fp4.cpp.jinja), one workgroup at a time.
+// The launcher's grid (pa_fp4.cpp.jinja), one workgroup at a time.
 template <class Scalar, int HEAD, int BS, int GQA, bool NATIVE, bool MULTI, bool KEY8>
 int run_all_950(Args950& x) {
   const Args& a = x.a;
-  const int num_heads = x.num_heads = a.num_kv_heads * GQA;
-  x.q8.assign(size_t(a.num_tokens) * num_heads * 2 * HEAD, 0xA5);
-  x.qrows.assign(size_t(a.num_tokens) * num_heads, tq::gfx950::QRow{-1, NAN, NAN, NAN});
-  for (int token = 0; token < a.num_tokens; ++token)
-    for (int h = 0; h < num_heads; ++h)
-      if (run_workgroup(token, h, 0, prepass_body<Scalar, HEAD>, &x, tq::gfx950::kWave) != 0)
-        return -1;
   const int row_tiles = MULTI ? a.num_seqs + (a.num_tokens * GQA + tq::kTile - 1) / tq::kTile
                               : a.num_seqs;
   x.tickets.assign(size_t(row_tiles) * a.num_kv_heads, 0u);
@@ -454,7 +435,7 @@ extern "C" int tq_sim_paged_attention(
     const int* seq_lens, const int* cu_query_lens, float* exp_sums, float* max_logits,
     uint16_t* tmp_out, uint16_t* out, float scale, float soft_cap, int sliding_window,
     int num_seqs, int num_tokens, int num_kv_heads, int max_blocks_per_seq,
-    int max_num_partitions, int q_stride, long kv_block_stride, int kv_head_stride,
+    int max_num_partitions, int num_blocks, int q_stride, long kv_block_stride, int kv_head_stride,
     int kv_seq_stride, const float* rotation_signs, const float* seq_state, const int* state_ids,
     int num_slots, int sink, const float* sinks, float* lse) {
   Sim sim;
@@ -464,7 +445,7 @@ extern "C" int tq_sim_paged_attention(
                   cu_query_lens, exp_sums, max_logits, tmp_out, out, scale, soft_cap,
                   sliding_window, num_seqs, num_tokens, num_kv_heads, max_blocks_per_seq,
                   max_num_partitions, q_stride, kv_block_stride, kv_head_stride, kv_seq_stride,
-                  rotation_signs, seq_state, state_ids, num_slots, sink, sinks, lse};
+                  rotation_signs, seq_state, state_ids, num_slots, sink, sinks, lse, num_blocks};
   int rc = -3;  // not in this build: the gfx950 build has the gfx950 kernels' entry below
 #if TQ_GFX942
   const bool multi = cu_query_lens != nullptr;
@@ -482,9 +463,9 @@ extern "C" int tq_sim_paged_attention(
   return rc;
 }
 
-// The gfx950 kernels (pre-pass, partition kernel with its fused reduce) with partitions of
-// partition_len tokens (tmp_out: fp32 partials)
-// (exp_sums, max_logits, tmp_out sized for max_num_partitions of them); arguments as above.
+// The gfx950 kernel (partitions with their fused reduce) with partitions of partition_len
+// tokens (tmp_out: fp32 partials) over caches of num_blocks blocks (exp_sums, max_logits,
+// tmp_out sized for max_num_partitions of them); arguments as above.
 extern "C" int tq_sim_paged_attention_gfx950(
     int is_bf16, int head, int block_size, int gqa, int native, int key_e4m3,
     const uint16_t* query, const uint8_t* key_cache, const uint8_t* value_cache,
@@ -492,7 +473,7 @@ extern "C" int tq_sim_paged_attention_gfx950(
     const int* seq_lens, const int* cu_query_lens, float* exp_sums, float* max_logits,
     float* tmp_out, uint16_t* out, float scale, float soft_cap, int sliding_window,
     int num_seqs, int num_tokens, int num_kv_heads, int max_blocks_per_seq,
-    int max_num_partitions, int partition_len, int q_stride, long kv_block_stride,
+    int max_num_partitions, int partition_len, int num_blocks, int q_stride, long kv_block_stride,
     int kv_head_stride, int kv_seq_stride, const float* rotation_signs, const float* seq_state,
     const int* state_ids, int num_slots, int sink, const float* sinks, float* lse) {
   if (tq::kGfx942) return -3;
@@ -505,7 +486,7 @@ extern "C" int tq_sim_paged_attention_gfx950(
          cu_query_lens, exp_sums, max_logits, nullptr, out, scale, soft_cap, sliding_window,
          num_seqs, num_tokens, num_kv_heads, max_blocks_per_seq, max_num_partitions, q_stride,
          kv_block_stride, kv_head_stride, kv_seq_stride, rotation_signs, seq_state, state_ids,
-         num_slots, sink, sinks, lse};
+         num_slots, sink, sinks, lse, num_blocks};
   x.partition_len = partition_len;
   const bool multi = cu_query_lens != nullptr;
   int rc = -2;

@@ -1,8 +1,9 @@
 # turboquant-fp4: FP4 (E2M1 codes, E8M0 scales) KV cache for AITER's pa_v1.
 # Injected into csrc/cpp_itfs/pa/ by `python -m turboquant.integration.aiter.patch`; removed by
 # its --revert. The kernels are turboquant's, next to this file: gfx950 runs
-# tq_fp4_gfx950_attention.cuh (2 launches: a Q pre-pass, then one-wave partitions of a length
-# chosen per call, the last partition of each row tile reducing it), gfx942
+# tq_fp4_gfx950_attention.cuh (1 launch: one-wave partitions of a length chosen per call, each
+# transforming its rows' Q in its prologue, the last partition of each row tile reducing it),
+# gfx942
 # tq_fp4_paged_attention.cuh (256-token partitions of 4 waves, then its reduce kernel). The
 # partition length, the grid and the workspace layout come from pa_fp4_plan.py (one place, also
 # read by turboquant's ISA model).
@@ -26,11 +27,10 @@
 # v_mfma_f32_16x16x32_fp8_fp8 with the scales in fp32; K8V4 caches are refused there: their OCP
 # E4M3 key bytes are not gfx942's FNUZ FP8).
 # Workspace (workspace_size / new_workspace; layout in pa_fp4_plan.py): gfx942's is pa_v1's
-# (exp_sums, max_logits, tmp_out for 256-token partitions). gfx950's holds fp32 partials, Q's
-# pre-pass results and, at the buffer's end, uint32 counters (the fused reduce's tickets) that
-# must be zero when a call starts (the kernel leaves them zero): a caller-provided workspace is
-# zeroed once before its first use; to reuse one buffer across shapes, size it with
-# partition=pa_fp4_plan.STEP for the largest call.
+# (exp_sums, max_logits, tmp_out for 256-token partitions), gfx950's fp32 partials. Nothing in
+# it outlives a call: any buffer of the call's size serves, kept or new. gfx950's reduce
+# tickets live apart (`_tickets`): one zeroed array per device and stream that every call
+# leaves zero.
 import ctypes
 import hashlib
 import operator
@@ -139,10 +139,9 @@ def _device(device):
 
 def new_workspace(query, num_kv_heads: int, max_seq_len: int, num_seqs: int = None,
                   cu_query_lens=None, reusable: bool = False):
-    """A workspace for a call of this query on its device (uint8, its counters zeroed).
+    """A workspace for a call of this query on its device (uint8, uninitialized).
     reusable: sized with the shortest partitions, enough for any call with at most as many query
-    tokens and sequences (the same heads, at most this max_seq_len), so the buffer can be
-    kept; the kernel leaves its counters zero."""
+    tokens and sequences (the same heads, at most this max_seq_len)."""
     import torch
 
     arch, num_cus = _device(query.device)
@@ -154,10 +153,28 @@ def new_workspace(query, num_kv_heads: int, max_seq_len: int, num_seqs: int = No
                   head_size=head_size, max_seq_len=max_seq_len,
                   multi_token=cu_query_lens is not None, num_cus=num_cus,
                   partition=plan.STEP if reusable and arch == "gfx950" else None)
-    ws = torch.empty(p.size, dtype=torch.uint8, device=query.device)
-    if "counters" in p.regions:  # from the counters to the end: where any later plan has its own
-        ws[p.regions["counters"].offset:].zero_()
-    return ws
+    return torch.empty(p.size, dtype=torch.uint8, device=query.device)
+
+
+# (device, stream handle) -> the ticket arrays made for it, the newest (largest) last.
+# Older ones are kept: a captured graph may hold their address.
+_TICKETS = {}
+_MIN_TICKETS = 4096
+
+
+def _tickets(device, n: int):
+    """gfx950: at least n uint32 tickets for a call on the current stream of `device`, zero
+    (every call leaves the ones it takes at zero). A larger array than any before is allocated
+    zeroed on that stream, at least twice the last one (under graph capture its zeroing becomes a
+    node of the graph)."""
+    import torch
+
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    have = _TICKETS.setdefault(key, [])
+    if not have or have[-1].numel() < n:
+        size = max(n, _MIN_TICKETS, 2 * have[-1].numel() if have else 0)
+        have.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return have[-1]
 
 
 def _check_queries(query, seq_lens, block_tables, cu_query_lens, sliding_window):
@@ -217,18 +234,17 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
                                scale: float, logits_soft_cap: float = 0.0, use_native=None,
                                rotation_signs=None, seq_state=None, state_ids=None,
                                sink: bool = False, cu_query_lens=None, sliding_window: int = 0,
-                               sinks=None, lse=None, zero_counters: bool = False):
+                               sinks=None, lse=None, grow_workspace: bool = False):
     """Attention over the FP4 (or K8V4) paged cache into out: decode (cu_query_lens None: one query
     token per sequence) or cu_query_lens int32 [num_seqs + 1] (several, causal among
     themselves); sliding_window W > 0: keys p - W + 1 .. p. rotation_signs / seq_state +
     state_ids / sink: turboquant's transforms (None / False: off). sinks: learned sink logits
     float32 [num_heads] (one more logit per head, no value); lse: float32 [num_tokens,
     num_heads], written with each row's natural-log log-sum-exp (None: not wanted).
-    workspace_buffer: contiguous, 16-byte aligned, at least workspace_size(...) bytes, its gfx950
-    counters zero (see the top of this file). zero_counters: a buffer that comes with no such
-    promise (pa_v1's, which its callers allocate with torch.empty): its counters are zeroed
-    before the launch, and on gfx950 one too small, misaligned or not contiguous for this call's
-    plan is replaced by a new one."""
+    workspace_buffer: contiguous, 16-byte aligned, at least workspace_size(...) bytes, contents
+    unused. grow_workspace: a buffer sized for another layout (pa_v1's): on gfx950 one too small,
+    misaligned or not contiguous for this call's plan is replaced by a new one instead of
+    refused."""
     import torch
 
     arch, num_cus = _device(query.device)
@@ -308,13 +324,12 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
               num_kv_heads=num_kv_heads, head_size=head_size, max_seq_len=max_seq_len,
               multi_token=cu_query_lens is not None, num_cus=num_cus)
     nbytes = workspace_buffer.numel() * workspace_buffer.element_size()
-    p = plan.plan(arch, buffer_nbytes=nbytes, **kw)
-    if zero_counters and arch == "gfx950" and (
+    p = plan.plan(arch, **kw)
+    if grow_workspace and arch == "gfx950" and (
             nbytes < p.size or not workspace_buffer.is_contiguous()
             or workspace_buffer.data_ptr() % 16):
         workspace_buffer = torch.empty(p.size, dtype=torch.uint8, device=query.device)
         nbytes = p.size
-        p = plan.plan(arch, buffer_nbytes=nbytes, **kw)
     if not workspace_buffer.is_contiguous() or workspace_buffer.device != query.device:
         _fail("workspace_buffer", f"a contiguous tensor on {query.device}",
               f"strides {tuple(workspace_buffer.stride())} on {workspace_buffer.device}")
@@ -323,9 +338,7 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
     if arch == "gfx950" and workspace_buffer.data_ptr() % 16:
         _fail("workspace_buffer", "a 16-byte aligned data pointer",
               hex(workspace_buffer.data_ptr()))
-    if zero_counters and "counters" in p.regions:
-        c = p.regions["counters"]
-        workspace_buffer.view(-1).view(torch.uint8)[c.offset:c.end].zero_()
+    tickets = _tickets(query.device, plan.num_tickets(p, num_kv_heads)) if arch == "gfx950" else None
     scalar = "Bf16" if query.dtype == torch.bfloat16 else "Fp16"
     gqa_ratio = num_heads // num_kv_heads
     if cu_query_lens is None and p.multi_token:
@@ -337,7 +350,7 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
                    key_format="fp8_e4m3" if key_e4m3 else "fp4", arch=arch)
     ptr = lambda t: ctypes.c_void_p(None if t is None else t.data_ptr())  # noqa: E731
     func(ptr(out), ptr(workspace_buffer),
-         *(ctypes.c_long(p.offset(name)) for name in plan.REGIONS),
+         *(ctypes.c_long(p.offset(name)) for name in plan.REGIONS), ptr(tickets),
          ptr(query), ptr(key_cache), ptr(value_cache),
          ptr(key_scales), ptr(value_scales),
          ctypes.cast(block_tables.data_ptr(), ctypes.POINTER(ctypes.c_int)),
@@ -346,7 +359,7 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
          ctypes.c_int(sliding_window), ctypes.c_int(block_tables.size(1)),
          ctypes.c_int(p.max_parts), ctypes.c_int(p.partition_len), ctypes.c_int(p.row_tiles),
          ctypes.c_int(num_seqs), ctypes.c_int(num_tokens), ctypes.c_int(num_kv_heads),
-         ctypes.c_int(query.stride(0)), ctypes.c_long(value_cache.stride(0)),
+         ctypes.c_int(num_blocks), ctypes.c_int(query.stride(0)), ctypes.c_long(value_cache.stride(0)),
          ctypes.c_int(value_cache.stride(1)), ctypes.c_int(value_cache.stride(2)),
          ptr(rotation_signs), ptr(seq_state), ptr(state_ids), ctypes.c_int(num_slots),
          ctypes.c_int(1 if sink else 0), ptr(sinks), ptr(lse), ctypes.c_int(1 if use_native else 0),
@@ -362,8 +375,8 @@ def paged_attention_v1_fp4(out, workspace_buffer, query, key_cache, value_cache,
     cu_query_lens (int32 [num_seqs + 1], or None: decode) and sliding_window go to the kernel;
     with cu_query_lens, mtp (pa_v1's bound on the query tokens of a sequence) is not needed.
     workspace_buffer: sized by pa_v1's caller for pa_v1's layout (256-token partitions; exactly
-    gfx942's) and not zeroed: on gfx950 the call zeroes its counters, and takes a new buffer
-    when this one is smaller than its plan (pa_fp4_plan.py)."""
+    gfx942's): on gfx950 the call takes a new buffer when this one is smaller than its plan
+    (pa_fp4_plan.py)."""
     unsupported = {
         "kv_cache_layout": (kv_cache_layout, "HND"),
         "alibi_slopes": (alibi_slopes, None),
@@ -380,4 +393,4 @@ def paged_attention_v1_fp4(out, workspace_buffer, query, key_cache, value_cache,
                                       k_scale, v_scale, block_tables, context_lens,
                                       max_context_len, scale, logits_soft_cap,
                                       cu_query_lens=cu_query_lens,
-                                      sliding_window=sliding_window or 0, zero_counters=True)
+                                      sliding_window=sliding_window or 0, grow_workspace=True)

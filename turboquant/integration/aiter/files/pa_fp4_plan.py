@@ -4,46 +4,36 @@
 # csrc.cpp_itfs.pa.pa_fp4_plan); removed by its --revert. Dependency-free (no torch, no AITER):
 # benchmarks/isa_model.py imports this file by path for its call model.
 #
-# gfx950 (tq_fp4_gfx950_attention.cuh): a Q pre-pass, then the partition kernel, one wave per
-# (row tile, partition, kv head) over partitions of `partition_len` tokens (a multiple of the
-# kernel's 128-token step, chosen per call by `partition_len` below); the last partition of a
-# row tile to finish (counted by the tile's counter) reduces the tile's rows. Workspace, every
-# region 16-byte aligned, in this order:
+# gfx950 (tq_fp4_gfx950_attention.cuh): one kernel, one wave per (row tile, partition, kv
+# head) over partitions of `partition_len` tokens (a multiple of the kernel's 128-token step,
+# chosen per call by `partition_len` below); the last partition of a row tile to finish
+# (counted by the tile's ticket) reduces the tile's rows. Workspace, every region 16-byte
+# aligned, in this order:
 #   exp_sums, max_logits  float32  [num_tokens, num_heads, max_parts]
 #   tmp_out               float32  [num_tokens, num_heads, max_parts, head_size] (O / l)
-#   q8                    uint8    [num_tokens, num_heads, 2, head_size] (Q's two E4M3 terms)
-#   qrows                 16 bytes [num_tokens, num_heads] (struct QRow {int qscale; float
-#                                  qadd; float x0; float pad;})
-#   counters              uint32   [row_tiles, num_kv_heads] (the reduce's tickets), at the END
-#                                  of the buffer
-# The counters must be zero when a call starts; the kernel leaves them zero after each call.
-# They sit at the end of the whole buffer (not of the call's other regions), so one buffer,
-# zeroed once, serves every later call whose plan fits it: size it with
-# workspace_size(..., partition=STEP) for the largest num_tokens, num_seqs AND max_seq_len it
-# will see, together (the shortest partitions need the most bytes), and no call's other regions
-# ever reach the bytes another call uses as counters. A buffer sized for less (e.g. a call with
-# fewer sequences but a longer max_seq_len than the sizing) can have one call's partials
-# written over another's counters: the launcher checks only the call's own size.
+# Nothing in it outlives the call: any buffer of at least the call's size serves, reused or
+# not. The tickets are not in the workspace: uint32 [row_tiles, num_kv_heads]
+# (`num_tickets`), an array the launcher keeps per device and stream, zero when allocated and
+# left zero by every call.
 # gfx942 (tq_fp4_paged_attention.cuh, the LUT kernel): 256-token partitions of 4 waves, and the
 # workspace pa_v1 lays out, packed: exp_sums, max_logits (float32), tmp_out (query dtype), each
-# [num_tokens, num_heads, max_parts(, head_size)]. No q8, qrows or counters.
+# [num_tokens, num_heads, max_parts(, head_size)].
 
 from dataclasses import dataclass
 from typing import Optional
 
 STEP = 128                  # gfx950: tokens per online-softmax step; partitions are multiples
-MAX_PARTITION_LEN = 2048    # gfx950: the longest partition the plan picks
+MAX_PARTITION_LEN = 2048    # gfx950: the longest partition the plan picks ...
+MIN_PARTITION_LEN = 256     # ... and the shortest (see partition_len)
 GFX942_PARTITION_LEN = 256  # gfx942: tq::kPartition of the old kernel (pa_v1's partition size)
-WAVES_PER_SIMD = 2          # gfx950: the partition waves wanted per SIMD ...
-SIMDS_PER_CU = 4            # ... of every CU: 2 x 4 x num_cus waves at least, if the call has them
+WAVES_PER_SIMD = 1          # gfx950: the partition waves wanted per SIMD ...
+SIMDS_PER_CU = 4            # ... of every CU: 1 x 4 x num_cus waves at least, if the call has them
 TILE_ROWS = 16              # (query token, head) rows per row tile (the MFMA's 16 columns)
 MAX_DECODE_GQA = 16         # a decode tile holds the whole GQA group; larger groups run multi-token
 ALIGN = 16                  # every workspace region starts at a multiple of this many bytes
-QROW_BYTES = 16             # sizeof(tq::gfx950::QRow)
 PARTIAL_BYTES = 4           # gfx950: tmp_out's element, fp32 (gfx942: the query dtype's)
-COUNTER_BYTES = 4           # uint32
 ARCHS = ("gfx950", "gfx942")
-REGIONS = ("exp_sums", "max_logits", "tmp_out", "q8", "qrows", "counters")
+REGIONS = ("exp_sums", "max_logits", "tmp_out")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -56,16 +46,20 @@ def _align(n: int) -> int:
 
 def partition_len(row_tiles: int, num_kv_heads: int, max_seq_len: int, num_cus: int) -> int:
     """gfx950: tokens per partition. The largest 128 x 2^k <= 2048 that still gives
-    row_tiles x num_kv_heads x ceil(max_seq_len / P) >= 2 waves x 4 SIMDs x num_cus partition
-    waves (longer partitions: fewer partials to write and reduce, Q's terms loaded fewer times),
-    else 128 (the call cannot fill the GPU: split as finely as the step allows)."""
+    row_tiles x num_kv_heads x ceil(max_seq_len / P) >= 1 wave x 4 SIMDs x num_cus partition
+    waves (longer partitions: fewer partials to write and reduce, Q transformed fewer times),
+    else 256 (the call cannot fill the GPU: split finely, but not below the length whose
+    partials the fused reduce combines faster than it streams them). Both constants are the ISA
+    model's choice over its table (benchmarks/isa_model.py, 1-128 sequences x 4k-32k: one wave
+    per SIMD and 256 tokens at least are as fast or faster at every shape); an estimate, not a
+    measurement."""
     want = WAVES_PER_SIMD * SIMDS_PER_CU * num_cus
     p = MAX_PARTITION_LEN
-    while p >= STEP:
+    while p > MIN_PARTITION_LEN:
         if row_tiles * num_kv_heads * _ceil_div(max_seq_len, p) >= want:
             return p
         p //= 2
-    return STEP
+    return MIN_PARTITION_LEN
 
 
 def runs_multi_token(multi_token: bool, gqa_ratio: int) -> bool:
@@ -107,26 +101,27 @@ class Plan:
     max_parts: int
     row_tiles: int
     multi_token: bool  # the instantiation that runs (runs_multi_token)
-    regions: dict  # name -> Region, in REGIONS order; gfx942: the first three only
+    regions: dict  # name -> Region, in REGIONS order
     size: int  # bytes of workspace the call needs
 
     def offset(self, name: str) -> int:
-        """Byte offset of a region, -1 where the arch has none (what the launcher passes)."""
-        r = self.regions.get(name)
-        return -1 if r is None else r.offset
+        """Byte offset of a region (what the launcher passes)."""
+        return self.regions[name].offset
+
+
+def num_tickets(p: Plan, num_kv_heads: int) -> int:
+    """gfx950: the reduce's tickets of a call, one per (row tile, kv head)."""
+    return p.row_tiles * num_kv_heads
 
 
 def plan(arch: str, *, num_seqs: int, num_tokens: int, num_heads: int, num_kv_heads: int,
          head_size: int, max_seq_len: int, multi_token: bool, num_cus: Optional[int] = None,
-         partition: Optional[int] = None, qo_bytes: int = 2,
-         buffer_nbytes: Optional[int] = None) -> Plan:
+         partition: Optional[int] = None, qo_bytes: int = 2) -> Plan:
     """The plan of one call. multi_token: cu_query_lens given (the GQA > 16 rule is applied here).
     gfx950: partition (tokens per partition) None picks it from num_cus (`partition_len`); a
     given one (a multiple of STEP) is taken as it is, e.g. STEP for the largest workspace any
-    plan of the call's shape needs. buffer_nbytes: the caller's buffer, whose last bytes hold the
-    counters (None: the counters end the plan, as workspace_size counts them). gfx942: 256-token
-    partitions, pa_v1's packed layout (num_cus, partition and buffer_nbytes unused), tmp_out in
-    the query dtype (qo_bytes; gfx950's is fp32)."""
+    plan of the call's shape needs. gfx942: 256-token partitions, pa_v1's packed layout
+    (num_cus and partition unused), tmp_out in the query dtype (qo_bytes; gfx950's is fp32)."""
     if arch not in ARCHS:
         raise ValueError(f"arch: expected one of {ARCHS}, got {arch!r}")
     if num_heads % num_kv_heads:
@@ -153,17 +148,12 @@ def plan(arch: str, *, num_seqs: int, num_tokens: int, num_heads: int, num_kv_he
     parts = num_partitions(max_seq_len, partition)
     partials = rows * parts
     sizes = {"exp_sums": 4 * partials, "max_logits": 4 * partials,
-             "tmp_out": PARTIAL_BYTES * partials * head_size, "q8": rows * 2 * head_size,
-             "qrows": rows * QROW_BYTES}
+             "tmp_out": PARTIAL_BYTES * partials * head_size}
     regions, off = {}, 0
     for name, n in sizes.items():
         regions[name] = Region(off, n)
         off = _align(off + n)
-    counters = COUNTER_BYTES * tiles * num_kv_heads
-    size = off + _align(counters)
-    start = off if buffer_nbytes is None else (buffer_nbytes - counters) // ALIGN * ALIGN
-    regions["counters"] = Region(max(start, off), counters)
-    return Plan(arch, partition, parts, tiles, multi, regions, size)
+    return Plan(arch, partition, parts, tiles, multi, regions, off)
 
 
 def workspace_size(arch: str, **kwargs) -> int:

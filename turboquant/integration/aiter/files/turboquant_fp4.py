@@ -86,9 +86,8 @@ def paged_attention_fp4(
     sliding_window W > 0: a query at position p sees keys p - W + 1 .. p (0: off).
     max_seq_len: host-side bound on seq_lens (default: the block table's capacity).
     workspace_buffer: None (a new one per call), or the caller's: uint8, contiguous, 16-byte
-    aligned, at least workspace_size(...) bytes (csrc.cpp_itfs.pa.pa_fp4), and all zero before
-    its first use (on gfx950 its last bytes are counters that the kernels leave zero after each
-    call); paged_attention_fp4_workspace makes one, reusable=True for one kept across calls.
+    aligned, at least workspace_size(...) bytes (csrc.cpp_itfs.pa.pa_fp4), contents unused;
+    paged_attention_fp4_workspace makes one, reusable=True for one kept across calls.
     turboquant's accuracy transforms, each off when None / False: rotation_signs float32 [D]
     of +-1 (Q rotated, output rotated back); seq_state float32 [num_slots, num_kv_heads, 5, D]
     with state_ids int32 [num_seqs] (q scaled by the key scale of its slot; q.m added back
@@ -120,9 +119,9 @@ def paged_attention_fp4_workspace(
     cu_query_lens: Optional[torch.Tensor] = None,
     reusable: bool = False,
 ) -> torch.Tensor:
-    """A workspace_buffer for paged_attention_fp4 calls like this one (uint8 on query's device,
-    ready to use: its counters zeroed). reusable: enough for every call with at most as many
-    query tokens and sequences, the same heads and at most this max_seq_len (sized for the
-    shortest partitions), to keep across calls; the kernels leave its counters zero."""
+    """A workspace_buffer for paged_attention_fp4 calls like this one (uint8 on query's device).
+    reusable: enough for every call with at most as many query tokens and sequences, the same
+    heads and at most this max_seq_len (sized for the shortest partitions), to keep across
+    calls."""
     return new_workspace(query, value_cache.size(1), max_seq_len, num_seqs=seq_lens.size(0),
                          cu_query_lens=cu_query_lens, reusable=reusable)
