@@ -7,9 +7,9 @@ the first ``unavailable()`` call, and imported only on a machine with a gfx950 o
 
 Architectures (the kernel source picks its instructions at compile time):
 - gfx950 (MI350X/MI355X): ``v_mfma_scale_f32_16x16x128_f8f6f4``, native FP4 (default) or the
-  LUT path; csrc_hip/tq_fp4_gfx950_attention.cuh, 2 launches per call (a Q pre-pass, then one
-  wave per (row tile, partition, kv head) over partitions whose length the launcher picks per
-  call from the GPU's CUs, the last partition of each row tile reducing it). Rung: compiled +
+  LUT path; csrc_hip/tq_fp4_gfx950_attention.cuh, 1 launch per call (one wave per (row tile,
+  partition, kv head), Q transformed in its prologue, over partitions whose length the launcher
+  picks per call from the GPU's CUs, the last partition of each row tile reducing it). Rung: compiled +
   ISA-checked + lane-simulated, and the AITER launcher (built by AITER's JIT from the patch,
   for the host) run on the lane simulation against the reference; not run on hardware.
 - gfx942 (MI300X): the LUT path only (FP4 decoded through a 16-entry table to FP8 E4M3FNUZ,
