@@ -172,7 +172,8 @@ TQ_HD void transform_q_rows(QLds<HEAD, ROWS>* ql, QRow* rows, int nrows, RowQuer
     float x0 = -__builtin_inff();
     if (sink != 0) {
       float d = 0.0f;
-      for (int j = 0; j < kQe; ++j) d += q[j] * (bad_record ? __builtin_nanf("") : k0[j]);
+      // (no record at all, a bad slot or none passed: the sink's logit is NaN)
+      for (int j = 0; j < kQe; ++j) d += q[j] * (record == nullptr ? __builtin_nanf("") : k0[j]);
       x0 = (group8_sum(d) + qdm) * scale;
       if (logits_soft_cap > 0.0f) x0 = soft_cap(x0, logits_soft_cap);
       x0 *= kLog2e;

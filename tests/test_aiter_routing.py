@@ -64,6 +64,7 @@ MFMA_942 = "v_mfma_f32_16x16x32_fp8_fp8"
 ARCH_ENV = "TQ_TEST_GCN_ARCH"  # the stubbed device's gcnArchName, per case
 CUS_ENV = "TQ_TEST_CUS"  # the stubbed device's multi_processor_count, per case (default 256)
 GFX942 = {ARCH_ENV: "gfx942:sramecc+:xnack-"}
+CAPTURING_ENV = "TQ_TEST_CAPTURING"  # "1": the stubbed stream is capturing a graph, per case
 
 
 # ---------------------------------------------------------------- the driver (child process)
@@ -204,6 +205,7 @@ def _stub_rocm(root: Path, meta: Path) -> dict:
     stream = type("Stream", (), {"cuda_stream": 0})  # AITER's torch_to_c_types checks the type
     torch.cuda.Stream = stream
     torch.cuda.current_stream = lambda device=None: stream()
+    torch.cuda.is_current_stream_capturing = lambda: os.environ.get(CAPTURING_ENV) == "1"
 
     from csrc.cpp_itfs import torch_utils, utils
 
@@ -334,6 +336,14 @@ def _cases():
     gqa32 = _problem([20, 33, 1], hkv=1, gqa=32, d=64)
     small_ws = dict(decode, workspace=torch.empty(1000, dtype=torch.uint8))
     odd_ws = dict(decode, workspace=torch.empty(1 << 20, dtype=torch.uint8)[1:])
+    wide = _problem([1] * 300, hkv=64, gqa=1, d=64)  # 300 x 64 = 19200 tickets
+    wide["workspace"] = None  # (the op's own, of the plan's size)
+    odd_state = _problem([20, 33, 1])
+    odd_state.update(seq_state=torch.zeros(5 * 2 * 5 * 128 + 1)[1:].view(5, 2, 5, 128),
+                     state_ids=torch.tensor([4, 0, 2], dtype=torch.int32))
+    empty = _problem([20, 33, 1])
+    empty.update({k: empty[k][:0] for k in ("key_cache", "value_cache", "key_scales",
+                                            "value_scales")})
     bf16_cache["key_cache"] = torch.zeros(6, 2, 16, 128, dtype=torch.bfloat16)
     bf16_cache["value_cache"] = torch.zeros(6, 2, 16, 128, dtype=torch.bfloat16)
     t = transforms
@@ -384,6 +394,13 @@ def _cases():
         "op workspace too small": ({}, small_ws, _op_call(small_ws, max_seq_len=4096)),
         "op workspace misaligned": ({}, odd_ws, _op_call(odd_ws)),
         "op no workspace": ({}, decode, _op_call(dict(decode, workspace=None))),
+        # the reduce's tickets under graph capture: made before (by the cases above), or refused
+        "op decode capturing": ({CAPTURING_ENV: "1"}, decode, _op_call(decode)),
+        "op capturing more tickets than made": ({CAPTURING_ENV: "1"}, wide, _op_call(wide)),
+        "op more tickets than made": ({}, wide, _op_call(wide)),
+        "op seq_state misaligned": ({}, odd_state, _op_call(
+            odd_state, seq_state=odd_state["seq_state"], state_ids=odd_state["state_ids"])),
+        "op empty cache": ({}, empty, _op_call(empty)),
     }
 
 
@@ -810,6 +827,30 @@ def test_gqa_above_16_decode_runs_multi_token(routes):
     assert rec["args"]["cu_query_lens_ptr"] is not None
     _decode_args(rec, row_tiles=3 + 6)
     _decode_args(rec, **_plan_args("gfx950", hkv=1, gqa=32, d=64))
+
+
+def test_tickets_made_outside_graph_capture(routes):
+    """The reduce's tickets: a captured call takes the array an earlier eager call made on its
+    stream; one that needs more than was made is refused, naming it (its zeroing would only
+    run at replay); outside capture the array grows (to at least twice its size)."""
+    rec = _reached(routes, "op decode capturing")
+    assert rec["args"]["tickets_ptr"] == routes["op decode"]["args"]["tickets_ptr"]
+    refused = routes["op capturing more tickets than made"]
+    assert refused["error"] == ("ValueError: tickets: expected 19200 reduce tickets made on this "
+                                "stream before graph capture (run one call of this size eagerly "
+                                "first), got 16384 made"), refused["error"]
+    grown = _reached(routes, "op more tickets than made")
+    assert grown["args"]["tickets_ptr"] != rec["args"]["tickets_ptr"]
+
+
+def test_misaligned_state_and_empty_cache_refused(routes):
+    """The gfx950 kernel loads seq_state and rotation_signs in 16-byte vectors and reads block 0
+    for a bad block id: a misaligned state and a cache of no blocks are refused, naming them."""
+    odd = routes["op seq_state misaligned"]
+    assert odd["error"].startswith("ValueError: seq_state: expected a 16-byte aligned"), odd
+    empty = routes["op empty cache"]
+    assert empty["error"] == ("ValueError: value_cache: expected at least one block (a bad block "
+                              "id reads block 0), got 0"), empty["error"]
 
 
 def test_workspace_refusals_and_allocation(routes):

@@ -152,26 +152,34 @@ def new_workspace(query, num_kv_heads: int, max_seq_len: int, num_seqs: int = No
                   num_tokens=num_tokens, num_heads=num_heads, num_kv_heads=num_kv_heads,
                   head_size=head_size, max_seq_len=max_seq_len,
                   multi_token=cu_query_lens is not None, num_cus=num_cus,
-                  partition=plan.STEP if reusable and arch == "gfx950" else None)
+                  partition=plan.MIN_PARTITION_LEN if reusable and arch == "gfx950" else None)
     return torch.empty(p.size, dtype=torch.uint8, device=query.device)
 
 
 # (device, stream handle) -> the ticket arrays made for it, the newest (largest) last.
 # Older ones are kept: a captured graph may hold their address.
 _TICKETS = {}
-_MIN_TICKETS = 4096
+_MIN_TICKETS = 16384  # 64 KiB: 2048 row tiles x 8 kv heads before the first growth
 
 
 def _tickets(device, n: int):
     """gfx950: at least n uint32 tickets for a call on the current stream of `device`, zero
-    (every call leaves the ones it takes at zero). A larger array than any before is allocated
-    zeroed on that stream, at least twice the last one (under graph capture its zeroing becomes a
-    node of the graph)."""
+    (every call leaves the ones it takes at zero; calls on one stream never overlap). A larger
+    array than any before is allocated zeroed, at least twice the last one, and never under
+    graph capture (its zeroing would only run at replay, after other calls had used it): a
+    captured call needs one of its size made before, by a call outside capture on that stream
+    (engines run their batch sizes eagerly before capturing them). Graphs captured on one
+    stream share its array: replay them one at a time, as a stream does."""
     import torch
 
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+    stream = torch.cuda.current_stream(device)
+    key = (str(device), stream.cuda_stream)
     have = _TICKETS.setdefault(key, [])
     if not have or have[-1].numel() < n:
+        if torch.cuda.is_current_stream_capturing():
+            _fail("tickets", f"{n} reduce tickets made on this stream before graph capture (run "
+                  "one call of this size eagerly first)",
+                  f"{have[-1].numel() if have else 0} made")
         size = max(n, _MIN_TICKETS, 2 * have[-1].numel() if have else 0)
         have.append(torch.zeros(size, dtype=torch.int32, device=device))
     return have[-1]
@@ -212,6 +220,9 @@ def _check_transforms(query, num_seqs, num_kv_heads, rotation_signs, seq_state, 
                 or not rotation_signs.is_contiguous() or rotation_signs.device != query.device:
             _fail("rotation_signs", f"a contiguous float32 [{head_size}] tensor on {query.device}",
                   f"{rotation_signs.dtype} {tuple(rotation_signs.shape)} on {rotation_signs.device}")
+    for name, t in (("rotation_signs", rotation_signs), ("seq_state", seq_state)):
+        if t is not None and t.data_ptr() % 16:  # the gfx950 kernel loads them in 16-byte vectors
+            _fail(name, "a 16-byte aligned data pointer", hex(t.data_ptr()))
     if seq_state is None:
         if state_ids is not None or sink:
             _fail("seq_state", "a state tensor when state_ids or sink is given", None)
@@ -297,6 +308,8 @@ def paged_attention_fp4_launch(out, workspace_buffer, query, key_cache, value_ca
         if t.data_ptr() % 16:
             _fail(name, "a 16-byte aligned data pointer", hex(t.data_ptr()))
     num_blocks, num_kv_heads, block_size, _ = value_cache.shape
+    if num_blocks < 1:
+        _fail("value_cache", "at least one block (a bad block id reads block 0)", num_blocks)
     if block_size not in (16, 32, 64, 128, 256):
         _fail("block_size", "16, 32, 64, 128 or 256", block_size)
     if num_heads % num_kv_heads:
