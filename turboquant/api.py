@@ -25,6 +25,9 @@ from . import registry
 from .config import QuantConfig
 from .registry import AttentionCall, CacheWrite
 from .rotation import rotation_signs
+from .shared_state import SharedState, check_shared_state, enter_sinks, take_smoothing
+from .shared_state import records as shared_records
+from .shared_state import writer_record as shared_records_for_writer
 from .smoothing import STATE_ROWS, check_smoothing, init_state
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16)
@@ -312,6 +315,19 @@ def _check_state(config: QuantConfig, seq_state, state_ids, num_ids: int, hkv: i
                              f"(seq_state's dim 0), got min {lo}, max {hi}")
 
 
+def _check_shared(config: QuantConfig, shared_state, seq_state, state_ids, hkv: int, d: int,
+                  device) -> None:
+    """shared_state replaces seq_state/state_ids; its config keeps nothing per sequence."""
+    if seq_state is not None or state_ids is not None:
+        raise ValueError("shared_state: given with seq_state/state_ids; expected one of them "
+                         "(the shared state keeps nothing per sequence)")
+    if config.key_smoothing == "sequence":
+        raise ValueError(f"shared_state: config {config.name!r} smooths keys per sequence; the "
+                         "shared state's smoothing is the layer's: key_smoothing='calibrated' "
+                         "(e.g. QuantConfig.parse('rotation+calibrated+sink'))")
+    check_shared_state(shared_state, hkv, d, device)
+
+
 def make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
                      slot_mapping, check_values=True, scale_rule="smallest",
                      rotation_signs=None, seq_state=None, state_ids=None) -> CacheWrite:
@@ -348,6 +364,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
                           state_ids: Optional[torch.Tensor] = None,
                           positions: Optional[torch.Tensor] = None,
                           calibration: Optional[tuple] = None,
+                          shared_state: Optional[SharedState] = None,
                           backend: str = "auto") -> None:
     """Quantize ``key``/``value`` [num_tokens, num_kv_heads, D] to FP4 and write them into the
     paged cache (in place) at ``slot_mapping`` (slot = block * block_size + offset; -1 skips
@@ -364,13 +381,26 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     position 0 (decode steps) may leave ``positions`` None. ``calibration`` (m, lam), float32
     [num_kv_heads, D] each, is this layer's entry of a calibration file, needed with
     ``key_smoothing="calibrated"``.
+
+    ``shared_state`` (``turboquant.allocate_shared_state``, one per layer) instead of
+    ``seq_state``/``state_ids``: nothing per sequence (``turboquant.shared_state``); key
+    smoothing ``"calibrated"`` is the layer's (from the calibration given to
+    ``allocate_shared_state``, else taken from the first write), and with the sink every token
+    at position 0 (``positions``; without them position 0 is read from its FP4 bytes) enters
+    the layer's sink table.
     """
     write = make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
                              slot_mapping)
     num_tokens, hkv, d = key.shape
     config = _resolve_config(config, key_cache, write.scale_group, d)
-    _check_state(config, seq_state, state_ids, num_tokens, hkv, d, key.device)
-    if config.key_smoothing == "calibrated":
+    if shared_state is not None:
+        _check_shared(config, shared_state, seq_state, state_ids, hkv, d, key.device)
+        if calibration is not None:
+            raise ValueError("calibration: with shared_state the calibration is given to "
+                             "allocate_shared_state; expected None")
+    else:
+        _check_state(config, seq_state, state_ids, num_tokens, hkv, d, key.device)
+    if shared_state is None and config.key_smoothing == "calibrated":
         if not isinstance(calibration, (tuple, list)) or len(calibration) != 2:
             raise ValueError("calibration: key_smoothing='calibrated' needs this layer's "
                              "(key_center, key_scale) from turboquant.smoothing.load_calibration")
@@ -390,8 +420,24 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     if cache_config(key_cache) is None and not torch.compiler.is_compiling():
         _bind_config(key_cache, config)  # the first accepted write binds the cache's config
     signs = rotation_signs(d, config.rotation_seed, key.device) if config.rotation else None
+    if shared_state is not None:
+        if config.key_smoothing is not None:
+            take_smoothing(shared_state, key, positions)
+            seq_state = shared_records_for_writer(shared_state)
+            state_ids = torch.zeros(num_tokens, dtype=torch.int32, device=key.device)
+        _write(write, config, seq_state, state_ids, signs, backend)
+        if config.sink and positions is not None:
+            enter_sinks(shared_state, key, value, (key_cache, value_cache, key_scales,
+                                                   value_scales),
+                        slot_mapping, positions, signs)
+        return
     if positions is not None:
         init_state(key, value, seq_state, state_ids, positions, config, calibration, signs)
+    _write(write, config, seq_state, state_ids, signs, backend)
+
+
+def _write(write: CacheWrite, config: QuantConfig, seq_state, state_ids, signs, backend) -> None:
+    """The write itself, on the selected backend."""
     smoothing = config.key_smoothing is not None
     write = dataclasses.replace(write, scale_rule=config.scale_rule, rotation_signs=signs,
                                 seq_state=seq_state if smoothing else None,
@@ -407,15 +453,25 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
                       state_ids: Optional[torch.Tensor] = None,
                       sinks: Optional[torch.Tensor] = None,
                       return_lse: bool = False,
-                      holds_first_token: bool = True) -> AttentionCall:
+                      holds_first_token: bool = True,
+                      shared_state: Optional[SharedState] = None) -> AttentionCall:
     """Validate the arguments of ``paged_attention_fp4`` (all but ``out`` and ``backend``) and
     return the call a backend runs, transforms included (``registry.select`` takes it)."""
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len)
     config = _resolve_config(config, key_cache, call.scale_group, call.head_dim)
-    _check_state(config, seq_state, state_ids, call.num_seqs, call.num_kv_heads,
-                 call.head_dim, query.device)
+    if shared_state is not None:
+        _check_shared(config, shared_state, seq_state, state_ids, call.num_kv_heads,
+                      call.head_dim, query.device)
+        if config.uses_state:  # the records of this call's sequences, from the shared state
+            seq_state = shared_records(shared_state, (key_cache, value_cache, key_scales,
+                                                      value_scales),
+                                       block_tables, seq_lens, call.scale_group)
+            state_ids = torch.arange(call.num_seqs, dtype=torch.int32, device=query.device)
+    else:
+        _check_state(config, seq_state, state_ids, call.num_seqs, call.num_kv_heads,
+                     call.head_dim, query.device)
     signs = (rotation_signs(call.head_dim, config.rotation_seed, query.device)
              if config.rotation else None)
     if sinks is not None:
@@ -438,7 +494,8 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                         state_ids: Optional[torch.Tensor] = None,
                         sinks: Optional[torch.Tensor] = None,
                         return_lse: bool = False, holds_first_token: bool = True,
-                        lse_out: Optional[torch.Tensor] = None):
+                        lse_out: Optional[torch.Tensor] = None,
+                        shared_state: Optional[SharedState] = None):
     """Attention of ``query`` [num_tokens, num_heads, D] over the FP4 paged cache.
 
     ``max_seq_len`` (an extension to the contract's signature) is an optional host-side upper
@@ -464,13 +521,15 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     call that holds the sequences' position 0 keeps the default. ``lse_out`` (with
     ``return_lse``): a contiguous float32 [num_tokens, num_heads] tensor the lse is written
     into, as ``out`` is for the output (e.g. views of a collective's send buffer).
+    ``shared_state``: the layer's shared state the writer used (``turboquant.shared_state``),
+    instead of ``seq_state``/``state_ids``.
     """
     call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
                              block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                              max_seq_len=max_seq_len, config=config, seq_state=seq_state,
                              state_ids=state_ids, sinks=sinks, return_lse=return_lse,
-                             holds_first_token=holds_first_token)
+                             holds_first_token=holds_first_token, shared_state=shared_state)
     if out is None:
         out = torch.empty_like(query)
     else:

@@ -57,15 +57,22 @@ def allocate_state(num_slots: int, num_kv_heads: int, head_dim: int, device="cpu
                       dtype=torch.float32, device=device)
 
 
-def smoothing_from_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def smoothing_from_keys(keys: torch.Tensor, keep: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [T, Hkv, D] (positions >= 1 of one sequence, or a calibration text's) ->
-    (m, lam), each float32 [Hkv, D], by the rule in the module docstring."""
+    (m, lam), each float32 [Hkv, D], by the rule in the module docstring. keep: bool [T], the
+    keys to use (None: all; no host synchronization either way)."""
     k = keys.float()
     if k.shape[0] == 0:
         shape = k.shape[1:]
         return torch.zeros(shape, device=k.device), torch.ones(shape, device=k.device)
-    m = k.mean(dim=0)
-    a = (k - m).abs().amax(dim=0)
+    if keep is None:
+        m = k.mean(dim=0)
+        a = (k - m).abs().amax(dim=0)
+    else:  # none kept: m = 0 and a = 0, so lam = 1 (the flat rule below)
+        w = keep[:, None, None]
+        m = torch.where(w, k, 0.0).sum(0) / keep.sum().clamp_min(1)
+        a = torch.where(w, (k - m).abs(), 0.0).amax(dim=0)
     a = torch.maximum(a, _FLOOR * a.amax(dim=-1, keepdim=True))
     lam = a.pow(SMOOTHING_EXPONENT)
     lam = lam / lam.pow(2).mean(dim=-1, keepdim=True).sqrt()

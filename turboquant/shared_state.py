@@ -1,0 +1,231 @@
+"""A layer's transform state that engines can share: no request slots, prefix caching, forks.
+
+The per-sequence record (``turboquant.smoothing``) keys the transforms' state by the engine's
+request slot and fills it when the sequence's position 0 is written: a request whose first
+blocks come from the prefix cache (written by a finished request) has no record. Here nothing
+is per sequence:
+
+- key smoothing (m, lam) is per layer and kv head: from a calibration file when the state is
+  allocated, else taken from the first write the layer sees (its keys at positions >= 1) and
+  never changed after, so every block of the layer is encoded with the same m and lam;
+- the sink (position 0's key and value after the writer's transform, kept beside the FP4
+  cache) lives in a per-layer table addressed by the content of position 0's bytes in the
+  cache: a fingerprint of the (token, kv head)'s FP4 key and value bytes and scale bytes. The
+  writer enters every position-0 token it writes; a reader takes the entry whose fingerprint
+  equals that of the bytes in its sequence's block 0, slot 0, else (never entered, or the
+  entry since taken by another first token) reads position 0 from those FP4 bytes like any
+  other key. A block shared by prefix caching or a fork carries its fingerprint with it, and
+  an entry is never wrong for a block it matches: the bytes it was taken from are the block's.
+
+Measured (``benchmarks/state_model_study.py``, KLD against the unquantized model, the whole
+calibration text, fp32 sink): SmolLM2-135M 0.0343 (per-sequence default 0.0360), Gemma 3 270M
+0.0335 (0.0284); the sink stored as bf16: 0.0346 / 0.0321, as E4M3 0.0385 / 0.0303; an entry
+missed (position 0 from FP4): 0.0462 / 0.0351; smoothing from a first write of 16 keys 0.0556 /
+0.0619, of 256 keys 0.0357 / 0.0319, of 1 key (none past position 0: m = 0, lam = 1) 0.0742 /
+0.1008. The sink is kept as bf16.
+
+Memory: S entries per layer, S = ceil(num_blocks / ENTRY_BLOCKS), each (4 D + 8) bytes per kv
+head, against a block's 16 x 2 x (D / 2 + 1) FP4 bytes per kv head at block size 16: 1.6 % of
+the FP4 cache at D 64 to 256 (0.8 / 0.4 / 0.2 % at blocks of 32 / 64 / 128), plus 3 D floats per
+kv head for the smoothing.
+
+The state is handed to the kernels as the per-sequence record they already read (``records``:
+one record per sequence of the call, built from the table with torch operations, no host
+synchronization), so every backend runs it.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from .format import dequantize_e4m3, dequantize_fp4
+from .rotation import rotate
+from .smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, STATE_ROWS,
+                        check_smoothing, smoothing_from_keys, transform_keys)
+
+ENTRY_BLOCKS = 16  # one sink entry per this many cache blocks (at least one entry)
+_M32 = 0xFFFFFFFF
+# the fingerprint's two 32-bit mixes: (word multiplier, position multiplier, finalizer)
+_MIX = ((0x2545F491, 0x3C6EF372, 0x2C1B3C6D), (0x297A2D39, 0x1B873593, 0x5BD1E995))
+
+
+class SharedState(NamedTuple):
+    """One layer's state (``allocate_shared_state``); the table's last row is scratch."""
+
+    smoothing: torch.Tensor  # float32 [3, Hkv, D]: m, lam, 1 / lam; NaN until taken
+    sink_kv: torch.Tensor  # bfloat16 [S + 1, Hkv, 2, D]: position 0's K and V, transformed
+    sink_tags: torch.Tensor  # int64 [S + 1, Hkv]: the entry's fingerprint (0: empty)
+
+    @property
+    def entries(self) -> int:
+        return self.sink_tags.shape[0] - 1
+
+
+def allocate_shared_state(num_kv_heads: int, head_dim: int, num_blocks: int, *,
+                          calibration: Optional[tuple] = None, entries: Optional[int] = None,
+                          device="cpu") -> SharedState:
+    """One layer's shared state for a cache of ``num_blocks`` blocks: ``calibration`` (m, lam),
+    float32 [num_kv_heads, D] each (this layer's entry of ``turboquant.smoothing
+    .load_calibration``), or None (taken from the first write); ``entries`` sink entries
+    (default ceil(num_blocks / 16))."""
+    for name, v in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("num_blocks", num_blocks)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    entries = max(1, math.ceil(num_blocks / ENTRY_BLOCKS)) if entries is None else entries
+    if not isinstance(entries, int) or entries < 1:
+        raise ValueError(f"entries: expected an int >= 1, got {entries!r}")
+    smoothing = torch.full((3, num_kv_heads, head_dim), float("nan"), device=device)
+    if calibration is not None:
+        m, lam = calibration
+        check_smoothing("calibration", m, lam, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        smoothing[0], smoothing[1], smoothing[2] = m, lam, 1.0 / lam
+    return SharedState(smoothing,
+                       torch.zeros(entries + 1, num_kv_heads, 2, head_dim, dtype=torch.bfloat16,
+                                   device=device),
+                       torch.zeros(entries + 1, num_kv_heads, dtype=torch.int64, device=device))
+
+
+def check_shared_state(state, num_kv_heads: int, head_dim: int, device) -> None:
+    """ValueError/TypeError naming the argument unless ``state`` is a SharedState of this
+    layer's shape on ``device``."""
+    if not isinstance(state, SharedState):
+        raise TypeError(f"shared_state: expected a turboquant.SharedState "
+                        f"(allocate_shared_state), got {type(state).__name__}")
+    want = {"smoothing": ((3, num_kv_heads, head_dim), torch.float32),
+            "sink_kv": ((None, num_kv_heads, 2, head_dim), torch.bfloat16),
+            "sink_tags": ((None, num_kv_heads), torch.int64)}
+    for name, (shape, dtype) in want.items():
+        t = getattr(state, name)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise TypeError(f"shared_state.{name}: expected a {dtype} tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
+            raise ValueError(f"shared_state.{name}: expected shape "
+                             f"{['S+1' if w is None else w for w in shape]}, got {tuple(t.shape)}")
+        if t.device != device:
+            raise ValueError(f"shared_state.{name}: expected a tensor on {device}, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"shared_state.{name}: expected a contiguous tensor")
+    if state.sink_kv.shape[0] != state.sink_tags.shape[0] or state.sink_tags.shape[0] < 2:
+        raise ValueError(f"shared_state: sink_kv and sink_tags: expected the same S + 1 >= 2 rows, "
+                         f"got {state.sink_kv.shape[0]} and {state.sink_tags.shape[0]}")
+
+
+def fingerprints(key_cache, value_cache, key_scales, value_scales, slots: torch.Tensor
+                 ) -> torch.Tensor:
+    """The fingerprint of each (slot, kv head)'s bytes in the cache: its key and value rows and
+    their scale bytes -> int64 [n, Hkv], odd (never 0). Slots must be valid."""
+    nb, hkv, bs, _ = value_cache.shape
+    slots = slots.long()
+    blk, off = slots // bs, slots % bs
+    n = slots.shape[0]
+    parts = [key_cache.view(torch.uint8)[blk, :, off], value_cache[blk, :, off],
+             key_scales[blk, off].reshape(n, hkv, -1), value_scales[blk, off].reshape(n, hkv, -1)]
+    b = torch.cat(parts, dim=-1).long()
+    pad = -b.shape[-1] % 4
+    if pad:
+        b = torch.nn.functional.pad(b, (0, pad))
+    b = b.view(n, hkv, -1, 4)
+    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    idx = torch.arange(1, w.shape[-1] + 1, device=w.device)
+    h = []
+    for mul, pos, fin in _MIX:
+        x = (w * mul + idx * pos) & _M32
+        x = x ^ (x >> 15)
+        x = (x * fin) & _M32
+        x = x ^ (x >> 13)
+        h.append(x.sum(-1) & _M32)
+    return ((h[0] & 0x7FFFFFFF) << 32) | h[1] | 1
+
+
+def _entry(state: SharedState, tags: torch.Tensor) -> torch.Tensor:
+    return torch.remainder(tags, state.entries)
+
+
+def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[torch.Tensor]
+                   ) -> None:
+    """The layer's m and lam from this write's keys [n, Hkv, D] (positions >= 1 when positions
+    are given) where they are not set yet (in place; no host synchronization)."""
+    keep = None if positions is None else positions > 0
+    m, lam = smoothing_from_keys(key, keep)
+    new = torch.stack([m, lam, 1.0 / lam])
+    state.smoothing.copy_(torch.where(torch.isnan(state.smoothing), new, state.smoothing))
+
+
+def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cache: tuple,
+                slot_mapping: torch.Tensor, positions: torch.Tensor,
+                signs: Optional[torch.Tensor]) -> None:
+    """After a write: every token of it at position 0 (with a slot) enters the table under the
+    fingerprint of the bytes just written; of two in one write with the same entry, the later."""
+    n, hkv, _ = key.shape
+    if n == 0:
+        return
+    s = state.entries
+    live = (positions == 0) & (slot_mapping >= 0)
+    slots = torch.where(live, slot_mapping.long(), 0)
+    tags = fingerprints(*cache, slots)  # [n, Hkv]
+    entry = torch.where(live[:, None], _entry(state, tags), s)  # dead tokens: the scratch row
+    order = torch.arange(n, device=key.device)[:, None].expand(n, hkv)
+    heads = torch.arange(hkv, device=key.device)[None].expand(n, hkv)
+    last = torch.full((s + 1, hkv), -1, dtype=torch.long, device=key.device)
+    last = last.scatter_reduce(0, entry, order, reduce="amax", include_self=True)
+    win = last[entry, heads] == order  # one token per (entry, head): the last
+    entry = torch.where(win, entry, s)
+    m, inv = state.smoothing[0], state.smoothing[2]
+    kv = torch.stack([transform_keys(key, m, inv, signs),
+                      rotate(value.float(), signs) if signs is not None else value.float()], dim=2)
+    state.sink_kv.index_put_((entry, heads), kv.to(torch.bfloat16))
+    state.sink_tags.index_put_((entry, heads), torch.where(win, tags, 0))
+    state.sink_tags[s] = 0
+
+
+def writer_record(state: SharedState) -> torch.Tensor:
+    """The one record every token of a write uses: float32 [1, Hkv, 5, D], the layer's m, lam
+    and 1 / lam (the writer reads no sink row)."""
+    hkv, d = state.smoothing.shape[1:]
+    rec = torch.zeros(1, hkv, STATE_ROWS, d, device=state.smoothing.device)
+    rec[0, :, KEY_CENTER] = state.smoothing[0]
+    rec[0, :, KEY_SCALE] = state.smoothing[1]
+    rec[0, :, KEY_INV_SCALE] = state.smoothing[2]
+    return rec
+
+
+def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            scale_group: Optional[int]) -> torch.Tensor:
+    """The per-sequence records the kernels read, one per sequence of a call: float32
+    [num_seqs, Hkv, 5, D] (``turboquant.smoothing``'s rows), the layer's m and lam, and the sink
+    from the table where its fingerprint matches the sequence's block 0, slot 0, else that
+    position's FP4 bytes decoded. A sequence without keys, or whose block 0 is no block of the
+    cache, gets NaN sink rows (a reader that sees position 0 of such a sequence gives NaN)."""
+    key_cache, value_cache, key_scales, value_scales = cache
+    nb, hkv, bs, _ = value_cache.shape
+    d = state.smoothing.shape[-1]
+    ns = block_tables.shape[0]
+    first = block_tables[:, 0].long() if block_tables.shape[1] else \
+        torch.full((ns,), -1, dtype=torch.long, device=block_tables.device)
+    ok = (first >= 0) & (first < nb) & (seq_lens > 0)
+    slots = torch.where(ok, first, 0) * bs
+    tags = fingerprints(*cache, slots)
+    entry = _entry(state, tags)
+    heads = torch.arange(hkv, device=tags.device)[None].expand(ns, hkv)
+    hit = (state.sink_tags[entry, heads] == tags)[..., None]
+    blk = slots // bs
+    kc = key_cache[blk, :, 0]
+    if kc.dtype == torch.float8_e4m3fn:
+        k0 = dequantize_e4m3(kc.view(torch.uint8), key_scales[blk, 0].reshape(ns, hkv))
+    else:
+        k0 = dequantize_fp4(kc, key_scales[blk, 0].reshape(ns, hkv, -1), scale_group)
+    v0 = dequantize_fp4(value_cache[blk, :, 0], value_scales[blk, 0].reshape(ns, hkv, -1),
+                        scale_group)
+    table = state.sink_kv[entry, heads].float()  # [ns, Hkv, 2, D]
+    nan = torch.tensor(float("nan"), device=tags.device)
+    rec = torch.empty(ns, hkv, STATE_ROWS, d, device=tags.device)
+    rec[:, :, KEY_CENTER] = state.smoothing[0]
+    rec[:, :, KEY_SCALE] = state.smoothing[1]
+    rec[:, :, KEY_INV_SCALE] = state.smoothing[2]
+    rec[:, :, SINK_KEY] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 0], k0), nan)
+    rec[:, :, SINK_VALUE] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 1], v0), nan)
+    return rec
