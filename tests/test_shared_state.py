@@ -52,10 +52,10 @@ class Engine:
     """A paged KV manager in the manner of vLLM's (block hashes over all tokens up to a full
     block; freed blocks stay cached until their memory is reused)."""
 
-    def __init__(self, num_blocks, seed):
+    def __init__(self, num_blocks, seed, device="cpu"):
         self.rng = random.Random(seed)
-        self.cache = tq.allocate_cache(num_blocks, HKV, BS, D)
-        self.state = tq.allocate_shared_state(HKV, D, num_blocks)
+        self.cache = tq.allocate_cache(num_blocks, HKV, BS, D, device=device)
+        self.state = tq.allocate_shared_state(HKV, D, num_blocks, device=device)
         self.free = list(range(num_blocks))  # reuse order: front first
         self.refs = [0] * num_blocks
         self.cached = {}  # block hash -> block
@@ -155,8 +155,19 @@ def _positions(seq_lens, cu):
     return torch.tensor(out)
 
 
-def test_engine_prefix_caching_forks_preemption_eviction():
-    model, eng = Model(seed=1), Engine(num_blocks=48, seed=2)
+def _cuda_reason():
+    from turboquant._backends import cuda
+    return cuda.BACKEND.unavailable()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")])])
+def test_engine_prefix_caching_forks_preemption_eviction(device):
+    """On the CPU the reference backend runs; on a GPU the cuda backend (writer and attention),
+    each step's attention also against the reference backend over the same cache."""
+    if device == "cuda" and _cuda_reason() is not None:
+        pytest.skip(f"cuda backend: {_cuda_reason()}")
+    model, eng = Model(seed=1), Engine(num_blocks=48, seed=2, device=device)
     rng = eng.rng
     systems = [[1] + [rng.randrange(5, 50) for _ in range(37)], [2] + [rng.randrange(5, 50) for _ in range(20)]]
     scale = D ** -0.5
@@ -192,26 +203,36 @@ def test_engine_prefix_caching_forks_preemption_eviction():
         seq_lens = torch.tensor([eng.seqs[s]["computed"] for s in batch], dtype=torch.int32)
         positions = _positions(seq_lens, cu)
         k, v = torch.cat(ks), torch.cat(vs)
-        tq.reshape_and_cache_fp4(k, v, *eng.cache, torch.tensor(slots), config=CFG,
-                                 shared_state=eng.state, positions=positions)
+        dev = dict(device=device)
+        tq.reshape_and_cache_fp4(k.to(device), v.to(device), *eng.cache,
+                                 torch.tensor(slots, **dev), config=CFG, shared_state=eng.state,
+                                 positions=positions.to(device))
         width = max(len(eng.seqs[s]["blocks"]) for s in batch)
         table = torch.tensor([eng.seqs[s]["blocks"] + [-1] * (width - len(eng.seqs[s]["blocks"]))
                               for s in batch], dtype=torch.int32)
         query = torch.cat([model.q[torch.tensor(t)] for t in toks]).bfloat16()
-        out = tq.paged_attention_fp4(query, *eng.cache, table, seq_lens, scale,
-                                     cu_query_lens=cu, config=CFG, shared_state=eng.state)
+        args = (query.to(device), *eng.cache, table.to(device), seq_lens.to(device), scale)
+        kw = dict(cu_query_lens=cu.to(device), config=CFG, shared_state=eng.state)
+        out = tq.paged_attention_fp4(*args, **kw)
+        if device != "cpu":
+            ref_backend = tq.paged_attention_fp4(*args, **kw, backend="reference")
+            err = (out.float() - ref_backend.float()).abs().max().item()
+            assert err <= 2e-2, (step, err)  # the cuda tests' tolerance
+            out = out.cpu()
         assert not torch.isnan(out).any(), step
         # each sequence is read with its own position 0 (bf16) or its FP4 bytes, nothing else
-        rec = records(eng.state, tuple(eng.cache), table, seq_lens, None)
-        m, inv = eng.state.smoothing[0], eng.state.smoothing[2]
+        cache = tuple(t.cpu() for t in eng.cache)
+        st = tq.SharedState(*(t.cpu() for t in eng.state))
+        rec = records(st, cache, table, seq_lens, None)
+        m, inv = st.smoothing[0], st.smoothing[2]
         for i, sid in enumerate(batch):
             s = eng.seqs[sid]
             k0, v0 = model.kv(s["tokens"][:1], [0])
             own_k = rotate(((k0[0].float() - m) * inv), signs).bfloat16().float()
             own_v = rotate(v0[0].float(), signs).bfloat16().float()
             b = table[i, 0]
-            fp4_k = dequantize_fp4(eng.cache.key_cache[b, :, 0], eng.cache.key_scales[b, 0])
-            fp4_v = dequantize_fp4(eng.cache.value_cache[b, :, 0], eng.cache.value_scales[b, 0])
+            fp4_k = dequantize_fp4(cache[0][b, :, 0], cache[2][b, 0])
+            fp4_v = dequantize_fp4(cache[1][b, :, 0], cache[3][b, 0])
             all_hit = True
             for h in range(HKV):  # (each kv head has its own entries)
                 got_k, got_v = rec[i, h, SINK_KEY], rec[i, h, SINK_VALUE]

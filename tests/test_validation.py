@@ -323,3 +323,41 @@ def test_auto_warns_once_when_the_reference_runs_off_the_cpu(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same reasons: no second warning
         assert registry.select("auto", "attention", call).name == "reference"
+
+
+def test_rejected_write_binds_nothing_and_hints():
+    """Head dim 96 with the default config (rotation needs a power of two): refused with the
+    way out in the message, the cache left unbound, and the retry without rotation accepted."""
+    cache = tq.allocate_cache(2, 1, 16, 96)
+    k = torch.randn(3, 1, 96, dtype=torch.bfloat16)
+    state = tq.allocate_state(1, 1, 96)
+    ids = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"head_dim: .*power of two.*rotation=False"):
+        tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), seq_state=state, state_ids=ids,
+                                 positions=torch.arange(3))
+    assert tq.api.cache_config(cache.key_cache) is None
+    tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), config=tq.QuantConfig(rotation=False),
+                             seq_state=state, state_ids=ids, positions=torch.arange(3))
+
+
+def test_config_mismatch_names_what_differs():
+    cache = tq.allocate_cache(2, 1, 16, 64)
+    k = torch.randn(3, 1, 64, dtype=torch.bfloat16)
+    rot = tq.QuantConfig.parse("rotation")
+    tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), config=rot)
+    other = tq.QuantConfig(rotation=True, rotation_seed=7, key_smoothing=None, sink=False)
+    with pytest.raises(ValueError, match=r"differs in rotation_seed 0 \(written\) vs 7"):
+        tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), config=other)
+
+
+def test_first_write_without_positions_is_refused():
+    """The default config's record is filled by the write that holds position 0 with
+    positions=; a write into a slot never filled (positions forgotten) raises, naming it,
+    instead of leaving a record of NaN that every later read returns."""
+    cache = tq.allocate_cache(2, 1, 16, 64)
+    k = torch.randn(3, 1, 64, dtype=torch.bfloat16)
+    state = tq.allocate_state(2, 1, 64)
+    with pytest.raises(ValueError, match="positions: slot 1 has no record yet"):
+        tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), seq_state=state,
+                                 state_ids=torch.ones(3, dtype=torch.int32))
+    assert bool(torch.isnan(state).all())  # nothing written

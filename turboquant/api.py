@@ -28,7 +28,7 @@ from .rotation import rotation_signs
 from .shared_state import SharedState, check_shared_state, enter_sinks, take_smoothing
 from .shared_state import records as shared_records
 from .shared_state import writer_record as shared_records_for_writer
-from .smoothing import STATE_ROWS, check_smoothing, init_state
+from .smoothing import KEY_SCALE, STATE_ROWS, check_smoothing, init_state
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -278,9 +278,12 @@ def _resolve_config(config, key_cache, group: int, head_dim: int) -> QuantConfig
         config = bound
     config = _check_config(config, group, head_dim)
     if bound is not None and config != bound:
-        raise ValueError(f"config: this cache was written with config {bound.name!r} "
-                         f"({bound}); the call passes {config.name!r}. Read (and write) a cache "
-                         f"with the config it holds")
+        differ = ", ".join(f"{f.name} {getattr(bound, f.name)!r} (written) vs "
+                           f"{getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+                           if getattr(bound, f.name) != getattr(config, f.name))
+        raise ValueError(f"config: this cache was written with config {bound.name!r}; the call "
+                         f"passes {config.name!r}, which differs in {differ}. Read (and write) "
+                         f"a cache with the config it holds")
     return config
 
 
@@ -417,9 +420,9 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
                              f"expected None")
     if num_tokens == 0:
         return
+    signs = rotation_signs(d, config.rotation_seed, key.device) if config.rotation else None
     if cache_config(key_cache) is None and not torch.compiler.is_compiling():
         _bind_config(key_cache, config)  # the first accepted write binds the cache's config
-    signs = rotation_signs(d, config.rotation_seed, key.device) if config.rotation else None
     if shared_state is not None:
         if config.key_smoothing is not None:
             take_smoothing(shared_state, key, positions)
@@ -433,6 +436,14 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
         return
     if positions is not None:
         init_state(key, value, seq_state, state_ids, positions, config, calibration, signs)
+    elif config.uses_state and _values_checkable(state_ids):
+        ids = state_ids.long()
+        unset = torch.isnan(seq_state[ids.clamp(0, seq_state.shape[0] - 1), 0, KEY_SCALE, 0])
+        if bool(unset.any()):
+            slot = int(ids[unset][0])
+            raise ValueError(f"positions: slot {slot} has no record yet (its sequence's "
+                             f"position 0 was never written with positions=): pass positions= "
+                             f"on the write that holds a sequence's position 0")
     _write(write, config, seq_state, state_ids, signs, backend)
 
 

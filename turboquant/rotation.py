@@ -24,7 +24,8 @@ import torch
 def _check_head_dim(head_dim: int) -> None:
     if head_dim < 2 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim: the Hadamard rotation needs a power of two >= 2, "
-                         f"got {head_dim}")
+                         f"got {head_dim} (a config with rotation=False, e.g. "
+                         f"QuantConfig(rotation=False), stores this head dim)")
 
 
 _MASK64 = (1 << 64) - 1
