@@ -5,7 +5,8 @@ The reader hands the kernels one record per sequence built from the layer's sink
 fingerprint, the table lookup, in torch operations). This times one decode call, inside a CUDA
 graph (as engines replay them), with ``seq_state`` records the engine keeps (today's default)
 and with ``shared_state`` (``rotation+calibrated+sink``), same cache bytes, same shapes, in one
-process, alternating; and the record building alone.
+process, alternating; the record building alone; and a decode step's cache write (one token
+per sequence) with each.
 
     python benchmarks/shared_state_cost.py [--batches 1,16,64,128] [--contexts 4096,16384]
                                            [--iters 200] [--json FILE]
@@ -82,12 +83,23 @@ def run(batch: int, context: int, iters: int) -> dict:
                                        max_seq_len=context, config=cfg_shared,
                                        shared_state=shared)
     r = lambda: records(shared, tuple(cache_b), table, lens, None)  # noqa: E731
+    # a decode step's write: one token per sequence (its last slot, written again)
+    last = table[:, -1].long() * BS + BS - 1
+    kd = torch.randn(batch, HKV, D, device="cuda", generator=g).bfloat16()
+    pd = torch.full((batch,), context - 1, device="cuda")
+    wa = lambda: tq.reshape_and_cache_fp4(kd, kd, *cache_a, last, config=cfg_seq,  # noqa: E731
+                                          seq_state=seq_state, state_ids=sid)
+    wb = lambda: tq.reshape_and_cache_fp4(kd, kd, *cache_b, last, config=cfg_shared,  # noqa: E731
+                                          shared_state=shared, positions=pd)
     with tq.value_checks(False):
-        rows = {"seq_state_us": [], "shared_state_us": [], "records_us": []}
+        rows = {"seq_state_us": [], "shared_state_us": [], "records_us": [],
+                "write_seq_state_us": [], "write_shared_state_us": []}
         for _ in range(2):  # alternating
             rows["seq_state_us"].append(graph_time(a, iters))
             rows["shared_state_us"].append(graph_time(b, iters))
             rows["records_us"].append(graph_time(r, iters))
+            rows["write_seq_state_us"].append(graph_time(wa, iters))
+            rows["write_shared_state_us"].append(graph_time(wb, iters))
     res = {"batch": batch, "context": context, **{k: min(v) for k, v in rows.items()}}
     res["overhead_pct"] = 100 * (res["shared_state_us"] / res["seq_state_us"] - 1)
     return res
@@ -101,15 +113,17 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     a = p.parse_args(argv)
     print(torch.cuda.get_device_name(), flush=True)
-    print("| batch x context | seq_state us | shared_state us | records alone us | overhead |")
-    print("|---|---|---|---|---|")
+    print("| batch x context | seq_state us | shared_state us | records alone us | overhead | "
+          "decode write: seq_state / shared_state us |")
+    print("|---|---|---|---|---|---|")
     res = []
     for c in (int(x) for x in a.contexts.split(",")):
         for bt in (int(x) for x in a.batches.split(",")):
             r = run(bt, c, a.iters)
             res.append(r)
             print(f"| {bt} x {c // 1024}k | {r['seq_state_us']:.1f} | {r['shared_state_us']:.1f} "
-                  f"| {r['records_us']:.1f} | {r['overhead_pct']:+.1f} % |", flush=True)
+                  f"| {r['records_us']:.1f} | {r['overhead_pct']:+.1f} % | "
+                  f"{r['write_seq_state_us']:.1f} / {r['write_shared_state_us']:.1f} |", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
     return 0

@@ -41,10 +41,22 @@ _THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, F
                (3.5, True), (5.0, False))
 
 
+_E2M1_TABLES: dict = {}
+
+
 def e2m1_table(device=None, dtype=torch.float32) -> torch.Tensor:
-    """All 16 code values: [16] (codes 8..15 are the negatives; code 8 is -0.0)."""
-    mags = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
-    return torch.cat([mags, -mags])
+    """All 16 code values: [16] (codes 8..15 are the negatives; code 8 is -0.0). Made once per
+    (device, dtype) and kept, so that a call captured in a CUDA graph copies nothing from the
+    host (traced as a constant under torch.compile)."""
+    if torch.compiler.is_compiling():
+        mags = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+        return torch.cat([mags, -mags])
+    key = (str(torch.device(device) if device is not None else "cpu"), dtype)
+    table = _E2M1_TABLES.get(key)
+    if table is None:
+        mags = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
+        table = _E2M1_TABLES[key] = torch.cat([mags, -mags])
+    return table
 
 
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:

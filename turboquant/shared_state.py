@@ -221,11 +221,11 @@ def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_le
     v0 = dequantize_fp4(value_cache[blk, :, 0], value_scales[blk, 0].reshape(ns, hkv, -1),
                         scale_group)
     table = state.sink_kv[entry, heads].float()  # [ns, Hkv, 2, D]
-    nan = torch.tensor(float("nan"), device=tags.device)
     rec = torch.empty(ns, hkv, STATE_ROWS, d, device=tags.device)
     rec[:, :, KEY_CENTER] = state.smoothing[0]
     rec[:, :, KEY_SCALE] = state.smoothing[1]
     rec[:, :, KEY_INV_SCALE] = state.smoothing[2]
+    nan = float("nan")  # (a scalar: nothing copied from the host inside a captured graph)
     rec[:, :, SINK_KEY] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 0], k0), nan)
     rec[:, :, SINK_VALUE] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 1], v0), nan)
     return rec
