@@ -4,6 +4,7 @@
 #include "paged_attention_decode.cuh"
 #include "cache_writer.cuh"
 #include "merge_states.cuh"
+#include "shared_state.cuh"
 
 namespace turboquant {
 namespace cuda_fp4 {
@@ -30,6 +31,16 @@ TQ_WRITE(float, 256)
 template cudaError_t launch_merge_states<__half>(const MergeParams<__half>&, cudaStream_t);
 template cudaError_t launch_merge_states<__nv_bfloat16>(const MergeParams<__nv_bfloat16>&, cudaStream_t);
 template cudaError_t launch_merge_states<float>(const MergeParams<float>&, cudaStream_t);
+
+template __global__ void tq_shared_enter_sinks_kernel<__half>(
+    const __half*, const __half*, int64_t, int64_t, int, SharedCache, const int64_t*,
+    const int64_t*, const float*, const float*, float, uint16_t*, int64_t*, int);
+template __global__ void tq_shared_enter_sinks_kernel<uint16_t>(
+    const uint16_t*, const uint16_t*, int64_t, int64_t, int, SharedCache, const int64_t*,
+    const int64_t*, const float*, const float*, float, uint16_t*, int64_t*, int);
+template __global__ void tq_shared_enter_sinks_kernel<float>(
+    const float*, const float*, int64_t, int64_t, int, SharedCache, const int64_t*,
+    const int64_t*, const float*, const float*, float, uint16_t*, int64_t*, int);
 
 }  // namespace cuda_fp4
 }  // namespace turboquant

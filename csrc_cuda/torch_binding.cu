@@ -2,6 +2,8 @@
 //   turboquant::paged_attention_fp4_cuda   (ATTENTION_SCHEMA in turboquant/ops.py)
 //   turboquant::reshape_and_cache_fp4_cuda (CACHE_WRITE_SCHEMA)
 //   turboquant::merge_attention_states_cuda (MERGE_STATES_SCHEMA)
+//   turboquant::shared_records_cuda        (SHARED_RECORDS_SCHEMA: turboquant/shared_state.py)
+//   turboquant::shared_enter_sinks_cuda    (SHARED_ENTER_SINKS_SCHEMA)
 // The schemas are defined once, in Python (turboquant/_backends/cuda.py, from ops.py), before
 // this library is loaded; here only TORCH_LIBRARY_IMPL. Metadata checks only: no host sync.
 #include <ATen/ATen.h>
@@ -17,6 +19,7 @@
 #include "cache_writer.cuh"
 #include "merge_states.cuh"
 #include "paged_attention_decode.cuh"
+#include "shared_state.cuh"
 
 namespace tq = turboquant::cuda_fp4;
 
@@ -342,9 +345,104 @@ void merge_attention_states_cuda(at::Tensor& out,  // [num_tokens, num_heads, D]
   else launch_merge<float>(out, lse, outs, lses, stream);
 }
 
+
+// The shared state's view of a cache (shared_state.cuh).
+tq::SharedCache shared_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& key_scales, const at::Tensor& value_scales) {
+  TORCH_CHECK(key_cache.is_cuda() && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "key_cache/value_cache: expected 4-D CUDA tensors");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "key_cache/value_cache: rows contiguous");
+  TORCH_CHECK(key_scales.is_contiguous() && value_scales.is_contiguous(), "key_scales/value_scales: contiguous");
+  tq::SharedCache c{};
+  c.key_cache = static_cast<const uint8_t*>(key_cache.data_ptr());
+  c.value_cache = value_cache.data_ptr<uint8_t>();
+  c.key_scales = key_scales.data_ptr<uint8_t>();
+  c.value_scales = value_scales.data_ptr<uint8_t>();
+  c.kc_blk = key_cache.stride(0);
+  c.kc_head = key_cache.stride(1);
+  c.kc_tok = key_cache.stride(2);
+  c.vc_blk = value_cache.stride(0);
+  c.vc_head = value_cache.stride(1);
+  c.vc_tok = value_cache.stride(2);
+  c.key_e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  c.key_bytes = (int)key_cache.size(3);
+  c.value_bytes = (int)value_cache.size(3);
+  c.head_dim = 2 * c.value_bytes;
+  c.num_blocks = (int)value_cache.size(0);
+  c.hkv = (int)value_cache.size(1);
+  c.block_size = (int)value_cache.size(2);
+  c.groups = key_scales.dim() == 4 ? (int)key_scales.size(3) : 1;
+  return c;
+}
+
+void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 5, D]
+                         const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& key_scales, const at::Tensor& value_scales,
+                         const at::Tensor& block_tables,  // int32 [num_seqs, cols]
+                         const at::Tensor& seq_lens,      // int32 [num_seqs]
+                         const at::Tensor& smoothing,     // float32 [3, Hkv, D]
+                         const at::Tensor& sink_kv,       // bf16 [S + 1, Hkv, 2, D]
+                         const at::Tensor& sink_tags) {   // int64 [S + 1, Hkv]
+  const tq::SharedCache c = shared_cache(key_cache, value_cache, key_scales, value_scales);
+  const int ns = (int)block_tables.size(0);
+  TORCH_CHECK(records.is_contiguous() && records.scalar_type() == at::kFloat && records.size(0) == ns,
+              "records: expected contiguous float32 [num_seqs, Hkv, 5, D]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32, rows contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
+  TORCH_CHECK(smoothing.is_contiguous() && sink_kv.is_contiguous() && sink_tags.is_contiguous() &&
+                  sink_kv.scalar_type() == at::kBFloat16 && sink_tags.scalar_type() == at::kLong,
+              "shared_state: contiguous smoothing, bf16 sink_kv, int64 sink_tags");
+  if (ns == 0) return;
+  const c10::cuda::CUDAGuard guard(records.device());
+  tq::tq_shared_records_kernel<<<ns, tq::kSharedThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      records.data_ptr<float>(), c, block_tables.data_ptr<int>(), (int)block_tables.stride(0),
+      (int)block_tables.size(1), seq_lens.data_ptr<int>(), smoothing.data_ptr<float>(),
+      reinterpret_cast<const uint16_t*>(sink_kv.data_ptr()), sink_tags.data_ptr<int64_t>(),
+      (int)sink_tags.size(0) - 1);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void shared_enter_sinks_cuda(const at::Tensor& key, const at::Tensor& value,  // [n, Hkv, D]
+                             const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& key_scales, const at::Tensor& value_scales,
+                             const at::Tensor& slot_mapping,  // int64 [n]
+                             const at::Tensor& positions,     // int64 [n]
+                             const std::optional<at::Tensor>& smoothing,  // float32 [3, Hkv, D]
+                             at::Tensor& sink_kv, at::Tensor& sink_tags,
+                             const std::optional<at::Tensor>& rotation_signs) {  // float32 [D]
+  const tq::SharedCache c = shared_cache(key_cache, value_cache, key_scales, value_scales);
+  const int n = (int)key.size(0), D = c.head_dim;
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == D && value.stride(2) == 1 && value.stride(1) == D,
+              "key/value: heads and elements contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  slot_mapping.is_contiguous() && positions.is_contiguous(),
+              "slot_mapping/positions: contiguous int64");
+  if (n == 0) return;
+  const c10::cuda::CUDAGuard guard(key.device());
+  const float norm = (float)(1.0 / std::sqrt((double)D));
+  const float* signs = rotation_signs ? rotation_signs->data_ptr<float>() : nullptr;
+  const float* sm = smoothing ? smoothing->data_ptr<float>() : nullptr;
+  const size_t shm = 2 * D * sizeof(float);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto* kv = reinterpret_cast<uint16_t*>(sink_kv.data_ptr());
+  const int entries = (int)sink_tags.size(0) - 1;
+#define TQ_ENTER(T)                                                                           \
+  tq::tq_shared_enter_sinks_kernel<T><<<1, tq::kSharedThreads, shm, stream>>>(                \
+      static_cast<const T*>(key.data_ptr()), static_cast<const T*>(value.data_ptr()),         \
+      key.stride(0), value.stride(0), n, c, slot_mapping.data_ptr<int64_t>(),                 \
+      positions.data_ptr<int64_t>(), sm, signs, norm, kv, sink_tags.data_ptr<int64_t>(), entries)
+  if (key.scalar_type() == at::kHalf) TQ_ENTER(__half);
+  else if (key.scalar_type() == at::kBFloat16) TQ_ENTER(uint16_t);
+  else TQ_ENTER(float);
+#undef TQ_ENTER
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(turboquant, CUDA, m) {
+  m.impl("shared_records_cuda", &shared_records_cuda);
+  m.impl("shared_enter_sinks_cuda", &shared_enter_sinks_cuda);
   m.impl("paged_attention_fp4_cuda", &paged_attention_fp4_cuda);
   m.impl("reshape_and_cache_fp4_cuda", &reshape_and_cache_fp4_cuda);
   m.impl("merge_attention_states_cuda", &merge_attention_states_cuda);

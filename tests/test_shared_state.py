@@ -367,3 +367,64 @@ def test_shared_state_refusals():
     with pytest.raises(ValueError, match="num_blocks: expected an int >= 1"):
         tq.allocate_shared_state(HKV, D, 0)
     assert math.isnan(float(state.smoothing[0, 0, 0]))  # nothing was written: still unset
+
+
+def _random_cache(nb, key_format, group, g):
+    cache = tq.allocate_cache(nb, HKV, BS, D, scale_group=group, key_format=key_format)
+    for t in cache:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=g,
+                                                dtype=torch.uint8))
+    for t in (cache.key_scales, cache.value_scales):  # scales in a sane range, one NaN byte
+        t.copy_(torch.randint(110, 140, t.shape, generator=g, dtype=torch.uint8))
+    cache.value_scales.view(-1)[5] = 255
+    return cache
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("key_format,group", [("fp4", None), ("fp4", 32), ("fp8_e4m3", None)])
+def test_cuda_kernels_match_the_definition(key_format, group):
+    """The cuda backend's two kernels (csrc_cuda/shared_state.cuh) against the torch definition
+    run on the CPU, bit for bit: the sink table after writes of ragged chunks (position-0 tokens
+    colliding in one entry, a skipped slot), the records of a call (hits, misses, a bad and a
+    -1 block id, an empty sequence), with and without smoothing, for fp16/bf16/fp32 inputs."""
+    if _cuda_reason() is not None:
+        pytest.skip(f"cuda backend: {_cuda_reason()}")
+    g = torch.Generator().manual_seed(11)
+    nb, hits = 40, 0
+    signs = rotation_signs(D, 0, torch.device("cpu"))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for smooth in (True, False):
+            cache = _random_cache(nb, key_format, group, g)
+            cal = (torch.randn(HKV, D, generator=g), torch.rand(HKV, D, generator=g) + 0.5)
+            st = tq.allocate_shared_state(HKV, D, nb, calibration=cal, entries=3)
+            n = 30  # one block each; position-0 tokens at slot 0 of theirs (as a first block)
+            k = (torch.randn(n, HKV, D, generator=g) * 4).to(dtype)
+            v = torch.randn(n, HKV, D, generator=g).to(dtype)
+            pos = torch.randint(0, 3, (n,), generator=g)
+            off = torch.where(pos == 0, 0, torch.randint(1, BS, (n,), generator=g))
+            slots = torch.randperm(nb, generator=g)[:n] * BS + off
+            slots[7] = -1
+            cpu = (cache, st)
+            gpu = (tq.FP4Cache(*(t.cuda() for t in cache)), tq.SharedState(*(t.cuda() for t in st)))
+            from turboquant.shared_state import enter_sinks
+            enter_sinks(cpu[1], k, v, tuple(cpu[0]), slots, pos, signs, smooth)
+            enter_sinks(gpu[1], k.cuda(), v.cuda(), tuple(gpu[0]), slots.cuda(), pos.cuda(),
+                        signs.cuda(), smooth)
+            assert torch.equal(gpu[1].sink_tags.cpu()[:-1], cpu[1].sink_tags[:-1])
+            assert torch.equal(gpu[1].sink_kv.cpu()[:-1].view(torch.int16),
+                               cpu[1].sink_kv[:-1].view(torch.int16))
+            table = torch.randint(0, nb, (9, 3), generator=g, dtype=torch.int32)
+            firsts = slots[(pos == 0) & (slots >= 0)] // BS
+            table[:len(firsts[-4:]), 0] = firsts[-4:].int()  # the last entered: likely kept
+            table[4, 0], table[5, 0] = nb + 2, -1
+            lens = torch.randint(1, 40, (9,), generator=g, dtype=torch.int32)
+            lens[6] = 0
+            want = records(cpu[1], tuple(cpu[0]), table, lens, group, smooth)
+            got = records(gpu[1], tuple(gpu[0]), table.cuda(), lens.cuda(), group, smooth).cpu()
+            assert torch.equal(torch.isnan(got), torch.isnan(want))
+            assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), (dtype, smooth)
+            hits += int((want[:4, :, SINK_KEY] == cpu[1].sink_kv.float()[
+                torch.remainder(fingerprints(*cpu[0], table[:4, 0].long() * BS),
+                                st.entries), torch.arange(HKV)[None], 0]).all(-1).sum())
+    assert hits > 0  # some records came from the table

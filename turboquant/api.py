@@ -432,7 +432,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
         if config.sink and positions is not None:
             enter_sinks(shared_state, key, value, (key_cache, value_cache, key_scales,
                                                    value_scales),
-                        slot_mapping, positions, signs)
+                        slot_mapping, positions, signs, smooth=config.key_smoothing is not None)
         return
     if positions is not None:
         init_state(key, value, seq_state, state_ids, positions, config, calibration, signs)
@@ -478,7 +478,8 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
         if config.uses_state:  # the records of this call's sequences, from the shared state
             seq_state = shared_records(shared_state, (key_cache, value_cache, key_scales,
                                                       value_scales),
-                                       block_tables, seq_lens, call.scale_group)
+                                       block_tables, seq_lens, call.scale_group,
+                                       smooth=config.key_smoothing is not None)
             state_ids = torch.arange(call.num_seqs, dtype=torch.int32, device=query.device)
     else:
         _check_state(config, seq_state, state_ids, call.num_seqs, call.num_kv_heads,

@@ -37,6 +37,20 @@ MERGE_STATES_SCHEMA = (
 )
 
 
+# The shared state (turboquant.shared_state): the per-sequence records of an attention call, built
+# from a layer's state; and a write's position-0 tokens entered in the layer's sink table.
+SHARED_RECORDS_SCHEMA = (
+    "(Tensor(a!) records, Tensor key_cache, Tensor value_cache, Tensor key_scales, "
+    "Tensor value_scales, Tensor block_tables, Tensor seq_lens, Tensor smoothing, "
+    "Tensor sink_kv, Tensor sink_tags) -> ()"
+)
+SHARED_ENTER_SINKS_SCHEMA = (
+    "(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache, Tensor key_scales, "
+    "Tensor value_scales, Tensor slot_mapping, Tensor positions, Tensor? smoothing, "
+    "Tensor(a!) sink_kv, Tensor(b!) sink_tags, Tensor? rotation_signs) -> ()"
+)
+
+
 def define(qualname: str, schema: str) -> None:
     """Define ``qualname`` (``turboquant::<op>_<backend>``) with ``schema`` once, with a fake
     (meta) implementation: the ops only write into their mutable arguments and return

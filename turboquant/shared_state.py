@@ -30,8 +30,11 @@ the FP4 cache at D 64 to 256 (0.8 / 0.4 / 0.2 % at blocks of 32 / 64 / 128), plu
 kv head for the smoothing.
 
 The state is handed to the kernels as the per-sequence record they already read (``records``:
-one record per sequence of the call, built from the table with torch operations, no host
-synchronization), so every backend runs it.
+one record per sequence of the call, built from the table, no host synchronization), so every
+backend runs it. The functions below are the definition in torch operations; on CUDA tensors,
+where the cuda backend's library loads, ``records`` and ``enter_sinks`` run its two kernels
+instead (``csrc_cuda/shared_state.cuh``, one launch each: the ~80 small operations of the
+definition cost 150-300 us inside a CUDA graph on an H200).
 """
 from __future__ import annotations
 
@@ -145,6 +148,26 @@ def _entry(state: SharedState, tags: torch.Tensor) -> torch.Tensor:
     return torch.remainder(tags, state.entries)
 
 
+def _cuda_op(t: torch.Tensor, name: str):
+    """The cuda backend's op ``name`` for tensors on a CUDA device where its library loads,
+    else None (the definition runs)."""
+    if not t.is_cuda:
+        return None
+    from ._backends import cuda
+    if cuda.BACKEND.unavailable() is not None:
+        return None
+    return getattr(torch.ops.turboquant, name)
+
+
+def _smoothing_rows(state: SharedState, smooth: bool) -> torch.Tensor:
+    """[3, Hkv, D]: the layer's m, lam, 1 / lam, or the identity (0, 1, 1) without smoothing."""
+    if smooth:
+        return state.smoothing
+    ident = torch.ones_like(state.smoothing)
+    ident[0] = 0.0
+    return ident
+
+
 def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[torch.Tensor]
                    ) -> None:
     """The layer's m and lam from this write's keys [n, Hkv, D] (positions >= 1 when positions
@@ -157,11 +180,18 @@ def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[to
 
 def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cache: tuple,
                 slot_mapping: torch.Tensor, positions: torch.Tensor,
-                signs: Optional[torch.Tensor]) -> None:
+                signs: Optional[torch.Tensor], smooth: bool = True) -> None:
     """After a write: every token of it at position 0 (with a slot) enters the table under the
-    fingerprint of the bytes just written; of two in one write with the same entry, the later."""
+    fingerprint of the bytes just written, its key transformed with the layer's smoothing
+    (``smooth``) and the rotation (``signs``); of two in one write with the same entry, the
+    later."""
     n, hkv, _ = key.shape
     if n == 0:
+        return
+    op = _cuda_op(key, "shared_enter_sinks_cuda")
+    if op is not None:
+        op(key, value, *cache, slot_mapping.long().contiguous(), positions.long().contiguous(),
+           state.smoothing if smooth else None, state.sink_kv, state.sink_tags, signs)
         return
     s = state.entries
     live = (positions == 0) & (slot_mapping >= 0)
@@ -174,7 +204,7 @@ def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cach
     last = last.scatter_reduce(0, entry, order, reduce="amax", include_self=True)
     win = last[entry, heads] == order  # one token per (entry, head): the last
     entry = torch.where(win, entry, s)
-    m, inv = state.smoothing[0], state.smoothing[2]
+    m, inv = (state.smoothing[0], state.smoothing[2]) if smooth else (None, None)
     kv = torch.stack([transform_keys(key, m, inv, signs),
                       rotate(value.float(), signs) if signs is not None else value.float()], dim=2)
     state.sink_kv.index_put_((entry, heads), kv.to(torch.bfloat16))
@@ -194,16 +224,23 @@ def writer_record(state: SharedState) -> torch.Tensor:
 
 
 def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            scale_group: Optional[int]) -> torch.Tensor:
+            scale_group: Optional[int], smooth: bool = True) -> torch.Tensor:
     """The per-sequence records the kernels read, one per sequence of a call: float32
     [num_seqs, Hkv, 5, D] (``turboquant.smoothing``'s rows), the layer's m and lam, and the sink
     from the table where its fingerprint matches the sequence's block 0, slot 0, else that
     position's FP4 bytes decoded. A sequence without keys, or whose block 0 is no block of the
-    cache, gets NaN sink rows (a reader that sees position 0 of such a sequence gives NaN)."""
+    cache, gets NaN sink rows (a reader that sees position 0 of such a sequence gives NaN).
+    Without smoothing (``smooth`` False) the records hold m = 0, lam = 1."""
     key_cache, value_cache, key_scales, value_scales = cache
     nb, hkv, bs, _ = value_cache.shape
     d = state.smoothing.shape[-1]
     ns = block_tables.shape[0]
+    smoothing = _smoothing_rows(state, smooth)
+    op = _cuda_op(value_cache, "shared_records_cuda")
+    if op is not None:
+        rec = torch.empty(ns, hkv, STATE_ROWS, d, device=value_cache.device)
+        op(rec, *cache, block_tables, seq_lens, smoothing, state.sink_kv, state.sink_tags)
+        return rec
     first = block_tables[:, 0].long() if block_tables.shape[1] else \
         torch.full((ns,), -1, dtype=torch.long, device=block_tables.device)
     ok = (first >= 0) & (first < nb) & (seq_lens > 0)
@@ -222,9 +259,9 @@ def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_le
                         scale_group)
     table = state.sink_kv[entry, heads].float()  # [ns, Hkv, 2, D]
     rec = torch.empty(ns, hkv, STATE_ROWS, d, device=tags.device)
-    rec[:, :, KEY_CENTER] = state.smoothing[0]
-    rec[:, :, KEY_SCALE] = state.smoothing[1]
-    rec[:, :, KEY_INV_SCALE] = state.smoothing[2]
+    rec[:, :, KEY_CENTER] = smoothing[0]
+    rec[:, :, KEY_SCALE] = smoothing[1]
+    rec[:, :, KEY_INV_SCALE] = smoothing[2]
     nan = float("nan")  # (a scalar: nothing copied from the host inside a captured graph)
     rec[:, :, SINK_KEY] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 0], k0), nan)
     rec[:, :, SINK_VALUE] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 1], v0), nan)

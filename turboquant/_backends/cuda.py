@@ -40,7 +40,8 @@ from typing import Optional
 import torch
 
 from ..api import attention_op_args, cache_write_op_args
-from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, MERGE_STATES_SCHEMA, define
+from ..ops import (ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, MERGE_STATES_SCHEMA,
+                   SHARED_ENTER_SINKS_SCHEMA, SHARED_RECORDS_SCHEMA, define)
 from ._jit import load, sources_hash
 from ..registry import (AttentionCall, Backend, CacheWrite, MergeCall, register,
                         transform_tensors_reason)
@@ -48,6 +49,8 @@ from ..registry import (AttentionCall, Backend, CacheWrite, MergeCall, register,
 ATTENTION_OP = "turboquant::paged_attention_fp4_cuda"
 CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_cuda"
 MERGE_STATES_OP = "turboquant::merge_attention_states_cuda"
+SHARED_RECORDS_OP = "turboquant::shared_records_cuda"  # turboquant.shared_state's two kernels
+SHARED_ENTER_SINKS_OP = "turboquant::shared_enter_sinks_cuda"
 HEAD_DIMS = (64, 128, 256)
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 256  # the largest the GPU tests cover
@@ -58,6 +61,8 @@ CSRC = Path(__file__).resolve().parents[2] / "csrc_cuda"
 define(ATTENTION_OP, ATTENTION_SCHEMA)
 define(CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)
 define(MERGE_STATES_OP, MERGE_STATES_SCHEMA)
+define(SHARED_RECORDS_OP, SHARED_RECORDS_SCHEMA)
+define(SHARED_ENTER_SINKS_OP, SHARED_ENTER_SINKS_SCHEMA)
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "error": None}

@@ -1,0 +1,267 @@
+// turboquant cuda backend: the shared state's two small kernels (turboquant/shared_state.py,
+// CONTRACT.md section 2, "Shared state"). Torch-free.
+//
+// 1. records: one block per sequence of an attention call builds the per-sequence record the
+//    attention kernels read (float32 [num_seqs, Hkv, 5, D]): the layer's m, lam, 1/lam, and the
+//    sink from the layer's table where the fingerprint of the sequence's block 0, slot 0 bytes
+//    equals the entry's tag, else position 0 decoded from those bytes (NaN when block 0 is no
+//    block of the cache or the sequence has no key). One launch in place of the ~80 small torch
+//    operations of the definition (shared_state.records), which cost 150-190 us in a graph.
+// 2. enter_sinks: after a write, one block scans the write's tokens in order and enters each
+//    one at position 0 (with a slot) under the fingerprint of its bytes just written: its key
+//    transformed (rotate((k - m) * (1 / lam))) and its value (rotate(v)) rounded to bf16. One
+//    block, tokens in order: of two tokens with the same entry the later wins, and an entry's
+//    tag and rows always come from one token.
+// Both compute the fingerprint exactly as the definition: the row's key bytes, value bytes, key
+// scale bytes, value scale bytes, zero-padded to 32-bit little-endian words w_i (i from 1),
+// two mixes summed mod 2^32 (uint32 arithmetic wraps as the definition masks).
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace turboquant {
+namespace cuda_fp4 {
+
+struct SharedCache {
+  const uint8_t* key_cache;    // [num_blocks, Hkv, bs, key_bytes] (FP4 codes, or E4M3 bytes)
+  const uint8_t* value_cache;  // [num_blocks, Hkv, bs, D/2]
+  const uint8_t* key_scales;   // [num_blocks, bs, Hkv(, groups)] contiguous
+  const uint8_t* value_scales; // [num_blocks, bs, Hkv(, groups)] contiguous
+  int64_t kc_blk, kc_head, kc_tok, vc_blk, vc_head, vc_tok;  // element (byte) strides
+  int key_bytes, value_bytes, groups, hkv, block_size, num_blocks, head_dim;
+  bool key_e4m3;
+};
+
+constexpr int kSharedThreads = 128;
+__device__ constexpr uint32_t kMix[2][3] = {{0x2545F491u, 0x3C6EF372u, 0x2C1B3C6Du},
+                                 {0x297A2D39u, 0x1B873593u, 0x5BD1E995u}};
+
+// Byte i of the fingerprinted sequence of (block, offset, head): key row, value row, key
+// scales, value scales, then zeros.
+__device__ inline uint32_t shared_byte(const SharedCache& c, int64_t blk, int off, int h, int i) {
+  if (i < c.key_bytes) return c.key_cache[blk * c.kc_blk + h * c.kc_head + off * c.kc_tok + i];
+  i -= c.key_bytes;
+  if (i < c.value_bytes) return c.value_cache[blk * c.vc_blk + h * c.vc_head + off * c.vc_tok + i];
+  i -= c.value_bytes;
+  const int64_t s = ((blk * c.block_size + off) * c.hkv + h) * c.groups;
+  if (i < c.groups) return c.key_scales[s + i];
+  i -= c.groups;
+  if (i < c.groups) return c.value_scales[s + i];
+  return 0u;
+}
+
+// The fingerprint (int64, odd) of (block, offset, head), by the whole block (every thread gets
+// it). red: 2 x (blockDim / 32) uint32 of shared memory.
+__device__ inline int64_t shared_fingerprint(const SharedCache& c, int64_t blk, int off, int h,
+                                             uint32_t* red) {
+  const int len = c.key_bytes + c.value_bytes + 2 * c.groups;
+  const int words = (len + 3) / 4;
+  uint32_t acc[2] = {0u, 0u};
+  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+    uint32_t word = 0;
+    for (int b = 0; b < 4; ++b) word |= shared_byte(c, blk, off, h, 4 * w + b) << (8 * b);
+    const uint32_t idx = uint32_t(w + 1);
+    for (int m = 0; m < 2; ++m) {
+      uint32_t x = word * kMix[m][0] + idx * kMix[m][1];
+      x ^= x >> 15;
+      x *= kMix[m][2];
+      x ^= x >> 13;
+      acc[m] += x;
+    }
+  }
+  for (int m = 0; m < 2; ++m)
+    for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+  const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
+  __syncthreads();  // red is free (a previous call's readers are done)
+  if ((threadIdx.x & 31) == 0) {
+    red[warp] = acc[0];
+    red[nw + warp] = acc[1];
+  }
+  __syncthreads();
+  uint32_t h1 = 0, h2 = 0;
+  for (int i = 0; i < nw; ++i) {
+    h1 += red[i];
+    h2 += red[nw + i];
+  }
+  return (int64_t(h1 & 0x7FFFFFFFu) << 32) | int64_t(h2) | 1;
+}
+
+__device__ inline float e8m0_value(uint32_t b) {
+  return b == 255u ? __int_as_float(0x7fc00000) : ldexpf(1.0f, int(b) - 127);
+}
+__device__ inline float e2m1_value(uint32_t code) {  // 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives
+  const uint32_t e = (code >> 1) & 3u, m = code & 1u;
+  const float v = e == 0u ? 0.5f * float(m) : ldexpf(1.0f + 0.5f * float(m), int(e) - 1);
+  return (code & 8u) ? -v : v;
+}
+__device__ inline float e4m3_value(uint32_t b) {  // OCP E4M3 (fn): no inf, 0x7F / 0xFF NaN
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  float v;
+  if (e == 15u && m == 7u) v = __int_as_float(0x7fc00000);
+  else if (e == 0u) v = ldexpf(float(m), -9);
+  else v = ldexpf(float(8u + m), int(e) - 10);
+  return (b & 0x80u) ? -v : v;
+}
+
+// Element e of position `off`'s key (is_key) or value row in (blk, h), decoded.
+__device__ inline float shared_decode(const SharedCache& c, int64_t blk, int off, int h, int e,
+                                      bool is_key) {
+  const int64_t s = ((blk * c.block_size + off) * c.hkv + h) * c.groups + (c.groups > 1 ? e / 32 : 0);
+  const float scale = e8m0_value((is_key ? c.key_scales : c.value_scales)[s]);
+  if (is_key && c.key_e4m3)
+    return e4m3_value(c.key_cache[blk * c.kc_blk + h * c.kc_head + off * c.kc_tok + e]) * scale;
+  const uint8_t* row = is_key ? c.key_cache + blk * c.kc_blk + h * c.kc_head + off * c.kc_tok
+                              : c.value_cache + blk * c.vc_blk + h * c.vc_head + off * c.vc_tok;
+  const uint32_t byte = row[e / 2];
+  return e2m1_value((e & 1) ? (byte >> 4) : (byte & 15u)) * scale;
+}
+
+// grid (num_seqs), block (kSharedThreads)
+__global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
+    float* __restrict__ records,            // [num_seqs, Hkv, 5, D]
+    SharedCache c,
+    const int* __restrict__ block_tables,   // [num_seqs, bt_stride] (column 0 read)
+    int bt_stride, int bt_cols,
+    const int* __restrict__ seq_lens,       // [num_seqs]
+    const float* __restrict__ smoothing,    // [3, Hkv, D]: m, lam, 1/lam
+    const uint16_t* __restrict__ sink_kv,   // [S + 1, Hkv, 2, D] bf16 bits
+    const int64_t* __restrict__ sink_tags,  // [S + 1, Hkv]
+    int entries) {
+  __shared__ uint32_t red[2 * kSharedThreads / 32];
+  const int s = blockIdx.x, D = c.head_dim;
+  const int first = bt_cols > 0 ? block_tables[int64_t(s) * bt_stride] : -1;
+  const bool ok = first >= 0 && first < c.num_blocks && seq_lens[s] > 0;
+  const int64_t blk = ok ? first : 0;
+  const float nan = __int_as_float(0x7fc00000);
+  for (int h = 0; h < c.hkv; ++h) {
+    const int64_t tag = shared_fingerprint(c, blk, 0, h, red);
+    const int64_t entry = tag % entries;
+    const bool hit = sink_tags[entry * c.hkv + h] == tag;
+    float* rec = records + (int64_t(s) * c.hkv + h) * 5 * D;
+    for (int e = threadIdx.x; e < D; e += blockDim.x) {
+      rec[0 * D + e] = smoothing[(0 * c.hkv + h) * D + e];  // KEY_CENTER
+      rec[1 * D + e] = smoothing[(1 * c.hkv + h) * D + e];  // KEY_SCALE
+      rec[4 * D + e] = smoothing[(2 * c.hkv + h) * D + e];  // KEY_INV_SCALE
+      float k0, v0;
+      if (!ok) {
+        k0 = v0 = nan;
+      } else if (hit) {
+        const uint16_t* kv = sink_kv + (entry * c.hkv + h) * 2 * D;
+        k0 = __uint_as_float(uint32_t(kv[e]) << 16);
+        v0 = __uint_as_float(uint32_t(kv[D + e]) << 16);
+      } else {
+        k0 = shared_decode(c, blk, 0, h, e, true);
+        v0 = shared_decode(c, blk, 0, h, e, false);
+      }
+      rec[2 * D + e] = k0;  // SINK_KEY
+      rec[3 * D + e] = v0;  // SINK_VALUE
+    }
+  }
+}
+
+template <typename T>
+__device__ inline float shared_load(const T* p) { return *p; }  // float
+template <>
+__device__ inline float shared_load<uint16_t>(const uint16_t* p) {  // bf16 bits
+  return __uint_as_float(uint32_t(*p) << 16);
+}
+template <>
+__device__ inline float shared_load<__half>(const __half* p) { return __half2float(*p); }
+
+// x [D] in shared memory -> rotate(x) = fwht(x * s) * norm, stages h = 1 .. D/2 (in place).
+__device__ inline void shared_rotate(float* x, int D, const float* signs, float norm) {
+  for (int e = threadIdx.x; e < D; e += blockDim.x) x[e] *= signs[e];
+  __syncthreads();
+  for (int hs = 1; hs < D; hs *= 2) {
+    for (int p = threadIdx.x; p < D / 2; p += blockDim.x) {
+      const int i = (p / hs) * 2 * hs + p % hs;
+      const float a = x[i], b = x[i + hs];
+      x[i] = a + b;
+      x[i + hs] = a - b;
+    }
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < D; e += blockDim.x) x[e] *= norm;
+  __syncthreads();
+}
+
+__device__ inline uint16_t bf16_bits(float f) {  // round to nearest even, NaN kept quiet
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// grid (1), block (kSharedThreads); dynamic shared memory: 2 D floats
+template <typename T>  // the key/value dtype: __half, uint16_t (bf16 bits) or float
+__global__ void __launch_bounds__(kSharedThreads) tq_shared_enter_sinks_kernel(
+    const T* __restrict__ key,              // [n, Hkv, D]
+    const T* __restrict__ value,            // [n, Hkv, D]
+    int64_t key_stride_tok, int64_t value_stride_tok,  // element strides (heads, D contiguous)
+    int n, SharedCache c,
+    const int64_t* __restrict__ slot_mapping,  // [n] (int64; -1: not written)
+    const int64_t* __restrict__ positions,     // [n]
+    const float* __restrict__ smoothing,       // [3, Hkv, D], or nullptr (no key smoothing)
+    const float* __restrict__ signs, float norm,  // rotation signs [D], or nullptr
+    uint16_t* __restrict__ sink_kv, int64_t* __restrict__ sink_tags, int entries) {
+  extern __shared__ float x[];  // [2][D]
+  __shared__ uint32_t red[2 * kSharedThreads / 32];
+  __shared__ int found[kSharedThreads];
+  __shared__ int nfound;
+  const int D = c.head_dim;
+  for (int base = 0; base < n; base += blockDim.x) {
+    // the chunk's tokens at position 0 with a slot, in token order
+    if (threadIdx.x == 0) nfound = 0;
+    __syncthreads();
+    const int t = base + threadIdx.x;
+    const bool at0 = t < n && positions[t] == 0 && slot_mapping[t] >= 0;
+    const unsigned ballot = __ballot_sync(0xffffffffu, at0);
+    const int warp = threadIdx.x / 32;
+    __shared__ int warp_count[kSharedThreads / 32];
+    if ((threadIdx.x & 31) == 0) warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    if (at0) {
+      int before = __popc(ballot & ((1u << (threadIdx.x & 31)) - 1u));
+      for (int w = 0; w < warp; ++w) before += warp_count[w];
+      found[before] = t;
+    }
+    if (threadIdx.x == 0) {
+      int total = 0;
+      for (int w = 0; w < (int)blockDim.x / 32; ++w) total += warp_count[w];
+      nfound = total;
+    }
+    __syncthreads();
+    const int count = nfound;
+    for (int f = 0; f < count; ++f) {
+      const int tok = found[f];
+      const int64_t slot = slot_mapping[tok];
+      const int64_t blk = slot / c.block_size;
+      const int off = int(slot % c.block_size);
+      for (int h = 0; h < c.hkv; ++h) {
+        const int64_t tag = shared_fingerprint(c, blk, off, h, red);
+        const int64_t entry = tag % entries;
+        for (int e = threadIdx.x; e < D; e += blockDim.x) {
+          float k = shared_load(key + tok * key_stride_tok + int64_t(h) * D + e);
+          if (smoothing != nullptr)
+            k = (k - smoothing[(0 * c.hkv + h) * D + e]) * smoothing[(2 * c.hkv + h) * D + e];
+          x[e] = k;
+          x[D + e] = shared_load(value + tok * value_stride_tok + int64_t(h) * D + e);
+        }
+        __syncthreads();
+        if (signs != nullptr) {
+          shared_rotate(x, D, signs, norm);
+          shared_rotate(x + D, D, signs, norm);
+        }
+        uint16_t* kv = sink_kv + (entry * c.hkv + h) * 2 * D;
+        for (int e = threadIdx.x; e < 2 * D; e += blockDim.x) kv[e] = bf16_bits(x[e]);
+        if (threadIdx.x == 0) sink_tags[entry * c.hkv + h] = tag;
+        __syncthreads();  // x reused by the next head or token
+      }
+    }
+    __syncthreads();  // found / nfound reused by the next chunk
+  }
+}
+
+}  // namespace cuda_fp4
+}  // namespace turboquant
