@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turboquant as tq  # noqa: E402
+from context_parallel import capture  # noqa: E402  (benchmarks/: a graph after warm-up)
 from turboquant.config import QuantConfig  # noqa: E402
 from turboquant.shared_state import records  # noqa: E402
 
@@ -31,15 +32,7 @@ HQ, HKV, D, BS = 32, 8, 128, 16
 
 def graph_time(fn, iters: int) -> float:
     """us per call of fn replayed in a CUDA graph (median of 5 runs of iters replays)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture(fn)
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,7 +1,7 @@
 // turboquant cuda backend: the shared state's two small kernels (turboquant/shared_state.py,
 // CONTRACT.md section 2, "Shared state"). Torch-free.
 //
-// 1. records: one block per sequence of an attention call builds the per-sequence record the
+// 1. records: one block per sequence of an attention call (a warp per kv head) builds the record the
 //    attention kernels read (float32 [num_seqs, Hkv, 5, D]): the layer's m, lam, 1/lam, and the
 //    sink from the layer's table where the fingerprint of the sequence's block 0, slot 0 bytes
 //    equals the entry's tag, else position 0 decoded from those bytes (NaN when block 0 is no
@@ -52,14 +52,14 @@ __device__ inline uint32_t shared_byte(const SharedCache& c, int64_t blk, int of
   return 0u;
 }
 
-// The fingerprint (int64, odd) of (block, offset, head), by the whole block (every thread gets
-// it). red: 2 x (blockDim / 32) uint32 of shared memory.
-__device__ inline int64_t shared_fingerprint(const SharedCache& c, int64_t blk, int off, int h,
-                                             uint32_t* red) {
+// The fingerprint (int64, odd) of (block, offset, head), by one warp (every lane gets it; all
+// 32 lanes must call it).
+__device__ inline int64_t shared_fingerprint(const SharedCache& c, int64_t blk, int off, int h) {
+  const int lane = threadIdx.x & 31;
   const int len = c.key_bytes + c.value_bytes + 2 * c.groups;
   const int words = (len + 3) / 4;
   uint32_t acc[2] = {0u, 0u};
-  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+  for (int w = lane; w < words; w += 32) {
     uint32_t word = 0;
     for (int b = 0; b < 4; ++b) word |= shared_byte(c, blk, off, h, 4 * w + b) << (8 * b);
     const uint32_t idx = uint32_t(w + 1);
@@ -73,19 +73,7 @@ __device__ inline int64_t shared_fingerprint(const SharedCache& c, int64_t blk, 
   }
   for (int m = 0; m < 2; ++m)
     for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
-  const int warp = threadIdx.x / 32, nw = blockDim.x / 32;
-  __syncthreads();  // red is free (a previous call's readers are done)
-  if ((threadIdx.x & 31) == 0) {
-    red[warp] = acc[0];
-    red[nw + warp] = acc[1];
-  }
-  __syncthreads();
-  uint32_t h1 = 0, h2 = 0;
-  for (int i = 0; i < nw; ++i) {
-    h1 += red[i];
-    h2 += red[nw + i];
-  }
-  return (int64_t(h1 & 0x7FFFFFFFu) << 32) | int64_t(h2) | 1;
+  return (int64_t(acc[0] & 0x7FFFFFFFu) << 32) | int64_t(acc[1]) | 1;
 }
 
 __device__ inline float e8m0_value(uint32_t b) {
@@ -118,32 +106,32 @@ __device__ inline float shared_decode(const SharedCache& c, int64_t blk, int off
   return e2m1_value((e & 1) ? (byte >> 4) : (byte & 15u)) * scale;
 }
 
-// grid (num_seqs), block (kSharedThreads)
+// grid (num_seqs), block (kSharedThreads): warp w builds the records of heads w, w + 4, ..
 __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
     float* __restrict__ records,            // [num_seqs, Hkv, 5, D]
     SharedCache c,
     const int* __restrict__ block_tables,   // [num_seqs, bt_stride] (column 0 read)
     int bt_stride, int bt_cols,
     const int* __restrict__ seq_lens,       // [num_seqs]
-    const float* __restrict__ smoothing,    // [3, Hkv, D]: m, lam, 1/lam
+    const float* __restrict__ smoothing,    // [1, Hkv, 5, D]: a record, rows m, lam, 1/lam
     const uint16_t* __restrict__ sink_kv,   // [S + 1, Hkv, 2, D] bf16 bits
     const int64_t* __restrict__ sink_tags,  // [S + 1, Hkv]
     int entries) {
-  __shared__ uint32_t red[2 * kSharedThreads / 32];
-  const int s = blockIdx.x, D = c.head_dim;
+  const int s = blockIdx.x, D = c.head_dim, lane = threadIdx.x & 31;
   const int first = bt_cols > 0 ? block_tables[int64_t(s) * bt_stride] : -1;
   const bool ok = first >= 0 && first < c.num_blocks && seq_lens[s] > 0;
   const int64_t blk = ok ? first : 0;
   const float nan = __int_as_float(0x7fc00000);
-  for (int h = 0; h < c.hkv; ++h) {
-    const int64_t tag = shared_fingerprint(c, blk, 0, h, red);
+  for (int h = threadIdx.x / 32; h < c.hkv; h += blockDim.x / 32) {
+    const int64_t tag = shared_fingerprint(c, blk, 0, h);
     const int64_t entry = tag % entries;
     const bool hit = sink_tags[entry * c.hkv + h] == tag;
     float* rec = records + (int64_t(s) * c.hkv + h) * 5 * D;
-    for (int e = threadIdx.x; e < D; e += blockDim.x) {
-      rec[0 * D + e] = smoothing[(0 * c.hkv + h) * D + e];  // KEY_CENTER
-      rec[1 * D + e] = smoothing[(1 * c.hkv + h) * D + e];  // KEY_SCALE
-      rec[4 * D + e] = smoothing[(2 * c.hkv + h) * D + e];  // KEY_INV_SCALE
+    const float* sm = smoothing + int64_t(h) * 5 * D;
+    for (int e = lane; e < D; e += 32) {
+      rec[0 * D + e] = sm[0 * D + e];  // KEY_CENTER
+      rec[1 * D + e] = sm[1 * D + e];  // KEY_SCALE
+      rec[4 * D + e] = sm[4 * D + e];  // KEY_INV_SCALE
       float k0, v0;
       if (!ok) {
         k0 = v0 = nan;
@@ -202,11 +190,10 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_enter_sinks_kernel(
     int n, SharedCache c,
     const int64_t* __restrict__ slot_mapping,  // [n] (int64; -1: not written)
     const int64_t* __restrict__ positions,     // [n]
-    const float* __restrict__ smoothing,       // [3, Hkv, D], or nullptr (no key smoothing)
+    const float* __restrict__ smoothing,       // [1, Hkv, 5, D] (rows m, 1/lam read), or nullptr
     const float* __restrict__ signs, float norm,  // rotation signs [D], or nullptr
     uint16_t* __restrict__ sink_kv, int64_t* __restrict__ sink_tags, int entries) {
   extern __shared__ float x[];  // [2][D]
-  __shared__ uint32_t red[2 * kSharedThreads / 32];
   __shared__ int found[kSharedThreads];
   __shared__ int nfound;
   const int D = c.head_dim;
@@ -239,12 +226,12 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_enter_sinks_kernel(
       const int64_t blk = slot / c.block_size;
       const int off = int(slot % c.block_size);
       for (int h = 0; h < c.hkv; ++h) {
-        const int64_t tag = shared_fingerprint(c, blk, off, h, red);
+        const int64_t tag = shared_fingerprint(c, blk, off, h);  // (each warp, the same)
         const int64_t entry = tag % entries;
         for (int e = threadIdx.x; e < D; e += blockDim.x) {
           float k = shared_load(key + tok * key_stride_tok + int64_t(h) * D + e);
           if (smoothing != nullptr)
-            k = (k - smoothing[(0 * c.hkv + h) * D + e]) * smoothing[(2 * c.hkv + h) * D + e];
+            k = (k - smoothing[(int64_t(h) * 5 + 0) * D + e]) * smoothing[(int64_t(h) * 5 + 4) * D + e];
           x[e] = k;
           x[D + e] = shared_load(value + tok * value_stride_tok + int64_t(h) * D + e);
         }

@@ -380,7 +380,7 @@ void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 
                          const at::Tensor& key_scales, const at::Tensor& value_scales,
                          const at::Tensor& block_tables,  // int32 [num_seqs, cols]
                          const at::Tensor& seq_lens,      // int32 [num_seqs]
-                         const at::Tensor& smoothing,     // float32 [3, Hkv, D]
+                         const at::Tensor& smoothing,     // float32 [1, Hkv, 5, D]
                          const at::Tensor& sink_kv,       // bf16 [S + 1, Hkv, 2, D]
                          const at::Tensor& sink_tags) {   // int64 [S + 1, Hkv]
   const tq::SharedCache c = shared_cache(key_cache, value_cache, key_scales, value_scales);
@@ -407,7 +407,7 @@ void shared_enter_sinks_cuda(const at::Tensor& key, const at::Tensor& value,  //
                              const at::Tensor& key_scales, const at::Tensor& value_scales,
                              const at::Tensor& slot_mapping,  // int64 [n]
                              const at::Tensor& positions,     // int64 [n]
-                             const std::optional<at::Tensor>& smoothing,  // float32 [3, Hkv, D]
+                             const std::optional<at::Tensor>& smoothing,  // float32 [1, Hkv, 5, D]
                              at::Tensor& sink_kv, at::Tensor& sink_tags,
                              const std::optional<at::Tensor>& rotation_signs) {  // float32 [D]
   const tq::SharedCache c = shared_cache(key_cache, value_cache, key_scales, value_scales);

@@ -22,7 +22,7 @@ from turboquant.config import QuantConfig
 from turboquant.format import dequantize_fp4
 from turboquant.rotation import rotate, rotation_signs
 from turboquant.shared_state import fingerprints, records
-from turboquant.smoothing import SINK_KEY, SINK_VALUE
+from turboquant.smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE
 
 CFG = QuantConfig.parse("rotation+calibrated+sink")
 HKV, D, GQA, BS = 2, 64, 2, 16
@@ -224,7 +224,7 @@ def test_engine_prefix_caching_forks_preemption_eviction(device):
         cache = tuple(t.cpu() for t in eng.cache)
         st = tq.SharedState(*(t.cpu() for t in eng.state))
         rec = records(st, cache, table, seq_lens, None)
-        m, inv = st.smoothing[0], st.smoothing[2]
+        m, inv = st.smoothing[0, :, KEY_CENTER], st.smoothing[0, :, KEY_INV_SCALE]
         for i, sid in enumerate(batch):
             s = eng.seqs[sid]
             k0, v0 = model.kv(s["tokens"][:1], [0])
@@ -334,15 +334,17 @@ def test_smoothing_taken_once_from_the_first_write():
     tq.reshape_and_cache_fp4(k, v, *cache, torch.arange(20), config=CFG, shared_state=state,
                              positions=torch.arange(20))
     m, lam = tq.smoothing.smoothing_from_keys(k[1:])
-    assert torch.equal(state.smoothing[0], m) and torch.equal(state.smoothing[1], lam)
+    assert torch.equal(state.smoothing[0, :, KEY_CENTER], m)
+    assert torch.equal(state.smoothing[0, :, KEY_SCALE], lam)
     before = state.smoothing.clone()
     k2, v2 = model.kv(list(range(30, 40)), range(20, 30))
     tq.reshape_and_cache_fp4(k2 * 5, v2, *cache, torch.arange(20, 30), config=CFG,
                              shared_state=state, positions=torch.arange(20, 30))
-    assert torch.equal(state.smoothing, before)
+    assert torch.equal(state.smoothing.nan_to_num(), before.nan_to_num())  # (sink rows: NaN)
     cal = (torch.zeros(HKV, D), torch.full((HKV, D), 2.0))
     st2 = tq.allocate_shared_state(HKV, D, 4, calibration=cal)
-    assert torch.equal(st2.smoothing[1], cal[1]) and torch.equal(st2.smoothing[2], 1 / cal[1])
+    assert torch.equal(st2.smoothing[0, :, KEY_SCALE], cal[1])
+    assert torch.equal(st2.smoothing[0, :, KEY_INV_SCALE], 1 / cal[1])
 
 
 def test_shared_state_refusals():
@@ -359,14 +361,14 @@ def test_shared_state_refusals():
     with pytest.raises(TypeError, match="shared_state: expected a turboquant.SharedState"):
         tq.reshape_and_cache_fp4(k, k, *cache, slots, config=CFG, shared_state=(1, 2, 3))
     wrong = tq.allocate_shared_state(HKV, 2 * D, 4)
-    with pytest.raises(ValueError, match=r"shared_state.smoothing: expected shape \[3, 2, 64\]"):
+    with pytest.raises(ValueError, match=r"shared_state.smoothing: expected shape \[1, 2, 5, 64\]"):
         tq.reshape_and_cache_fp4(k, k, *cache, slots, config=CFG, shared_state=wrong)
     with pytest.raises(ValueError, match="calibration: with shared_state"):
         tq.reshape_and_cache_fp4(k, k, *cache, slots, config=CFG, shared_state=state,
                                  calibration=(torch.zeros(HKV, D), torch.ones(HKV, D)))
     with pytest.raises(ValueError, match="num_blocks: expected an int >= 1"):
         tq.allocate_shared_state(HKV, D, 0)
-    assert math.isnan(float(state.smoothing[0, 0, 0]))  # nothing was written: still unset
+    assert math.isnan(float(state.smoothing[0, 0, KEY_SCALE, 0]))  # nothing written: unset
 
 
 def _random_cache(nb, key_format, group, g):

@@ -39,6 +39,7 @@ definition cost 150-300 us inside a CUDA graph on an H200).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -57,7 +58,8 @@ _MIX = ((0x2545F491, 0x3C6EF372, 0x2C1B3C6D), (0x297A2D39, 0x1B873593, 0x5BD1E99
 class SharedState(NamedTuple):
     """One layer's state (``allocate_shared_state``); the table's last row is scratch."""
 
-    smoothing: torch.Tensor  # float32 [3, Hkv, D]: m, lam, 1 / lam; NaN until taken
+    smoothing: torch.Tensor  # float32 [1, Hkv, 5, D]: a record, rows m, lam, 1 / lam (NaN until
+    #                          taken); its sink rows unused (the writer's record as it is)
     sink_kv: torch.Tensor  # bfloat16 [S + 1, Hkv, 2, D]: position 0's K and V, transformed
     sink_tags: torch.Tensor  # int64 [S + 1, Hkv]: the entry's fingerprint (0: empty)
 
@@ -80,11 +82,13 @@ def allocate_shared_state(num_kv_heads: int, head_dim: int, num_blocks: int, *,
     entries = max(1, math.ceil(num_blocks / ENTRY_BLOCKS)) if entries is None else entries
     if not isinstance(entries, int) or entries < 1:
         raise ValueError(f"entries: expected an int >= 1, got {entries!r}")
-    smoothing = torch.full((3, num_kv_heads, head_dim), float("nan"), device=device)
+    smoothing = torch.full((1, num_kv_heads, STATE_ROWS, head_dim), float("nan"), device=device)
     if calibration is not None:
         m, lam = calibration
         check_smoothing("calibration", m, lam, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        smoothing[0], smoothing[1], smoothing[2] = m, lam, 1.0 / lam
+        smoothing[0, :, KEY_CENTER], smoothing[0, :, KEY_SCALE] = m, lam
+        smoothing[0, :, KEY_INV_SCALE] = 1.0 / lam
+        _mark_taken(smoothing)
     return SharedState(smoothing,
                        torch.zeros(entries + 1, num_kv_heads, 2, head_dim, dtype=torch.bfloat16,
                                    device=device),
@@ -97,7 +101,7 @@ def check_shared_state(state, num_kv_heads: int, head_dim: int, device) -> None:
     if not isinstance(state, SharedState):
         raise TypeError(f"shared_state: expected a turboquant.SharedState "
                         f"(allocate_shared_state), got {type(state).__name__}")
-    want = {"smoothing": ((3, num_kv_heads, head_dim), torch.float32),
+    want = {"smoothing": ((1, num_kv_heads, STATE_ROWS, head_dim), torch.float32),
             "sink_kv": ((None, num_kv_heads, 2, head_dim), torch.bfloat16),
             "sink_tags": ((None, num_kv_heads), torch.int64)}
     for name, (shape, dtype) in want.items():
@@ -160,22 +164,48 @@ def _cuda_op(t: torch.Tensor, name: str):
 
 
 def _smoothing_rows(state: SharedState, smooth: bool) -> torch.Tensor:
-    """[3, Hkv, D]: the layer's m, lam, 1 / lam, or the identity (0, 1, 1) without smoothing."""
+    """[1, Hkv, 5, D]: the layer's m, lam, 1 / lam, or the identity (0, 1, 1) without smoothing."""
     if smooth:
         return state.smoothing
     ident = torch.ones_like(state.smoothing)
-    ident[0] = 0.0
+    ident[0, :, KEY_CENTER] = 0.0
     return ident
+
+
+# The smoothing tensors (by device and address) whose m and lam are set: given at allocation, or
+# taken by a write outside graph capture. Later writes skip taking them (host state, no sync).
+_TAKEN: set = set()
+
+
+def _smoothing_key(smoothing: torch.Tensor):
+    return (str(smoothing.device), smoothing.data_ptr())
+
+
+def _mark_taken(smoothing: torch.Tensor) -> None:
+    """Remember that this tensor's m and lam are set, for as long as it (its base) lives."""
+    key = _smoothing_key(smoothing)
+    if key not in _TAKEN:
+        _TAKEN.add(key)
+        anchor = smoothing._base if smoothing._base is not None else smoothing
+        weakref.finalize(anchor, _TAKEN.discard, key)
 
 
 def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[torch.Tensor]
                    ) -> None:
     """The layer's m and lam from this write's keys [n, Hkv, D] (positions >= 1 when positions
-    are given) where they are not set yet (in place; no host synchronization)."""
+    are given) where they are not set yet (in place; no host synchronization). Once taken by a
+    write outside graph capture, later writes do nothing here."""
+    k = _smoothing_key(state.smoothing)
+    if k in _TAKEN:
+        return
     keep = None if positions is None else positions > 0
     m, lam = smoothing_from_keys(key, keep)
-    new = torch.stack([m, lam, 1.0 / lam])
-    state.smoothing.copy_(torch.where(torch.isnan(state.smoothing), new, state.smoothing))
+    rows = state.smoothing[0, :, [KEY_CENTER, KEY_SCALE, KEY_INV_SCALE]]  # [Hkv, 3, D]
+    new = torch.stack([m, lam, 1.0 / lam], dim=1)
+    state.smoothing[0, :, [KEY_CENTER, KEY_SCALE, KEY_INV_SCALE]] = torch.where(
+        torch.isnan(rows), new, rows)
+    if not (state.smoothing.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _mark_taken(state.smoothing)
 
 
 def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cache: tuple,
@@ -204,7 +234,8 @@ def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cach
     last = last.scatter_reduce(0, entry, order, reduce="amax", include_self=True)
     win = last[entry, heads] == order  # one token per (entry, head): the last
     entry = torch.where(win, entry, s)
-    m, inv = (state.smoothing[0], state.smoothing[2]) if smooth else (None, None)
+    m, inv = ((state.smoothing[0, :, KEY_CENTER], state.smoothing[0, :, KEY_INV_SCALE]) if smooth
+              else (None, None))
     kv = torch.stack([transform_keys(key, m, inv, signs),
                       rotate(value.float(), signs) if signs is not None else value.float()], dim=2)
     state.sink_kv.index_put_((entry, heads), kv.to(torch.bfloat16))
@@ -214,13 +245,8 @@ def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cach
 
 def writer_record(state: SharedState) -> torch.Tensor:
     """The one record every token of a write uses: float32 [1, Hkv, 5, D], the layer's m, lam
-    and 1 / lam (the writer reads no sink row)."""
-    hkv, d = state.smoothing.shape[1:]
-    rec = torch.zeros(1, hkv, STATE_ROWS, d, device=state.smoothing.device)
-    rec[0, :, KEY_CENTER] = state.smoothing[0]
-    rec[0, :, KEY_SCALE] = state.smoothing[1]
-    rec[0, :, KEY_INV_SCALE] = state.smoothing[2]
-    return rec
+    and 1 / lam (the state's own tensor: the writer reads no sink row)."""
+    return state.smoothing
 
 
 def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -259,9 +285,7 @@ def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_le
                         scale_group)
     table = state.sink_kv[entry, heads].float()  # [ns, Hkv, 2, D]
     rec = torch.empty(ns, hkv, STATE_ROWS, d, device=tags.device)
-    rec[:, :, KEY_CENTER] = smoothing[0]
-    rec[:, :, KEY_SCALE] = smoothing[1]
-    rec[:, :, KEY_INV_SCALE] = smoothing[2]
+    rec[:] = smoothing  # m, lam, 1 / lam (the sink rows below)
     nan = float("nan")  # (a scalar: nothing copied from the host inside a captured graph)
     rec[:, :, SINK_KEY] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 0], k0), nan)
     rec[:, :, SINK_VALUE] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 1], v0), nan)
