@@ -356,7 +356,7 @@ def _write(n=5, hkv=2, d=128, bs=16, dtype=torch.bfloat16, config="default", key
     kw = {}
     if cfg.uses_state:
         kw = dict(seq_state=allocate_state(2, hkv, d),
-                  state_ids=torch.zeros(n, dtype=torch.int32))
+                  state_ids=torch.zeros(n, dtype=torch.int32), positions=torch.arange(n))
     writes = []
     select = registry.select
     registry.select = lambda name, kind, arg: types.SimpleNamespace(reshape_and_cache=writes.append)

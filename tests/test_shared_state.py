@@ -21,7 +21,7 @@ import turboquant as tq
 from turboquant.config import QuantConfig
 from turboquant.format import dequantize_fp4
 from turboquant.rotation import rotate, rotation_signs
-from turboquant.shared_state import fingerprints, records
+from turboquant.shared_state import fingerprints, positions_from_metadata, records
 from turboquant.smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE
 
 CFG = QuantConfig.parse("rotation+calibrated+sink")
@@ -146,15 +146,6 @@ def _fp32_attention(q, k, v, scale):
     return torch.einsum("hn,nhd->hd", p, vv)
 
 
-def _positions(seq_lens, cu):
-    """Each query token's position, from what vLLM's metadata holds."""
-    out = []
-    for s in range(len(seq_lens)):
-        q = int(cu[s + 1] - cu[s])
-        out += list(range(int(seq_lens[s]) - q, int(seq_lens[s])))
-    return torch.tensor(out)
-
-
 def _cuda_reason():
     from turboquant._backends import cuda
     return cuda.BACKEND.unavailable()
@@ -201,7 +192,9 @@ def test_engine_prefix_caching_forks_preemption_eviction(device):
             s["computed"] = hi
         cu = torch.tensor([0] + [sum(qlens[:i + 1]) for i in range(len(qlens))], dtype=torch.int32)
         seq_lens = torch.tensor([eng.seqs[s]["computed"] for s in batch], dtype=torch.int32)
-        positions = _positions(seq_lens, cu)
+        positions = positions_from_metadata(cu, seq_lens, int(cu[-1]))
+        assert positions.tolist() == [p for i, q in enumerate(qlens)
+                                      for p in range(int(seq_lens[i]) - q, int(seq_lens[i]))]
         k, v = torch.cat(ks), torch.cat(vs)
         dev = dict(device=device)
         tq.reshape_and_cache_fp4(k.to(device), v.to(device), *eng.cache,
@@ -430,3 +423,21 @@ def test_cuda_kernels_match_the_definition(key_format, group):
                 torch.remainder(fingerprints(*cpu[0], table[:4, 0].long() * BS),
                                 st.entries), torch.arange(HKV)[None], 0]).all(-1).sum())
     assert hits > 0  # some records came from the table
+
+
+def test_accuracy_formats_through_the_shared_state():
+    """`python -m turboquant accuracy`'s 'shared:' formats: the same attention as the
+    per-sequence record up to the sink's bf16 rounding (rotation + sink), and the first write's
+    smoothing (@N) taken from its N tokens."""
+    from turboquant.accuracy.formats import format_attention, parse_format, synthetic_layers
+    layer = synthetic_layers("outlier_keys", num_layers=1, tokens=200)[0]
+    per_seq = format_attention(layer, parse_format("rotation+sink"))
+    shared = format_attention(layer, parse_format("shared:rotation+sink"))
+    cos = torch.nn.functional.cosine_similarity(per_seq.flatten(), shared.flatten(), dim=0)
+    assert float(cos) > 0.9999 and not torch.equal(per_seq, shared)
+    with pytest.raises(ValueError, match="the shared state smooths per layer"):
+        parse_format("shared:default")
+    fmt = parse_format("shared:rotation+calibrated+sink@16")
+    assert fmt.shared and fmt.first_chunk == 16
+    out = format_attention(layer, fmt)
+    assert torch.isfinite(out).all()

@@ -121,6 +121,20 @@ def check_shared_state(state, num_kv_heads: int, head_dim: int, device) -> None:
                          f"got {state.sink_kv.shape[0]} and {state.sink_tags.shape[0]}")
 
 
+def positions_from_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            num_tokens: int) -> torch.Tensor:
+    """Each query token's position in its sequence from what an engine's attention metadata
+    holds (vLLM's query_start_loc int32 [num_seqs + 1] and seq_lens int32 [num_seqs], a
+    sequence's q query tokens being its last q positions): int64 [num_tokens], for the writer's
+    ``positions``; no host synchronization."""
+    t = torch.arange(num_tokens, device=seq_lens.device)
+    seq = torch.searchsorted(query_start_loc[1:].long(), t, right=True)
+    seq = seq.clamp_max(max(seq_lens.shape[0] - 1, 0))
+    start = query_start_loc[seq].long()
+    qlen = query_start_loc[seq + 1].long() - start
+    return seq_lens[seq].long() - qlen + (t - start)
+
+
 def fingerprints(key_cache, value_cache, key_scales, value_scales, slots: torch.Tensor
                  ) -> torch.Tensor:
     """The fingerprint of each (slot, kv head)'s bytes in the cache: its key and value rows and

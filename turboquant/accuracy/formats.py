@@ -11,7 +11,11 @@ A format is a name (``parse_format``):
   the QuantConfig ``NAME`` instead (``k8v4/plain``: the format alone).
 - Any ``QuantConfig.parse`` name (``default``, ``plain``, ``rotation+per32``, ...), optionally
   with ``@N``: the sequence's first chunk (the one its state record is taken from) is its
-  first N tokens, the rest is written in a second call. These go through the real API
+  first N tokens, the rest is written in a second call. A ``shared:`` prefix writes and reads
+  through the shared state (``turboquant.shared_state``: nothing per sequence) instead of the
+  per-sequence record: ``shared:rotation+calibrated+sink`` with the calibration file's
+  smoothing, ``shared:rotation+calibrated+sink@N`` with the smoothing the layer's first write
+  (the first N tokens) takes. These go through the real API
   (``reshape_and_cache_fp4`` and ``paged_attention_fp4``, the reference backend on the CPU,
   ``backend="auto"`` elsewhere), so the report measures the bytes a serving engine would store.
 
@@ -31,6 +35,7 @@ from ..cache import allocate_cache
 from ..config import QuantConfig, parse_cache_format
 from ..format import dequantize_e4m3, dequantize_fp4, sqnr_db
 from ..rotation import rotation_signs, unrotate
+from ..shared_state import allocate_shared_state, records
 from ..smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE, allocate_state
 
 BLOCK_SIZE = 16
@@ -54,6 +59,7 @@ class KVFormat:
     config: Optional[QuantConfig]  # None: an FP8 anchor
     first_chunk: int = 0  # 0: the whole sequence in one write
     key_format: str = "fp4"  # or "fp8_e4m3" (K8V4)
+    shared: bool = False  # written and read through the shared state
 
     @property
     def is_fp8(self) -> bool:
@@ -66,14 +72,18 @@ def parse_format(name: str) -> KVFormat:
     first chunk."""
     if name in FP8_FORMATS:
         return KVFormat(name, None)
-    base, _, chunk = name.partition("@")
+    shared = name.startswith("shared:")
+    base, _, chunk = name[len("shared:") if shared else 0:].partition("@")
     first = 0
     if chunk:
         if not chunk.isdigit() or int(chunk) < 1:
             raise ValueError(f"format: expected '@N' with N >= 1 tokens, got {name!r}")
         first = int(chunk)
     config, key_format = parse_cache_format(base)
-    return KVFormat(name, config, first, key_format)
+    if shared and config.key_smoothing == "sequence":
+        raise ValueError(f"format: {name!r}: the shared state smooths per layer; expected "
+                         "'calibrated' (or no) key smoothing")
+    return KVFormat(name, config, first, key_format, shared)
 
 
 def fp8_round(x: torch.Tensor, per_token: bool) -> torch.Tensor:
@@ -136,18 +146,24 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat,
                            key_format=fmt.key_format)
     kwargs: dict = {"config": config}
     extra: dict = {}
-    if config.uses_state:
+    if fmt.shared:  # calibrated: the file's smoothing, unless the first write (@N) takes it
+        cal = calibration if config.key_smoothing == "calibrated" and not fmt.first_chunk else None
+        kwargs["shared_state"] = allocate_shared_state(hkv, d, nb, calibration=cal, device=dev)
+        extra = {"shared_state": kwargs["shared_state"]}
+    elif config.uses_state:
         kwargs["seq_state"] = allocate_state(1, hkv, d, dev)
         kwargs["state_ids"] = torch.zeros(1, dtype=torch.int32, device=dev)
         extra = {"seq_state": kwargs["seq_state"]}
-    if config.key_smoothing == "calibrated":
+    if config.key_smoothing == "calibrated" and not fmt.shared:
         extra["calibration"] = calibration
     first = t if fmt.first_chunk == 0 else min(fmt.first_chunk, t)
     for lo, hi in ((0, first), (first, t)):
         if hi <= lo:
             continue
         pos = torch.arange(lo, hi, device=dev)
-        if config.uses_state:
+        if fmt.shared:
+            extra["positions"] = pos
+        elif config.uses_state:
             extra["state_ids"] = torch.zeros(hi - lo, dtype=torch.int32, device=dev)
             extra["positions"] = pos
         reshape_and_cache_fp4(k[lo:hi], v[lo:hi], *cache, pos, config=config, **extra)
@@ -170,7 +186,7 @@ def read_back(written: WrittenCache, tokens: int) -> tuple[torch.Tensor, torch.T
             x = dequantize_e4m3(c.view(torch.uint8), s[..., 0])
         else:
             x = dequantize_fp4(c, s, config.scale_group)
-        record = written.kwargs.get("seq_state")
+        record = _record(written)
         if config.sink:
             x[0] = record[0, :, SINK_KEY if is_key else SINK_VALUE]
         if config.rotation:
@@ -179,6 +195,16 @@ def read_back(written: WrittenCache, tokens: int) -> tuple[torch.Tensor, torch.T
             x = x * record[0, :, KEY_SCALE] + record[0, :, KEY_CENTER]
         out.append(x)
     return out[0], out[1]
+
+
+def _record(written: WrittenCache) -> Optional[torch.Tensor]:
+    """The record the sequence is read with: float32 [1, Hkv, 5, D] (None: the config keeps
+    none)."""
+    st = written.kwargs.get("shared_state")
+    if st is None:
+        return written.kwargs.get("seq_state")
+    return records(st, tuple(written.cache), written.block_tables, written.seq_lens,
+                   written.fmt.config.scale_group, smooth=written.fmt.config.key_smoothing is not None)
 
 
 def format_attention(layer: Layer, fmt: KVFormat, calibration: Optional[tuple] = None,
