@@ -109,6 +109,7 @@ __device__ inline float shared_decode(const SharedCache& c, int64_t blk, int off
 // grid (num_seqs), block (kSharedThreads): warp w builds the records of heads w, w + 4, ..
 __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
     float* __restrict__ records,            // [num_seqs, Hkv, 5, D]
+    int* __restrict__ state_ids,            // [num_seqs]: s (the call's state_ids)
     SharedCache c,
     const int* __restrict__ block_tables,   // [num_seqs, bt_stride] (column 0 read)
     int bt_stride, int bt_cols,
@@ -118,6 +119,7 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
     const int64_t* __restrict__ sink_tags,  // [S + 1, Hkv]
     int entries) {
   const int s = blockIdx.x, D = c.head_dim, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) state_ids[s] = s;
   const int first = bt_cols > 0 ? block_tables[int64_t(s) * bt_stride] : -1;
   const bool ok = first >= 0 && first < c.num_blocks && seq_lens[s] > 0;
   const int64_t blk = ok ? first : 0;

@@ -376,6 +376,7 @@ tq::SharedCache shared_cache(const at::Tensor& key_cache, const at::Tensor& valu
 }
 
 void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 5, D]
+                         at::Tensor& state_ids,      // int32 [num_seqs]: 0 .. num_seqs - 1
                          const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& key_scales, const at::Tensor& value_scales,
                          const at::Tensor& block_tables,  // int32 [num_seqs, cols]
@@ -387,6 +388,8 @@ void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 
   const int ns = (int)block_tables.size(0);
   TORCH_CHECK(records.is_contiguous() && records.scalar_type() == at::kFloat && records.size(0) == ns,
               "records: expected contiguous float32 [num_seqs, Hkv, 5, D]");
+  TORCH_CHECK(state_ids.scalar_type() == at::kInt && state_ids.is_contiguous() && state_ids.size(0) == ns,
+              "state_ids: expected contiguous int32 [num_seqs]");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables: int32, rows contiguous");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: contiguous int32");
   TORCH_CHECK(smoothing.is_contiguous() && sink_kv.is_contiguous() && sink_tags.is_contiguous() &&
@@ -395,7 +398,8 @@ void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 
   if (ns == 0) return;
   const c10::cuda::CUDAGuard guard(records.device());
   tq::tq_shared_records_kernel<<<ns, tq::kSharedThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      records.data_ptr<float>(), c, block_tables.data_ptr<int>(), (int)block_tables.stride(0),
+      records.data_ptr<float>(), state_ids.data_ptr<int>(), c, block_tables.data_ptr<int>(),
+      (int)block_tables.stride(0),
       (int)block_tables.size(1), seq_lens.data_ptr<int>(), smoothing.data_ptr<float>(),
       reinterpret_cast<const uint16_t*>(sink_kv.data_ptr()), sink_tags.data_ptr<int64_t>(),
       (int)sink_tags.size(0) - 1);

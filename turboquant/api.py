@@ -476,11 +476,11 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
         _check_shared(config, shared_state, seq_state, state_ids, call.num_kv_heads,
                       call.head_dim, query.device)
         if config.uses_state:  # the records of this call's sequences, from the shared state
+            state_ids = torch.empty(call.num_seqs, dtype=torch.int32, device=query.device)
             seq_state = shared_records(shared_state, (key_cache, value_cache, key_scales,
                                                       value_scales),
                                        block_tables, seq_lens, call.scale_group,
-                                       smooth=config.key_smoothing is not None)
-            state_ids = torch.arange(call.num_seqs, dtype=torch.int32, device=query.device)
+                                       smooth=config.key_smoothing is not None, ids_out=state_ids)
     else:
         _check_state(config, seq_state, state_ids, call.num_seqs, call.num_kv_heads,
                      call.head_dim, query.device)

@@ -38,9 +38,10 @@ MERGE_STATES_SCHEMA = (
 
 
 # The shared state (turboquant.shared_state): the per-sequence records of an attention call, built
-# from a layer's state; and a write's position-0 tokens entered in the layer's sink table.
+# from a layer's state (and their ids 0 .. num_seqs - 1); and a write's position-0 tokens entered
+# in the layer's sink table.
 SHARED_RECORDS_SCHEMA = (
-    "(Tensor(a!) records, Tensor key_cache, Tensor value_cache, Tensor key_scales, "
+    "(Tensor(a!) records, Tensor(b!) state_ids, Tensor key_cache, Tensor value_cache, Tensor key_scales, "
     "Tensor value_scales, Tensor block_tables, Tensor seq_lens, Tensor smoothing, "
     "Tensor sink_kv, Tensor sink_tags) -> ()"
 )

@@ -264,13 +264,16 @@ def writer_record(state: SharedState) -> torch.Tensor:
 
 
 def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            scale_group: Optional[int], smooth: bool = True) -> torch.Tensor:
+            scale_group: Optional[int], smooth: bool = True,
+            ids_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The per-sequence records the kernels read, one per sequence of a call: float32
     [num_seqs, Hkv, 5, D] (``turboquant.smoothing``'s rows), the layer's m and lam, and the sink
     from the table where its fingerprint matches the sequence's block 0, slot 0, else that
     position's FP4 bytes decoded. A sequence without keys, or whose block 0 is no block of the
     cache, gets NaN sink rows (a reader that sees position 0 of such a sequence gives NaN).
-    Without smoothing (``smooth`` False) the records hold m = 0, lam = 1."""
+    Without smoothing (``smooth`` False) the records hold m = 0, lam = 1. ``ids_out`` (int32
+    [num_seqs]) is filled with each sequence's record index 0 .. num_seqs - 1, the state_ids of
+    the call (the cuda kernel writes both in one launch)."""
     key_cache, value_cache, key_scales, value_scales = cache
     nb, hkv, bs, _ = value_cache.shape
     d = state.smoothing.shape[-1]
@@ -279,8 +282,12 @@ def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_le
     op = _cuda_op(value_cache, "shared_records_cuda")
     if op is not None:
         rec = torch.empty(ns, hkv, STATE_ROWS, d, device=value_cache.device)
-        op(rec, *cache, block_tables, seq_lens, smoothing, state.sink_kv, state.sink_tags)
+        ids = ids_out if ids_out is not None else torch.empty(ns, dtype=torch.int32,
+                                                             device=value_cache.device)
+        op(rec, ids, *cache, block_tables, seq_lens, smoothing, state.sink_kv, state.sink_tags)
         return rec
+    if ids_out is not None:
+        ids_out.copy_(torch.arange(ns, dtype=torch.int32, device=ids_out.device))
     first = block_tables[:, 0].long() if block_tables.shape[1] else \
         torch.full((ns,), -1, dtype=torch.long, device=block_tables.device)
     ok = (first >= 0) & (first < nb) & (seq_lens > 0)
