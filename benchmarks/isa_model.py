@@ -1263,21 +1263,25 @@ DEPENDENCY_FACTOR_LOW = 1.4
 PLAN_FILE = ROOT / "turboquant" / "integration" / "aiter" / "files" / "pa_fp4_plan.py"
 
 
-def partition_len() -> Callable[[int, int, int, int], int]:
-    """The launcher's partition_len(row_tiles, num_kv_heads, max_seq_len, num_cus), imported by
-    path from pa_fp4_plan.py (a dependency-free module: the AITER patch ships it beside the
-    launcher, so the model and the launcher split a call the same way). The largest
-    128 x 2^k <= 2048 tokens that still gives row_tiles x num_kv_heads x ceil(max_seq_len / P)
-    >= 1 wave x 4 SIMDs x num_cus waves, else 256."""
+def plan_module():
+    """The launcher's plan, pa_fp4_plan.py, imported by path (a dependency-free module: the AITER
+    patch ships it beside the launcher, so the model, the launcher and the tests split a call
+    the same way)."""
     import importlib.util
-    import sys
     mod = sys.modules.get("pa_fp4_plan")
     if mod is None or getattr(mod, "__file__", None) != str(PLAN_FILE):
         spec = importlib.util.spec_from_file_location("pa_fp4_plan", PLAN_FILE)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         sys.modules["pa_fp4_plan"] = mod
-    return mod.partition_len
+    return mod
+
+
+def partition_len() -> Callable[[int, int, int, int], int]:
+    """The launcher's partition_len(row_tiles, num_kv_heads, max_seq_len, num_cus): the largest
+    128 x 2^k <= 2048 tokens that still gives row_tiles x num_kv_heads x ceil(max_seq_len / P)
+    >= 1 wave x 4 SIMDs x num_cus waves, else 256."""
+    return plan_module().partition_len
 
 
 @dataclasses.dataclass

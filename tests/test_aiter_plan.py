@@ -1,11 +1,10 @@
 """The AITER launcher's plan (turboquant/integration/aiter/files/pa_fp4_plan.py, shipped into
 AITER as csrc.cpp_itfs.pa.pa_fp4_plan): the partition length per call, the grid's row tiles and
 partitions, and the workspace layout of both architectures. Dependency-free, so it is loaded here
-by path, as benchmarks/isa_model.py loads it."""
+by path, by benchmarks/isa_model.py's loader."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import math
 import sys
@@ -14,18 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN_FILE = ROOT / "turboquant" / "integration" / "aiter" / "files" / "pa_fp4_plan.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from isa_model import PLAN_FILE, plan_module  # noqa: E402 - the one loader of the plan
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("tq_test_pa_fp4_plan", PLAN_FILE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-P = _load()
+P = plan_module()
 LENGTHS = (128, 256, 512, 1024, 2048)
 BATCHES = (1, 17, 128)
 CONTEXTS = (1, 97, 4096, 32768)

@@ -755,18 +755,10 @@ def _decode_args(rec, **expect):
         assert rec["args"][name] == value, f"{name}: {rec['args'][name]!r} != {value!r}"
 
 
-def _plan_module():
-    import importlib.util
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from isa_model import plan_module  # noqa: E402 - the one loader of the plan
 
-    path = ROOT / "turboquant" / "integration" / "aiter" / "files" / "pa_fp4_plan.py"
-    spec = importlib.util.spec_from_file_location("tq_routing_pa_fp4_plan", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-PLAN = _plan_module()
+PLAN = plan_module()
 def _plan_args(arch, seqs=(20, 33, 1), tokens=None, hkv=2, gqa=4, d=128, max_seq_len=48,
                num_cus=256, multi_token=None):
     """The launcher arguments pa_fp4_plan.plan gives a call of _problem's shape."""
