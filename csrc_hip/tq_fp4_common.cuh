@@ -48,29 +48,29 @@ TQ_HD int mfma_fp8_k(int kgroup, int byte) {
 TQ_HD int mfma_out_row(int lane, int i) { return 4 * (lane >> 4) + i; }
 TQ_HD int mfma_out_col(int lane) { return lane & 15; }
 
-// A = K as FP4 (cbsz 4, only the first 4 dwords are read), B = Q as FP8 (blgp 0).
-TQ_HD f32x4 mfma_qk_fp4_fp8(u32x4 a_fp4, i32x8 b_fp8, f32x4 c, int scale_a, int scale_b) {
-  const i32x8 a = {int(a_fp4[0]), int(a_fp4[1]), int(a_fp4[2]), int(a_fp4[3]), 0, 0, 0, 0};
+// v_mfma_scale_f32_16x16x128_f8f6f4 with A in format CBSZ (0: FP8 E4M3, 4: FP4 E2M1) and B
+// FP8 E4M3 (blgp 0), scale bytes op_sel 0; the lane simulation's model on the host.
+template <int CBSZ>
+TQ_HD f32x4 mfma_scale(i32x8 a, i32x8 b_fp8, f32x4 c, int scale_a, int scale_b) {
 #if defined(TQ_HOST_SIM)
-  return sim::mfma_scale_16x16x128(4, 0, a, b_fp8, c, scale_a, scale_b);
+  return sim::mfma_scale_16x16x128(CBSZ, 0, a, b_fp8, c, scale_a, scale_b);
 #elif !TQ_GFX950
   __builtin_trap();
 #else
-  return __builtin_amdgcn_mfma_scale_f32_16x16x128_f8f6f4(a, b_fp8, c, 4, 0, 0, scale_a, 0,
+  return __builtin_amdgcn_mfma_scale_f32_16x16x128_f8f6f4(a, b_fp8, c, CBSZ, 0, 0, scale_a, 0,
                                                           scale_b);
 #endif
 }
 
+// A = K as FP4 (cbsz 4, only the first 4 dwords are read), B = Q as FP8 (blgp 0).
+TQ_HD f32x4 mfma_qk_fp4_fp8(u32x4 a_fp4, i32x8 b_fp8, f32x4 c, int scale_a, int scale_b) {
+  const i32x8 a = {int(a_fp4[0]), int(a_fp4[1]), int(a_fp4[2]), int(a_fp4[3]), 0, 0, 0, 0};
+  return mfma_scale<4>(a, b_fp8, c, scale_a, scale_b);
+}
+
 // A and B both FP8 E4M3 (cbsz 0, blgp 0): QK on the LUT path, and PV on both paths.
 TQ_HD f32x4 mfma_fp8_fp8(i32x8 a_fp8, i32x8 b_fp8, f32x4 c, int scale_a, int scale_b) {
-#if defined(TQ_HOST_SIM)
-  return sim::mfma_scale_16x16x128(0, 0, a_fp8, b_fp8, c, scale_a, scale_b);
-#elif !TQ_GFX950
-  __builtin_trap();
-#else
-  return __builtin_amdgcn_mfma_scale_f32_16x16x128_f8f6f4(a_fp8, b_fp8, c, 0, 0, 0, scale_a, 0,
-                                                          scale_b);
-#endif
+  return mfma_scale<0>(a_fp8, b_fp8, c, scale_a, scale_b);
 }
 
 // ---------------------------------------------------------------------------------------
