@@ -74,7 +74,6 @@ struct QRow {
   int qscale;   // E8M0 byte of Q's hi term (the lo term's is qscale - 4)
   float qadd;   // scale * q.m, in the logits' units (log2, or natural under a soft cap)
   float x0;     // the sink's logit, log2 units (-inf without a sink)
-  float pad;
 };
 
 // Wave-wide maximum over all 64 lanes (xor stages 1 .. 32).
@@ -195,7 +194,7 @@ TQ_HD void transform_q_rows(QLds<HEAD, ROWS>* ql, QRow* rows, int nrows, RowQuer
         *reinterpret_cast<uint32_t*>(&ql->q8[r][0][kQe * s + j]) = t.hi;
         *reinterpret_cast<uint32_t*>(&ql->q8[r][1][kQe * s + j]) = qscale >= 4 ? t.lo : 0u;
       }
-      if (s == 0) rows[r] = {qscale, qdm * f, x0, 0.0f};
+      if (s == 0) rows[r] = {qscale, qdm * f, x0};
     }
   }
 }
