@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import weakref
 from typing import Optional
 
 import torch
@@ -27,8 +26,8 @@ from .registry import AttentionCall, CacheWrite
 from .rotation import rotation_signs
 from .shared_state import SharedState, check_shared_state, enter_sinks, take_smoothing
 from .shared_state import records as shared_records
-from .shared_state import writer_record as shared_records_for_writer
 from .smoothing import KEY_SCALE, STATE_ROWS, check_smoothing, init_state
+from .tensor_facts import TensorFacts
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -248,23 +247,16 @@ def _check_config(config, group: int, head_dim: int) -> QuantConfig:
 # The config each written cache holds, keyed by its key_cache's (device, address): set by the
 # first write through the API, checked by every later write and read (CONTRACT.md section 2).
 # An entry lives as long as the tensor (a view's base) it was made for.
-_CACHE_CONFIGS: dict = {}
-
-
-def _cache_key(key_cache: torch.Tensor):
-    return (str(key_cache.device), key_cache.data_ptr())
+_CACHE_CONFIGS = TensorFacts()
 
 
 def cache_config(key_cache: torch.Tensor) -> Optional[QuantConfig]:
     """The QuantConfig a cache was written with through this API (None: not written yet)."""
-    return _CACHE_CONFIGS.get(_cache_key(key_cache))
+    return _CACHE_CONFIGS.get(key_cache)
 
 
 def _bind_config(key_cache: torch.Tensor, config: QuantConfig) -> None:
-    key = _cache_key(key_cache)
-    _CACHE_CONFIGS[key] = config
-    anchor = key_cache._base if key_cache._base is not None else key_cache
-    weakref.finalize(anchor, _CACHE_CONFIGS.pop, key, None)
+    _CACHE_CONFIGS.set(key_cache, config)
 
 
 def _resolve_config(config, key_cache, group: int, head_dim: int) -> QuantConfig:
@@ -426,7 +418,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     if shared_state is not None:
         if config.key_smoothing is not None:
             take_smoothing(shared_state, key, positions)
-            seq_state = shared_records_for_writer(shared_state)
+            seq_state = shared_state.smoothing  # the layer's record: m, lam, 1 / lam
             state_ids = torch.zeros(num_tokens, dtype=torch.int32, device=key.device)
         _write(write, config, seq_state, state_ids, signs, backend)
         if config.sink and positions is not None:

@@ -39,7 +39,6 @@ definition cost 150-300 us inside a CUDA graph on an H200).
 from __future__ import annotations
 
 import math
-import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -48,8 +47,12 @@ from .format import dequantize_e4m3, dequantize_fp4
 from .rotation import rotate
 from .smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, STATE_ROWS,
                         check_smoothing, smoothing_from_keys, transform_keys)
+from .tensor_facts import TensorFacts
 
 ENTRY_BLOCKS = 16  # one sink entry per this many cache blocks (at least one entry)
+# The smoothing tensors whose m and lam are set: given at allocation, or taken by a write outside
+# graph capture. Later writes skip taking them (host state, no sync).
+_TAKEN = TensorFacts()
 _M32 = 0xFFFFFFFF
 # the fingerprint's two 32-bit mixes: (word multiplier, position multiplier, finalizer)
 _MIX = ((0x2545F491, 0x3C6EF372, 0x2C1B3C6D), (0x297A2D39, 0x1B873593, 0x5BD1E995))
@@ -88,7 +91,7 @@ def allocate_shared_state(num_kv_heads: int, head_dim: int, num_blocks: int, *,
         check_smoothing("calibration", m, lam, num_kv_heads=num_kv_heads, head_dim=head_dim)
         smoothing[0, :, KEY_CENTER], smoothing[0, :, KEY_SCALE] = m, lam
         smoothing[0, :, KEY_INV_SCALE] = 1.0 / lam
-        _mark_taken(smoothing)
+        _TAKEN.set(smoothing, True)
     return SharedState(smoothing,
                        torch.zeros(entries + 1, num_kv_heads, 2, head_dim, dtype=torch.bfloat16,
                                    device=device),
@@ -186,31 +189,12 @@ def _smoothing_rows(state: SharedState, smooth: bool) -> torch.Tensor:
     return ident
 
 
-# The smoothing tensors (by device and address) whose m and lam are set: given at allocation, or
-# taken by a write outside graph capture. Later writes skip taking them (host state, no sync).
-_TAKEN: set = set()
-
-
-def _smoothing_key(smoothing: torch.Tensor):
-    return (str(smoothing.device), smoothing.data_ptr())
-
-
-def _mark_taken(smoothing: torch.Tensor) -> None:
-    """Remember that this tensor's m and lam are set, for as long as it (its base) lives."""
-    key = _smoothing_key(smoothing)
-    if key not in _TAKEN:
-        _TAKEN.add(key)
-        anchor = smoothing._base if smoothing._base is not None else smoothing
-        weakref.finalize(anchor, _TAKEN.discard, key)
-
-
 def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[torch.Tensor]
                    ) -> None:
     """The layer's m and lam from this write's keys [n, Hkv, D] (positions >= 1 when positions
     are given) where they are not set yet (in place; no host synchronization). Once taken by a
     write outside graph capture, later writes do nothing here."""
-    k = _smoothing_key(state.smoothing)
-    if k in _TAKEN:
+    if _TAKEN.get(state.smoothing):
         return
     keep = None if positions is None else positions > 0
     m, lam = smoothing_from_keys(key, keep)
@@ -219,7 +203,7 @@ def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[to
     state.smoothing[0, :, [KEY_CENTER, KEY_SCALE, KEY_INV_SCALE]] = torch.where(
         torch.isnan(rows), new, rows)
     if not (state.smoothing.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _mark_taken(state.smoothing)
+        _TAKEN.set(state.smoothing, True)
 
 
 def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cache: tuple,
@@ -255,12 +239,6 @@ def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cach
     state.sink_kv.index_put_((entry, heads), kv.to(torch.bfloat16))
     state.sink_tags.index_put_((entry, heads), torch.where(win, tags, 0))
     state.sink_tags[s] = 0
-
-
-def writer_record(state: SharedState) -> torch.Tensor:
-    """The one record every token of a write uses: float32 [1, Hkv, 5, D], the layer's m, lam
-    and 1 / lam (the state's own tensor: the writer reads no sink row)."""
-    return state.smoothing
 
 
 def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
