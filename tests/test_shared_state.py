@@ -326,7 +326,7 @@ def test_smoothing_taken_once_from_the_first_write():
     k, v = model.kv(list(range(10, 30)), range(20))
     tq.reshape_and_cache_fp4(k, v, *cache, torch.arange(20), config=CFG, shared_state=state,
                              positions=torch.arange(20))
-    m, lam = tq.smoothing.smoothing_from_keys(k[1:])
+    m, lam = tq.smoothing.smoothing_from_keys(k[1:], quantile=tq.smoothing.LAYER_RANGE_QUANTILE)
     assert torch.equal(state.smoothing[0, :, KEY_CENTER], m)
     assert torch.equal(state.smoothing[0, :, KEY_SCALE], lam)
     before = state.smoothing.clone()

@@ -5,9 +5,9 @@ import torch
 import turboquant as tq
 from turboquant.cache import build_paged_problem
 from turboquant.config import PLAIN, QuantConfig
-from turboquant.smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, allocate_state,
-                                  calibrate, load_calibration, save_calibration,
-                                  smoothing_from_keys)
+from turboquant.smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, LAYER_RANGE_QUANTILE,
+                                  SINK_KEY, SINK_VALUE, allocate_state, calibrate,
+                                  load_calibration, save_calibration, smoothing_from_keys)
 
 
 def _exact(q, keys, values, scale, cap=0.0):
@@ -37,6 +37,29 @@ def test_smoothing_rule_on_structured_keys():
     assert lam[0, 0] > 10 * lam[0, 1] and torch.allclose(lam.pow(2).mean(-1), torch.ones(1))
     m0, lam0 = smoothing_from_keys(keys[:0])
     assert (m0 == 0).all() and (lam0 == 1).all()
+
+
+def test_layer_range_is_a_quantile_not_the_maximum():
+    """A layer's range (calibration, the shared state's first write) is the 99.9th percentile of
+    |k - m|: one outlier token among 3000 barely moves it, where it sets the maximum; it equals
+    torch.quantile over the kept keys, and keys left out (keep) change nothing."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(3000, 2, 8, generator=g)
+    spiked = keys.clone()
+    spiked[1234, 1, 5] = 1000.0
+    q = LAYER_RANGE_QUANTILE
+    _, lam_max = smoothing_from_keys(spiked)
+    _, lam_q = smoothing_from_keys(spiked, quantile=q)
+    _, lam_clean = smoothing_from_keys(keys, quantile=q)
+    assert lam_max[1, 5] > 4 * lam_max[1].median()  # the outlier sets the maximum's range
+    assert torch.allclose(lam_q, lam_clean, rtol=0.05)  # not the quantile's
+    keep = torch.rand(3000, generator=g) > 0.4
+    m, lam = smoothing_from_keys(spiked, keep, quantile=q)
+    kept = spiked[keep]
+    a = torch.quantile((kept - kept.mean(0)).abs(), q, dim=0)
+    lam_ref = a.sqrt() / a.mean(-1, keepdim=True).sqrt()
+    assert torch.allclose(m, kept.mean(0), atol=1e-6)
+    assert torch.allclose(lam, lam_ref, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cap", [0.0, 5.0])

@@ -45,8 +45,9 @@ import torch
 
 from .format import dequantize_e4m3, dequantize_fp4
 from .rotation import rotate
-from .smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, STATE_ROWS,
-                        check_smoothing, smoothing_from_keys, transform_keys)
+from .smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, LAYER_RANGE_QUANTILE, SINK_KEY,
+                        SINK_VALUE, STATE_ROWS, check_smoothing, smoothing_from_keys,
+                        transform_keys)
 from .tensor_facts import TensorFacts
 
 ENTRY_BLOCKS = 16  # one sink entry per this many cache blocks (at least one entry)
@@ -197,7 +198,7 @@ def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[to
     if _TAKEN.get(state.smoothing):
         return
     keep = None if positions is None else positions > 0
-    m, lam = smoothing_from_keys(key, keep)
+    m, lam = smoothing_from_keys(key, keep, quantile=LAYER_RANGE_QUANTILE)
     rows = state.smoothing[0, :, [KEY_CENTER, KEY_SCALE, KEY_INV_SCALE]]  # [Hkv, 3, D]
     new = torch.stack([m, lam, 1.0 / lam], dim=1)
     state.smoothing[0, :, [KEY_CENTER, KEY_SCALE, KEY_INV_SCALE]] = torch.where(

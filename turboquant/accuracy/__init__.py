@@ -101,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-calibration",
                    help="write the key smoothing calibrated on the calibration text to FILE "
                         "(single model)")
+    p.add_argument("--swap-texts", action="store_true",
+                   help="evaluate the calibration text and calibrate on the evaluation text "
+                        "(a held-back check of choices made on the usual pairing)")
     p.add_argument("--device", default="cpu", help="torch device of the model run (default cpu)")
     p.add_argument("--out", help="directory for accuracy.json, accuracy.csv and accuracy.png")
     p.add_argument("--synthetic-tokens", type=int, default=512,
@@ -252,8 +255,8 @@ def main(args) -> int:
                                  {"model": MODELS[name].title, "text": CALIBRATION_TEXT_PATH.name})
                 progress(f"[{name}] wrote {args.save_calibration}")
             run = run_model(options, model=name, model_path=args.model_path, tokens=args.tokens,
-                            layers=layers, calibration=calibration, device=args.device,
-                            progress=progress)
+                            layers=layers, calibration=calibration,
+                            swap_texts=args.swap_texts, device=args.device, progress=progress)
         except (ModelUnavailable, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

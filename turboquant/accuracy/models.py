@@ -257,17 +257,22 @@ def calibrate_model(model, tok, text: str, device: str = "cpu") -> dict:
 def run_model(formats: Sequence[str], *, model: str = "smollm2",
               model_path: Optional[str] = None, tokens: Optional[int] = None,
               layers: Optional[Sequence[int]] = None, calibration: Optional[dict] = None,
-              device: str = "cpu", progress: Callable[[str], None] = lambda m: None) -> dict:
+              swap_texts: bool = False, device: str = "cpu",
+              progress: Callable[[str], None] = lambda m: None) -> dict:
     """The model's rows (one per format: KLD, top-1, perplexity; per-layer SQNR and cosine
     over ``layers``) and the run's facts. ``calibration``: layer -> (m, lam), else computed
-    from the calibration text."""
+    from the calibration text. ``swap_texts``: the two texts trade roles (evaluate the
+    calibration text, calibrate on the evaluation text): a held-back check of a choice made
+    on the usual pairing."""
     path = find_model_path(model, model_path)
     progress(f"[{model}] loading {os.path.basename(path)} with transformers (offline)")
     t0 = time.perf_counter()
     net, tok = load_model(path, device)
     load_s = time.perf_counter() - t0
     cfg = net.config
-    ids = tok(load_text(), return_tensors="pt").input_ids.to(device)
+    eval_path, calib_path = ((CALIBRATION_TEXT_PATH, TEXT_PATH) if swap_texts
+                             else (TEXT_PATH, CALIBRATION_TEXT_PATH))
+    ids = tok(load_text(eval_path), return_tensors="pt").input_ids.to(device)
     if tokens is not None:
         if tokens < 2:
             raise ValueError(f"--tokens: expected at least 2 (a token to predict), got {tokens}")
@@ -284,8 +289,8 @@ def run_model(formats: Sequence[str], *, model: str = "smollm2",
     if calibration is None and any(parse_format(f).config is not None and
                                    parse_format(f).config.key_smoothing == "calibrated"
                                    for f in formats):
-        calibration = calibrate_model(net, tok, load_text(CALIBRATION_TEXT_PATH), device)
-        progress(f"[{model}] calibrated key smoothing on {CALIBRATION_TEXT_PATH.name}")
+        calibration = calibrate_model(net, tok, load_text(calib_path), device)
+        progress(f"[{model}] calibrated key smoothing on {calib_path.name}")
     captured: dict = {}
     with hooked(capture=captured):
         ref = log_probs(net, ids)
@@ -307,7 +312,8 @@ def run_model(formats: Sequence[str], *, model: str = "smollm2",
         "model": {"name": model, "title": MODELS[model].title, "path": path,
                   "layers": n_layers, "heads": cfg.num_attention_heads,
                   "kv_heads": cfg.num_key_value_heads, "head_dim": head_dim,
-                  "tokens": int(ids.shape[1]), "layers_evaluated": layer_ids,
+                  "tokens": int(ids.shape[1]), "text": eval_path.name,
+                  "layers_evaluated": layer_ids,
                   "ppl_baseline": base_ppl, "bf16_control": control,
                   "load_s": load_s, "run_s": time.perf_counter() - t1},
     }
