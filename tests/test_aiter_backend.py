@@ -347,6 +347,7 @@ def _write(n=5, hkv=2, d=128, bs=16, dtype=torch.bfloat16, config="default", key
 
     from turboquant.cache import allocate_cache
     from turboquant.config import QuantConfig
+    from turboquant.shared_state import allocate_shared_state
     from turboquant.smoothing import allocate_state
 
     cfg = QuantConfig.parse(config)
@@ -354,9 +355,11 @@ def _write(n=5, hkv=2, d=128, bs=16, dtype=torch.bfloat16, config="default", key
     key, value = (torch.randn(n, hkv, d, generator=g).to(dtype) for _ in range(2))
     cache = allocate_cache(8, hkv, bs, d, scale_group=cfg.scale_group, key_format=key_format)
     kw = {}
-    if cfg.uses_state:
+    if cfg.needs_slots:
         kw = dict(seq_state=allocate_state(2, hkv, d),
                   state_ids=torch.zeros(n, dtype=torch.int32), positions=torch.arange(n))
+    elif cfg.uses_state:
+        kw = dict(shared_state=allocate_shared_state(hkv, d, 8), positions=torch.arange(n))
     writes = []
     select = registry.select
     registry.select = lambda name, kind, arg: types.SimpleNamespace(reshape_and_cache=writes.append)
@@ -377,6 +380,7 @@ WRITER_ACCEPTS = {  # what the HIP writer (aiter.reshape_and_cache_fp4) takes
     "per-32 scales": dict(config="default+per32"),
     "rotation only": dict(config="rotation"),
     "smoothing only": dict(config="smooth"),
+    "per-sequence records": dict(config="rotation+smooth+sink"),
     "k8v4 default": dict(key_format="fp8_e4m3"),
     "k8v4 plain fp32 D64": dict(key_format="fp8_e4m3", config="plain", dtype=torch.float32, d=64),
 }

@@ -53,7 +53,7 @@ import torch
 import turboquant
 from turboquant.api import make_attention_call, prepare_attention
 from turboquant.cache import build_paged_problem
-from turboquant.config import PLAIN, QuantConfig
+from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant.format import decode_e2m1, decode_e8m0, unpack_fp4
 from turboquant.reference import attention_reference
 from turboquant.rotation import rotate, rotation_norm, unrotate
@@ -660,7 +660,8 @@ def _reference_call(call):
     return out
 
 
-TRANSFORM_CONFIGS = {"default": QuantConfig(), "rotation": QuantConfig.parse("rotation"),
+TRANSFORM_CONFIGS = {"default": QuantConfig(), "per-sequence": PER_SEQUENCE,
+                     "rotation": QuantConfig.parse("rotation"),
                      "plain": PLAIN, "smooth": QuantConfig.parse("smooth"),
                      "sink": QuantConfig.parse("sink")}
 TRANSFORM_SHAPES = [  # (dtype, head, block_size, gqa, num_kv_heads, seq_lens)
@@ -675,10 +676,10 @@ TRANSFORM_SHAPES = [  # (dtype, head, block_size, gqa, num_kv_heads, seq_lens)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "lut"])
 @pytest.mark.parametrize("shape", TRANSFORM_SHAPES,
                          ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-bs{c[2]}-g{c[3]}")
-@pytest.mark.parametrize("name", ["default", "rotation", "plain"])
+@pytest.mark.parametrize("name", ["default", "per-sequence", "rotation", "plain"])
 def test_lane_sim_transforms_match_emulation_and_reference(sim_lib, name, shape, native):
-    """The default config (rotation + sequence key smoothing + sink), rotation alone and no
-    transform, on lengths 1 / 54 / 97 / 257 / 300 (a sequence of one token is the sink alone),
+    """The default config (rotation + the layer's key smoothing + sink, through the shared
+    state), the same with per-sequence records, rotation alone and no transform, on lengths 1 / 54 / 97 / 257 / 300 (a sequence of one token is the sink alone),
     shuffled block tables and 0xFF-poisoned unused slots, against the emulation and
     paged_attention_fp4(backend="reference")."""
     dtype, head, bs, gqa, hkv, seq_lens = shape
@@ -703,8 +704,13 @@ def test_lane_sim_transforms_match_emulation_and_reference(sim_lib, name, shape,
 
 @pytest.mark.parametrize("name", ["default", "smooth", "sink"])
 def test_lane_sim_transforms_with_soft_cap(sim_lib, name):
-    """With a soft cap and a state record the logit gets q.m back before the cap."""
-    prob, gen = _problem([1, 97, 300], 2, 128, 16, seed=5, config=TRANSFORM_CONFIGS[name])
+    """With a soft cap and a state record the logit gets q.m back before the cap (keys with a
+    per-channel offset, so that m is far from 0)."""
+    g = torch.Generator().manual_seed(6)
+    center = 2.0 * torch.randn(128, generator=g)
+    prob, gen = _problem([1, 97, 300], 2, 128, 16, seed=5, config=TRANSFORM_CONFIGS[name],
+                         kv_factory=lambda s, shape: (torch.randn(shape, generator=g) + center,
+                                                      torch.randn(shape, generator=g)))
     query = 8 * torch.randn((3, 8, 128), generator=gen).to(torch.bfloat16)
     call = _transform_call(prob, query, 128 ** -0.5, soft_cap=5.0)
     for native in (True, False):
@@ -716,7 +722,7 @@ def test_lane_sim_transforms_with_soft_cap(sim_lib, name):
         assert e_ref < 1e-2
     # q.m matters under the cap: the same call without it is measurably different.
     if prob.kwargs["config"].key_smoothing is not None:
-        centered = prob.kwargs["seq_state"].clone()
+        centered = call.seq_state.clone()
         centered[:, :, KEY_CENTER] = 0
         other = _reference_call(dataclasses.replace(call, seq_state=centered))
         assert _rel_err(other, _reference_call(call)) > 1e-2
@@ -727,7 +733,7 @@ def test_lane_sim_sink_structured(sim_lib, native):
     """A sink record whose value row is a unit vector (after rotation) and whose key is aligned
     with the query: the sink dominates, so each output row is about the un-rotated unit
     vector, i.e. a row of the rotation matrix; a single-token sequence gives it exactly."""
-    config = QuantConfig()
+    config = PER_SEQUENCE
     prob, gen = _problem([1, 54, 300], 2, 128, 16, seed=7, config=config)
     query = torch.randn((3, 8, 128), generator=gen).to(torch.bfloat16)
     state = prob.kwargs["seq_state"]
@@ -764,7 +770,7 @@ def test_lane_sim_sink_structured(sim_lib, native):
 def test_lane_sim_bad_slot_gives_nan(sim_lib, native):
     """A state slot outside [0, num_slots) gives NaN rows for its sequence only (nothing is
     read from it); the other sequences are unchanged."""
-    prob, gen = _problem([54, 1, 300], 2, 64, 16, seed=9, config=QuantConfig())
+    prob, gen = _problem([54, 1, 300], 2, 64, 16, seed=9, config=PER_SEQUENCE)
     query = torch.randn((3, 8, 64), generator=gen).to(torch.bfloat16)
     call = _transform_call(prob, query, 0.125)
     good = _sim_call(sim_lib, call, native)
@@ -780,7 +786,7 @@ def test_lane_sim_bad_slot_gives_nan(sim_lib, native):
 
 
 def test_lane_sim_transforms_do_not_depend_on_thread_order(sim_lib):
-    prob, gen = _problem([300, 1], 2, 64, 16, seed=11, config=QuantConfig())
+    prob, gen = _problem([300, 1], 2, 64, 16, seed=11, config=PER_SEQUENCE)
     query = torch.randn((2, 8, 64), generator=gen).to(torch.bfloat16)
     call = _transform_call(prob, query, 0.125, soft_cap=4.0)
     outs = []
@@ -801,7 +807,7 @@ def test_rotation_norm_constant(sim_lib):
 def test_lane_sim_sink_ignores_position_zero_bytes(sim_lib, native):
     """With the sink on, position 0's FP4 codes and scales never reach the output: poisoned
     to 0xFF (NaN scales) they give the same bits."""
-    prob, gen = _problem([1, 54, 300], 2, 128, 16, seed=13, config=QuantConfig())
+    prob, gen = _problem([1, 54, 300], 2, 128, 16, seed=13, config=PER_SEQUENCE)
     query = torch.randn((3, 8, 128), generator=gen).to(torch.bfloat16)
     call = _transform_call(prob, query, 128 ** -0.5, soft_cap=6.0)
     base = _sim_call(sim_lib, call, native)

@@ -417,6 +417,7 @@ def _writer_problem(n=37, hkv=2, d=128, dtype="bfloat16", config="default", grou
     from turboquant import registry
     from turboquant.cache import allocate_cache
     from turboquant.config import QuantConfig
+    from turboquant.shared_state import allocate_shared_state
     from turboquant.smoothing import allocate_state
 
     cfg = dataclasses.replace(QuantConfig.parse(config), scale_group=group)
@@ -433,7 +434,14 @@ def _writer_problem(n=37, hkv=2, d=128, dtype="bfloat16", config="default", grou
     slots = slots.int() if slots32 else slots
     ids = (torch.arange(n) % 3).to(torch.int32)
     kw = {}
-    if cfg.uses_state:
+    if cfg.uses_state and not cfg.needs_slots:  # the default: the layer's shared state, its
+        state = allocate_shared_state(hkv, d, nb)  # smoothing taken by a first (finite) write
+        first = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
+        turboquant.reshape_and_cache_fp4(key.nan_to_num(0.0, 0.0, 0.0), value, *first, slots,
+                                         config=cfg, shared_state=state,
+                                         positions=torch.arange(n) // 3, backend="reference")
+        kw = dict(shared_state=state)
+    elif cfg.uses_state:
         state = allocate_state(3, hkv, d)
         first = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
         turboquant.reshape_and_cache_fp4(key, value, *first, slots, config=cfg, seq_state=state,
@@ -527,7 +535,7 @@ def _writer_cases():
 def _host_problem(seq_lens, q_lens=None, hkv=2, gqa=4, d=128, config="default",
                   key_format="fp4", seed=0):
     """A paged cache written by the reference writer (default config: rotation, key smoothing
-    and the sink), a query and cu_query_lens (None: decode)."""
+    and the sink, through the shared state), a query and cu_query_lens (None: decode)."""
     import itertools
 
     import torch
@@ -1187,7 +1195,7 @@ WRITER_CASES = {  # case -> (template, runtime arguments the launcher must pass)
              value_cache_stride_block=2 * 16 * 64, slot_mapping_is_int64=1, num_tokens=37,
              num_kv_heads=2, group=128, block_size=16, num_blocks=4, key_e4m3=0,
              rotation_signs_ptr="<rotation_signs>", seq_state_ptr="<seq_state>",
-             state_ids_ptr="<state_ids>", num_slots=3)),
+             state_ids_ptr="<state_ids>", num_slots=1)),  # the shared state's layer record
     "writer k8v4 fp32 D64 int32 slots": (
         dict(scalar="Fp32", head_size=64, arch="gfx950"),
         dict(key_stride_token=3 * 64, key_cache_stride_block=3 * 16 * 64,

@@ -8,7 +8,7 @@ import torch
 import turboquant as tq
 from turboquant import format as fmt
 from turboquant.cache import build_paged_problem
-from turboquant.config import PLAIN
+from turboquant.config import PER_SEQUENCE, PLAIN
 from turboquant.rotation import fwht, rotate, rotation_matrix, rotation_signs, unrotate
 from turboquant.smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, allocate_state
 
@@ -17,7 +17,7 @@ from conftest import dequant_f64
 
 @pytest.mark.parametrize("name", ["default", "plain", "per32", "rotation", "rotation+per32",
                                   "mse", "rotation+per32+mse", "rotation+smooth", "sink",
-                                  "rotation+calibrated+sink", "default+per32+mse"])
+                                  "rotation+smooth+sink", "default+per32+mse"])
 def test_parse_and_name_round_trip(name):
     assert tq.QuantConfig.parse(name).name == name
 
@@ -25,8 +25,10 @@ def test_parse_and_name_round_trip(name):
 def test_the_default_is_rotation_smoothing_and_sink():
     cfg = tq.QuantConfig()
     assert (cfg.rotation, cfg.key_smoothing, cfg.sink, cfg.scale_group) == \
-        (True, "sequence", True, None)
-    assert tq.QuantConfig.parse("rotation+smooth+sink") == cfg
+        (True, "calibrated", True, None)
+    assert tq.QuantConfig.parse("rotation+calibrated+sink") == cfg and not cfg.needs_slots
+    per_seq = tq.QuantConfig.parse("rotation+smooth+sink")
+    assert per_seq == PER_SEQUENCE and per_seq.needs_slots and per_seq.name == "rotation+smooth+sink"
     assert not PLAIN.rotation and not PLAIN.uses_state and PLAIN.name == "plain"
 
 
@@ -103,7 +105,8 @@ def test_mse_rule_keeps_special_groups():
 
 
 @pytest.mark.parametrize("name", ["rotation", "rotation+per32", "mse", "rotation+mse",
-                                  "rotation+smooth", "smooth+per32", "default"])
+                                  "rotation+smooth", "smooth+per32", "default",
+                                  "rotation+smooth+sink"])
 def test_api_with_config_matches_float64(name):
     """Writer bytes are the transformed keys quantized with the config's rule; attention equals
     float64 attention over the dequantized cache with q * lam rotated and the output rotated
@@ -121,19 +124,28 @@ def test_api_with_config_matches_float64(name):
                        for s, n in enumerate(lens)])
     state = {}
     ids = torch.tensor([2, 0, 1], dtype=torch.int32)  # slot of each sequence
-    if cfg.uses_state:
+    tok_ids = torch.repeat_interleave(ids, torch.tensor(lens))
+    if cfg.uses_state and not cfg.needs_slots:  # the default: the layer's shared state
+        state = {"shared_state": tq.allocate_shared_state(hkv, d, 12)}
+        tq.reshape_and_cache_fp4(torch.cat(keys), torch.cat(values), *cache, slots, config=cfg,
+                                 positions=torch.cat([torch.arange(n) for n in lens]), **state)
+        layer = state["shared_state"].smoothing
+        token_records = layer.expand(len(tok_ids), -1, -1, -1)
+        seq_records = tq.shared_state.records(state["shared_state"], tuple(cache), tables,
+                                              torch.tensor(lens, dtype=torch.int32), cfg.scale_group)
+    elif cfg.uses_state:
         state = {"seq_state": allocate_state(3, hkv, d)}
-        tok_ids = torch.repeat_interleave(ids, torch.tensor(lens))
         positions = torch.cat([torch.arange(n) for n in lens])
         tq.reshape_and_cache_fp4(torch.cat(keys), torch.cat(values), *cache, slots, config=cfg,
                                  state_ids=tok_ids, positions=positions, **state)
         state["state_ids"] = ids
+        token_records, seq_records = state["seq_state"][tok_ids.long()], state["seq_state"][ids.long()]
     else:
         tq.reshape_and_cache_fp4(torch.cat(keys), torch.cat(values), *cache, slots, config=cfg)
     # the written bytes are the transformed keys quantized with the config's rule
     k_all = torch.cat(keys).float()
     if cfg.key_smoothing:
-        rec = state["seq_state"][tok_ids.long()]
+        rec = token_records
         k_all = (k_all - rec[:, :, KEY_CENTER]) * rec[:, :, KEY_INV_SCALE]
     signs = rotation_signs(d, cfg.rotation_seed)
     k_src = rotate(k_all, signs) if cfg.rotation else k_all
@@ -155,7 +167,7 @@ def test_api_with_config_matches_float64(name):
         v = dequant_f64(cache.value_cache[blk, :, off], vs[blk, off], group)
         q = query[s].double()
         if cfg.uses_state:
-            rec = state["seq_state"][ids[s]].double()  # [Hkv, 5, D]
+            rec = seq_records[s].double()  # [Hkv, 5, D]
             q = q * rec[:, KEY_SCALE].repeat_interleave(4, 0)
             if cfg.sink:
                 k[0], v[0] = rec[:, 2], rec[:, 3]

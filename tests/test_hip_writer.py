@@ -36,14 +36,15 @@ import torch
 import turboquant
 from turboquant import hip_writer, registry
 from turboquant.cache import allocate_cache
-from turboquant.config import PLAIN, QuantConfig
+from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant.integration.aiter import patch
+from turboquant.shared_state import allocate_shared_state
 from turboquant.smoothing import allocate_state
 
 from _tools import CLANG_MISSING, find_clang
 
 CONFIGS = {"plain": PLAIN, "default": QuantConfig(), "rotation": QuantConfig.parse("rotation"),
-           "smooth": QuantConfig.parse("smooth")}
+           "smooth": QuantConfig.parse("smooth"), "per-sequence": PER_SEQUENCE}
 # every launcher (3 dtypes x 3 head dims) has 4 transform variants of 3 key/group forms
 NUM_KERNELS = 3 * 3 * 4 * 3
 
@@ -387,7 +388,14 @@ def _check(host, monkeypatch, d, dtype, config, group=None, key_format="fp4", n=
         slots = slots.int()
     ids = (torch.arange(n) % 3).to(torch.int32)  # three interleaved sequences
     kw = {}
-    if cfg.uses_state:  # the records are filled once (a first write); then both writers read them
+    if cfg.uses_state and not cfg.needs_slots:  # the default: the layer's shared state, its
+        state = allocate_shared_state(hkv, d, nb)  # smoothing taken by a first (finite) write
+        c0 = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
+        turboquant.reshape_and_cache_fp4(key.nan_to_num(0.0, 0.0, 0.0), val, *c0, slots,
+                                         config=cfg, shared_state=state,
+                                         positions=torch.arange(n) // 3, backend="reference")
+        kw = dict(shared_state=state)
+    elif cfg.uses_state:  # the records are filled once (a first write); then both writers read them
         state = allocate_state(4, hkv, d)
         c0 = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
         turboquant.reshape_and_cache_fp4(key, val, *c0, slots, config=cfg, seq_state=state,
@@ -411,10 +419,11 @@ def _check(host, monkeypatch, d, dtype, config, group=None, key_format="fp4", n=
 def test_bit_exact_plain_and_default(writer, monkeypatch, d, dtype):
     _check(writer, monkeypatch, d, dtype, "plain", seed=d)
     _check(writer, monkeypatch, d, dtype, "default", seed=d + 1, slots32=True)
+    _check(writer, monkeypatch, d, dtype, "per-sequence", seed=d + 5)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("config", ["plain", "rotation", "smooth", "default"])
+@pytest.mark.parametrize("config", ["plain", "rotation", "smooth", "default", "per-sequence"])
 def test_bit_exact_per32_scales(writer, monkeypatch, d, config):
     _check(writer, monkeypatch, d, torch.bfloat16, config, group=32, seed=d + 2)
 

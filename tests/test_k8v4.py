@@ -7,7 +7,7 @@ import torch
 import turboquant as tq
 from turboquant import format as fmt
 from turboquant.api import make_cache_write, prepare_attention
-from turboquant.config import PLAIN, QuantConfig
+from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant.rotation import rotate, rotation_signs
 from turboquant.smoothing import transform_keys
 
@@ -23,20 +23,23 @@ def _write(config, n=40, seed=0):
     table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
     slots = table[0, pos // BS].long() * BS + pos % BS
     kw = {"config": config}
-    if config.uses_state:
+    if config.needs_slots:
         kw.update(seq_state=tq.allocate_state(1, HKV, D),
                   state_ids=torch.zeros(n, dtype=torch.int32), positions=pos)
+    elif config.uses_state:
+        kw.update(shared_state=tq.allocate_shared_state(HKV, D, 4), positions=pos)
     tq.reshape_and_cache_fp4(k, v, *cache, slots, **kw)
     return cache, k, v, table, slots, kw
 
 
-@pytest.mark.parametrize("config", [PLAIN, QuantConfig()], ids=["plain", "default"])
+@pytest.mark.parametrize("config", [PLAIN, QuantConfig(), PER_SEQUENCE],
+                         ids=["plain", "default", "per-sequence"])
 def test_writer_stores_e4m3_keys_and_fp4_values(config):
     cache, k, v, _, slots, kw = _write(config)
     b, o = slots // BS, slots % BS
     center = inv = None
     if config.key_smoothing:
-        rec = kw["seq_state"][0]
+        rec = kw["shared_state"].smoothing[0] if "shared_state" in kw else kw["seq_state"][0]
         center, inv = rec[:, 0], rec[:, 4]
     signs = rotation_signs(D, config.rotation_seed) if config.rotation else None
     codes, scales = fmt.quantize_e4m3(transform_keys(k, center, inv, signs))

@@ -192,15 +192,15 @@ def test_torch_library_op_checks():
     query = torch.randn(2, 4, 64, generator=gen).bfloat16()
     out = torch.empty_like(query)
     signs = rotation_signs(64)
-    for transforms in ((None, None, None, False),
-                       (signs, prob.kwargs["seq_state"], prob.kwargs["state_ids"], True)):
+    records = prob.state_records()
+    ids = torch.arange(2, dtype=torch.int32)
+    for transforms in ((None, None, None, False), (signs, records, ids, True)):
         args = (out, query, *prob.cache, prob.block_tables, prob.seq_lens, None, 0.125, 0, 0.0,
                 32, *transforms)
         torch.library.opcheck(torch.ops.turboquant.paged_attention_fp4_reference.default, args)
     key = torch.randn(3, 2, 64, generator=gen)
     cache = tq.allocate_cache(4, 2, 16, 64)
-    state = prob.kwargs["seq_state"]
-    for transforms in ((None, None, None), (signs, state, torch.tensor([0, 1, 0], dtype=torch.int32))):
+    for transforms in ((None, None, None), (signs, records, torch.tensor([0, 1, 0], dtype=torch.int32))):
         torch.library.opcheck(torch.ops.turboquant.reshape_and_cache_fp4_reference.default,
                               (key, key, *cache, torch.tensor([0, 5, -1]), *transforms))
 

@@ -194,7 +194,7 @@ def _host_sim(tmp_path):
     return op
 
 
-def _host_sim_against_reference(op, prob, gen, label):
+def _host_sim_against_reference(op, prob, gen, label, poison=True):
     """Poison position 0's bytes and scales of the 3 sequences (NaN if they were read), run
     decode and multi-token rows with and without a soft cap through the host-simulated kernel
     ``op``: close to the reference (E4M3 Q and P: 0.06 against outputs about 3; smoke
@@ -206,7 +206,7 @@ def _host_sim_against_reference(op, prob, gen, label):
     from turboquant.smoothing import SINK_VALUE
 
     kc, vc, ks, vs = prob.cache
-    for s in range(3):
+    for s in range(3 if poison else 0):
         blk = int(prob.block_tables[s, 0])
         kc.view(torch.uint8)[blk, :, 0], vc[blk, :, 0], ks[blk, 0], vs[blk, 0] = 0xFF, 0xFF, 0xFF, 0xFF
     query = torch.randn(7, 8, 64, generator=gen).to(torch.bfloat16)
@@ -227,38 +227,54 @@ def _host_sim_against_reference(op, prob, gen, label):
 
 
 def test_k8v4_kernel_source_on_host(tmp_path):
-    """K8V4 (E4M3 keys through the e4m3 x e4m3 model) with the default transforms, decode and
+    """K8V4 (E4M3 keys through the e4m3 x e4m3 model) with the per-sequence transforms (records
+    that differ per sequence; the shared state hands the kernel such records too), decode and
     multi-token rows, with and without a soft cap: close to the reference (the same smoke
     tolerance as FP4 keys); position 0's poisoned key bytes never count; a one-token sequence
     gives exactly the un-rotated sink value."""
-    from turboquant import QuantConfig
     from turboquant.cache import build_paged_problem
+    from turboquant.config import PER_SEQUENCE
 
     op = _host_sim(tmp_path)
     gen = torch.Generator().manual_seed(6)
     prob = build_paged_problem([1, 40, 70], 2, 64, 16, generator=gen, write_backend="reference",
-                               config=QuantConfig(), spare_blocks=1, key_format="fp8_e4m3")
+                               config=PER_SEQUENCE, spare_blocks=1, key_format="fp8_e4m3")
     assert prob.cache.key_cache.dtype == torch.float8_e4m3fn and prob.cache.key_cache.shape[-1] == 64
     call, _ = _host_sim_against_reference(op, prob, gen, "K8V4")
     assert call.key_format == "fp8_e4m3"
 
 
+def test_kernel_source_on_host_with_the_shared_state(tmp_path):
+    """The default config: the reader builds each sequence's record from the layer's shared
+    state and the kernel reads it (decode and multi-token rows, with and without a soft cap):
+    close to the reference; a one-token sequence gives exactly its sink value from the table."""
+    from turboquant.cache import build_paged_problem
+
+    op = _host_sim(tmp_path)
+    gen = torch.Generator().manual_seed(7)
+    prob = build_paged_problem([1, 40, 70], 2, 64, 16, generator=gen, write_backend="reference",
+                               spare_blocks=1)
+    assert "shared_state" in prob.kwargs
+    _host_sim_against_reference(op, prob, gen, "FP4 shared state", poison=False)
+
+
 def test_kernel_source_on_host_with_transforms(tmp_path):
-    """Default config (rotation, key smoothing, sink), decode and multi-token rows, a soft cap
+    """Per-sequence transforms (rotation, key smoothing, sink; records that differ per sequence,
+    as the shared state's reader builds them), decode and multi-token rows, a soft cap
     with keys far from 0 (q.m): close to the reference (E4M3 Q and P: 0.06 against outputs
     about 3); a one-token sequence gives exactly the un-rotated sink value; position 0's
     poisoned FP4 bytes never count; a slot outside seq_state gives NaN rows for its sequence."""
     import dataclasses
 
-    from turboquant import QuantConfig
     from turboquant.api import attention_op_args
     from turboquant.cache import build_paged_problem
+    from turboquant.config import PER_SEQUENCE
 
     op = _host_sim(tmp_path)
     gen = torch.Generator().manual_seed(5)
     center = 2.0 * torch.randn(64, generator=gen)
     prob = build_paged_problem([1, 40, 70], 2, 64, 16, generator=gen, write_backend="reference",
-                               config=QuantConfig(), spare_blocks=1,
+                               config=PER_SEQUENCE, spare_blocks=1,
                                kv_factory=lambda s, shape: (torch.randn(shape, generator=gen) + center,
                                                             torch.randn(shape, generator=gen)))
     call, out = _host_sim_against_reference(op, prob, gen, "FP4")

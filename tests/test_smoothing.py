@@ -4,7 +4,7 @@ import torch
 
 import turboquant as tq
 from turboquant.cache import build_paged_problem
-from turboquant.config import PLAIN, QuantConfig
+from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant.smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, LAYER_RANGE_QUANTILE,
                                   SINK_KEY, SINK_VALUE, allocate_state, calibrate,
                                   load_calibration, save_calibration, smoothing_from_keys)
@@ -105,7 +105,7 @@ def test_sink_is_exact_and_ignores_the_cache_bytes():
     """A one-token sequence sees only its sink: the output is its value (bf16-rounded), whatever
     the FP4 bytes of position 0 hold; a longer sequence's sink row is the transformed key."""
     gen = torch.Generator().manual_seed(1)
-    prob = build_paged_problem([1, 40], 2, 64, 16, generator=gen)  # the default config
+    prob = build_paged_problem([1, 40], 2, 64, 16, generator=gen, config=PER_SEQUENCE)
     kc, vc, ks, vs = prob.cache
     b0 = prob.block_tables[0, 0]
     kc[b0, :, 0], vc[b0, :, 0], ks[b0, 0], vs[b0, 0] = 0x77, 0x77, 255, 255  # NaN scales
@@ -126,19 +126,19 @@ def test_sink_is_exact_and_ignores_the_cache_bytes():
 
 def test_unwritten_record_and_bad_slot_give_nan():
     gen = torch.Generator().manual_seed(2)
-    prob = build_paged_problem([30, 30], 1, 64, 16, generator=gen)
+    prob = build_paged_problem([30, 30], 1, 64, 16, generator=gen, config=PER_SEQUENCE)
     q = torch.randn(2, 2, 64, generator=gen).bfloat16()
     state = prob.kwargs["seq_state"].clone()
     state[prob.kwargs["state_ids"][0]] = float("nan")  # as allocate_state leaves a slot
     out = tq.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
-                                 config=QuantConfig(), seq_state=state,
+                                 config=PER_SEQUENCE, seq_state=state,
                                  state_ids=prob.kwargs["state_ids"])
     assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
     ids = prob.kwargs["state_ids"].clone()
     ids[1] = 99
     with tq.value_checks(False):
         out = tq.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
-                                     config=QuantConfig(), seq_state=prob.kwargs["seq_state"],
+                                     config=PER_SEQUENCE, seq_state=prob.kwargs["seq_state"],
                                      state_ids=ids)
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
 
@@ -153,7 +153,7 @@ def test_decode_steps_without_positions_keep_the_record():
     v = torch.randn(20, hkv, d, generator=gen).bfloat16()
     ids = torch.ones(20, dtype=torch.int32)
     tq.reshape_and_cache_fp4(k[:16], v[:16], *cache, torch.arange(16), seq_state=state,
-                             state_ids=ids[:16], positions=torch.arange(16))
+                             state_ids=ids[:16], positions=torch.arange(16), config=PER_SEQUENCE)
     rec = state[1].clone()
     assert torch.isnan(state[0]).all() and torch.isfinite(rec).all()
     for t in range(16, 20):  # decode steps

@@ -37,7 +37,7 @@ def true_keys_values(prob, s, config):
     v = _gather_tokens(vc, vs, prob.block_tables[s], call_group, 0, n, bs).double()
     rec = None
     if config.uses_state:
-        rec = prob.kwargs["seq_state"][int(prob.kwargs["state_ids"][s])].double()
+        rec = prob.state_records()[s].double()
         if config.sink:
             k[:, 0] = rec[:, SINK_KEY]
             v[:, 0] = rec[:, SINK_KEY + 1]

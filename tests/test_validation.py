@@ -4,7 +4,7 @@ import torch
 
 import turboquant as tq
 from turboquant.cache import build_paged_problem
-from turboquant.config import PLAIN
+from turboquant.config import PER_SEQUENCE, PLAIN
 from turboquant.smoothing import allocate_state
 
 
@@ -23,7 +23,7 @@ def call(case, **changes):
     args = dict(case)
     kwargs = {k: args.pop(k) for k in list(args) if k in (
         "cu_query_lens", "out", "sliding_window", "logits_soft_cap", "backend", "max_seq_len",
-        "config", "seq_state", "state_ids")}
+        "config", "seq_state", "state_ids", "shared_state")}
     args.update({k: v for k, v in changes.items() if k in args})
     kwargs.update({k: v for k, v in changes.items() if k not in args})
     return tq.paged_attention_fp4(*args.values(), **kwargs)
@@ -59,18 +59,49 @@ BAD = [
      "cu_query_lens.*end at"),
     (dict(cu_query_lens=torch.tensor([0, 1, 2, 3], dtype=torch.int64)), TypeError,
      "cu_query_lens.*int32"),
-    (dict(seq_state=None), ValueError, "seq_state: config 'default'.*allocate_state"),
-    (dict(state_ids=None), ValueError, "seq_state: config 'default'"),
-    (dict(seq_state=torch.zeros(3, 2, 4, 64, dtype=torch.float16)), TypeError,
-     "seq_state.*float32"),
-    (dict(seq_state=torch.zeros(3, 2, 3, 64)), ValueError, "seq_state.*shape"),
-    (dict(state_ids=torch.tensor([0, 1, 2])), TypeError, "state_ids.*int32"),
-    (dict(state_ids=torch.tensor([0, 1], dtype=torch.int32)), ValueError, "state_ids.*shape"),
-    (dict(state_ids=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError,
-     r"state_ids.*\[0, 3\).*max 3"),
+    (dict(shared_state=None), ValueError,
+     r"shared_state: config 'default'.*allocate_shared_state\(2, 64, num_blocks\)"),
+    (dict(seq_state=torch.zeros(3, 2, 5, 64)), ValueError, "shared_state: given with seq_state"),
     (dict(config=tq.QuantConfig(key_smoothing=None, sink=False)), ValueError,
      "config: this cache was written with config 'default'.*passes 'rotation'"),
 ]
+
+
+# the per-sequence record (the option): its own arguments
+BAD_SEQ = [
+    (dict(seq_state=None), ValueError,
+     "seq_state: config 'rotation[+]smooth[+]sink'.*allocate_state"),
+    (dict(state_ids=None), ValueError, "seq_state: config 'rotation[+]smooth[+]sink'"),
+    (dict(state_ids=torch.zeros(3, dtype=torch.int32),
+          seq_state=torch.zeros(3, 2, 4, 64, dtype=torch.float16)), TypeError,
+     "seq_state.*float32"),
+    (dict(state_ids=torch.zeros(3, dtype=torch.int32),
+          seq_state=torch.zeros(3, 2, 3, 64)), ValueError, "seq_state.*shape"),
+    (dict(seq_state=torch.zeros(3, 2, 5, 64),
+          state_ids=torch.tensor([0, 1, 2])), TypeError, "state_ids.*int32"),
+    (dict(seq_state=torch.zeros(3, 2, 5, 64),
+          state_ids=torch.tensor([0, 1], dtype=torch.int32)), ValueError, "state_ids.*shape"),
+    (dict(seq_state=torch.zeros(3, 2, 5, 64),
+          state_ids=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError,
+     r"state_ids.*\[0, 3\).*max 3"),
+]
+
+
+@pytest.fixture
+def case_seq():
+    gen = torch.Generator().manual_seed(0)
+    prob = build_paged_problem([20, 7, 33], 2, 64, 16, generator=gen, config=PER_SEQUENCE)
+    query = torch.randn(3, 4, 64, generator=gen).bfloat16()
+    kc, vc, ks, vs = prob.cache
+    return dict(query=query, key_cache=kc, value_cache=vc, key_scales=ks, value_scales=vs,
+                block_tables=prob.block_tables, seq_lens=prob.seq_lens, scale=0.125,
+                **prob.kwargs)
+
+
+@pytest.mark.parametrize("changes,exc,match", BAD_SEQ)
+def test_bad_per_sequence_state_arguments(case_seq, changes, exc, match):
+    with pytest.raises(exc, match=match):
+        call(case_seq, **changes)
 
 
 @pytest.mark.parametrize("changes,exc,match", BAD)
@@ -119,8 +150,7 @@ def test_empty_batch_returns_empty(case):
                                  case["key_scales"], case["value_scales"],
                                  torch.zeros(0, 3, dtype=torch.int32),
                                  torch.zeros(0, dtype=torch.int32), 0.125,
-                                 seq_state=case["seq_state"],
-                                 state_ids=torch.zeros(0, dtype=torch.int32))
+                                 shared_state=case["shared_state"])
     assert out.shape == (0, 4, 64)
 
 
@@ -156,15 +186,17 @@ CACHE_BAD = [
     (dict(slot_mapping=torch.tensor([0, 1, 2, -2])), ValueError, "slot_mapping.*-2"),
     (dict(slot_mapping=torch.tensor([0.0, 1, 2, 3])), TypeError, "slot_mapping.*int64"),
     (dict(slot_mapping=torch.tensor([0, 1, 2])), ValueError, "slot_mapping.*shape"),
-    (dict(seq_state=None), ValueError, "seq_state: config 'default'"),
+    (dict(seq_state=None), ValueError, "seq_state: config 'rotation[+]smooth[+]sink'"),
+    (dict(seq_state=None, state_ids=None, config=tq.QuantConfig()), ValueError,
+     "shared_state: config 'default'"),
     (dict(state_ids=torch.tensor([0, 0, 0, 2], dtype=torch.int32)), ValueError,
      r"state_ids.*\[0, 2\).*max 2"),
     (dict(positions=torch.tensor([0, 1, 2])), ValueError, "positions.*shape"),
     (dict(positions=torch.tensor([0.0, 1, 2, 3])), TypeError, "positions.*int"),
     (dict(calibration=(torch.zeros(2, 64), torch.ones(2, 64))), ValueError,
-     "calibration: config 'default' does not use a calibration file"),
+     "calibration: config 'rotation[+]smooth[+]sink' does not use a calibration file"),
     (dict(config=tq.QuantConfig(key_smoothing="calibrated")), ValueError,
-     "calibration: key_smoothing='calibrated' needs"),
+     "calibration: key_smoothing='calibrated' with seq_state needs"),
     (dict(config=tq.QuantConfig(key_smoothing="calibrated"),
           calibration=(torch.zeros(2, 64), torch.ones(2, 32))), ValueError,
      r"calibration: key_scale: expected shape \[num_kv_heads, D\] = \(2, 64\)"),
@@ -187,7 +219,8 @@ def test_bad_cache_write_arguments(changes, exc, match):
                 key_cache=cache.key_cache, value_cache=cache.value_cache,
                 key_scales=cache.key_scales, value_scales=cache.value_scales,
                 slot_mapping=torch.tensor([0, 1, 2, 3]), seq_state=allocate_state(2, 2, 64),
-                state_ids=torch.zeros(4, dtype=torch.int32), positions=torch.arange(4))
+                state_ids=torch.zeros(4, dtype=torch.int32), positions=torch.arange(4),
+                config=PER_SEQUENCE)
     args.update(changes)
     with pytest.raises(exc, match=match):
         tq.reshape_and_cache_fp4(**args)
@@ -229,19 +262,20 @@ def test_a_cache_is_read_with_the_config_it_was_written_with():
                                  positions=torch.arange(40))
     assert cache_config(other.key_cache) is None
     # the binding lives as long as the cache
-    n = len(_CACHE_CONFIGS)
+    key = _CACHE_CONFIGS._key(cache.key_cache)
+    assert key in _CACHE_CONFIGS._facts
     del cache, args, other
     import gc
 
     gc.collect()
-    assert len(_CACHE_CONFIGS) == n - 1
+    assert key not in _CACHE_CONFIGS._facts
 
 
 def test_bad_block_ids_give_nan_with_checks_off(case):
     """Issue 14: with value checks off the reference read block 15 for an id of -1 (Python
     wrap-around) and raised IndexError for 999; every backend now gives NaN for exactly that
     sequence (and never reads out of bounds)."""
-    kw = {k: case[k] for k in ("config", "seq_state", "state_ids")}
+    kw = {k: case[k] for k in ("config", "shared_state")}
     args = [case[k] for k in ("query", "key_cache", "value_cache", "key_scales", "value_scales")]
     for bad in (-1, 999):
         tables = case["block_tables"].clone()
@@ -293,7 +327,7 @@ def test_allocate_cache_rejects_odd_head_dims_and_bad_groups():
 def test_explain_says_which_backend_runs_and_why_the_others_decline(case, never_backend):
     args = [case[k] for k in ("query", "key_cache", "value_cache", "key_scales", "value_scales",
                               "block_tables", "seq_lens", "scale")]
-    kw = {k: case[k] for k in ("config", "seq_state", "state_ids")}
+    kw = {k: case[k] for k in ("config", "shared_state")}
     rows = tq.explain(*args, **kw)
     assert rows[0] == {"name": "never", "reason": "head dim 64 is not supported", "chosen": False}
     chosen = [r["name"] for r in rows if r["chosen"]]
@@ -330,14 +364,13 @@ def test_rejected_write_binds_nothing_and_hints():
     way out in the message, the cache left unbound, and the retry without rotation accepted."""
     cache = tq.allocate_cache(2, 1, 16, 96)
     k = torch.randn(3, 1, 96, dtype=torch.bfloat16)
-    state = tq.allocate_state(1, 1, 96)
-    ids = torch.zeros(3, dtype=torch.int32)
+    state = tq.allocate_shared_state(1, 96, 2)
     with pytest.raises(ValueError, match=r"head_dim: .*power of two.*rotation=False"):
-        tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), seq_state=state, state_ids=ids,
+        tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), shared_state=state,
                                  positions=torch.arange(3))
     assert tq.api.cache_config(cache.key_cache) is None
     tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), config=tq.QuantConfig(rotation=False),
-                             seq_state=state, state_ids=ids, positions=torch.arange(3))
+                             shared_state=state, positions=torch.arange(3))
 
 
 def test_config_mismatch_names_what_differs():
@@ -351,13 +384,33 @@ def test_config_mismatch_names_what_differs():
 
 
 def test_first_write_without_positions_is_refused():
-    """The default config's record is filled by the write that holds position 0 with
-    positions=; a write into a slot never filled (positions forgotten) raises, naming it,
-    instead of leaving a record of NaN that every later read returns."""
+    """The per-sequence record is filled by the write that holds position 0 with positions=; a
+    write into a slot never filled (positions forgotten) raises, naming it, instead of leaving a
+    record of NaN that every later read returns."""
     cache = tq.allocate_cache(2, 1, 16, 64)
     k = torch.randn(3, 1, 64, dtype=torch.bfloat16)
     state = tq.allocate_state(2, 1, 64)
     with pytest.raises(ValueError, match="positions: slot 1 has no record yet"):
         tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(3), seq_state=state,
-                                 state_ids=torch.ones(3, dtype=torch.int32))
+                                 state_ids=torch.ones(3, dtype=torch.int32), config=PER_SEQUENCE)
     assert bool(torch.isnan(state).all())  # nothing written
+
+
+def test_a_copied_cache_is_not_read_without_its_config():
+    """A copy of a cache (.clone(), saved and loaded) carries no binding: a read without
+    config raises (the API does not guess the config its bytes hold); with the config it was
+    written with, the copy reads as the original."""
+    cache = tq.allocate_cache(4, 2, 16, 64)
+    state = tq.allocate_shared_state(2, 64, 4)
+    k = torch.randn(40, 2, 64, dtype=torch.bfloat16)
+    tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(40), shared_state=state,
+                             positions=torch.arange(40))
+    q = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    table, lens = torch.arange(4, dtype=torch.int32)[None], torch.tensor([40], dtype=torch.int32)
+    copy = tq.FP4Cache(*(t.clone() for t in cache))
+    with pytest.raises(ValueError, match="config: this cache was not written through turboquant"):
+        tq.paged_attention_fp4(q, *copy, table, lens, 0.125, shared_state=state)
+    want = tq.paged_attention_fp4(q, *cache, table, lens, 0.125, shared_state=state)
+    got = tq.paged_attention_fp4(q, *copy, table, lens, 0.125, shared_state=state,
+                                 config=tq.QuantConfig())
+    assert torch.equal(got, want)

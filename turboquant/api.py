@@ -259,13 +259,20 @@ def _bind_config(key_cache: torch.Tensor, config: QuantConfig) -> None:
     _CACHE_CONFIGS.set(key_cache, config)
 
 
-def _resolve_config(config, key_cache, group: int, head_dim: int) -> QuantConfig:
+def _resolve_config(config, key_cache, group: int, head_dim: int, read: bool = False
+                    ) -> QuantConfig:
     """The call's config: the one the cache was written with when none is given; a different
-    one raises (reading a cache with other transforms than it holds gives wrong numbers).
+    one raises (reading a cache with other transforms than it holds gives wrong numbers). A
+    read without config of a cache never written through this API here (a copy: ``.clone()``,
+    loaded, another process) raises too: its config is unknown, and the API does not guess.
     Not checked while torch.compile traces (the binding is host state)."""
     if torch.compiler.is_compiling():
         return _check_config(config, group, head_dim)
     bound = cache_config(key_cache)
+    if read and config is None and bound is None:
+        raise ValueError("config: this cache was not written through turboquant in this process "
+                         "(a copy, a loaded cache, or never written), so the config its bytes "
+                         "hold is unknown: pass config= the QuantConfig it was written with")
     if config is None and bound is not None:
         config = bound
     config = _check_config(config, group, head_dim)
@@ -288,6 +295,12 @@ def _check_state(config: QuantConfig, seq_state, state_ids, num_ids: int, hkv: i
                 raise ValueError(f"{name}: config {config.name!r} keeps no per-sequence state; "
                                  f"expected None")
         return
+    if seq_state is None and state_ids is None and not config.needs_slots:
+        raise ValueError(f"shared_state: config {config.name!r} (key smoothing "
+                         f"{config.key_smoothing}, sink {config.sink}) keeps state: pass "
+                         f"shared_state=turboquant.allocate_shared_state({hkv}, {d}, num_blocks) "
+                         f"(one per layer, the same to its writes and reads), or a config "
+                         f"without it (e.g. QuantConfig(key_smoothing=None, sink=False))")
     if seq_state is None or state_ids is None:
         raise ValueError(f"seq_state: config {config.name!r} (key smoothing "
                          f"{config.key_smoothing}, sink {config.sink}) keeps one state record "
@@ -316,10 +329,10 @@ def _check_shared(config: QuantConfig, shared_state, seq_state, state_ids, hkv: 
     if seq_state is not None or state_ids is not None:
         raise ValueError("shared_state: given with seq_state/state_ids; expected one of them "
                          "(the shared state keeps nothing per sequence)")
-    if config.key_smoothing == "sequence":
+    if config.needs_slots:
         raise ValueError(f"shared_state: config {config.name!r} smooths keys per sequence; the "
                          "shared state's smoothing is the layer's: key_smoothing='calibrated' "
-                         "(e.g. QuantConfig.parse('rotation+calibrated+sink'))")
+                         "(the default config)")
     check_shared_state(shared_state, hkv, d, device)
 
 
@@ -367,22 +380,23 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
 
     ``config`` (default ``QuantConfig()``, scale group taken from the scales' shape) picks the
     scale rule and the transforms (CONTRACT.md section 2); read the cache with the same config.
-    With key smoothing or the sink (the default) the writer keeps one record per sequence:
-    ``seq_state`` float32 [num_slots, num_kv_heads, 5, D] (``turboquant.allocate_state``),
-    ``state_ids`` int32 [num_tokens] (each token's slot), and ``positions`` [num_tokens] (each
-    token's position in its sequence; int32/int64) in every call that may write a sequence's
-    position 0: those sequences' records are filled first, from this call's tokens of the
-    sequence (``turboquant.smoothing.init_state``; a host synchronization). Calls without
-    position 0 (decode steps) may leave ``positions`` None. ``calibration`` (m, lam), float32
-    [num_kv_heads, D] each, is this layer's entry of a calibration file, needed with
-    ``key_smoothing="calibrated"``.
+    With key smoothing or the sink (the default config) the writer keeps state. By default it
+    is the layer's ``shared_state`` (``turboquant.allocate_shared_state``, one per layer, the
+    same to its writes and reads; ``turboquant.shared_state``): nothing per sequence, so prefix
+    caching, forks and engines without request slots work unchanged. The layer's key smoothing
+    (m, lam) is the calibration given to ``allocate_shared_state``, else taken from the first
+    write; with the sink, every token at position 0 (``positions`` [num_tokens], int32/int64,
+    each token's position in its sequence: ``turboquant.positions_from_metadata`` derives them
+    from what a vLLM-style engine passes) enters the layer's sink table; without ``positions``
+    position 0 is read from its FP4 bytes.
 
-    ``shared_state`` (``turboquant.allocate_shared_state``, one per layer) instead of
-    ``seq_state``/``state_ids``: nothing per sequence (``turboquant.shared_state``); key
-    smoothing ``"calibrated"`` is the layer's (from the calibration given to
-    ``allocate_shared_state``, else taken from the first write), and with the sink every token
-    at position 0 (``positions``; without them position 0 is read from its FP4 bytes) enters
-    the layer's sink table.
+    The option: one record per sequence, ``seq_state`` float32 [num_slots, num_kv_heads, 5, D]
+    (``turboquant.allocate_state``) and ``state_ids`` int32 [num_tokens] (each token's slot);
+    "sequence" key smoothing needs it. Every call that may write a sequence's position 0 passes
+    ``positions``: those sequences' records are filled first, from this call's tokens of the
+    sequence (``turboquant.smoothing.init_state``; a host synchronization). ``calibration``
+    (m, lam), float32 [num_kv_heads, D] each, is this layer's entry of a calibration file,
+    needed with ``key_smoothing="calibrated"`` and a per-sequence record.
     """
     write = make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
                              slot_mapping)
@@ -397,8 +411,9 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
         _check_state(config, seq_state, state_ids, num_tokens, hkv, d, key.device)
     if shared_state is None and config.key_smoothing == "calibrated":
         if not isinstance(calibration, (tuple, list)) or len(calibration) != 2:
-            raise ValueError("calibration: key_smoothing='calibrated' needs this layer's "
-                             "(key_center, key_scale) from turboquant.smoothing.load_calibration")
+            raise ValueError("calibration: key_smoothing='calibrated' with seq_state needs this "
+                             "layer's (key_center, key_scale) from turboquant.smoothing"
+                             ".load_calibration (with shared_state= the layer takes them itself)")
         check_smoothing("calibration", *calibration, num_kv_heads=hkv, head_dim=d)
     elif calibration is not None:
         raise ValueError(f"calibration: config {config.name!r} does not use a calibration "
@@ -463,7 +478,7 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len)
-    config = _resolve_config(config, key_cache, call.scale_group, call.head_dim)
+    config = _resolve_config(config, key_cache, call.scale_group, call.head_dim, read=True)
     if shared_state is not None:
         _check_shared(config, shared_state, seq_state, state_ids, call.num_kv_heads,
                       call.head_dim, query.device)
@@ -506,8 +521,10 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     bound of ``seq_lens``; kernels size their split-KV grid with it (default: the block
     table's capacity), so passing it avoids launching work for empty table columns.
     ``config``: the QuantConfig the cache was written with (default ``QuantConfig()``).
-    ``seq_state``/``state_ids`` (int32 [num_seqs], each sequence's slot): the state records
-    the writer filled, needed when the config uses them (the default does).
+    ``shared_state``: the layer's shared state its writes used (``turboquant.shared_state``),
+    needed when the config keeps state (the default does); or, the option, ``seq_state``/
+    ``state_ids`` (int32 [num_seqs], each sequence's slot): the per-sequence records the writer
+    filled.
     ``sinks`` (float32 [num_heads], gpt-oss's learned attention sinks): one more logit per
     head in the softmax's denominator, with no value; compared with the scaled logits
     (``scale * q.k``, after the soft cap if any; the sink itself is not capped) and present
@@ -525,8 +542,6 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     call that holds the sequences' position 0 keeps the default. ``lse_out`` (with
     ``return_lse``): a contiguous float32 [num_tokens, num_heads] tensor the lse is written
     into, as ``out`` is for the output (e.g. views of a collective's send buffer).
-    ``shared_state``: the layer's shared state the writer used (``turboquant.shared_state``),
-    instead of ``seq_state``/``state_ids``.
     """
     call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
                              block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,

@@ -402,7 +402,11 @@ def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
     pos = torch.arange(T, device=device)
     slots = (perm[pos // bs] * bs + pos % bs).long()
     extra = writer_state(tq, key, value, (kc, vc, ks, vs), slots, config)
-    op_state = extra if config.key_smoothing is not None else {}
+    op_state = {}  # the writer op's state: the records, or the shared state's layer record
+    if config.key_smoothing is not None:
+        shared = extra.get("shared_state")
+        op_state = extra if shared is None else dict(
+            seq_state=shared.smoothing, state_ids=torch.zeros(T, dtype=torch.int32, device=device))
     signs = rotation_signs(d, config.rotation_seed, device) if config.rotation else None
     backend = args.backend
     note = ""

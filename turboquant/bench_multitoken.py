@@ -35,7 +35,7 @@ import torch
 from . import peers
 from .bench import parse_int_list
 from .bench_problems import (cache_config, checks_off, fill_cache, fp4_attention_bytes,
-                             state_bytes, torch_dtype)
+                             state_bytes, state_kwargs, torch_dtype)
 from .bench_report import table_row, write_csv
 from .bench_timing import GB, kernel_names, time_calls
 
@@ -100,9 +100,8 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
     seq_lens = torch.full((b,), length, device=device, dtype=torch.int32)
     cu = torch.arange(b + 1, device=device, dtype=torch.int32) * q
     scale = 1.0 / math.sqrt(d)
-    kw = {"config": config}
-    if state is not None:
-        kw.update(seq_state=state, state_ids=torch.arange(b, device=device, dtype=torch.int32))
+    kw = {"config": config,
+          **state_kwargs(state, torch.arange(b, device=device, dtype=torch.int32))}
 
     def fp4():
         tq.paged_attention_fp4(query, *cache, tables, seq_lens, scale, cu_query_lens=cu,

@@ -17,6 +17,7 @@ import torch
 
 from .bench_timing import Step, sync
 from .config import parse_cache_format
+from .shared_state import SharedState
 
 BYTE_COUNTING = {
     "fp4": "2*B*L*Hkv*D/2 codes + 2*B*L*Hkv*(D/group) scales + 2*B*Hq*D*elem (Q, O)",
@@ -150,14 +151,19 @@ def checks_off(tq):
 def fill_cache(tq, cache, config, dense_k: torch.Tensor, dense_v: torch.Tensor,
                tables: torch.Tensor, block_size: int, chunk_bytes: int):
     """Write the dense K/V [num_seqs, Hkv, L, D] into ``cache`` through ``tables``
-    [num_seqs, L / block_size] with the "auto" writer, a chunk of sequences at a time; sequence i
-    keeps its state record (if ``config`` has one) in slot i. -> the state tensor or None."""
+    [num_seqs, L / block_size] with the "auto" writer, a chunk of sequences at a time. -> the
+    state (``state_kwargs`` turns it into arguments): None (the config keeps none), the layer's
+    shared state, or with "sequence" smoothing the per-sequence records, sequence i's in slot i."""
     nseq, hkv, length, d = dense_k.shape
     device = dense_k.device
     per_seq = 2 * length * hkv * d * dense_k.element_size()
     spc = max(1, chunk_bytes // per_seq)
     pos = torch.arange(length, device=device)
-    state = tq.allocate_state(nseq, hkv, d, device) if config.uses_state else None
+    state = None
+    if config.uses_state and not config.needs_slots:
+        state = tq.allocate_shared_state(hkv, d, cache[0].shape[0], device=device)
+    elif config.uses_state:
+        state = tq.allocate_state(nseq, hkv, d, device)
     with checks_off(tq):
         for i0 in range(0, nseq, spc):
             i1 = min(nseq, i0 + spc)
@@ -168,12 +174,22 @@ def fill_cache(tq, cache, config, dense_k: torch.Tensor, dense_v: torch.Tensor,
             extra = {}
             if state is not None:
                 ids = torch.arange(i0, i1, device=device, dtype=torch.int32)
-                extra = dict(seq_state=state, state_ids=ids.repeat_interleave(length),
+                extra = dict(state_kwargs(state, ids.repeat_interleave(length)),
                              positions=pos.repeat(i1 - i0))
             tq.reshape_and_cache_fp4(k, v, *cache, slots, config=config, **extra)
             del k, v, slots, extra
     sync(device)
     return state
+
+
+def state_kwargs(state, ids: torch.Tensor) -> dict:
+    """The state arguments of a call (``fill_cache``'s state; ``ids`` int32: each sequence's
+    or token's slot, used only by per-sequence records)."""
+    if state is None:
+        return {}
+    if isinstance(state, SharedState):
+        return {"shared_state": state}
+    return {"seq_state": state, "state_ids": ids}
 
 
 @dataclass
@@ -219,10 +235,8 @@ def build_decode_problem(tq, row: Row, n_sets: int, config, key_format: str,
                        block_size, chunk_bytes)
 
     def attn_kwargs(s):
-        if state is None:
-            return {"config": config}
-        return {"config": config, "seq_state": state,
-                "state_ids": torch.arange(s * B, (s + 1) * B, device=device, dtype=torch.int32)}
+        ids = torch.arange(s * B, (s + 1) * B, device=device, dtype=torch.int32)
+        return {"config": config, **state_kwargs(state, ids)}
 
     return DecodeProblem(
         dense_k=dense_k, dense_v=dense_v, query=query, out=torch.empty_like(query),
@@ -275,16 +289,19 @@ def sdpa_steps(p: DecodeProblem, gqa: bool) -> list:
 def writer_state(tq, key, value, cache, slots, config, sequences: int = 64) -> dict:
     """For a writer timed in its steady state: the tokens of ``key``/``value`` [T, Hkv, D]
     belong to ``sequences`` equal runs whose state records (if ``config`` keeps them) are filled
-    by one first write, untimed; -> the ``seq_state``/``state_ids`` arguments of the timed
-    writes (no positions: no record is filled again), or {}."""
+    by one first write, untimed; -> the state arguments of the timed writes (no positions: no
+    record is filled again, no sink entered), or {}."""
     if not config.uses_state:
         return {}
     T, hkv, d = key.shape
-    state = tq.allocate_state(sequences, hkv, d, key.device)
+    if config.needs_slots:
+        state = tq.allocate_state(sequences, hkv, d, key.device)
+    else:
+        state = tq.allocate_shared_state(hkv, d, cache[0].shape[0], device=key.device)
     pos = torch.arange(T, device=key.device)
     ids = (pos * sequences // T).to(torch.int32)
     first = (ids.long() * T + sequences - 1) // sequences  # each run's first token
     with checks_off(tq):
-        tq.reshape_and_cache_fp4(key, value, *cache, slots, config=config, seq_state=state,
-                                 state_ids=ids, positions=pos - first)
-    return dict(seq_state=state, state_ids=ids)
+        tq.reshape_and_cache_fp4(key, value, *cache, slots, config=config,
+                                 positions=pos - first, **state_kwargs(state, ids))
+    return state_kwargs(state, ids)

@@ -67,7 +67,22 @@ class PagedProblem(NamedTuple):
     seq_lens: torch.Tensor  # int32 [num_seqs]
     keys: list  # per sequence: [seq_len, num_kv_heads, D] in the source dtype
     values: list  # per sequence: [seq_len, num_kv_heads, D]
-    kwargs: dict  # what paged_attention_fp4 needs besides the tensors: config, seq_state, state_ids
+    kwargs: dict  # what paged_attention_fp4 needs besides the tensors: config, and shared_state
+    #               or seq_state and state_ids
+
+    def state_records(self) -> Optional[torch.Tensor]:
+        """The record each sequence is read with, float32 [num_seqs, Hkv, 5, D] (None: the
+        config keeps no state): built from the shared state, or the sequence's own record."""
+        kw = self.kwargs
+        if "shared_state" in kw:
+            from .shared_state import records
+
+            cfg = kw["config"]
+            return records(kw["shared_state"], tuple(self.cache), self.block_tables,
+                           self.seq_lens, cfg.scale_group, smooth=cfg.key_smoothing is not None)
+        if "seq_state" in kw:
+            return kw["seq_state"][kw["state_ids"].long()]
+        return None
 
 
 def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: int, *,
@@ -77,11 +92,12 @@ def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: 
                         key_format: str = "fp4") -> PagedProblem:
     """Random K/V for each sequence, written through ``reshape_and_cache_fp4`` with ``config``
     (default ``QuantConfig()``; ``scale_group``, when given, replaces its scale group) into blocks in
-    shuffled order; sequence s keeps its state record (if the config uses one) in slot
-    ``num_seqs - 1 - s``. With ``poison``, every byte not written (unused slots of the last
-    blocks, spare blocks, block table padding is -1) is 0xFF, i.e. NaN scales. ``key_format``:
-    as for ``allocate_cache``."""
+    shuffled order; the state (if the config keeps one) is a shared state, or with "sequence"
+    smoothing the per-sequence records, sequence s's in slot ``num_seqs - 1 - s``. With
+    ``poison``, every byte not written (unused slots of the last blocks, spare blocks, block
+    table padding is -1) is 0xFF, i.e. NaN scales. ``key_format``: as for ``allocate_cache``."""
     from .api import reshape_and_cache_fp4
+    from .shared_state import allocate_shared_state
     from .smoothing import allocate_state
 
     config = config or QuantConfig()
@@ -118,7 +134,12 @@ def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: 
         positions.append(pos)
     kwargs = {"config": config}
     write_kwargs = {}
-    if config.uses_state:
+    if config.uses_state and not config.needs_slots:
+        kwargs["shared_state"] = allocate_shared_state(num_kv_heads, head_dim, max(num_blocks, 1),
+                                                       device=device)
+        write_kwargs = {"shared_state": kwargs["shared_state"],
+                        "positions": torch.cat(positions).to(device)}
+    elif config.uses_state:
         num_seqs = len(seq_lens)
         slot_of = torch.arange(num_seqs - 1, -1, -1, dtype=torch.int32)
         kwargs["seq_state"] = allocate_state(max(num_seqs, 1), num_kv_heads, head_dim, device)

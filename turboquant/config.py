@@ -1,6 +1,6 @@
 """Quantization options, one small object a cache is written with and read with.
 
-    QuantConfig()                          # the default: rotation + sequence key smoothing + sink
+    QuantConfig()                          # the default: rotation + calibrated key smoothing + sink
     QuantConfig.parse("plain")             # CONTRACT.md section 1 alone: no transform
     QuantConfig.parse("rotation+per32")    # the names used by `python -m turboquant accuracy`
 
@@ -9,13 +9,16 @@ Fields (CONTRACT.md section 2 defines each transform):
 - ``scale_group``: None (one E8M0 scale per (token, head)) or 32 (per 32 elements).
 - ``scale_rule``: "smallest" (the format's rule) or "mse" (better of two exponents).
 - ``rotation``: K, V and Q rotated by a randomized Hadamard matrix (``rotation_seed``).
-- ``key_smoothing``: None; "sequence" (a key center m and per-channel key scale lam per
-  sequence and kv head, taken from the sequence's first written chunk); or "calibrated" (m and
-  lam per layer from a calibration file, ``turboquant.smoothing``).
-- ``sink``: the first token of every sequence kept in fp32 in the sequence's state record.
+- ``key_smoothing``: None; "calibrated" (a key center m and per-channel key scale lam per
+  layer and kv head: from a calibration file, or taken from the layer's first write); or
+  "sequence" (m and lam per sequence, from its first written chunk).
+- ``sink``: the first token of every sequence kept beside the FP4 cache (bf16 in the shared
+  state, fp32 in a per-sequence record).
 
-Smoothing and the sink keep one record per sequence (``seq_state``); the writer fills it when a
-sequence's position 0 is written and the reader uses it.
+Smoothing and the sink keep state. The default keeps it per layer, shared by every sequence
+(``turboquant.shared_state``: pass ``shared_state=``; prefix caching, forks and engines without
+request slots work unchanged). The per-sequence record (``seq_state``/``state_ids``, one slot per
+live sequence, ``turboquant.smoothing``) is the option that "sequence" smoothing needs.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 SCALE_RULES = ("smallest", "mse")
-KEY_SMOOTHINGS = (None, "sequence", "calibrated")
+KEY_SMOOTHINGS = (None, "calibrated", "sequence")
 # QuantConfig.parse names: part -> (field, value); "plain" turns every transform off.
 _PARTS = {"rotation": ("rotation", True), "per32": ("scale_group", 32),
           "mse": ("scale_rule", "mse"), "smooth": ("key_smoothing", "sequence"),
@@ -37,8 +40,8 @@ class QuantConfig:
     rotation: bool = True  # rotate K, V and Q by a randomized Hadamard matrix (head dim)
     rotation_seed: int = 0  # seed of the rotation's random signs
     scale_rule: str = "smallest"  # "smallest" (CONTRACT.md) or "mse" (better of two exponents)
-    key_smoothing: Optional[str] = "sequence"  # None, "sequence" or "calibrated"
-    sink: bool = True  # the first token of a sequence kept in fp32 in its state record
+    key_smoothing: Optional[str] = "calibrated"  # None, "calibrated" (per layer) or "sequence"
+    sink: bool = True  # the first token of a sequence kept beside the FP4 cache
 
     def __post_init__(self):
         if self.scale_group not in (None, 32):
@@ -55,8 +58,14 @@ class QuantConfig:
 
     @property
     def uses_state(self) -> bool:
-        """Whether the writer and reader need a per-sequence state record (``seq_state``)."""
+        """Whether the writer and reader keep state: ``shared_state`` (or ``seq_state``)."""
         return self.key_smoothing is not None or self.sink
+
+    @property
+    def needs_slots(self) -> bool:
+        """Whether the state must be the per-sequence record (``seq_state``/``state_ids``):
+        "sequence" key smoothing; every other config runs with the shared state."""
+        return self.key_smoothing == "sequence"
 
     @property
     def name(self) -> str:
@@ -92,6 +101,8 @@ class QuantConfig:
 
 DEFAULT = QuantConfig()
 PLAIN = QuantConfig.parse("plain")
+# the default's transforms with per-sequence key smoothing (the record in seq_state)
+PER_SEQUENCE = QuantConfig(key_smoothing="sequence")
 
 KEY_FORMATS = ("fp4", "fp8_e4m3")
 

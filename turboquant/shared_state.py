@@ -147,6 +147,8 @@ def fingerprints(key_cache, value_cache, key_scales, value_scales, slots: torch.
     slots = slots.long()
     blk, off = slots // bs, slots % bs
     n = slots.shape[0]
+    if n == 0:
+        return torch.empty(0, hkv, dtype=torch.int64, device=slots.device)
     parts = [key_cache.view(torch.uint8)[blk, :, off], value_cache[blk, :, off],
              key_scales[blk, off].reshape(n, hkv, -1), value_scales[blk, off].reshape(n, hkv, -1)]
     b = torch.cat(parts, dim=-1).long()
@@ -267,6 +269,8 @@ def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_le
         return rec
     if ids_out is not None:
         ids_out.copy_(torch.arange(ns, dtype=torch.int32, device=ids_out.device))
+    if ns == 0:
+        return torch.empty(0, hkv, STATE_ROWS, d, device=value_cache.device)
     first = block_tables[:, 0].long() if block_tables.shape[1] else \
         torch.full((ns,), -1, dtype=torch.long, device=block_tables.device)
     ok = (first >= 0) & (first < nb) & (seq_lens > 0)

@@ -10,14 +10,14 @@ A format is a name (``parse_format``):
   default config's transforms (rotation, key smoothing, the sink token); ``k8v4/NAME`` with
   the QuantConfig ``NAME`` instead (``k8v4/plain``: the format alone).
 - Any ``QuantConfig.parse`` name (``default``, ``plain``, ``rotation+per32``, ...), optionally
-  with ``@N``: the sequence's first chunk (the one its state record is taken from) is its
-  first N tokens, the rest is written in a second call. A ``shared:`` prefix writes and reads
-  through the shared state (``turboquant.shared_state``: nothing per sequence) instead of the
-  per-sequence record: ``shared:rotation+calibrated+sink`` with the calibration file's
-  smoothing, ``shared:rotation+calibrated+sink@N`` with the smoothing the layer's first write
-  (the first N tokens) takes. These go through the real API
-  (``reshape_and_cache_fp4`` and ``paged_attention_fp4``, the reference backend on the CPU,
-  ``backend="auto"`` elsewhere), so the report measures the bytes a serving engine would store.
+  with ``@N``: the sequence's first write is its first N tokens, the rest is written in a
+  second call. A config that keeps state keeps the state the API gives it: the shared state
+  (``turboquant.shared_state``: nothing per sequence), whose layer smoothing is the calibration
+  file's, or with ``@N`` the one the layer's first write (N tokens) takes; with "sequence"
+  smoothing (``rotation+smooth+sink``, the per-sequence option) a record taken from the
+  sequence's first chunk. These go through the real API (``reshape_and_cache_fp4`` and
+  ``paged_attention_fp4``, the reference backend on the CPU, ``backend="auto"`` elsewhere), so
+  the report measures the bytes a serving engine would store.
 
 Per layer: K and V SQNR (the cache read back and every transform undone) and the attention
 output of all the layer's query tokens as one causal multi-token sequence, against fp32
@@ -59,7 +59,11 @@ class KVFormat:
     config: Optional[QuantConfig]  # None: an FP8 anchor
     first_chunk: int = 0  # 0: the whole sequence in one write
     key_format: str = "fp4"  # or "fp8_e4m3" (K8V4)
-    shared: bool = False  # written and read through the shared state
+
+    @property
+    def shared(self) -> bool:
+        """Written and read through the shared state (else a per-sequence record, or none)."""
+        return self.config is not None and self.config.uses_state and not self.config.needs_slots
 
     @property
     def is_fp8(self) -> bool:
@@ -72,18 +76,14 @@ def parse_format(name: str) -> KVFormat:
     first chunk."""
     if name in FP8_FORMATS:
         return KVFormat(name, None)
-    shared = name.startswith("shared:")
-    base, _, chunk = name[len("shared:") if shared else 0:].partition("@")
+    base, _, chunk = name.partition("@")
     first = 0
     if chunk:
         if not chunk.isdigit() or int(chunk) < 1:
             raise ValueError(f"format: expected '@N' with N >= 1 tokens, got {name!r}")
         first = int(chunk)
     config, key_format = parse_cache_format(base)
-    if shared and config.key_smoothing == "sequence":
-        raise ValueError(f"format: {name!r}: the shared state smooths per layer; expected "
-                         "'calibrated' (or no) key smoothing")
-    return KVFormat(name, config, first, key_format, shared)
+    return KVFormat(name, config, first, key_format)
 
 
 def fp8_round(x: torch.Tensor, per_token: bool) -> torch.Tensor:
@@ -130,7 +130,7 @@ class WrittenCache:
     cache: tuple  # FP4Cache
     block_tables: torch.Tensor  # int32 [1, nb]
     seq_lens: torch.Tensor  # int32 [1]
-    kwargs: dict  # config, seq_state, state_ids for paged_attention_fp4
+    kwargs: dict  # config, and shared_state or seq_state and state_ids, for paged_attention_fp4
 
 
 def write_cache(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat,
@@ -154,8 +154,6 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat,
         kwargs["seq_state"] = allocate_state(1, hkv, d, dev)
         kwargs["state_ids"] = torch.zeros(1, dtype=torch.int32, device=dev)
         extra = {"seq_state": kwargs["seq_state"]}
-    if config.key_smoothing == "calibrated" and not fmt.shared:
-        extra["calibration"] = calibration
     first = t if fmt.first_chunk == 0 else min(fmt.first_chunk, t)
     for lo, hi in ((0, first), (first, t)):
         if hi <= lo:
