@@ -42,6 +42,7 @@ import torch.multiprocessing as mp  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import turboquant as tq  # noqa: E402
 from turboquant.api import attention_op_args, prepare_attention  # noqa: E402
+from turboquant.config import PER_SEQUENCE  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 CHUNK = 65536  # tokens written per call while the caches are built
@@ -75,7 +76,8 @@ def build_cache(batch, ctx, run, world, device, seed):
                 slots = torch.where(mine, (s * local + blk - j0) * BS + pos % BS, -1)
                 ids = torch.full((c1 - c0,), s, dtype=torch.int32, device=device)
                 tq.reshape_and_cache_fp4(k, v, *cache, slots, seq_state=state, state_ids=ids,
-                                         positions=pos if c0 == 0 else None, backend="cuda")
+                                         positions=pos if c0 == 0 else None, backend="cuda",
+                                         config=PER_SEQUENCE)
     tables = (torch.arange(batch * local, dtype=torch.int32, device=device).view(batch, local))
     lens = torch.full((batch,), local * BS, dtype=torch.int32, device=device)
     return cache, state, tables, lens
@@ -85,7 +87,8 @@ def attention_graph(q, cache, state, tables, lens, holds_first_token, into=None)
     """One paged_attention_fp4 call validated once, as a function that only launches the op
     (to be captured in a CUDA graph), writing into ``into`` = (out, lse) views or new tensors:
     -> step, or (step, out, lse) when ``into`` is None."""
-    call = prepare_attention(q, *cache, tables, lens, D ** -0.5, seq_state=state,
+    call = prepare_attention(q, *cache, tables, lens, D ** -0.5, config=PER_SEQUENCE,
+                             seq_state=state,
                              state_ids=torch.arange(q.shape[0], dtype=torch.int32,
                                                     device=q.device),
                              max_seq_len=int(lens.max()), return_lse=True,

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turboquant as tq  # noqa: E402
 from context_parallel import capture  # noqa: E402  (benchmarks/: a graph after warm-up)
-from turboquant.config import QuantConfig  # noqa: E402
+from turboquant.config import PER_SEQUENCE, QuantConfig  # noqa: E402
 from turboquant.shared_state import records  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -49,7 +49,7 @@ def run(batch: int, context: int, iters: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(0)
     nblk = context // BS
     num_blocks = batch * nblk + 1
-    cfg_seq, cfg_shared = QuantConfig(), QuantConfig.parse("rotation+calibrated+sink")
+    cfg_seq, cfg_shared = PER_SEQUENCE, QuantConfig()
     cache_a = tq.allocate_cache(num_blocks, HKV, BS, D, device="cuda")
     cache_b = tq.allocate_cache(num_blocks, HKV, BS, D, device="cuda")
     table = (torch.randperm(batch * nblk, device="cuda", generator=g) + 1).view(batch, nblk).int()

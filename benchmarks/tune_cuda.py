@@ -135,7 +135,7 @@ def check(quick):
                                        generator=torch.Generator().manual_seed(1),
                                        write_backend="reference", spare_blocks=2,
                                        config=turboquant.QuantConfig.parse("plain"))
-            kw.update(prob.kwargs, seq_state=None, state_ids=None)
+            kw.update(prob.kwargs, shared_state=None)
         ref = turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
                                              d ** -0.5, backend="reference", **kw)
         try:

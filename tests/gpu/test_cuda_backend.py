@@ -19,7 +19,7 @@ from turboquant import format as tqf
 from turboquant import registry
 from turboquant._backends import cuda as tq_cuda
 from turboquant.cache import allocate_cache, build_paged_problem
-from turboquant.config import PLAIN, QuantConfig
+from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant.ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
 from turboquant.rotation import rotation_signs
 from turboquant.smoothing import allocate_state
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 CONFIGS = {"plain": PLAIN, "default": QuantConfig(), "rotation": QuantConfig.parse("rotation"),
-           "smooth": QuantConfig.parse("smooth")}
+           "smooth": QuantConfig.parse("smooth"), "per-sequence": PER_SEQUENCE}
 
 
 def _problem(lens, hq, hkv, d, bs, dtype=torch.bfloat16, qlens=None, seed=0, spare=3,
@@ -87,7 +87,7 @@ def test_backend_listed_and_selected():
 
 
 # 8 / 2 heads (G = 4) runs the decode kernel, 32 / 2 (G = 16) the general kernel
-@pytest.mark.parametrize("config", ["plain", "default"])
+@pytest.mark.parametrize("config", ["plain", "default", "per-sequence"])
 @pytest.mark.parametrize("hq", [8, 32])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("bs", [16, 32, 64, 128, 256])
@@ -113,7 +113,7 @@ def test_gqa_and_dtypes(hq, hkv, dtype):
     _compare(_run("cuda", prob, q), _run("reference", prob, q))
 
 
-@pytest.mark.parametrize("config", ["plain", "default"])
+@pytest.mark.parametrize("config", ["plain", "default", "per-sequence"])
 def test_long_context_split_kv(config):
     prob, q, _ = _problem([9000, 20000, 4097], 32, 8, 128, 16, seed=5, config=config)
     _compare(_run("cuda", prob, q), _run("reference", prob, q))
@@ -204,8 +204,9 @@ def test_large_and_small_query_scale(config, factors):
 @pytest.mark.parametrize("hq,qlens", [(8, None), (32, None), (8, [1, 1])])
 def test_sink_alone_is_the_output(hq, qlens):
     """Structured: a one-token sequence sees only its sink, so the output is position 0's value
-    exactly (up to the output's rounding), whatever the FP4 bytes of position 0 hold."""
-    prob, q, cu = _problem([1, 300], hq, 2, 128, 16, qlens=qlens, seed=4)
+    exactly (up to the output's rounding), whatever the FP4 bytes of position 0 hold (the
+    per-sequence record; the shared state's table would miss changed bytes)."""
+    prob, q, cu = _problem([1, 300], hq, 2, 128, 16, qlens=qlens, seed=4, config="per-sequence")
     kc, vc, ks, vs = prob.cache
     b0 = prob.block_tables[0, 0]
     kc[b0, :, 0], vc[b0, :, 0] = 0x77, 0x77  # the cache's own bytes of position 0: ignored
@@ -217,7 +218,7 @@ def test_sink_alone_is_the_output(hq, qlens):
 
 
 def test_state_slot_out_of_range_gives_nan():
-    prob, q, _ = _problem([100, 100, 40], 32, 8, 128, 16)
+    prob, q, _ = _problem([100, 100, 40], 32, 8, 128, 16, config="per-sequence")
     ids = prob.kwargs["state_ids"].clone()
     ids[1] = 10 ** 6
     with turboquant.value_checks(False):
@@ -307,28 +308,41 @@ def test_cache_writer_bit_exact(d, dtype, group):
 
 
 def _transform_args(prob, d):
-    """The op's transform arguments for a default-config problem."""
-    return (rotation_signs(d, 0, "cuda"), prob.kwargs["seq_state"], prob.kwargs["state_ids"], True)
+    """The op's transform arguments for a default-config problem: each sequence's record."""
+    ids = torch.arange(prob.seq_lens.shape[0], dtype=torch.int32, device="cuda")
+    return (rotation_signs(d, 0, "cuda"), prob.state_records(), ids, True)
+
+
+def _writer_state(cfg, key, val, slots, nb, hkv, d, group=None, key_format="fp4") -> dict:
+    """The state both writers read, set by one first write (reference): the default's shared
+    state (its smoothing from finite keys), or per-sequence records (3 interleaved sequences)."""
+    n = key.shape[0]
+    pos = torch.arange(n, device="cuda") // 3
+    c0 = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda", key_format=key_format)
+    if cfg.uses_state and not cfg.needs_slots:
+        kw = dict(shared_state=turboquant.allocate_shared_state(hkv, d, nb, device="cuda"))
+        turboquant.reshape_and_cache_fp4(key.nan_to_num(0.0, 0.0, 0.0), val, *c0, slots,
+                                         config=cfg, positions=pos, backend="reference", **kw)
+        return kw
+    if cfg.uses_state:
+        ids = (torch.arange(n, device="cuda") % 3).to(torch.int32)
+        kw = dict(seq_state=allocate_state(4, hkv, d, device="cuda"), state_ids=ids)
+        turboquant.reshape_and_cache_fp4(key, val, *c0, slots, config=cfg, positions=pos,
+                                         backend="reference", **kw)
+        return kw
+    return {}
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("group", [None, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("config", ["default", "rotation", "smooth"])
+@pytest.mark.parametrize("config", ["default", "per-sequence", "rotation", "smooth"])
 def test_cache_writer_transforms_bit_exact(d, group, dtype, config):
     """rotate((k - m) * (1 / lam)) and rotate(v) in registers give the reference's bytes."""
     cfg = dataclasses.replace(CONFIGS[config], scale_group=group)
     n, hkv = 61, 3
     key, val, nb, slots = _writer_inputs(n, hkv, d, dtype, group, seed=d + 1)
-    ids = (torch.arange(n, device="cuda") % 3).to(torch.int32)  # 3 interleaved sequences
-    pos = torch.arange(n, device="cuda") // 3
-    kw = {}
-    if cfg.uses_state:  # records filled once (a first write), then both writers read them
-        state = allocate_state(4, hkv, d, device="cuda")
-        c0 = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda")
-        turboquant.reshape_and_cache_fp4(key, val, *c0, slots, config=cfg, seq_state=state,
-                                         state_ids=ids, positions=pos, backend="reference")
-        kw = dict(seq_state=state, state_ids=ids)
+    kw = _writer_state(cfg, key, val, slots, nb, hkv, d, group)
     caches = []
     for backend in ("reference", "cuda"):
         c = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda", fill=0xAB)
@@ -741,7 +755,7 @@ def _bytes(t):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("config", ["plain", "default", "rotation", "smooth"])
+@pytest.mark.parametrize("config", ["plain", "default", "per-sequence", "rotation", "smooth"])
 def test_k8v4_cache_writer_bit_exact(d, dtype, config):
     """K8V4 (E4M3 keys, FP4 values): the cuda writer's bytes are the reference's, with every
     transform, on the awkward values of _writer_inputs (ties, zeros, -0, NaN, Inf, tiny, huge)."""
@@ -749,15 +763,7 @@ def test_k8v4_cache_writer_bit_exact(d, dtype, config):
     n, hkv = 61, 3
     key, val, nb, slots = _writer_inputs(n, hkv, d, dtype, None, seed=d + 2)
     key[7, 1] = key[7, 1] * 2.0 ** -20  # E4M3 subnormals after the scale
-    ids = (torch.arange(n, device="cuda") % 3).to(torch.int32)
-    pos = torch.arange(n, device="cuda") // 3
-    kw = {}
-    if cfg.uses_state:
-        state = allocate_state(4, hkv, d, device="cuda")
-        c0 = allocate_cache(nb, hkv, 16, d, device="cuda", key_format="fp8_e4m3")
-        turboquant.reshape_and_cache_fp4(key, val, *c0, slots, config=cfg, seq_state=state,
-                                         state_ids=ids, positions=pos, backend="reference")
-        kw = dict(seq_state=state, state_ids=ids)
+    kw = _writer_state(cfg, key, val, slots, nb, hkv, d, key_format="fp8_e4m3")
     caches = []
     for backend in ("reference", "cuda"):
         c = allocate_cache(nb, hkv, 16, d, device="cuda", fill=0xAB, key_format="fp8_e4m3")

@@ -47,7 +47,7 @@ import torch
 import dataclasses
 
 from turboquant.api import attention_op_args, make_attention_call, prepare_attention
-from turboquant.config import PLAIN, QuantConfig
+from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant._backends import sm120
 from turboquant.reference import _gather_tokens, attention_reference
 from turboquant.rotation import rotate, unrotate
@@ -546,6 +546,7 @@ def transformed_problem(lens, config, *, qlens=None, hq=8, hkv=2, d=128, bs=16, 
 
 TRANSFORM_CONFIGS = [
     pytest.param(QuantConfig(), None, id="default"),
+    pytest.param(PER_SEQUENCE, None, id="per-sequence"),
     pytest.param(QuantConfig(), 32, id="default-per32"),
     pytest.param(QuantConfig.parse("rotation"), None, id="rotation"),
     pytest.param(QuantConfig.parse("plain"), None, id="plain"),
@@ -595,7 +596,7 @@ def test_attention_sink_structured(ops):
     hides position 0 does not read the sink (NaN sink rows stay out); a slot outside seq_state
     gives NaN rows for its sequence only, without reading out of bounds."""
     op = ops[0]
-    cfg = QuantConfig()
+    cfg = PER_SEQUENCE  # poisoned position 0 bytes: the shared state's table would miss
     lens = [1, 40, 1, 200]
     prob, call = transformed_problem(lens, cfg, seed=81)
     kc, vc, ks, vs = prob.cache
@@ -762,7 +763,7 @@ def test_k8v4_sink_and_nan(ops):
     a one-token sequence returns exactly the un-rotated sink value; a NaN key scale a row sees
     makes that row NaN, and only those rows."""
     op = ops[0]
-    prob, call = transformed_problem([1, 40, 1, 200], QuantConfig(), seed=97, key_format="fp8_e4m3")
+    prob, call = transformed_problem([1, 40, 1, 200], PER_SEQUENCE, seed=97, key_format="fp8_e4m3")
     kc, vc, ks, vs = prob.cache
     for s in range(4):
         blk = int(prob.block_tables[s, 0])
