@@ -38,12 +38,12 @@ A layer's smoothing, shared by every sequence (calibration files; ``turboquant.s
 takes it from the layer's first write), is taken from other tokens than most it encodes, and
 one outlier of those tokens would set a channel's range for all of them: there a_c is the
 ``LAYER_RANGE_QUANTILE`` (99.9th percentile) of |k_tc - m_c| instead of the maximum. Measured
-(``python -m turboquant accuracy``, shared state, KLD against the unquantized model; the
-per-sequence record with the maximum beside it): SmolLM2-135M 0.0366 (0.0360), Gemma 3 270M
-0.0307 (0.0284); with the maximum 0.0346 / 0.0321. The quantile was picked on these two
-models with the usual texts, then checked with the texts' roles swapped (evaluate the
-calibration text, calibrate on the evaluation text): 0.0295 (0.0329) / 0.0342 (0.0329); the
-maximum there 0.0281 / 0.0363.
+(``python -m turboquant accuracy``, the default through the shared state, KLD against the
+unquantized model; per-sequence records with the maximum beside it): SmolLM2-135M 0.0339
+(0.0360), Gemma 3 270M 0.0303 (0.0284); with the maximum 0.0346 / 0.0321. The quantile was
+picked on these two models with the usual texts, then checked with the texts' roles swapped
+(``--swap-texts``: evaluate the calibration text, calibrate on the evaluation text): 0.0298
+(0.0329) / 0.0340 (0.0329); the maximum there 0.0281 / 0.0363.
 """
 from __future__ import annotations
 
