@@ -417,8 +417,7 @@ def _writer_problem(n=37, hkv=2, d=128, dtype="bfloat16", config="default", grou
     from turboquant import registry
     from turboquant.cache import allocate_cache
     from turboquant.config import QuantConfig
-    from turboquant.shared_state import allocate_shared_state
-    from turboquant.smoothing import allocate_state
+    from conftest import first_write_state
 
     cfg = dataclasses.replace(QuantConfig.parse(config), scale_group=group)
     g = torch.Generator().manual_seed(seed)
@@ -432,22 +431,7 @@ def _writer_problem(n=37, hkv=2, d=128, dtype="bfloat16", config="default", grou
     slots = torch.randperm(nb * 16, generator=g)[:n]
     slots[3] = -1
     slots = slots.int() if slots32 else slots
-    ids = (torch.arange(n) % 3).to(torch.int32)
-    kw = {}
-    if cfg.uses_state and not cfg.needs_slots:  # the default: the layer's shared state, its
-        state = allocate_shared_state(hkv, d, nb)  # smoothing taken by a first (finite) write
-        first = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
-        turboquant.reshape_and_cache_fp4(key.nan_to_num(0.0, 0.0, 0.0), value, *first, slots,
-                                         config=cfg, shared_state=state,
-                                         positions=torch.arange(n) // 3, backend="reference")
-        kw = dict(shared_state=state)
-    elif cfg.uses_state:
-        state = allocate_state(3, hkv, d)
-        first = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
-        turboquant.reshape_and_cache_fp4(key, value, *first, slots, config=cfg, seq_state=state,
-                                         state_ids=ids, positions=torch.arange(n) // 3,
-                                         backend="reference")
-        kw = dict(seq_state=state, state_ids=ids)
+    kw = first_write_state(cfg, key, value, slots, nb, scale_group=group, key_format=key_format)
     ref = allocate_cache(nb, hkv, 16, d, scale_group=group, fill=0xAB, key_format=key_format)
     out = allocate_cache(nb, hkv, 16, d, scale_group=group, fill=0xAB, key_format=key_format)
     turboquant.reshape_and_cache_fp4(key, value, *ref, slots, config=cfg, backend="reference", **kw)
@@ -1210,7 +1194,7 @@ WRITER_CASES = {  # case -> (template, runtime arguments the launcher must pass)
     "writer smooth": (
         dict(scalar="Bf16", head_size=128, arch="gfx950"),
         dict(rotation_signs_ptr=None, seq_state_ptr="<seq_state>", state_ids_ptr="<state_ids>",
-             num_slots=3)),
+             num_slots=4)),
     "gfx942 writer default": (dict(scalar="Bf16", head_size=128, arch="gfx942"), {}),
 }
 

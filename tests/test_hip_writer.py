@@ -38,8 +38,8 @@ from turboquant import hip_writer, registry
 from turboquant.cache import allocate_cache
 from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant.integration.aiter import patch
-from turboquant.shared_state import allocate_shared_state
-from turboquant.smoothing import allocate_state
+
+from conftest import first_write_state
 
 from _tools import CLANG_MISSING, find_clang
 
@@ -386,22 +386,7 @@ def _check(host, monkeypatch, d, dtype, config, group=None, key_format="fp4", n=
     key, val, nb, slots = _inputs(n, hkv, d, dtype, seed)
     if slots32:
         slots = slots.int()
-    ids = (torch.arange(n) % 3).to(torch.int32)  # three interleaved sequences
-    kw = {}
-    if cfg.uses_state and not cfg.needs_slots:  # the default: the layer's shared state, its
-        state = allocate_shared_state(hkv, d, nb)  # smoothing taken by a first (finite) write
-        c0 = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
-        turboquant.reshape_and_cache_fp4(key.nan_to_num(0.0, 0.0, 0.0), val, *c0, slots,
-                                         config=cfg, shared_state=state,
-                                         positions=torch.arange(n) // 3, backend="reference")
-        kw = dict(shared_state=state)
-    elif cfg.uses_state:  # the records are filled once (a first write); then both writers read them
-        state = allocate_state(4, hkv, d)
-        c0 = allocate_cache(nb, hkv, 16, d, scale_group=group, key_format=key_format)
-        turboquant.reshape_and_cache_fp4(key, val, *c0, slots, config=cfg, seq_state=state,
-                                         state_ids=ids, positions=torch.arange(n) // 3,
-                                         backend="reference")
-        kw = dict(seq_state=state, state_ids=ids)
+    kw = first_write_state(cfg, key, val, slots, nb, scale_group=group, key_format=key_format)
     ref = allocate_cache(nb, hkv, 16, d, scale_group=group, fill=0xAB, key_format=key_format)
     hip = allocate_cache(nb, hkv, 16, d, scale_group=group, fill=0xAB, key_format=key_format)
     turboquant.reshape_and_cache_fp4(key, val, *ref, slots, config=cfg, backend="reference", **kw)

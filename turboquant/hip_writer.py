@@ -39,9 +39,10 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-CSRC_CUDA = ROOT / "csrc_cuda"
-SHIMS = ROOT / "csrc_hip" / "shims"
+from .sources import source_dir
+
+CSRC_CUDA = source_dir("cuda")
+SHIMS = source_dir("hip") / "shims"
 DEVICE_SHIMS = SHIMS / "amdgpu"
 HOST_SHIMS = SHIMS / "host"
 HOST_DRIVER = HOST_SHIMS / "cache_writer_host.cpp"

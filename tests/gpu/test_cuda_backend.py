@@ -24,6 +24,8 @@ from turboquant.ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA
 from turboquant.rotation import rotation_signs
 from turboquant.smoothing import allocate_state
 
+from conftest import first_write_state
+
 _REASON = tq_cuda.BACKEND.unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"cuda backend: {_REASON}")
 
@@ -313,26 +315,6 @@ def _transform_args(prob, d):
     return (rotation_signs(d, 0, "cuda"), prob.state_records(), ids, True)
 
 
-def _writer_state(cfg, key, val, slots, nb, hkv, d, group=None, key_format="fp4") -> dict:
-    """The state both writers read, set by one first write (reference): the default's shared
-    state (its smoothing from finite keys), or per-sequence records (3 interleaved sequences)."""
-    n = key.shape[0]
-    pos = torch.arange(n, device="cuda") // 3
-    c0 = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda", key_format=key_format)
-    if cfg.uses_state and not cfg.needs_slots:
-        kw = dict(shared_state=turboquant.allocate_shared_state(hkv, d, nb, device="cuda"))
-        turboquant.reshape_and_cache_fp4(key.nan_to_num(0.0, 0.0, 0.0), val, *c0, slots,
-                                         config=cfg, positions=pos, backend="reference", **kw)
-        return kw
-    if cfg.uses_state:
-        ids = (torch.arange(n, device="cuda") % 3).to(torch.int32)
-        kw = dict(seq_state=allocate_state(4, hkv, d, device="cuda"), state_ids=ids)
-        turboquant.reshape_and_cache_fp4(key, val, *c0, slots, config=cfg, positions=pos,
-                                         backend="reference", **kw)
-        return kw
-    return {}
-
-
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("group", [None, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -342,7 +324,7 @@ def test_cache_writer_transforms_bit_exact(d, group, dtype, config):
     cfg = dataclasses.replace(CONFIGS[config], scale_group=group)
     n, hkv = 61, 3
     key, val, nb, slots = _writer_inputs(n, hkv, d, dtype, group, seed=d + 1)
-    kw = _writer_state(cfg, key, val, slots, nb, hkv, d, group)
+    kw = first_write_state(cfg, key, val, slots, nb, scale_group=group)
     caches = []
     for backend in ("reference", "cuda"):
         c = allocate_cache(nb, hkv, 16, d, scale_group=group, device="cuda", fill=0xAB)
@@ -763,7 +745,7 @@ def test_k8v4_cache_writer_bit_exact(d, dtype, config):
     n, hkv = 61, 3
     key, val, nb, slots = _writer_inputs(n, hkv, d, dtype, None, seed=d + 2)
     key[7, 1] = key[7, 1] * 2.0 ** -20  # E4M3 subnormals after the scale
-    kw = _writer_state(cfg, key, val, slots, nb, hkv, d, key_format="fp8_e4m3")
+    kw = first_write_state(cfg, key, val, slots, nb, key_format="fp8_e4m3")
     caches = []
     for backend in ("reference", "cuda"):
         c = allocate_cache(nb, hkv, 16, d, device="cuda", fill=0xAB, key_format="fp8_e4m3")

@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -42,6 +41,7 @@ import torch
 from ..api import attention_op_args, cache_write_op_args
 from ..ops import (ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, MERGE_STATES_SCHEMA,
                    SHARED_ENTER_SINKS_SCHEMA, SHARED_RECORDS_SCHEMA, define)
+from ..sources import source_dir
 from ._jit import load, sources_hash
 from ..registry import (AttentionCall, Backend, CacheWrite, MergeCall, register,
                         transform_tensors_reason)
@@ -55,7 +55,7 @@ HEAD_DIMS = (64, 128, 256)
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 256  # the largest the GPU tests cover
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc_cuda"
+CSRC = source_dir("cuda")
 
 
 define(ATTENTION_OP, ATTENTION_SCHEMA)

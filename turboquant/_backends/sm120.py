@@ -28,13 +28,13 @@ left to the other backends.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..api import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
+from ..sources import source_dir
 from ._jit import load, sources_hash
 from ..registry import (AttentionCall, Backend, register, state_outputs_reason,
                         transform_tensors_reason)
@@ -42,7 +42,7 @@ from ..registry import (AttentionCall, Backend, register, state_outputs_reason,
 ATTENTION_OP = "turboquant::paged_attention_fp4_sm120"
 PROBE_SCHEMA = "(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int kind, int selectors) -> Tensor"
 HEAD_DIMS = (64, 128, 256)
-CSRC = Path(__file__).resolve().parents[2] / "csrc_cuda" / "sm120"
+CSRC = source_dir("cuda") / "sm120"
 
 # -gencode flags of the two builds: the real instructions, or the model on Hopper.
 ARCH_FLAGS = {

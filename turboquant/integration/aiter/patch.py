@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ...sources import source_dir
+
 MARK = "turboquant-fp4"
 HERE = Path(__file__).resolve().parent
 FILES = HERE / "files"
@@ -59,12 +61,13 @@ class PatchError(Exception):
 
 
 def kernel_source_dir() -> Path:
-    """csrc_hip/ of this turboquant: the repository's, or a copy shipped inside the package."""
-    for candidate in (HERE.parents[2] / "csrc_hip", HERE.parents[1] / "csrc_hip"):
-        if (candidate / "tq_fp4_paged_attention.cuh").is_file():
-            return candidate
-    raise PatchError("turboquant's kernel headers (csrc_hip/tq_fp4_paged_attention.cuh) were not "
-                     "found next to the package; use a source checkout of turboquant")
+    """The HIP kernel sources of this turboquant (``turboquant.sources``: the wheel's copy, or
+    the checkout's csrc_hip/)."""
+    candidate = source_dir("hip")
+    if (candidate / "tq_fp4_paged_attention.cuh").is_file():
+        return candidate
+    raise PatchError(f"turboquant's kernel headers (tq_fp4_paged_attention.cuh) were not found in "
+                     f"{candidate}: reinstall turboquant, or use a source checkout")
 
 
 @dataclass(frozen=True)
