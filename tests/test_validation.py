@@ -414,3 +414,21 @@ def test_a_copied_cache_is_not_read_without_its_config():
     got = tq.paged_attention_fp4(q, *copy, table, lens, 0.125, shared_state=state,
                                  config=tq.QuantConfig())
     assert torch.equal(got, want)
+
+
+def test_another_layers_shared_state_is_refused():
+    """A cache read (or written) with another shared state than its writes used raises, naming
+    shared_state: the other state's smoothing and sinks would give wrong numbers silently."""
+    cache = tq.allocate_cache(4, 2, 16, 64)
+    mine, other = tq.allocate_shared_state(2, 64, 4), tq.allocate_shared_state(2, 64, 4)
+    k = torch.randn(40, 2, 64, dtype=torch.bfloat16)
+    tq.reshape_and_cache_fp4(k, k, *cache, torch.arange(40), shared_state=mine,
+                             positions=torch.arange(40))
+    q = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    table, lens = torch.arange(4, dtype=torch.int32)[None], torch.tensor([40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="shared_state: this cache was written with another"):
+        tq.paged_attention_fp4(q, *cache, table, lens, 0.125, shared_state=other)
+    with pytest.raises(ValueError, match="shared_state: this cache was written with another"):
+        tq.reshape_and_cache_fp4(k[:1], k[:1], *cache, torch.tensor([40]), shared_state=other)
+    assert torch.isfinite(tq.paged_attention_fp4(q, *cache, table, lens, 0.125,
+                                                 shared_state=mine)).all()

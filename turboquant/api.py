@@ -323,6 +323,25 @@ def _check_state(config: QuantConfig, seq_state, state_ids, num_ids: int, hkv: i
                              f"(seq_state's dim 0), got min {lo}, max {hi}")
 
 
+# The shared state each written cache was written with (its smoothing tensor's device and
+# address), keyed like _CACHE_CONFIGS: a read or write with another layer's state raises.
+_CACHE_STATES = TensorFacts()
+
+
+def _bind_shared(key_cache: torch.Tensor, shared_state) -> None:
+    """The first accepted write with a shared state binds it to the cache; a later call with
+    another one raises (its smoothing and sinks are not the ones the bytes were written with)."""
+    if torch.compiler.is_compiling():
+        return
+    mine = (str(shared_state.smoothing.device), shared_state.smoothing.data_ptr())
+    bound = _CACHE_STATES.get(key_cache)
+    if bound is None:
+        _CACHE_STATES.set(key_cache, mine)
+    elif bound != mine:
+        raise ValueError("shared_state: this cache was written with another shared state; pass "
+                         "the one its writes used (one per layer: the layer's own)")
+
+
 def _check_shared(config: QuantConfig, shared_state, seq_state, state_ids, hkv: int, d: int,
                   device) -> None:
     """shared_state replaces seq_state/state_ids; its config keeps nothing per sequence."""
@@ -428,6 +447,8 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     if num_tokens == 0:
         return
     signs = rotation_signs(d, config.rotation_seed, key.device) if config.rotation else None
+    if shared_state is not None:
+        _bind_shared(key_cache, shared_state)
     if cache_config(key_cache) is None and not torch.compiler.is_compiling():
         _bind_config(key_cache, config)  # the first accepted write binds the cache's config
     if shared_state is not None:
@@ -482,6 +503,8 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
     if shared_state is not None:
         _check_shared(config, shared_state, seq_state, state_ids, call.num_kv_heads,
                       call.head_dim, query.device)
+        if _CACHE_STATES.get(key_cache) is not None:  # (an unbound copy: its config was given)
+            _bind_shared(key_cache, shared_state)
         if config.uses_state:  # the records of this call's sequences, from the shared state
             state_ids = torch.empty(call.num_seqs, dtype=torch.int32, device=query.device)
             seq_state = shared_records(shared_state, (key_cache, value_cache, key_scales,
