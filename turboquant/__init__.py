@@ -18,7 +18,7 @@
 from . import _backends  # registers the vendor backends  # noqa: F401
 from . import reference as _reference  # registers the reference backend  # noqa: F401
 from .api import backends, explain, paged_attention_fp4, reshape_and_cache_fp4, value_checks
-from .cache import FP4Cache, allocate_cache
+from .cache import FP4Cache, allocate_cache, cache_in
 from .config import QuantConfig
 from .format import dequantize_fp4, quantize_fp4
 from .shared_state import SharedState, allocate_shared_state
@@ -26,6 +26,7 @@ from .smoothing import allocate_state, load_calibration, save_calibration
 from .states import merge_attention_states, merge_attention_states_n
 
 __all__ = ["FP4Cache", "QuantConfig", "SharedState", "allocate_cache", "allocate_shared_state",
+           "cache_in",
            "allocate_state", "backends", "explain",
            "dequantize_fp4", "load_calibration", "merge_attention_states",
            "merge_attention_states_n", "paged_attention_fp4",

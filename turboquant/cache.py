@@ -53,10 +53,49 @@ def allocate_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim
     return FP4Cache(full(shape), full(shape), full(sshape), full(sshape))
 
 
-def kv_bytes_per_token(num_kv_heads: int, head_dim: int, scale_group: Optional[int] = None) -> int:
-    """Bytes of K plus V (codes and scales) one token occupies in the FP4 cache."""
+def kv_bytes_per_token(num_kv_heads: int, head_dim: int, scale_group: Optional[int] = None,
+                       key_format: str = "fp4") -> int:
+    """Bytes of K plus V (codes and scales) one token occupies in the cache."""
     groups = 1 if scale_group in (None, head_dim) else head_dim // scale_group
-    return 2 * num_kv_heads * (head_dim // 2 + groups)
+    key_bytes = head_dim if key_format == "fp8_e4m3" else head_dim // 2
+    return num_kv_heads * (key_bytes + head_dim // 2 + 2 * groups)
+
+
+def cache_in(buffer: torch.Tensor, num_blocks: int, num_kv_heads: int, block_size: int,
+             head_dim: int, *, key_format: str = "fp4") -> FP4Cache:
+    """The cache (one scale per (token, head)) as four views of one engine-allocated layer
+    buffer, region after region: key codes, value codes, key scales, value scales, each a
+    contiguous tensor of ``allocate_cache``'s shape. ``buffer``: contiguous uint8 holding
+    exactly num_blocks * block_size * ``kv_bytes_per_token`` bytes, any shape (vLLM's
+    [num_blocks, page_bytes]). A block's bytes are not contiguous in the buffer: an engine that
+    copies blocks as byte ranges (KV offload, transfer connectors) cannot use this layout."""
+    if key_format not in ("fp4", "fp8_e4m3"):
+        raise ValueError(f"key_format: expected 'fp4' or 'fp8_e4m3', got {key_format!r}")
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or \
+            not buffer.is_contiguous():
+        raise ValueError("buffer: expected a contiguous uint8 tensor")
+    want = num_blocks * block_size * kv_bytes_per_token(num_kv_heads, head_dim,
+                                                        key_format=key_format)
+    if buffer.numel() != want:
+        raise ValueError(f"buffer: expected {want} bytes ({num_blocks} blocks of {block_size} "
+                         f"tokens, {num_kv_heads} kv heads, D {head_dim}, {key_format}), got "
+                         f"{buffer.numel()}")
+    if (block_size * num_kv_heads) % 16:
+        raise ValueError(f"block_size: block_size x num_kv_heads must be a multiple of 16 (each "
+                         f"region starts 16-byte aligned), got {block_size} x {num_kv_heads}")
+    flat = buffer.view(-1)
+    kb = head_dim if key_format == "fp8_e4m3" else head_dim // 2
+    shapes = ((num_blocks, num_kv_heads, block_size, kb),
+              (num_blocks, num_kv_heads, block_size, head_dim // 2),
+              (num_blocks, block_size, num_kv_heads), (num_blocks, block_size, num_kv_heads))
+    views, at = [], 0
+    for shape in shapes:
+        n = num_blocks * block_size * num_kv_heads * (shape[3] if len(shape) == 4 else 1)
+        views.append(flat[at:at + n].view(shape))
+        at += n
+    if key_format == "fp8_e4m3":
+        views[0] = views[0].view(torch.float8_e4m3fn)
+    return FP4Cache(*views)
 
 
 class PagedProblem(NamedTuple):
