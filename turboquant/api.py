@@ -405,9 +405,10 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     caching, forks and engines without request slots work unchanged. The layer's key smoothing
     (m, lam) is the calibration given to ``allocate_shared_state``, else taken from the first
     write; with the sink, every token at position 0 (``positions`` [num_tokens], int32/int64,
-    each token's position in its sequence: ``shared_state.positions_from_metadata`` derives them
-    from what a vLLM-style engine passes) enters the layer's sink table; without ``positions``
-    position 0 is read from its FP4 bytes.
+    each token's position in its sequence, which
+    ``turboquant.shared_state.positions_from_metadata`` derives from what a vLLM-style engine
+    passes) enters the layer's sink table; without ``positions`` position 0 is read from its
+    FP4 bytes.
 
     The option: one record per sequence, ``seq_state`` float32 [num_slots, num_kv_heads, 5, D]
     (``turboquant.allocate_state``) and ``state_ids`` int32 [num_tokens] (each token's slot);
