@@ -33,8 +33,8 @@ from .formats import (SYN_HEAD_DIM, SYN_HEADS, SYN_KV_HEADS, OUTLIER_CHANNELS, O
                       Layer, evaluate_layers, format_attention, parse_format, read_back,
                       reference_attention, synthetic_layers, write_cache)
 from ..smoothing import load_calibration, save_calibration
-from .models import (CALIBRATION_TEXT_PATH, MODEL_PIP, MODELS, ModelUnavailable,
-                     calibrate_model, find_model_path, load_model, load_text, run_model)
+from .models import (MODEL_PIP, MODELS, ModelUnavailable, calibrate_model, find_model_path,
+                     load_model, load_text, run_model, text_paths)
 
 OPTIONS = ("fp8", "fp8/token", "k8v4", "k8v4/plain", "plain", "rotation", "rotation+per32+mse",
            "rotation+sink", "rotation+calibrated", "rotation+smooth", "rotation+smooth+sink",
@@ -246,10 +246,10 @@ def main(args) -> int:
                 calibration = dict(enumerate(load_calibration(args.calibration)))
             elif args.save_calibration:
                 net, tok = load_model(find_model_path(name, args.model_path), args.device)
-                calibration = calibrate_model(net, tok, load_text(CALIBRATION_TEXT_PATH),
-                                              args.device)
+                calib_path = text_paths(args.swap_texts)[1]  # the text the run calibrates on
+                calibration = calibrate_model(net, tok, load_text(calib_path), args.device)
                 save_calibration(args.save_calibration, [calibration[i] for i in sorted(calibration)],
-                                 {"model": MODELS[name].title, "text": CALIBRATION_TEXT_PATH.name})
+                                 {"model": MODELS[name].title, "text": calib_path.name})
                 progress(f"[{name}] wrote {args.save_calibration}")
             run = run_model(options, model=name, model_path=args.model_path, tokens=args.tokens,
                             layers=layers, calibration=calibration,

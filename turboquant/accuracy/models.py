@@ -163,6 +163,12 @@ def load_model(path: str, device: str = "cpu"):
     return model, tok
 
 
+def text_paths(swap_texts: bool = False) -> tuple[Path, Path]:
+    """(the text evaluated, the text calibrated on); ``swap_texts``: the two trade roles (a
+    held-back check of a choice made on the usual pairing)."""
+    return (CALIBRATION_TEXT_PATH, TEXT_PATH) if swap_texts else (TEXT_PATH, CALIBRATION_TEXT_PATH)
+
+
 def load_text(path: Path = TEXT_PATH) -> str:
     return path.read_text(encoding="utf-8")
 
@@ -261,17 +267,14 @@ def run_model(formats: Sequence[str], *, model: str = "smollm2",
               progress: Callable[[str], None] = lambda m: None) -> dict:
     """The model's rows (one per format: KLD, top-1, perplexity; per-layer SQNR and cosine
     over ``layers``) and the run's facts. ``calibration``: layer -> (m, lam), else computed
-    from the calibration text. ``swap_texts``: the two texts trade roles (evaluate the
-    calibration text, calibrate on the evaluation text): a held-back check of a choice made
-    on the usual pairing."""
+    from the calibration text. ``swap_texts``: as for ``text_paths``."""
     path = find_model_path(model, model_path)
     progress(f"[{model}] loading {os.path.basename(path)} with transformers (offline)")
     t0 = time.perf_counter()
     net, tok = load_model(path, device)
     load_s = time.perf_counter() - t0
     cfg = net.config
-    eval_path, calib_path = ((CALIBRATION_TEXT_PATH, TEXT_PATH) if swap_texts
-                             else (TEXT_PATH, CALIBRATION_TEXT_PATH))
+    eval_path, calib_path = text_paths(swap_texts)
     ids = tok(load_text(eval_path), return_tensors="pt").input_ids.to(device)
     if tokens is not None:
         if tokens < 2:
