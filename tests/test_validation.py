@@ -262,7 +262,7 @@ def test_a_cache_is_read_with_the_config_it_was_written_with():
                                  positions=torch.arange(40))
     assert cache_config(other.key_cache) is None
     # the binding lives as long as the cache
-    key = _CACHE_CONFIGS._key(cache.key_cache)
+    key = _CACHE_CONFIGS.key(cache.key_cache)
     assert key in _CACHE_CONFIGS._facts
     del cache, args, other
     import gc

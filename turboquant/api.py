@@ -24,7 +24,8 @@ from . import registry
 from .config import QuantConfig
 from .registry import AttentionCall, CacheWrite
 from .rotation import rotation_signs
-from .shared_state import SharedState, check_shared_state, enter_sinks, take_smoothing
+from .shared_state import (SharedState, check_shared_state, enter_sinks, take_smoothing,
+                           writer_records)
 from .shared_state import records as shared_records
 from .smoothing import KEY_SCALE, STATE_ROWS, check_smoothing, init_state
 from .tensor_facts import TensorFacts
@@ -333,7 +334,7 @@ def _bind_shared(key_cache: torch.Tensor, shared_state) -> None:
     another one raises (its smoothing and sinks are not the ones the bytes were written with)."""
     if torch.compiler.is_compiling():
         return
-    mine = (str(shared_state.smoothing.device), shared_state.smoothing.data_ptr())
+    mine = TensorFacts.key(shared_state.smoothing)
     bound = _CACHE_STATES.get(key_cache)
     if bound is None:
         _CACHE_STATES.set(key_cache, mine)
@@ -455,8 +456,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
     if shared_state is not None:
         if config.key_smoothing is not None:
             take_smoothing(shared_state, key, positions)
-            seq_state = shared_state.smoothing  # the layer's record: m, lam, 1 / lam
-            state_ids = torch.zeros(num_tokens, dtype=torch.int32, device=key.device)
+            seq_state, state_ids = writer_records(shared_state, num_tokens)
         _write(write, config, seq_state, state_ids, signs, backend)
         if config.sink and positions is not None:
             enter_sinks(shared_state, key, value, (key_cache, value_cache, key_scales,

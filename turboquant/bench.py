@@ -92,6 +92,7 @@ from .bench_report import (ATTENTION_FIELDS, HEADER, WRITER_FIELDS, device_meta,
 from .bench_timing import (GB, GiB, TIMING_FIGURES, kernel_names, measure_bandwidth,
                            time_calls, time_decode)
 from .rotation import rotation_signs
+from .shared_state import writer_records
 
 DEFAULT_SHAPES = "32/8/128,64/8/128"
 DEFAULT_BATCHES = "1,16,64,128"
@@ -405,8 +406,8 @@ def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
     op_state = {}  # the writer op's state: the records, or the shared state's layer record
     if config.key_smoothing is not None:
         shared = extra.get("shared_state")
-        op_state = extra if shared is None else dict(
-            seq_state=shared.smoothing, state_ids=torch.zeros(T, dtype=torch.int32, device=device))
+        op_state = extra if shared is None else dict(zip(("seq_state", "state_ids"),
+                                                         writer_records(shared, T)))
     signs = rotation_signs(d, config.rotation_seed, device) if config.rotation else None
     backend = args.backend
     note = ""

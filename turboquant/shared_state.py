@@ -194,6 +194,13 @@ def _smoothing_rows(state: SharedState, smooth: bool) -> torch.Tensor:
     return ident
 
 
+def writer_records(state: SharedState, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the writer op reads for a write of ``num_tokens`` tokens: the layer's record
+    (``smoothing``: m, lam, 1 / lam) as a one-slot ``seq_state``, and ``state_ids`` all 0."""
+    return state.smoothing, torch.zeros(num_tokens, dtype=torch.int32,
+                                        device=state.smoothing.device)
+
+
 def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[torch.Tensor]
                    ) -> None:
     """The layer's m and lam from this write's keys [n, Hkv, D] (positions >= 1 when positions

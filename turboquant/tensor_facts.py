@@ -14,19 +14,17 @@ class TensorFacts:
         self._facts: dict = {}
 
     @staticmethod
-    def _key(t: torch.Tensor):
+    def key(t: torch.Tensor) -> tuple:
+        """What identifies ``t`` here: its device and address."""
         return (str(t.device), t.data_ptr())
 
     def get(self, t: torch.Tensor, default=None):
-        return self._facts.get(self._key(t), default)
+        return self._facts.get(self.key(t), default)
 
     def set(self, t: torch.Tensor, value) -> None:
         """Record ``value`` for ``t``; dropped when t (its base) is freed."""
-        key = self._key(t)
+        key = self.key(t)
         if key not in self._facts:
             anchor = t._base if t._base is not None else t
             weakref.finalize(anchor, self._facts.pop, key, None)
         self._facts[key] = value
-
-    def __len__(self) -> int:
-        return len(self._facts)
