@@ -26,9 +26,10 @@ def test_the_default_is_rotation_smoothing_and_sink():
     cfg = tq.QuantConfig()
     assert (cfg.rotation, cfg.key_smoothing, cfg.sink, cfg.scale_group) == \
         (True, "calibrated", True, None)
-    assert tq.QuantConfig.parse("rotation+calibrated+sink") == cfg and not cfg.needs_slots
+    assert tq.QuantConfig.parse("rotation+calibrated+sink") == cfg and cfg.shares_state
     per_seq = tq.QuantConfig.parse("rotation+smooth+sink")
-    assert per_seq == PER_SEQUENCE and per_seq.needs_slots and per_seq.name == "rotation+smooth+sink"
+    assert per_seq == PER_SEQUENCE and per_seq.needs_slots and not per_seq.shares_state
+    assert per_seq.name == "rotation+smooth+sink" and not PLAIN.shares_state
     assert not PLAIN.rotation and not PLAIN.uses_state and PLAIN.name == "plain"
 
 
@@ -125,7 +126,7 @@ def test_api_with_config_matches_float64(name):
     state = {}
     ids = torch.tensor([2, 0, 1], dtype=torch.int32)  # slot of each sequence
     tok_ids = torch.repeat_interleave(ids, torch.tensor(lens))
-    if cfg.uses_state and not cfg.needs_slots:  # the default: the layer's shared state
+    if cfg.shares_state:  # the default: the layer's shared state
         state = {"shared_state": tq.allocate_shared_state(hkv, d, 12)}
         tq.reshape_and_cache_fp4(torch.cat(keys), torch.cat(values), *cache, slots, config=cfg,
                                  positions=torch.cat([torch.arange(n) for n in lens]), **state)

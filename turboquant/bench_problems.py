@@ -160,7 +160,7 @@ def fill_cache(tq, cache, config, dense_k: torch.Tensor, dense_v: torch.Tensor,
     spc = max(1, chunk_bytes // per_seq)
     pos = torch.arange(length, device=device)
     state = None
-    if config.uses_state and not config.needs_slots:
+    if config.shares_state:
         state = tq.allocate_shared_state(hkv, d, cache[0].shape[0], device=device)
     elif config.uses_state:
         state = tq.allocate_state(nseq, hkv, d, device)

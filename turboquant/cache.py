@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -18,13 +19,10 @@ class FP4Cache(NamedTuple):
     value_scales: torch.Tensor  # same shape as key_scales
 
 
-def allocate_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, *,
-                   scale_group: Optional[int] = None, device="cpu", fill: int = 0,
-                   key_format: str = "fp4") -> FP4Cache:
-    """An FP4 paged cache. ``scale_group`` None (or head_dim): one scale per (token, head);
-    32: one per 32 elements. ``fill`` sets every byte (0xFF poisons unwritten slots).
-    ``key_format="fp8_e4m3"``: a K8V4 cache, E4M3 key bytes (torch.float8_e4m3fn
-    [num_blocks, num_kv_heads, block_size, D]) with one scale per (token, head), FP4 values."""
+def _layout(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+            scale_group: Optional[int], key_format: str) -> tuple:
+    """The byte shapes of the cache's four tensors (key codes, value codes, key scales, value
+    scales), the arguments checked."""
     if key_format not in ("fp4", "fp8_e4m3"):
         raise ValueError(f"key_format: expected 'fp4' or 'fp8_e4m3', got {key_format!r}")
     if key_format == "fp8_e4m3" and scale_group not in (None, head_dim):
@@ -43,14 +41,27 @@ def allocate_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim
             raise ValueError(f"scale_group: expected None, {head_dim} or {MX_GROUP}, "
                              f"got {scale_group}")
         sshape += (head_dim // MX_GROUP,)
+    kshape = shape[:3] + (head_dim,) if key_format == "fp8_e4m3" else shape
+    return kshape, shape, sshape, sshape
 
-    def full(s):
-        return torch.full(s, fill, dtype=torch.uint8, device=device)
 
+def _as_cache(tensors: list, key_format: str) -> FP4Cache:
+    """The four uint8 tensors of ``_layout`` as the cache (K8V4 keys viewed as E4M3)."""
     if key_format == "fp8_e4m3":
-        keys = full(shape[:3] + (head_dim,)).view(torch.float8_e4m3fn)
-        return FP4Cache(keys, full(shape), full(sshape), full(sshape))
-    return FP4Cache(full(shape), full(shape), full(sshape), full(sshape))
+        tensors[0] = tensors[0].view(torch.float8_e4m3fn)
+    return FP4Cache(*tensors)
+
+
+def allocate_cache(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, *,
+                   scale_group: Optional[int] = None, device="cpu", fill: int = 0,
+                   key_format: str = "fp4") -> FP4Cache:
+    """An FP4 paged cache. ``scale_group`` None (or head_dim): one scale per (token, head);
+    32: one per 32 elements. ``fill`` sets every byte (0xFF poisons unwritten slots).
+    ``key_format="fp8_e4m3"``: a K8V4 cache, E4M3 key bytes (torch.float8_e4m3fn
+    [num_blocks, num_kv_heads, block_size, D]) with one scale per (token, head), FP4 values."""
+    shapes = _layout(num_blocks, num_kv_heads, block_size, head_dim, scale_group, key_format)
+    return _as_cache([torch.full(s, fill, dtype=torch.uint8, device=device) for s in shapes],
+                     key_format)
 
 
 def kv_bytes_per_token(num_kv_heads: int, head_dim: int, scale_group: Optional[int] = None,
@@ -69,8 +80,7 @@ def cache_in(buffer: torch.Tensor, num_blocks: int, num_kv_heads: int, block_siz
     exactly num_blocks * block_size * ``kv_bytes_per_token`` bytes, any shape (vLLM's
     [num_blocks, page_bytes]). A block's bytes are not contiguous in the buffer: an engine that
     copies blocks as byte ranges (KV offload, transfer connectors) cannot use this layout."""
-    if key_format not in ("fp4", "fp8_e4m3"):
-        raise ValueError(f"key_format: expected 'fp4' or 'fp8_e4m3', got {key_format!r}")
+    shapes = _layout(num_blocks, num_kv_heads, block_size, head_dim, None, key_format)
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8 or \
             not buffer.is_contiguous():
         raise ValueError("buffer: expected a contiguous uint8 tensor")
@@ -83,19 +93,12 @@ def cache_in(buffer: torch.Tensor, num_blocks: int, num_kv_heads: int, block_siz
     if (block_size * num_kv_heads) % 16:
         raise ValueError(f"block_size: block_size x num_kv_heads must be a multiple of 16 (each "
                          f"region starts 16-byte aligned), got {block_size} x {num_kv_heads}")
-    flat = buffer.view(-1)
-    kb = head_dim if key_format == "fp8_e4m3" else head_dim // 2
-    shapes = ((num_blocks, num_kv_heads, block_size, kb),
-              (num_blocks, num_kv_heads, block_size, head_dim // 2),
-              (num_blocks, block_size, num_kv_heads), (num_blocks, block_size, num_kv_heads))
-    views, at = [], 0
+    flat, views, at = buffer.view(-1), [], 0
     for shape in shapes:
-        n = num_blocks * block_size * num_kv_heads * (shape[3] if len(shape) == 4 else 1)
+        n = math.prod(shape)
         views.append(flat[at:at + n].view(shape))
         at += n
-    if key_format == "fp8_e4m3":
-        views[0] = views[0].view(torch.float8_e4m3fn)
-    return FP4Cache(*views)
+    return _as_cache(views, key_format)
 
 
 class PagedProblem(NamedTuple):
@@ -110,18 +113,23 @@ class PagedProblem(NamedTuple):
     #               or seq_state and state_ids
 
     def state_records(self) -> Optional[torch.Tensor]:
-        """The record each sequence is read with, float32 [num_seqs, Hkv, 5, D] (None: the
-        config keeps no state): built from the shared state, or the sequence's own record."""
-        kw = self.kwargs
-        if "shared_state" in kw:
-            from .shared_state import records
+        return state_records(self.kwargs, self.cache, self.block_tables, self.seq_lens)
 
-            cfg = kw["config"]
-            return records(kw["shared_state"], tuple(self.cache), self.block_tables,
-                           self.seq_lens, cfg.scale_group, smooth=cfg.key_smoothing is not None)
-        if "seq_state" in kw:
-            return kw["seq_state"][kw["state_ids"].long()]
-        return None
+
+def state_records(kwargs: dict, cache: tuple, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor) -> Optional[torch.Tensor]:
+    """The record each sequence of a call is read with, float32 [num_seqs, Hkv, 5, D] (None: the
+    config keeps no state), from the call's ``kwargs`` (config, and shared_state or seq_state
+    and state_ids): built from the shared state, or the sequence's own record."""
+    if "shared_state" in kwargs:
+        from .shared_state import records
+
+        cfg = kwargs["config"]
+        return records(kwargs["shared_state"], tuple(cache), block_tables, seq_lens,
+                       cfg.scale_group, smooth=cfg.key_smoothing is not None)
+    if "seq_state" in kwargs:
+        return kwargs["seq_state"][kwargs["state_ids"].long()]
+    return None
 
 
 def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: int, *,
@@ -173,7 +181,7 @@ def build_paged_problem(seq_lens, num_kv_heads: int, head_dim: int, block_size: 
         positions.append(pos)
     kwargs = {"config": config}
     write_kwargs = {}
-    if config.uses_state and not config.needs_slots:
+    if config.shares_state:
         kwargs["shared_state"] = allocate_shared_state(num_kv_heads, head_dim, max(num_blocks, 1),
                                                        device=device)
         write_kwargs = {"shared_state": kwargs["shared_state"],

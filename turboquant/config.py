@@ -62,6 +62,12 @@ class QuantConfig:
         return self.key_smoothing is not None or self.sink
 
     @property
+    def shares_state(self) -> bool:
+        """Whether the state is the layer's shared state (``shared_state``): every config that
+        keeps state but "sequence" smoothing (the default does)."""
+        return self.uses_state and not self.needs_slots
+
+    @property
     def needs_slots(self) -> bool:
         """Whether the state must be the per-sequence record (``seq_state``/``state_ids``):
         "sequence" key smoothing; every other config runs with the shared state."""

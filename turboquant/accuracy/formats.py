@@ -31,11 +31,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..api import paged_attention_fp4, reshape_and_cache_fp4
-from ..cache import allocate_cache
+from ..cache import allocate_cache, state_records
 from ..config import QuantConfig, parse_cache_format
 from ..format import dequantize_e4m3, dequantize_fp4, sqnr_db
 from ..rotation import rotation_signs, unrotate
-from ..shared_state import allocate_shared_state, records
+from ..shared_state import allocate_shared_state
 from ..smoothing import KEY_CENTER, KEY_SCALE, SINK_KEY, SINK_VALUE, allocate_state
 
 BLOCK_SIZE = 16
@@ -63,7 +63,7 @@ class KVFormat:
     @property
     def shared(self) -> bool:
         """Written and read through the shared state (else a per-sequence record, or none)."""
-        return self.config is not None and self.config.uses_state and not self.config.needs_slots
+        return self.config is not None and self.config.shares_state
 
     @property
     def is_fp8(self) -> bool:
@@ -174,6 +174,7 @@ def read_back(written: WrittenCache, tokens: int) -> tuple[torch.Tensor, torch.T
     """The K and V a reader effectively uses, every transform undone: float32 [T, Hkv, D] each
     (position 0 from the sink record when the config keeps one)."""
     config = written.fmt.config
+    record = state_records(written.kwargs, written.cache, written.block_tables, written.seq_lens)
     out = []
     for codes, scales, is_key in ((written.cache.key_cache, written.cache.key_scales, True),
                                   (written.cache.value_cache, written.cache.value_scales, False)):
@@ -184,7 +185,6 @@ def read_back(written: WrittenCache, tokens: int) -> tuple[torch.Tensor, torch.T
             x = dequantize_e4m3(c.view(torch.uint8), s[..., 0])
         else:
             x = dequantize_fp4(c, s, config.scale_group)
-        record = _record(written)
         if config.sink:
             x[0] = record[0, :, SINK_KEY if is_key else SINK_VALUE]
         if config.rotation:
@@ -193,16 +193,6 @@ def read_back(written: WrittenCache, tokens: int) -> tuple[torch.Tensor, torch.T
             x = x * record[0, :, KEY_SCALE] + record[0, :, KEY_CENTER]
         out.append(x)
     return out[0], out[1]
-
-
-def _record(written: WrittenCache) -> Optional[torch.Tensor]:
-    """The record the sequence is read with: float32 [1, Hkv, 5, D] (None: the config keeps
-    none)."""
-    st = written.kwargs.get("shared_state")
-    if st is None:
-        return written.kwargs.get("seq_state")
-    return records(st, tuple(written.cache), written.block_tables, written.seq_lens,
-                   written.fmt.config.scale_group, smooth=written.fmt.config.key_smoothing is not None)
 
 
 def format_attention(layer: Layer, fmt: KVFormat, calibration: Optional[tuple] = None,
