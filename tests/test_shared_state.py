@@ -340,6 +340,30 @@ def test_smoothing_taken_once_from_the_first_write():
     assert torch.equal(st2.smoothing[0, :, KEY_INV_SCALE], 1 / cal[1])
 
 
+def test_smoothing_waits_for_a_key_with_a_slot_past_position_0():
+    """An engine's warm-up writes (every slot -1) and a first write of position 0 alone set no
+    smoothing; the next write takes it from its keys that have a slot and a position >= 1."""
+    model = Model(seed=6)
+    cache = tq.allocate_cache(4, HKV, BS, D)
+    state = tq.allocate_shared_state(HKV, D, 4)
+    k, v = model.kv(list(range(10, 30)), range(20))
+    tq.reshape_and_cache_fp4(k, v, *cache, torch.full((20,), -1), config=CFG,
+                             shared_state=state, positions=torch.arange(20))
+    tq.reshape_and_cache_fp4(k[:1], v[:1], *cache, torch.arange(1), config=CFG,
+                             shared_state=state, positions=torch.arange(1))
+    assert torch.isnan(state.smoothing).all()
+    slots = torch.arange(1, 20)
+    slots[[3, 7]] = -1  # padding rows of the batch: not the layer's keys
+    tq.reshape_and_cache_fp4(k[1:], v[1:], *cache, slots, config=CFG, shared_state=state,
+                             positions=torch.arange(1, 20))
+    keep = torch.ones(19, dtype=torch.bool)
+    keep[[3, 7]] = False
+    m, lam = tq.smoothing.smoothing_from_keys(k[1:][keep],
+                                              quantile=tq.smoothing.LAYER_RANGE_QUANTILE)
+    assert torch.allclose(state.smoothing[0, :, KEY_CENTER], m, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(state.smoothing[0, :, KEY_SCALE], lam, rtol=1e-6)
+
+
 def test_shared_state_refusals():
     cache = tq.allocate_cache(4, HKV, BS, D)
     state = tq.allocate_shared_state(HKV, D, 4)

@@ -455,7 +455,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
         _bind_config(key_cache, config)  # the first accepted write binds the cache's config
     if shared_state is not None:
         if config.key_smoothing is not None:
-            take_smoothing(shared_state, key, positions)
+            take_smoothing(shared_state, key, slot_mapping, positions)
             seq_state, state_ids = writer_records(shared_state, num_tokens)
         _write(write, config, seq_state, state_ids, signs, backend)
         if config.sink and positions is not None:

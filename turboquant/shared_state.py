@@ -201,21 +201,27 @@ def writer_records(state: SharedState, num_tokens: int) -> tuple[torch.Tensor, t
                                         device=state.smoothing.device)
 
 
-def take_smoothing(state: SharedState, key: torch.Tensor, positions: Optional[torch.Tensor]
-                   ) -> None:
-    """The layer's m and lam from this write's keys [n, Hkv, D] (positions >= 1 when positions
-    are given) where they are not set yet (in place; no host synchronization). Once taken by a
-    write outside graph capture, later writes do nothing here."""
+def take_smoothing(state: SharedState, key: torch.Tensor, slot_mapping: torch.Tensor,
+                   positions: Optional[torch.Tensor]) -> None:
+    """The layer's m and lam, where not set yet, from this write's keys [n, Hkv, D] that have a
+    slot (``slot_mapping`` >= 0) and, when positions are given, a position >= 1 (in place).
+    A write with no such key sets nothing: an engine's warm-up writes (all slots -1) leave the
+    smoothing to the first real one. Until it is set, each write reads one flag from the device
+    (the smoothing is then set, and later writes do nothing here); under graph capture it
+    records nothing, so a captured graph's writes use the smoothing that an eager write set."""
     if _TAKEN.get(state.smoothing):
         return
-    keep = None if positions is None else positions > 0
+    if state.smoothing.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    keep = slot_mapping >= 0
+    if positions is not None:
+        keep &= positions > 0
+    if not bool(keep.any()):
+        return
     m, lam = smoothing_from_keys(key, keep, quantile=LAYER_RANGE_QUANTILE)
-    rows = state.smoothing[0, :, [KEY_CENTER, KEY_SCALE, KEY_INV_SCALE]]  # [Hkv, 3, D]
-    new = torch.stack([m, lam, 1.0 / lam], dim=1)
-    state.smoothing[0, :, [KEY_CENTER, KEY_SCALE, KEY_INV_SCALE]] = torch.where(
-        torch.isnan(rows), new, rows)
-    if not (state.smoothing.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _TAKEN.set(state.smoothing, True)
+    state.smoothing[0, :, KEY_CENTER], state.smoothing[0, :, KEY_SCALE] = m, lam
+    state.smoothing[0, :, KEY_INV_SCALE] = 1.0 / lam
+    _TAKEN.set(state.smoothing, True)
 
 
 def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cache: tuple,

@@ -1,7 +1,7 @@
 """Host-side facts about tensors: a value per tensor, keyed by its device and address, kept for as
 long as that tensor (or the tensor it is a view of) lives. The API keeps a cache's config this
 way (``api.cache_config``), the shared state whether a layer's smoothing is set
-(``shared_state.take_smoothing``): nothing is read from the device, so no host synchronization."""
+(``shared_state.take_smoothing``): reading a fact reads nothing from the device."""
 from __future__ import annotations
 
 import weakref

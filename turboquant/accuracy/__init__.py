@@ -38,7 +38,7 @@ from .models import (MODEL_PIP, MODELS, ModelUnavailable, calibrate_model, find_
 
 OPTIONS = ("fp8", "fp8/token", "k8v4", "k8v4/plain", "plain", "rotation", "rotation+per32+mse",
            "rotation+sink", "rotation+calibrated", "rotation+smooth", "rotation+smooth+sink",
-           "default", "default@1", "default@16", "default@256", "default+mse", "default+per32",
+           "default", "default@16", "default@256", "default+mse", "default+per32",
            "default+per32+mse")
 SYNTHETIC = ("gaussian", "outlier_keys")
 
