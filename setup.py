@@ -42,4 +42,7 @@ setup(
     install_requires=["torch>=2.4", "numpy", "ninja"],
     extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
     cmdclass={"build_py": BuildPyWithKernels},
+    # vLLM loads this in each of its processes (turboquant/integration/vllm: `--kv-cache-dtype
+    # tq_fp4 --attention-backend TQ_FP4`); without vLLM nothing reads it.
+    entry_points={"vllm.general_plugins": ["turboquant = turboquant.integration.vllm:register"]},
 )

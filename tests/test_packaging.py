@@ -54,7 +54,7 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def test_wheel_carries_the_kernel_sources_and_declares_ninja(wheel):
+def test_wheel_carries_the_kernel_sources_the_plugin_and_declares_ninja(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for folder, package in (("csrc_cuda", "cuda"), ("csrc_hip", "hip")):
         want = {str(p.relative_to(ROOT / folder)) for p in (ROOT / folder).rglob("*")
@@ -67,6 +67,10 @@ def test_wheel_carries_the_kernel_sources_and_declares_ninja(wheel):
     requires = [line for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
                 if line.startswith("Requires-Dist:")]
     assert any(line.split()[1].startswith("ninja") for line in requires), requires
+    eps = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(eps).decode()  # the vLLM plugin, loaded by vLLM
+    assert "[vllm.general_plugins]\nturboquant = turboquant.integration.vllm:register" in text
+    assert "turboquant/integration/vllm/layer.py" in names
 
 
 def test_wheel_installed_outside_the_checkout_runs(wheel, tmp_path):

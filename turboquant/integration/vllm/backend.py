@@ -1,0 +1,208 @@
+"""vLLM's attention-backend classes for turboquant's cache: the backends ``TQ_FP4`` (cache dtype
+``tq_fp4``: FP4 keys and values, the default transforms) and ``TQ_K8V4`` (``tq_k8v4``: E4M3
+keys, FP4 values), their metadata builder and the layer implementation. The work is
+``layer.PagedLayer``'s; these classes translate vLLM's interfaces to it and state what is
+declined, through vLLM's own validation (``validate_configuration`` lists the reason).
+
+Choices (vLLM 0.33):
+- The page: ``customize_spec`` sets ``state_content_bytes`` to the format's bytes per token and
+  kv head, so vLLM's block count is memory / (num_kv_heads x block_size x those bytes).
+- Layouts: layer-outermost (LBNHC, LBHNC), so a layer's bytes are one range
+  (``layer.layer_bytes``); KV connectors (offload, disaggregated transfer) are declined: they
+  move a block as a byte range, and ours spans four regions.
+- Writes happen in ``forward`` (``forward_includes_kv_cache_update``): the writer needs the
+  step's positions, which ``do_kv_cache_update`` is not given.
+- CUDA graphs: uniform batches (decode, and speculative verification of 1 + k tokens); their
+  metadata is captured with ``max_seq_len`` at the block table's capacity, so the kernels' grid
+  covers any sequence a replay brings. Mixed and prefill batches run eagerly, in one call.
+- Declined: ALiBi, encoder and cross attention, KV sharing between layers, MLA, sparse attention,
+  per-head quant scales, batch invariance, decode context parallelism, non-causal attention.
+- Calibration: ``TURBOQUANT_CALIBRATION=FILE`` (``turboquant.save_calibration``'s format, one
+  entry per decoder layer, indexed by the layer number in vLLM's layer name) gives each layer its
+  smoothing; without it the smoothing is taken by the first prompt the server writes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import replace
+from typing import ClassVar, Optional
+
+import torch
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                       AttentionMetadata, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata)
+from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from ...smoothing import load_calibration
+from .layer import KEY_FORMATS, PagedLayer, StepMetadata, bytes_per_token_head
+
+HEAD_SIZES = [64, 128, 256]
+BLOCK_SIZES = [16, 32, 64, 128, 256]
+CALIBRATION_ENV = "TURBOQUANT_CALIBRATION"
+
+
+@dataclasses.dataclass
+class TurboQuantMetadata(StepMetadata, AttentionMetadata):
+    """The step's metadata every layer reads (``layer.StepMetadata``)."""
+
+
+class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
+    """vLLM's per-step metadata -> ``TurboQuantMetadata``, once per step for all layers."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TurboQuantMetadata:
+        m = common_attn_metadata
+        step = StepMetadata.build(m.query_start_loc, m.seq_lens, m.block_table_tensor,
+                                  m.slot_mapping, m.num_actual_tokens, m.max_seq_len,
+                                  positions=m.positions)
+        return TurboQuantMetadata(**dataclasses.asdict(step))
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> TurboQuantMetadata:
+        meta = self.build(0, common_attn_metadata)
+        meta.max_seq_len = meta.block_table.shape[1] * self.kv_cache_spec.block_size
+        return meta
+
+
+class TurboQuantFP4Backend(AttentionBackend):
+    """``--attention-backend TQ_FP4 --kv-cache-dtype tq_fp4``."""
+
+    CACHE_DTYPE: ClassVar[str] = "tq_fp4"
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["tq_fp4"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "TQ_FP4"
+
+    @staticmethod
+    def get_impl_cls() -> type["TurboQuantImpl"]:
+        return TurboQuantImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[TurboQuantMetadataBuilder]:
+        return TurboQuantMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
+        return list(BLOCK_SIZES)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(HEAD_SIZES)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        if spec.state_content_bytes is not None:
+            return spec
+        return replace(spec, state_content_bytes=bytes_per_token_head(
+            spec.head_size, KEY_FORMATS[cls.CACHE_DTYPE]))
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability.major >= 8
+
+
+class TurboQuantK8V4Backend(TurboQuantFP4Backend):
+    """``--attention-backend TQ_K8V4 --kv-cache-dtype tq_k8v4``."""
+
+    CACHE_DTYPE: ClassVar[str] = "tq_k8v4"
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["tq_k8v4"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "TQ_K8V4"
+
+
+@functools.lru_cache(maxsize=2)
+def _calibration_file(path: str) -> list:
+    return load_calibration(path)
+
+
+def layer_calibration(layer_name: str) -> Optional[tuple]:
+    """This layer's (m, lam) from the file ``TURBOQUANT_CALIBRATION`` names, or None. The entry
+    is the one number in vLLM's layer name ("model.layers.7.self_attn.attn": 7)."""
+    path = os.environ.get(CALIBRATION_ENV)
+    if not path:
+        return None
+    numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise ValueError(f"{CALIBRATION_ENV}: layer {layer_name!r} has no single layer number "
+                         f"to pick its entry by")
+    layers = _calibration_file(path)
+    if not numbers[0] < len(layers):
+        raise ValueError(f"{CALIBRATION_ENV}: {path} holds {len(layers)} layers, the model's "
+                         f"layer {layer_name!r} is number {numbers[0]}")
+    return layers[numbers[0]]
+
+
+class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
+    """One attention layer: ``layer.PagedLayer`` behind vLLM's AttentionImpl."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: Optional[int] = None, alibi_slopes=None,
+                 sliding_window: Optional[int] = None, kv_cache_dtype: str = "tq_fp4",
+                 logits_soft_cap: Optional[float] = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: Optional[str] = None, **kwargs):
+        if kv_cache_dtype not in KEY_FORMATS:
+            raise ValueError(f"kv_cache_dtype: expected one of {sorted(KEY_FORMATS)}, got "
+                             f"{kv_cache_dtype!r}")
+        if alibi_slopes is not None:
+            raise NotImplementedError("alibi_slopes: ALiBi is not supported by turboquant")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"attn_type: only decoder attention, got {attn_type}")
+        if kv_sharing_target_layer_name is not None:
+            raise NotImplementedError("kv_sharing_target_layer_name: layers sharing another "
+                                      "layer's cache are not supported (the shared state is "
+                                      "per layer)")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, scale
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.sliding_window = sliding_window
+        self.layer = PagedLayer(num_heads, head_size, self.num_kv_heads, scale,
+                                key_format=KEY_FORMATS[kv_cache_dtype],
+                                sliding_window=sliding_window or 0,
+                                logits_soft_cap=logits_soft_cap or 0.0,
+                                sinks=kwargs.get("sinks"))
+        self._calibrated = False
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Optional[TurboQuantMetadata],
+                output: torch.Tensor, output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """query [num_tokens, num_heads, D]; key, value [num_tokens, num_kv_heads, D];
+        kv_cache: the layer's bytes (``layer.layer_bytes``); output [num_tokens, num_heads, D]."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("output_scale: fused output quantization is not supported")
+        if attn_metadata is None:  # vLLM's profiling run: no cache yet
+            return output.fill_(0)
+        if not self._calibrated:
+            self.layer.calibration = layer_calibration(getattr(layer, "layer_name", ""))
+            self._calibrated = True
+        return self.layer.forward(query, key, value, kv_cache, attn_metadata, output)
