@@ -83,7 +83,8 @@ class PagedLayer:
     def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, *,
                  key_format: str = "fp4", sliding_window: int = 0, logits_soft_cap: float = 0.0,
                  sinks: Optional[torch.Tensor] = None, calibration: Optional[tuple] = None,
-                 config: Optional[QuantConfig] = None, backend: str = "auto"):
+                 config: Optional[QuantConfig] = None, backend: str = "auto",
+                 sink_entries: Optional[int] = None):
         if key_format not in KEY_FORMATS.values():
             raise ValueError(f"key_format: expected one of {sorted(KEY_FORMATS.values())}, got "
                              f"{key_format!r}")
@@ -95,6 +96,7 @@ class PagedLayer:
         self.sliding_window, self.logits_soft_cap = int(sliding_window), float(logits_soft_cap)
         self.sinks = sinks  # [num_heads] (the model's parameter; float32 copy at first use)
         self.calibration = calibration  # (m, lam) float32 [num_kv_heads, D], or None
+        self.sink_entries = sink_entries  # the shared state's sink table (None: its default)
         self.config = config if config is not None else QuantConfig()
         if self.config.needs_slots:
             raise ValueError(f"config: {self.config.name!r} keeps a record per request; an engine "
@@ -133,7 +135,8 @@ class PagedLayer:
             if cal is not None:
                 cal = tuple(t.to(where[0], torch.float32) for t in cal)
             self.state = allocate_shared_state(self.num_kv_heads, self.head_dim, where[1],
-                                               calibration=cal, device=where[0])
+                                               calibration=cal, entries=self.sink_entries,
+                                               device=where[0])
             self._state_for = where
         return self.state
 
