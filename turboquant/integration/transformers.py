@@ -129,6 +129,8 @@ class PagedKVCache(Cache):
         self.paged: list = [None] * self.num_layers
         self._updated: Optional[int] = None
         self._step: Optional[tuple] = None
+        self._static: Optional[StepMetadata] = None  # start_decode's persistent metadata
+        self._longest = 0  # the longest row, known on the host
         super().__init__(layers=[_CountingLayer(self, i) for i in range(self.num_layers)])
         attach(model)
 
@@ -140,9 +142,40 @@ class PagedKVCache(Cache):
     def reset(self) -> None:
         super().reset()
         self.lens.zero_()
+        self._static, self._longest = None, 0
         self.paged = [None] * self.num_layers
         for b in self.buffers:
             b.zero_()
+
+    def start_decode(self) -> None:
+        """From now on every forward is one token per row, no padding, planned before it by
+        ``advance_decode`` (outside the forward): the forward then computes nothing on the host,
+        so a CUDA graph of the decode step can be captured and replayed (the metadata is captured
+        with max_seq_len at ``max_length``, as vLLM captures its graphs). ``stop_decode`` ends it."""
+        dev, rows = self.lens.device, self.rows
+        self._static = StepMetadata(
+            torch.arange(rows + 1, dtype=torch.int32, device=dev), self.lens.to(torch.int32),
+            self.block_table, torch.full((rows,), -1, dtype=torch.long, device=dev),
+            torch.zeros(rows, dtype=torch.long, device=dev), rows, self.max_length)
+
+    def advance_decode(self) -> None:
+        """The next decode step's positions, slots and lengths, in place (no host sync)."""
+        m = self._static
+        if m is None:
+            raise ValueError("advance_decode: call start_decode first")
+        self._longest += 1
+        if self._longest > self.max_length:
+            raise ValueError(f"max_length: a row reaches {self._longest} tokens, the cache "
+                             f"holds {self.max_length}")
+        bs = self.block_size
+        m.positions.copy_(self.lens)
+        m.slot_mapping.copy_(self.block_table.gather(1, (self.lens // bs)[:, None])[:, 0].long()
+                             * bs + self.lens % bs)
+        self.lens.add_(1)
+        m.seq_lens.copy_(self.lens)
+
+    def stop_decode(self) -> None:
+        self._static = None
 
     def _plan(self, mask: Optional[torch.Tensor], batch: int, q_len: int,
               device) -> tuple:
@@ -169,7 +202,8 @@ class PagedKVCache(Cache):
         cu[1:] = counts.cumsum(0)
         meta = StepMetadata.build(cu, after.to(torch.int32), self.block_table, slots, idx.numel(),
                                   longest, positions=pos)
-        self.lens = after
+        self.lens.copy_(after)
+        self._longest = longest
         return meta, idx
 
     def _layer(self, layer_idx: int, num_heads: int, scaling: float, sliding_window,
@@ -199,19 +233,28 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError("past_key_values: the 'turboquant' attention reads a turboquant "
                          "PagedKVCache; pass one to generate/forward (past_key_values=)")
     batch, num_heads, q_len, d = query.shape
-    if layer_idx == 0:
-        cache._step = cache._plan(attention_mask, batch, q_len, query.device)
-    meta, idx = cache._step
+    if cache._static is not None:  # start_decode: planned before the forward
+        if q_len != 1 or batch != cache.rows:
+            raise ValueError(f"query: start_decode expects one token for each of the "
+                             f"{cache.rows} rows, got {batch} x {q_len}")
+        meta, idx = cache._static, None
+    else:
+        if layer_idx == 0:
+            cache._step = cache._plan(attention_mask, batch, q_len, query.device)
+        meta, idx = cache._step
     layer = cache._layer(layer_idx, num_heads, scaling if scaling is not None else d ** -0.5,
                          sliding_window, softcap, s_aux)
     dtype = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
 
     def packed(t):  # [batch, H, q_len, D] -> the real tokens' rows [n, H, D]
-        return t.transpose(1, 2).reshape(batch * q_len, t.shape[1], d)[idx].to(dtype)
+        t = t.transpose(1, 2).reshape(batch * q_len, t.shape[1], d)
+        return (t if idx is None else t[idx]).to(dtype)
 
     q = packed(query)
     out = torch.empty_like(q)
     layer.forward(q, packed(key), packed(value), cache.buffers[layer_idx], meta, out)
+    if idx is None:
+        return out.to(query.dtype).view(batch, q_len, num_heads, d), None
     full = query.new_zeros(batch * q_len, num_heads, d)
     full[idx] = out.to(query.dtype)
     return full.view(batch, q_len, num_heads, d), None
