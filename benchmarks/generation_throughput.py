@@ -10,10 +10,12 @@ speedup of a full model lies between this one's and the attention-only figures o
 Caches are filled with random bytes (FP4: random codes, scale bytes 2^-9..2^-1; BF16 / FP8:
 normal values), so nothing is prefilled. Per (batch, context, cache): one eager warm-up step, the
 step captured, then ``--steps`` steps timed, each = the host's plan for the step (turboquant:
-``advance_decode``, in place; FlashInfer: ``plan`` into its fixed buffers, as engines call it
-once per step) + the graph's replay. Reported: decode tokens/s (batch / step), the host-side
-share of a step (the plan's host time over the step time), and KV bytes per token. FP8 is E4M3
-with scale 1.0 (vLLM's ``fp8``).
+``advance_decode``, in place; FlashInfer: the page indices built with torch on the CPU, then
+``plan`` into its fixed buffers, as engines call it once per step) + the graph's replay.
+Reported: decode tokens/s (batch / step), the plan's host time and its share of the step, the
+GPU's time per step alone (the step replayed back to back, CUDA events) with its tokens/s, and KV
+bytes per token slot. FlashInfer's decode runs with tensor cores (its choice for GQA 4). FP8 is
+E4M3 with scale 1.0 (vLLM's ``fp8``).
 
     python benchmarks/generation_throughput.py --batches 8,32,128,256 --contexts 1024,4096,16384
 """
@@ -34,7 +36,7 @@ import turboquant as tq  # noqa: E402
 from turboquant.integration.transformers import PagedKVCache  # noqa: E402
 
 CACHES = ("tq_fp4", "bf16", "fp8")
-FI_NAME = "flashinfer_paged"
+FI_NAME = "fi_paged_decode"  # (transformers 5.17 reads a name with "flash" as FlashAttention)
 
 
 def model_of(layers: int, device: str):
@@ -79,7 +81,8 @@ class FlashInferCache:
             self.workspace, "HND", use_cuda_graph=True, use_tensor_cores=True,
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.last)
-        self.host_lens = [0] * rows
+        self.host_lens = torch.zeros(rows, dtype=torch.int32)  # the engine's host-side copy
+        self.host_table = self.table.cpu()
         self.hf = Cache(layers=[DynamicLayer() for _ in range(cfg.num_hidden_layers)])
         self.hf.fi = self
         for i in range(cfg.num_hidden_layers):
@@ -99,20 +102,19 @@ class FlashInferCache:
         for t in self.k + self.v:
             t.copy_(torch.randn(t.shape, generator=gen, device=t.device, dtype=torch.bfloat16))
         self.lens.fill_(length)
-        self.host_lens = [length] * self.rows
+        self.host_lens.fill_(length)
 
     def plan(self) -> None:
         """The next step: its position (in place) and FlashInfer's plan over lengths + 1."""
         self.pos.copy_(self.lens)
         self.lens.add_(1)
-        self.host_lens = [n + 1 for n in self.host_lens]
-        nblk = [math.ceil(n / self.page) for n in self.host_lens]
-        per = self.table.shape[1]
-        indptr = torch.tensor([0] + list(itertools_accumulate(nblk)), dtype=torch.int32)
-        indices = torch.cat([torch.arange(r * per, r * per + n, dtype=torch.int32)
-                             for r, n in enumerate(nblk)])
-        last = torch.tensor([n - (b - 1) * self.page for n, b in zip(self.host_lens, nblk)],
-                            dtype=torch.int32)
+        self.host_lens += 1
+        nblk = (self.host_lens + self.page - 1) // self.page
+        indptr = torch.zeros(self.rows + 1, dtype=torch.int32)
+        indptr[1:] = nblk.cumsum(0)
+        cols = torch.arange(self.host_table.shape[1])
+        indices = self.host_table[cols[None] < nblk[:, None]]
+        last = self.host_lens - (nblk - 1) * self.page
         self.wrapper.plan(indptr, indices, last, self.hq, self.hkv, self.d, self.page,
                           q_data_type=torch.bfloat16, kv_data_type=self.k[0].dtype,
                           sm_scale=self.d ** -0.5)
@@ -124,13 +126,6 @@ class FlashInferCache:
     @property
     def token_slots(self) -> int:
         return self.table.numel() * self.page
-
-
-def itertools_accumulate(xs):
-    total = 0
-    for x in xs:
-        total += x
-        yield total
 
 
 def fi_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
@@ -211,10 +206,18 @@ def run_case(model, fmt: str, rows: int, length: int, steps: int) -> dict:
             graph.replay()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):  # the GPU's part alone: the same step, replayed back to back
+            graph.replay()
+        stop.record()
+        torch.cuda.synchronize()
+        gpu = start.elapsed_time(stop) / 1e3 / steps
     del graph
     return {"cache": fmt, "batch": rows, "context": length, "step_ms": 1e3 * wall,
-            "tokens_per_s": rows / wall, "host_share": host / steps / wall,
-            "kv_bytes_per_token": nbytes / slots}
+            "tokens_per_s": rows / wall, "host_ms": 1e3 * host / steps,
+            "host_share": host / steps / wall, "gpu_step_ms": 1e3 * gpu,
+            "gpu_tokens_per_s": rows / gpu, "kv_bytes_per_token": nbytes / slots}
 
 
 def main(argv=None):
@@ -248,8 +251,10 @@ def main(argv=None):
                     print(f"{fmt:7s} B {b:4d} L {length:6d}  {r['error']}", flush=True)
                 else:
                     print(f"{fmt:7s} B {b:4d} L {length:6d}  {r['step_ms']:8.3f} ms/step  "
-                          f"{r['tokens_per_s']:9.0f} tok/s  host {100 * r['host_share']:4.1f} %  "
-                          f"{r['kv_bytes_per_token']:.0f} B/token", flush=True)
+                          f"{r['tokens_per_s']:9.0f} tok/s  host {r['host_ms']:.3f} ms "
+                          f"({100 * r['host_share']:4.1f} %)  GPU {r['gpu_step_ms']:8.3f} ms "
+                          f"{r['gpu_tokens_per_s']:9.0f} tok/s  {r['kv_bytes_per_token']:.0f} "
+                          f"B/token", flush=True)
                 rows.append(r)
                 torch.cuda.empty_cache()
     result = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "rows": rows,

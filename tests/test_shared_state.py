@@ -341,8 +341,9 @@ def test_smoothing_taken_once_from_the_first_write():
 
 
 def test_smoothing_waits_for_a_key_with_a_slot_past_position_0():
-    """An engine's warm-up writes (every slot -1) and a first write of position 0 alone set no
-    smoothing; the next write takes it from its keys that have a slot and a position >= 1."""
+    """An engine's warm-up writes (every slot -1, or one short prompt repeated: equal keys) and a
+    first write of position 0 alone set no smoothing; the next write takes it from its keys that
+    have a slot and a position >= 1."""
     model = Model(seed=6)
     cache = tq.allocate_cache(4, HKV, BS, D)
     state = tq.allocate_shared_state(HKV, D, 4)
@@ -351,6 +352,9 @@ def test_smoothing_waits_for_a_key_with_a_slot_past_position_0():
                              shared_state=state, positions=torch.arange(20))
     tq.reshape_and_cache_fp4(k[:1], v[:1], *cache, torch.arange(1), config=CFG,
                              shared_state=state, positions=torch.arange(1))
+    # a warm-up of one short prompt repeated: 6 equal keys at position 1, no spread
+    tq.reshape_and_cache_fp4(k[[0, 1] * 6], v[[0, 1] * 6], *cache, torch.arange(40, 52),
+                             config=CFG, shared_state=state, positions=torch.tensor([0, 1] * 6))
     assert torch.isnan(state.smoothing).all()
     slots = torch.arange(1, 20)
     slots[[3, 7]] = -1  # padding rows of the batch: not the layer's keys

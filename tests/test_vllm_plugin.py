@@ -209,3 +209,47 @@ def test_calibration_file_gives_each_layer_its_smoothing(backends, tmp_path, mon
         impl.forward(_Layer("model.layers.7.self_attn.attn"), x, x[:, :HKV], x[:, :HKV], buf,
                      meta, torch.empty_like(x))
     assert math.isfinite(float(smoothing[:, 1].min()))
+
+
+def test_builder_declines_setups_that_move_blocks_as_bytes(backends):
+    """What vLLM's validation does not see: setups in which vLLM zeroes or copies a block as a
+    byte range (ours spans four regions), refused when the builder starts, with the reason;
+    and the positions it derives land in its own persistent buffer."""
+    from types import SimpleNamespace as NS
+
+    def config(hybrid=False, skip=(), unit=None, draft_dtype=None):
+        return NS(model_config=NS(is_hybrid=hybrid),
+                  cache_config=NS(kv_cache_dtype_skip_layers=list(skip), prefix_match_unit=unit,
+                                  block_size=BS, cache_dtype="tq_fp4"),
+                  speculative_config=None if draft_dtype is None else
+                  NS(kv_cache_dtype=draft_dtype),
+                  scheduler_config=NS(max_num_batched_tokens=64))
+
+    backend = backends["TQ_FP4"]
+    spec = spec_for("tq_fp4", backend=backend)
+    builder_cls = backend.get_builder_cls()
+    for bad, reason in ((dict(hybrid=True), "hybrid models"),
+                        (dict(skip=["model.layers.0"]), "--kv-cache-dtype-skip-layers"),
+                        (dict(unit=4), "--prefix-match-unit"),
+                        (dict(draft_dtype="auto"), "a draft model with another KV-cache dtype")):
+        with pytest.raises(NotImplementedError, match=f"does not support {reason}"):
+            builder_cls(spec, ["x"], config(**bad), torch.device("cpu"))
+    builder = builder_cls(spec, ["x"], config(unit=BS, draft_dtype="tq_fp4"),
+                          torch.device("cpu"))
+    cu = torch.tensor([0, 3, 4], dtype=torch.int32)
+    lens = torch.tensor([10, 7], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=cu, query_start_loc_cpu=cu, seq_lens=lens, num_reqs=2,
+        num_actual_tokens=4, max_query_len=3, max_seq_len=10,
+        block_table_tensor=torch.zeros(2, 1, dtype=torch.int32),
+        slot_mapping=torch.arange(4))
+    first = builder.build(0, common)
+    for name, theirs in (("query_start_loc", cu), ("seq_lens", lens),
+                         ("slot_mapping", common.slot_mapping),
+                         ("block_table", common.block_table_tensor)):
+        assert getattr(first, name).data_ptr() == theirs.data_ptr(), name  # views, no copies
+    assert first.positions.tolist() == [7, 8, 9, 6]
+    assert first.positions.data_ptr() == builder._positions.data_ptr()
+    second = builder.build(0, common.replace(seq_lens=lens + 1))
+    assert second.positions.data_ptr() == first.positions.data_ptr()
+    assert first.positions.tolist() == [8, 9, 10, 7]  # updated in place, as a graph reads it

@@ -204,9 +204,10 @@ def writer_records(state: SharedState, num_tokens: int) -> tuple[torch.Tensor, t
 def take_smoothing(state: SharedState, key: torch.Tensor, slot_mapping: torch.Tensor,
                    positions: Optional[torch.Tensor]) -> None:
     """The layer's m and lam, where not set yet, from this write's keys [n, Hkv, D] that have a
-    slot (``slot_mapping`` >= 0) and, when positions are given, a position >= 1 (in place).
-    A write with no such key sets nothing: an engine's warm-up writes (all slots -1) leave the
-    smoothing to the first real one. Until it is set, each write reads one flag from the device
+    slot (``slot_mapping`` >= 0) and, when positions are given, a position >= 1 (in place). A
+    write with no such keys, or whose such keys are all equal (a lone key; an engine's warm-up,
+    every slot -1 or one short prompt repeated), sets nothing: there is no spread to take a scale
+    from, and the first real write takes it. Until it is set, each write reads from the device
     (the smoothing is then set, and later writes do nothing here); under graph capture it
     records nothing, so a captured graph's writes use the smoothing that an eager write set."""
     if _TAKEN.get(state.smoothing):
@@ -216,9 +217,10 @@ def take_smoothing(state: SharedState, key: torch.Tensor, slot_mapping: torch.Te
     keep = slot_mapping >= 0
     if positions is not None:
         keep &= positions > 0
-    if not bool(keep.any()):
+    kept = key[keep]
+    if kept.shape[0] == 0 or not bool((kept != kept[:1]).any()):
         return
-    m, lam = smoothing_from_keys(key, keep, quantile=LAYER_RANGE_QUANTILE)
+    m, lam = smoothing_from_keys(kept, quantile=LAYER_RANGE_QUANTILE)
     state.smoothing[0, :, KEY_CENTER], state.smoothing[0, :, KEY_SCALE] = m, lam
     state.smoothing[0, :, KEY_INV_SCALE] = 1.0 / lam
     _TAKEN.set(state.smoothing, True)

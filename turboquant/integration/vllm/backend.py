@@ -36,6 +36,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from ...shared_state import positions_from_metadata
 from ...smoothing import load_calibration
 from .layer import KEY_FORMATS, PagedLayer, StepMetadata, bytes_per_token_head
 
@@ -49,21 +50,60 @@ class TurboQuantMetadata(StepMetadata, AttentionMetadata):
     """The step's metadata every layer reads (``layer.StepMetadata``)."""
 
 
+def declined_setup(vllm_config) -> Optional[str]:
+    """Why vLLM would move this cache's blocks as byte ranges (``layer_bytes``: a block spans
+    four regions of the layer's memory, so such a copy or zeroing corrupts other blocks), or
+    None. vLLM's own validation does not see these, so the builder raises with the reason."""
+    if vllm_config is None:
+        return None
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    spec = vllm_config.speculative_config
+    if model is not None and model.is_hybrid:
+        return ("hybrid models: their Mamba or linear-attention state shares the KV memory and "
+                "vLLM zeroes new blocks as byte ranges")
+    if cache.kv_cache_dtype_skip_layers:
+        return ("--kv-cache-dtype-skip-layers: a mixed-precision cache, whose reused blocks vLLM "
+                "zeroes as byte ranges")
+    if cache.prefix_match_unit not in (None, cache.block_size):
+        return ("--prefix-match-unit below the block size: vLLM copies a partly matched block as "
+                "a byte range")
+    if spec is not None and spec.kv_cache_dtype not in (None, cache.cache_dtype):
+        return ("a draft model with another KV-cache dtype: a mixed-precision cache, whose reused "
+                "blocks vLLM zeroes as byte ranges")
+    return None
+
+
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
-    """vLLM's per-step metadata -> ``TurboQuantMetadata``, once per step for all layers."""
+    """vLLM's per-step metadata -> ``TurboQuantMetadata``, once per step for all layers. Token
+    positions are vLLM's (a view of its persistent buffer); where it passes none they are
+    derived into the builder's own buffer, so a captured graph reads the current ones."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        reason = declined_setup(vllm_config)
+        if reason is not None:
+            raise NotImplementedError(f"turboquant's KV cache does not support {reason}")
+        tokens = (vllm_config.scheduler_config.max_num_batched_tokens
+                  if vllm_config is not None else 0)
+        self._positions = torch.zeros(tokens, dtype=torch.long, device=device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TurboQuantMetadata:
         m = common_attn_metadata
-        step = StepMetadata.build(m.query_start_loc, m.seq_lens, m.block_table_tensor,
-                                  m.slot_mapping, m.num_actual_tokens, m.max_seq_len,
-                                  positions=m.positions)
-        return TurboQuantMetadata(**dataclasses.asdict(step))
+        positions = m.positions
+        if positions is None:
+            n = m.num_actual_tokens
+            if self._positions.numel() < n:
+                self._positions = torch.zeros(n, dtype=torch.long,
+                                              device=m.query_start_loc.device)
+            positions = self._positions[:n]
+            positions.copy_(positions_from_metadata(m.query_start_loc, m.seq_lens, n))
+        # views of vLLM's tensors, never copies: a captured graph reads vLLM's persistent buffers
+        return TurboQuantMetadata.build(m.query_start_loc, m.seq_lens, m.block_table_tensor,
+                                        m.slot_mapping, m.num_actual_tokens, m.max_seq_len,
+                                        positions=positions)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> TurboQuantMetadata:
@@ -145,11 +185,12 @@ def _calibration_file(path: str) -> list:
     return load_calibration(path)
 
 
-def layer_calibration(layer_name: str) -> Optional[tuple]:
-    """This layer's (m, lam) from the file ``TURBOQUANT_CALIBRATION`` names, or None. The entry
-    is the one number in vLLM's layer name ("model.layers.7.self_attn.attn": 7)."""
+def layer_calibration(layer_name: str, draft: bool = False) -> Optional[tuple]:
+    """This layer's (m, lam) from the file ``TURBOQUANT_CALIBRATION`` names, or None (no file, or
+    a speculative draft model's layer: the file is the target model's). The entry is the one
+    number in vLLM's layer name ("model.layers.7.self_attn.attn": 7)."""
     path = os.environ.get(CALIBRATION_ENV)
-    if not path:
+    if not path or draft:
         return None
     numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
     if len(numbers) != 1:
@@ -203,6 +244,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         if attn_metadata is None:  # vLLM's profiling run: no cache yet
             return output.fill_(0)
         if not self._calibrated:
-            self.layer.calibration = layer_calibration(getattr(layer, "layer_name", ""))
+            self.layer.calibration = layer_calibration(getattr(layer, "layer_name", ""),
+                                                       getattr(layer, "is_draft_layer", False))
             self._calibrated = True
         return self.layer.forward(query, key, value, kv_cache, attn_metadata, output)
