@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turboquant as tq  # noqa: E402
+from turboquant.integration import transformers as tq_hf  # noqa: E402
 from turboquant.integration.transformers import PagedKVCache  # noqa: E402
 
 CACHES = ("tq_fp4", "bf16", "fp8")
@@ -214,6 +215,8 @@ def run_case(model, fmt: str, rows: int, length: int, steps: int) -> dict:
         torch.cuda.synchronize()
         gpu = start.elapsed_time(stop) / 1e3 / steps
     del graph
+    _FI[0] = None  # nothing keeps this case's caches alive into the next
+    tq_hf._ACTIVE.set(None)
     return {"cache": fmt, "batch": rows, "context": length, "step_ms": 1e3 * wall,
             "tokens_per_s": rows / wall, "host_ms": 1e3 * host / steps,
             "host_share": host / steps / wall, "gpu_step_ms": 1e3 * gpu,
