@@ -82,23 +82,22 @@ def make_cache(fmt: str, model, rows: int, length: int, calibration):
                         calibration=calibration)
 
 
-def teacher_forced(model, cache, ids, mask, targets) -> torch.Tensor:
-    """Log-probs [rows, N, vocab] of each step, the inputs being the prompt then ``targets``
-    [rows, N] one token per step (the serving path: one prefill, then decode steps)."""
-    out = []
+def teacher_forced(model, cache, ids, mask, targets, each) -> None:
+    """``each(t, log_probs [rows, vocab])`` for each step t, the inputs being the prompt then
+    ``targets`` [rows, N] one token per step (the serving path: one prefill, then decode
+    steps)."""
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
                        past_key_values=cache, use_cache=True).logits[:, -1]
         for t in range(targets.shape[1]):
-            out.append(logits.double().log_softmax(-1))
+            each(t, logits.double().log_softmax(-1))
             if t + 1 == targets.shape[1]:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             pos = mask.sum(-1, keepdim=True) - 1
             logits = model(input_ids=targets[:, t:t + 1], attention_mask=mask, position_ids=pos,
                            past_key_values=cache, use_cache=True).logits[:, -1]
-    return torch.stack(out, 1)
 
 
 def greedy(model, cache, ids, mask, n: int) -> torch.Tensor:
@@ -142,17 +141,27 @@ def main(argv=None) -> dict:
         calibration = [cal[i] for i in range(cfg.num_hidden_layers)]
     model.set_attn_implementation("sdpa")
     ref_tokens = greedy(model, make_cache("control", model, 0, 0, None), ids, mask, n)
-    ref_lp = teacher_forced(model, make_cache("control", model, 0, 0, None), ids, mask,
-                            ref_tokens)
+    ref_lp = torch.empty(len(seqs), n, model.config.get_text_config().vocab_size)  # float32
+
+    def keep(t, lp):
+        ref_lp[:, t] = lp[:, :ref_lp.shape[2]]
+
+    teacher_forced(model, make_cache("control", model, 0, 0, None), ids, mask, ref_tokens, keep)
     print(f"reference: {len(seqs)} prompts ({min(map(len, seqs))}-{max(map(len, seqs))} "
           f"tokens) x {n} tokens, {time.perf_counter() - t0:.0f} s", flush=True)
     rows = {}
     for fmt in formats:
         t1 = time.perf_counter()
-        lp = teacher_forced(model, make_cache(fmt, model, len(seqs), length, calibration), ids,
-                            mask, ref_tokens)
-        kld = (ref_lp.exp() * (ref_lp - lp)).sum(-1)  # [rows, N]
-        top1 = (lp.argmax(-1) == ref_lp.argmax(-1)).double()
+        kld, top1 = torch.zeros(len(seqs), n), torch.zeros(len(seqs), n)
+
+        def compare(t, lp):
+            ref = ref_lp[:, t].double()
+            lp = lp[:, :ref.shape[1]]
+            kld[:, t] = (ref.exp() * (ref - lp)).sum(-1)
+            top1[:, t] = (lp.argmax(-1) == ref.argmax(-1)).float()
+
+        teacher_forced(model, make_cache(fmt, model, len(seqs), length, calibration), ids, mask,
+                       ref_tokens, compare)
         toks = greedy(model, make_cache(fmt, model, len(seqs), length, calibration), ids, mask, n)
         same = toks == ref_tokens
         first = [int((~row).nonzero()[0]) if not row.all() else n for row in same]
