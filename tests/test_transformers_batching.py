@@ -1,0 +1,78 @@
+"""transformers' continuous batching (``generate_batch``, transformers 5.23) with the KV cache in
+the format (``turboquant.integration.transformers_batching``), on the CPU with a small random
+Llama: prompts of 1, 54 and 97 tokens, in chunked prefill and with the block-table decode path,
+give the tokens ``PagedKVCache`` gives each prompt alone; a block holds the format's bytes."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if not transformers.__version__.startswith("5.23"):
+    pytest.skip(f"continuous batching is wired for transformers 5.23, found "
+                f"{transformers.__version__}", allow_module_level=True)
+
+from test_transformers_integration import LENS, batch, calibration, tiny_llama  # noqa: E402
+from turboquant.integration import transformers_batching as tb  # noqa: E402
+from turboquant.integration.transformers import PagedKVCache  # noqa: E402
+
+NEW = 8
+
+
+def alone(model, ids, cal):
+    """Greedy tokens of one prompt through PagedKVCache (model.generate)."""
+    cache = PagedKVCache(model, 1, 128, calibration=cal, sink_entries=4096)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids[None], past_key_values=cache, max_new_tokens=NEW,
+                             min_new_tokens=NEW, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("fast_path", [0, 16])
+def test_generate_batch_gives_each_prompt_its_tokens(fast_path, monkeypatch):
+    """The same greedy tokens as each prompt alone through PagedKVCache; at every step the
+    metadata's positions are each request's last q positions and its slots those the block
+    table gives them; with the fast path on, decode steps come with transformers' block table."""
+    steps = {"checked": 0, "block_table": 0}
+
+    def checked(module, query, key, value, mask, **kw):
+        out = tb_attention(module, query, key, value, mask, **kw)
+        if module.layer_idx == 0:
+            m = kw["cache"].meta
+            cu, page = m.query_start_loc.tolist(), 16
+            for i in range(len(cu) - 1):
+                n, q = int(m.seq_lens[i]), cu[i + 1] - cu[i]
+                pos = m.positions[cu[i]:cu[i + 1]].tolist()
+                assert pos == list(range(n - q, n))
+                row = m.block_table[i].tolist()
+                assert m.slot_mapping[cu[i]:cu[i + 1]].tolist() == [
+                    row[p // page] * page + p % page for p in pos]
+            steps["checked"] += 1
+            steps["block_table"] += kw.get("block_table") is not None
+        return out
+
+    tb_attention = tb.attention
+    monkeypatch.setattr(tb, "attention", checked)
+    gen = torch.Generator().manual_seed(4)
+    model = tiny_llama()
+    cal = calibration(model, gen)
+    ids, mask = batch(gen)
+    prompts = [ids[i, -n:] for i, n in enumerate(LENS)]
+    want = [alone(model, p, cal) for p in prompts]
+    model.set_attn_implementation("sdpa")
+    config = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0)
+    cb = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=40, max_batch_tokens=64)
+    out = tb.generate_batch(model, [p.tolist() for p in prompts], calibration=cal,
+                            sink_entries=4096, generation_config=config,
+                            continuous_batching_config=cb, decode_fast_path_blocks=fast_path)
+    got = [o.generated_tokens for o in out.values()]
+    assert got == want
+    assert steps["checked"] >= NEW and (steps["block_table"] > 0) == bool(fast_path)
+
+
+def test_a_block_holds_the_format_bytes():
+    model = tiny_llama()
+    hkv, d = model.config.num_key_value_heads, model.config.head_dim
+    per_page = tb._Allocator.get_bytes_per_page(hkv, d, torch.bfloat16, 16)
+    assert per_page == hkv * 16 * (d + 2)  # against 2 x Hkv x 16 x D x 2 for BF16
+    with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
+        tb.generate_batch(model, [[1, 2]], kv_cache_dtype="fp8")
