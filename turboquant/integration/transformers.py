@@ -88,6 +88,49 @@ class _CountingLayer(CacheLayerMixin):
         raise NotImplementedError("crop: PagedKVCache does not remove tokens")
 
 
+class EngineLayers:
+    """What both transformers paths (``PagedKVCache``, ``transformers_batching``) share: each
+    layer's engine layer, made at its first call from what transformers passes the attention
+    function (scaling, sliding window, soft cap, sinks), and the call itself."""
+
+    def __init__(self, head_dim: int, num_kv_heads: int, key_format: str,
+                 calibration: Optional[Sequence[tuple]], sink_entries: Optional[int]):
+        self.head_dim, self.num_kv_heads, self.key_format = head_dim, num_kv_heads, key_format
+        self.calibration, self.sink_entries = calibration, sink_entries
+        self.layers: dict = {}  # layer index -> PagedLayer
+
+    def run(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            kv_cache: torch.Tensor, meta: StepMetadata, idx: Optional[torch.Tensor],
+            scaling: Optional[float], sliding_window, softcap, sinks) -> torch.Tensor:
+        """query [batch, Hq, q_len, D], key and value [batch, Hkv, q_len, D]; ``idx`` the rows
+        of the batch x q_len tokens the step holds (None: all) -> [batch, q_len, Hq, D], zero in
+        the other rows. Queries of 32-bit models are rounded to bf16 for the kernels."""
+        batch, num_heads, q_len, d = query.shape
+        layer = self.layers.get(layer_idx)
+        if layer is None:
+            cal = self.calibration[layer_idx] if self.calibration is not None else None
+            layer = PagedLayer(num_heads, self.head_dim, self.num_kv_heads,
+                               scaling if scaling is not None else d ** -0.5,
+                               key_format=self.key_format, sliding_window=sliding_window or 0,
+                               logits_soft_cap=softcap or 0.0, sinks=sinks, calibration=cal,
+                               sink_entries=self.sink_entries)
+            self.layers[layer_idx] = layer
+        dtype = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+        def packed(t):  # [batch, H, q_len, D] -> the step's rows [n, H, D]
+            t = t.transpose(1, 2).reshape(batch * q_len, t.shape[1], d)
+            return (t if idx is None else t[idx]).to(dtype)
+
+        q = packed(query)
+        out = torch.empty_like(q)
+        layer.forward(q, packed(key), packed(value), kv_cache, meta, out)
+        if idx is None:
+            return out.to(query.dtype).view(batch, q_len, num_heads, d)
+        full = query.new_zeros(batch * q_len, num_heads, d)
+        full[idx] = out.to(query.dtype)
+        return full.view(batch, q_len, num_heads, d)
+
+
 class PagedKVCache(Cache):
     """A batch's KV cache in turboquant's format, for ``model.generate(past_key_values=...)``:
     ``batch_size`` rows of up to ``max_length`` tokens each; ``calibration`` per layer (m, lam)
@@ -115,7 +158,8 @@ class PagedKVCache(Cache):
                              f"got {len(calibration)}")
         self.key_format = KEY_FORMATS[kv_cache_dtype]
         self.rows, self.max_length, self.block_size = batch_size, max_length, block_size
-        self.calibration, self.sink_entries = calibration, sink_entries
+        self.engine = EngineLayers(self.head_dim, self.num_kv_heads, self.key_format,
+                                   calibration, sink_entries)
         device = torch.device(device) if device is not None else next(model.parameters()).device
         per_seq = math.ceil(max_length / block_size)
         num_blocks = batch_size * per_seq
@@ -126,7 +170,6 @@ class PagedKVCache(Cache):
         self.block_table = torch.arange(num_blocks, dtype=torch.int32,
                                         device=device).view(batch_size, per_seq)
         self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)  # written per row
-        self.paged: list = [None] * self.num_layers
         self._updated: Optional[int] = None
         self._step: Optional[tuple] = None
         self._static: Optional[StepMetadata] = None  # start_decode's persistent metadata
@@ -143,7 +186,7 @@ class PagedKVCache(Cache):
         super().reset()
         self.lens.zero_()
         self._static, self._longest = None, 0
-        self.paged = [None] * self.num_layers
+        self.engine.layers.clear()
         for b in self.buffers:
             b.zero_()
 
@@ -151,7 +194,8 @@ class PagedKVCache(Cache):
         """From now on every forward is one token per row, no padding, planned before it by
         ``advance_decode`` (outside the forward): the forward then computes nothing on the host,
         so a CUDA graph of the decode step can be captured and replayed (the metadata is captured
-        with max_seq_len at ``max_length``, as vLLM captures its graphs). ``stop_decode`` ends it."""
+        with max_seq_len at ``max_length``, as vLLM captures its graphs). ``stop_decode`` ends
+        it."""
         dev, rows = self.lens.device, self.rows
         self._static = StepMetadata(
             torch.arange(rows + 1, dtype=torch.int32, device=dev), self.lens.to(torch.int32),
@@ -206,18 +250,6 @@ class PagedKVCache(Cache):
         self._longest = longest
         return meta, idx
 
-    def _layer(self, layer_idx: int, num_heads: int, scaling: float, sliding_window,
-               softcap, sinks) -> PagedLayer:
-        layer = self.paged[layer_idx]
-        if layer is None:
-            cal = self.calibration[layer_idx] if self.calibration is not None else None
-            layer = PagedLayer(num_heads, self.head_dim, self.num_kv_heads, scaling,
-                               key_format=self.key_format, sliding_window=sliding_window or 0,
-                               logits_soft_cap=softcap or 0.0, sinks=sinks, calibration=cal,
-                               sink_entries=self.sink_entries)
-            self.paged[layer_idx] = layer
-        return layer
-
 
 def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
@@ -242,22 +274,8 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if layer_idx == 0:
             cache._step = cache._plan(attention_mask, batch, q_len, query.device)
         meta, idx = cache._step
-    layer = cache._layer(layer_idx, num_heads, scaling if scaling is not None else d ** -0.5,
-                         sliding_window, softcap, s_aux)
-    dtype = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-    def packed(t):  # [batch, H, q_len, D] -> the real tokens' rows [n, H, D]
-        t = t.transpose(1, 2).reshape(batch * q_len, t.shape[1], d)
-        return (t if idx is None else t[idx]).to(dtype)
-
-    q = packed(query)
-    out = torch.empty_like(q)
-    layer.forward(q, packed(key), packed(value), cache.buffers[layer_idx], meta, out)
-    if idx is None:
-        return out.to(query.dtype).view(batch, q_len, num_heads, d), None
-    full = query.new_zeros(batch * q_len, num_heads, d)
-    full[idx] = out.to(query.dtype)
-    return full.view(batch, q_len, num_heads, d), None
+    return cache.engine.run(layer_idx, query, key, value, cache.buffers[layer_idx], meta, idx,
+                            scaling, sliding_window, softcap, s_aux), None
 
 
 def attach(model) -> None:

@@ -30,7 +30,8 @@ import transformers
 from transformers import AttentionInterface, ContinuousBatchingConfig
 
 from ..cache import cache_in
-from .vllm.layer import KEY_FORMATS, PagedLayer, StepMetadata, bytes_per_token_head
+from .transformers import EngineLayers
+from .vllm.layer import KEY_FORMATS, StepMetadata, bytes_per_token_head
 
 TRANSFORMERS = "5.23"
 if not transformers.__version__.startswith(TRANSFORMERS):
@@ -136,8 +137,8 @@ class _Cache(cb_cache.PagedAttentionCache):
                       ATTN_TYPE_TO_ALLOCATOR={FULL: alloc}):
             super().__init__(*args, **kwargs)
         self.allocator = self.cache_allocators[FULL]
-        self.key_format, self.calibration, self.sink_entries = key_format, calibration, sink_entries
-        self.paged: dict = {}
+        self.engine = EngineLayers(self.allocator.head_dim, self.allocator.num_key_value_heads,
+                                   key_format, calibration, sink_entries)
         self._step_lists, self._rows, self.meta = None, [], None
 
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index,
@@ -156,17 +157,6 @@ class _Cache(cb_cache.PagedAttentionCache):
             table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
         return table.to(device, non_blocking=True)
 
-    def layer(self, idx: int, num_heads: int, scale: float, sliding_window, softcap,
-              sinks) -> PagedLayer:
-        if idx not in self.paged:
-            self.paged[idx] = PagedLayer(
-                num_heads, self.allocator.head_dim, self.allocator.num_key_value_heads, scale,
-                key_format=self.key_format, sliding_window=sliding_window or 0,
-                logits_soft_cap=softcap or 0.0, sinks=sinks,
-                calibration=self.calibration[idx] if self.calibration is not None else None,
-                sink_entries=self.sink_entries)
-        return self.paged[idx]
-
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
               sliding_window=None, softcap=None, s_aux=None, *, cache=None, cu_seq_lens_q=None,
@@ -178,7 +168,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         raise ValueError("cache: the 'turboquant_cb' attention runs in generate_batch of "
                          "turboquant.integration.transformers_batching")
     layer_idx = module.layer_idx
-    _, num_heads, t, d = query.shape
+    t = query.shape[2]
     if layer_idx == 0:  # the step's metadata, for every layer
         cu_k = cu_seq_lens_k[FULL]
         seq_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
@@ -193,13 +183,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
             cache.meta = StepMetadata(cu_seq_lens_q.to(torch.int32), seq_lens,
                                       cache.step_block_table(query.device), write_index[0], pos,
                                       t, int(max_length_k[FULL]))
-    layer = cache.layer(layer_idx, num_heads, scaling if scaling is not None else d ** -0.5,
-                        sliding_window, softcap, s_aux)
-    dtype = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    q, k, v = (x[0].transpose(0, 1).to(dtype).contiguous() for x in (query, key, value))
-    out = torch.empty_like(q)
-    layer.forward(q, k, v, cache.allocator.buffers[layer_idx], cache.meta, out)
-    return out.to(query.dtype).unsqueeze(0), None
+    return cache.engine.run(layer_idx, query, key, value, cache.allocator.buffers[layer_idx],
+                            cache.meta, None, scaling, sliding_window, softcap, s_aux), None
 
 
 class _Manager(continuous_api.ContinuousBatchingManager):

@@ -13,10 +13,11 @@ regions: engines that copy blocks as byte ranges (KV offload, transfer connector
 Per layer the state is one ``turboquant.allocate_shared_state`` (nothing per request), created
 at the layer's first forward, with the layer's calibration if one is given; otherwise the
 smoothing is taken by the first write that holds keys past position 0 with a slot, not all
-equal (vLLM's warm-ups, every slot -1 or the prompt [0, 1] repeated, take nothing). Each step's metadata is built once and read by every
-layer (``StepMetadata``); the writer's positions come from it, so no host synchronization and no
-request slot. Value checks are off inside ``forward``: the engine's metadata is trusted, and the
-checks would read it back to the host in every layer.
+equal (vLLM's warm-ups, every slot -1 or the prompt [0, 1] repeated, take nothing). Each step's
+metadata is built once and read by every layer (``StepMetadata``); the writer's positions come
+from it, so no host synchronization and no request slot. Value checks are off inside
+``forward``: the engine's metadata is trusted, and the checks would read it back to the host in
+every layer.
 """
 from __future__ import annotations
 
