@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turboquant as tq  # noqa: E402
+from turboquant.peers import page_indices  # noqa: E402
 from turboquant.integration import transformers as tq_hf  # noqa: E402
 from turboquant.integration.transformers import PagedKVCache  # noqa: E402
 
@@ -110,12 +111,7 @@ class FlashInferCache:
         self.pos.copy_(self.lens)
         self.lens.add_(1)
         self.host_lens += 1
-        nblk = (self.host_lens + self.page - 1) // self.page
-        indptr = torch.zeros(self.rows + 1, dtype=torch.int32)
-        indptr[1:] = nblk.cumsum(0)
-        cols = torch.arange(self.host_table.shape[1])
-        indices = self.host_table[cols[None] < nblk[:, None]]
-        last = self.host_lens - (nblk - 1) * self.page
+        indptr, indices, last = page_indices(self.host_table, self.host_lens, self.page)
         self.wrapper.plan(indptr, indices, last, self.hq, self.hkv, self.d, self.page,
                           q_data_type=torch.bfloat16, kv_data_type=self.k[0].dtype,
                           sm_scale=self.d ** -0.5)

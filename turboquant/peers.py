@@ -161,6 +161,18 @@ class PeerCache:
 # ---------------------------------------------------------------------------- the wrappers
 
 
+def page_indices(tables: torch.Tensor, seq_lens: torch.Tensor, page: int) -> tuple:
+    """FlashInfer's paged-KV description of a batch: tables [B, nblk] page ids, seq_lens [B]
+    -> (indptr int32 [B + 1], indices int32 [pages used], last_page_len int32 [B]), on the
+    tables' device."""
+    nblk = (seq_lens + page - 1) // page
+    indptr = torch.zeros(tables.shape[0] + 1, dtype=torch.int32, device=tables.device)
+    indptr[1:] = torch.cumsum(nblk, 0)
+    cols = torch.arange(tables.shape[1], device=tables.device)
+    indices = tables[cols[None, :] < nblk[:, None]].to(torch.int32).contiguous()
+    return indptr, indices, (seq_lens - (nblk - 1) * page).to(torch.int32)
+
+
 class _FlashInferPaged:
     """What FlashInfer's paged decode and prefill share: the page indices of a batch
     (``tables`` [B, nblk] page ids, ``seq_lens`` [B] int32) in fixed buffers for CUDA graphs,
@@ -168,15 +180,8 @@ class _FlashInferPaged:
 
     def __init__(self, cache: PeerCache, tables: torch.Tensor, seq_lens: torch.Tensor,
                  page: int):
-        dev = tables.device
-        b = tables.shape[0]
-        nblk = (seq_lens + page - 1) // page
-        self.indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-        self.indptr[1:] = torch.cumsum(nblk, 0)
-        cols = torch.arange(tables.shape[1], device=dev)
-        self.indices = tables[cols[None, :] < nblk[:, None]].to(torch.int32).contiguous()
-        self.last = (seq_lens - (nblk - 1) * page).to(torch.int32)
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+        self.indptr, self.indices, self.last = page_indices(tables, seq_lens, page)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=tables.device)
         self.cache = cache
         self.head_dim = cache.v.shape[-1] * (2 if cache.fmt == "nvfp4" else 1)
         self.wrapper = None
