@@ -11,6 +11,7 @@ if not transformers.__version__.startswith("5.23"):
                 f"{transformers.__version__}", allow_module_level=True)
 
 from test_transformers_integration import LENS, batch, calibration, tiny_llama  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 from turboquant.integration import transformers_batching as tb  # noqa: E402
 from turboquant.integration.transformers import PagedKVCache  # noqa: E402
 
@@ -26,12 +27,21 @@ def alone(model, ids, cal):
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("fast_path", [0, 16])
-def test_generate_batch_gives_each_prompt_its_tokens(fast_path, monkeypatch):
+@pytest.mark.parametrize("fast_path,padded", [(0, False), (16, False), (0, True), (16, True)])
+def test_generate_batch_gives_each_prompt_its_tokens(fast_path, padded, monkeypatch):
     """The same greedy tokens as each prompt alone through PagedKVCache; at every step the
     metadata's positions are each request's last q positions and its slots those the block
-    table gives them; with the fast path on, decode steps come with transformers' block table."""
-    steps = {"checked": 0, "block_table": 0}
+    table gives them; with the fast path on, decode steps come with transformers' block table.
+    ``padded``: steps padded as for CUDA graphs (padding tokens, empty sequences)."""
+    steps = {"checked": 0, "block_table": 0, "padded": 0}
+    if padded:
+        runner_init = continuous_api.ModelRunner.__init__
+
+        def padding_runner(self, *args, **kwargs):
+            runner_init(self, *args, **kwargs)
+            self.pad_inputs = True  # what CUDA graphs turn on (none on the CPU)
+
+        monkeypatch.setattr(continuous_api.ModelRunner, "__init__", padding_runner)
 
     def checked(module, query, key, value, mask, **kw):
         out = tb_attention(module, query, key, value, mask, **kw)
@@ -47,6 +57,7 @@ def test_generate_batch_gives_each_prompt_its_tokens(fast_path, monkeypatch):
                     row[p // page] * page + p % page for p in pos]
             steps["checked"] += 1
             steps["block_table"] += kw.get("block_table") is not None
+            steps["padded"] += query.shape[2] > cu[-1] or int(m.seq_lens.min()) == 0
         return out
 
     tb_attention = tb.attention
@@ -67,6 +78,7 @@ def test_generate_batch_gives_each_prompt_its_tokens(fast_path, monkeypatch):
     got = [o.generated_tokens for o in out.values()]
     assert got == want
     assert steps["checked"] >= NEW and (steps["block_table"] > 0) == bool(fast_path)
+    assert (steps["padded"] > 0) == padded
 
 
 def test_a_block_holds_the_format_bytes():
@@ -76,3 +88,13 @@ def test_a_block_holds_the_format_bytes():
     assert per_page == hkv * 16 * (d + 2)  # against 2 x Hkv x 16 x D x 2 for BF16
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
         tb.generate_batch(model, [[1, 2]], kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("graphs", [True, (True, False)])
+def test_varlen_graphs_are_refused(graphs):
+    """Varlen steps build their block table on the host: only decode steps may be captured."""
+    model = tiny_llama()
+    cb = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=40, max_batch_tokens=64,
+                                               use_cuda_graph=graphs)
+    with pytest.raises(ValueError, match="continuous_batching_config: use_cuda_graph"):
+        tb.generate_batch(model, [[1, 2]], continuous_batching_config=cb, max_new_tokens=2)

@@ -71,17 +71,25 @@ class _Allocator(FullAttentionCacheAllocator):
     key_format = "fp4"
 
     @classmethod
+    def bytes_per_token_head(cls, head_dim: int) -> int:
+        return bytes_per_token_head(head_dim, cls.key_format)
+
+    @classmethod
     def get_bytes_per_page(cls, num_key_value_heads, head_dim, cache_dtype, page_size):
-        return num_key_value_heads * bytes_per_token_head(head_dim, cls.key_format) * page_size
+        return num_key_value_heads * cls.bytes_per_token_head(head_dim) * page_size
+
+    def layer_view(self, layer_bytes: torch.Tensor, blocks: int) -> torch.Tensor:
+        """A layer's uint8 range [blocks x bytes per block] as the layer's cache."""
+        return layer_bytes.view(blocks, self.num_key_value_heads, self.tokens_per_page,
+                                self.bytes_per_token_head(self.head_dim))
 
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool):
         self.bytes_per_sector = bytes_per_sector
         blocks = (non_trash_bytes + 2 * bytes_per_sector) // self.bytes_per_block
         per_layer = blocks * self.bytes_per_page  # layer-outermost: a layer is one range
-        c = bytes_per_token_head(self.head_dim, self.key_format)
-        self.buffers = {layer: cache_tensor[i * per_layer:(i + 1) * per_layer].view(
-            blocks, self.num_key_value_heads, self.tokens_per_page, c)
-            for i, layer in enumerate(self.layer_indices)}
+        self.buffers = {layer: self.layer_view(cache_tensor[i * per_layer:(i + 1) * per_layer],
+                                               blocks)
+                        for i, layer in enumerate(self.layer_indices)}
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
         self.write_trash_index = -1  # a padding token's slot: not written
 
@@ -127,9 +135,12 @@ class _Cache(cb_cache.PagedAttentionCache):
     """transformers' paged cache built with ``_Allocator`` and ``_MemoryHandler``; it also keeps
     which requests a step holds, in order (the rows of the step's block table)."""
 
+    allocator_class = _Allocator
+
     def __init__(self, *args, key_format: str = "fp4", calibration=None, sink_entries=None,
                  **kwargs):
-        alloc = type(f"_Allocator_{key_format}", (_Allocator,), {"key_format": key_format})
+        alloc = type(f"_Allocator_{key_format}", (self.allocator_class,),
+                     {"key_format": key_format})
         with _swapped(cb_cache, FullAttentionCacheAllocator=alloc,
                       PagedAttentionMemoryHandler=_MemoryHandler,
                       group_layers_by_attn_type=lambda cfg: {FULL: list(range(
@@ -149,13 +160,34 @@ class _Cache(cb_cache.PagedAttentionCache):
         write_index[0].extend(self.allocator.get_write_indices(request_id, past_length,
                                                                query_length))
 
-    def step_block_table(self, device) -> torch.Tensor:
-        """int32 [requests of the step, their longest table]."""
+    def step_block_table(self, device, num_seqs: int) -> torch.Tensor:
+        """int32 [num_seqs, the longest table]: the step's requests, then zero rows for the
+        empty sequences transformers pads a step with (static shapes for CUDA graphs)."""
         rows = [self.allocator.block_table[r] for r in self._rows]
-        table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+        table = torch.zeros(num_seqs, max(map(len, rows)), dtype=torch.int32)
         for i, r in enumerate(rows):
             table[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
         return table.to(device, non_blocking=True)
+
+
+def step_metadata(cache: _Cache, num_tokens: int, cu_seq_lens_q, cu_seq_lens_k, max_length_k,
+                  write_index, position_ids, block_table) -> StepMetadata:
+    """The step's metadata from what transformers passes layer 0's attention function: in decode
+    steps on the fast path its block table (rows = requests, padding rows -1) and the slots
+    derived from it on the device; otherwise the write indices (the slots) and the block table
+    of the step's requests, built on the host."""
+    cu_k = cu_seq_lens_k[FULL]
+    seq_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+    pos = position_ids[0].long()
+    if block_table is not None:  # transformers' decode fast path: no host indices
+        table, page = block_table[0], cache.allocator.tokens_per_page
+        blk = table.gather(1, (pos // page)[:, None])[:, 0].long()
+        slots = torch.where(blk >= 0, blk * page + pos % page, -1)
+        return StepMetadata(cu_seq_lens_q.to(torch.int32), seq_lens, table, slots, pos,
+                            num_tokens, cache.max_decode_fast_path_length)
+    return StepMetadata(cu_seq_lens_q.to(torch.int32), seq_lens,
+                        cache.step_block_table(pos.device, seq_lens.shape[0]), write_index[0],
+                        pos, num_tokens, int(max_length_k[FULL]))
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -168,21 +200,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         raise ValueError("cache: the 'turboquant_cb' attention runs in generate_batch of "
                          "turboquant.integration.transformers_batching")
     layer_idx = module.layer_idx
-    t = query.shape[2]
     if layer_idx == 0:  # the step's metadata, for every layer
-        cu_k = cu_seq_lens_k[FULL]
-        seq_lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-        pos = position_ids[0].long()
-        if block_table is not None:  # transformers' decode fast path: no host indices
-            table, page = block_table[0], cache.allocator.tokens_per_page
-            blk = table.gather(1, (pos // page)[:, None])[:, 0].long()
-            slots = torch.where(blk >= 0, blk * page + pos % page, -1)
-            cache.meta = StepMetadata(cu_seq_lens_q.to(torch.int32), seq_lens, table, slots, pos,
-                                      t, cache.max_decode_fast_path_length)
-        else:
-            cache.meta = StepMetadata(cu_seq_lens_q.to(torch.int32), seq_lens,
-                                      cache.step_block_table(query.device), write_index[0], pos,
-                                      t, int(max_length_k[FULL]))
+        cache.meta = step_metadata(cache, query.shape[2], cu_seq_lens_q, cu_seq_lens_k,
+                                   max_length_k, write_index, position_ids, block_table)
     return cache.engine.run(layer_idx, query, key, value, cache.allocator.buffers[layer_idx],
                             cache.meta, None, scaling, sliding_window, softcap, s_aux), None
 
@@ -190,48 +210,73 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 class _Manager(continuous_api.ContinuousBatchingManager):
     """transformers' manager with our attention and cache."""
 
-    def __init__(self, *args, cache_kwargs: dict, decode_fast_path_blocks: int = 0, **kwargs):
-        self.cache_kwargs = cache_kwargs
-        super().__init__(*args, **kwargs)
+    def __init__(self, model, generation_config, cb_config: ContinuousBatchingConfig, hints, *,
+                 attention: str, cache_factory, decode_fast_path_blocks: int = 0):
+        self.attention, self.cache_factory = attention, cache_factory
+        if cb_config.use_cuda_graph is not None:
+            self._decode_graphs_only(cb_config)
+        super().__init__(model, generation_config, cb_config, hints)
+        cfg = self.continuous_batching_config
+        self._decode_graphs_only(cfg)  # (padding intervals turn graphs on for both)
         if decode_fast_path_blocks:  # (transformers turns it off for attention not flash's)
-            self.continuous_batching_config.max_blocks_per_request = decode_fast_path_blocks
+            cfg.max_blocks_per_request = decode_fast_path_blocks
+            if cb_config.use_cuda_graph is None and self.model.device.type == "cuda":
+                cfg.use_cuda_graph = (False, True)  # decode steps: nothing on the host
+
+    @staticmethod
+    def _decode_graphs_only(cfg: ContinuousBatchingConfig) -> None:
+        if cfg.cuda_graph_booleans[0]:
+            raise ValueError("continuous_batching_config: use_cuda_graph captures the varlen "
+                             "steps, whose block table is built on the host each step; capture "
+                             "decode steps only: use_cuda_graph=(False, True)")
 
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash=True):
-        if model.config._attn_implementation != NAME:
+        if model.config._attn_implementation != self.attention:
             self._original_attn_impl = model.config._attn_implementation
-            model.set_attn_implementation(NAME)
+            model.set_attn_implementation(self.attention)
 
     def _create_batch_processor(self):
         if self.continuous_batching_config.cpu_offload_space:
             raise ValueError("continuous_batching_config: cpu_offload_space moves blocks as byte "
                              "ranges, which the turboquant cache does not support")
-        with _swapped(continuous_api,
-                      PagedAttentionCache=functools.partial(_Cache, **self.cache_kwargs)):
+        with _swapped(continuous_api, PagedAttentionCache=self.cache_factory):
             return super()._create_batch_processor()
 
 
 def generate_batch(model, inputs: Sequence[Sequence[int]], *, kv_cache_dtype: str = "tq_fp4",
                    calibration: Optional[Sequence[tuple]] = None,
-                   sink_entries: Optional[int] = None, generation_config=None,
-                   continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
-                   max_new_tokens: Optional[int] = None, decode_fast_path_blocks: int = 0,
-                   **kwargs) -> dict:
+                   sink_entries: Optional[int] = None, **kwargs) -> dict:
     """``model.generate_batch(inputs, ...)`` with the KV cache in the format: ``inputs`` token id
     lists; ``calibration`` per layer (m, lam) or None (taken by the first write);
     ``decode_fast_path_blocks``: the most blocks a request holds, > 0 turns transformers' block-
-    table decode path on. Returns generate_batch's outputs (request id -> output)."""
+    table decode path on; ``generation_config``, ``continuous_batching_config``,
+    ``max_new_tokens`` and the rest as generate_batch's. Returns generate_batch's outputs
+    (request id -> output)."""
     if kv_cache_dtype not in KEY_FORMATS:
         raise ValueError(f"kv_cache_dtype: expected one of {sorted(KEY_FORMATS)}, got "
                          f"{kv_cache_dtype!r}")
-    AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, lambda *args, **kw: None)
+    cache = functools.partial(_Cache, key_format=KEY_FORMATS[kv_cache_dtype],
+                              calibration=calibration, sink_entries=sink_entries)
+    return run_batch(model, inputs, NAME, attention, cache, **kwargs)
+
+
+def run_batch(model, inputs: Sequence[Sequence[int]], name: str, attention_fn, cache_factory, *,
+              generation_config=None,
+              continuous_batching_config: Optional[ContinuousBatchingConfig] = None,
+              max_new_tokens: Optional[int] = None, decode_fast_path_blocks: int = 0,
+              **kwargs) -> dict:
+    """``model.generate_batch`` with the attention function ``attention_fn`` registered as
+    ``name`` (no masks) over the cache ``cache_factory(...)`` makes in place of transformers'
+    (a ``_Cache``): ``generate_batch`` is this with turboquant's; benchmarks run other pages
+    through the same hook."""
+    AttentionInterface.register(name, attention_fn)
+    AttentionMaskInterface.register(name, lambda *args, **kw: None)
     gen = generation_config if generation_config is not None else model.generation_config
     new = max_new_tokens if max_new_tokens is not None else gen.max_new_tokens
     hints = WorkloadHints(max(map(len, inputs)), new or 0, len(inputs))
     manager = _Manager(model, gen, continuous_batching_config or ContinuousBatchingConfig(),
-                       hints, decode_fast_path_blocks=decode_fast_path_blocks,
-                       cache_kwargs=dict(key_format=KEY_FORMATS[kv_cache_dtype],
-                                         calibration=calibration, sink_entries=sink_entries))
+                       hints, attention=name, cache_factory=cache_factory,
+                       decode_fast_path_blocks=decode_fast_path_blocks)
     model._cached_continuous_batching_manager = manager  # generate_batch takes it from here
     try:
         return model.generate_batch(inputs, generation_config=gen, max_new_tokens=new, **kwargs)
