@@ -5,13 +5,14 @@ this file's cache and attention function), decode steps on transformers' block-t
 captured in CUDA graphs for all three.
 
 Model: random weights of Llama-3-8B's geometry (32 / 8 heads, D 128) with ``--layers`` layers,
-bf16. Per (cache, B x L): B random prompts of L tokens and ``--new-tokens`` tokens each; the
-prefills run first (chunked by ``max_batch_tokens``), then decode steps. Every step is timed:
+bf16. Per (cache, B x L): B random prompts of L tokens and ``--new-tokens`` tokens each;
+``max_batch_tokens`` holds every prompt, so the prefills run in one step and the decode steps
+after it hold the whole batch (with chunked prefill, transformers' scheduler starts some requests'
+decodes while others prefill, and the batch never decodes together). Every step is timed:
 wall = from its start to the next step's start (transformers' scheduling and input tensors, the
 plan - for FlashInfer its page indices built on the host and ``plan`` -, the graph's replay, the
 read-back of the sampled tokens), GPU = CUDA events around the step's compute. Reported over the
-decode steps that hold at least 7/8 of the B requests (chunked prefill leaves one or two a step
-behind), the first two left out (graph capture): tokens/s = rows / wall, GPU tokens/s = rows /
+decode steps that hold at least 7/8 of the B requests, the first two left out (graph capture): tokens/s = rows / wall, GPU tokens/s = rows /
 GPU, the host's share of the step (1 - GPU / wall), the plan's ms.
 ``--check``: FlashInfer BF16 through this hook against transformers' own continuous batching
 (sdpa) on a small case, greedy tokens equal.
@@ -207,8 +208,7 @@ class StepClock:
         model_runner.ModelRunner.compute_batch = self.orig_compute
 
     def decode_stats(self, batch: int) -> dict:
-        """Over the decode steps holding at least 7/8 of the batch (transformers' chunked
-        prefill leaves a request or two a step behind the others), the first two left out."""
+        """Over the decode steps holding at least 7/8 of the batch, the first two left out."""
         torch.cuda.synchronize()
         full = [k for k, s in enumerate(self.steps[:-1])
                 if s["decode"] and s["rows"] >= batch - batch // 8 and "events" in s][2:]
@@ -245,7 +245,8 @@ def run(model, cache: str, prompts: list, new: int, graphs: bool = True) -> dict
     longest = max(map(len, prompts)) + new
     blocks = math.ceil(longest / PAGE) + 1
     cb = transformers.ContinuousBatchingConfig(
-        page_size=PAGE, num_blocks=len(prompts) * blocks + 64, max_batch_tokens=8192,
+        page_size=PAGE, num_blocks=len(prompts) * blocks + 64,
+        max_batch_tokens=sum(map(len, prompts)) + len(prompts),
         max_requests_per_batch=len(prompts),
         use_cuda_graph=(False, True) if graphs else False)
     gen = transformers.GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1,
