@@ -41,7 +41,8 @@ import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import turboquant as tq  # noqa: E402
-from turboquant.api import attention_op_args, prepare_attention  # noqa: E402
+from turboquant.api import prepare_attention  # noqa: E402
+from turboquant.calls import attention_op_args  # noqa: E402
 from turboquant.config import PER_SEQUENCE  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16

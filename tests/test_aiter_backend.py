@@ -13,7 +13,7 @@ import torch
 
 import turboquant
 from turboquant import registry
-from turboquant.api import make_attention_call
+from turboquant.calls import make_attention_call
 from turboquant._backends import aiter as tq_aiter
 from turboquant.cache import build_paged_problem
 from turboquant.config import PLAIN
@@ -480,7 +480,7 @@ def test_cache_write_routes_to_the_aiter_op(monkeypatch):
     assert "Tensor(a!) key_cache" in str(torch.ops.turboquant.reshape_and_cache_fp4_aiter.default._schema)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from turboquant.api import cache_write_op_args
+    from turboquant.calls import cache_write_op_args
 
     with FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a

@@ -51,7 +51,8 @@ import pytest
 import torch
 
 import turboquant
-from turboquant.api import make_attention_call, prepare_attention
+from turboquant.api import prepare_attention
+from turboquant.calls import make_attention_call
 from turboquant.cache import build_paged_problem
 from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant.format import decode_e2m1, decode_e8m0, unpack_fp4

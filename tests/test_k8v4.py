@@ -6,7 +6,8 @@ import torch
 
 import turboquant as tq
 from turboquant import format as fmt
-from turboquant.api import make_cache_write, prepare_attention
+from turboquant.api import prepare_attention
+from turboquant.calls import make_cache_write
 from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant.rotation import rotate, rotation_signs
 from turboquant.smoothing import transform_keys

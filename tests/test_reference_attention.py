@@ -8,7 +8,7 @@ import turboquant as tq
 from turboquant.cache import build_paged_problem
 from turboquant.config import PLAIN
 from turboquant.reference import attention_reference
-from turboquant.api import make_attention_call
+from turboquant.calls import make_attention_call
 from turboquant.rotation import rotation_signs
 
 from conftest import dequant_f64

@@ -16,7 +16,7 @@ import torch
 
 import turboquant
 from turboquant import registry
-from turboquant.api import make_attention_call
+from turboquant.calls import make_attention_call
 from turboquant.config import PLAIN
 from turboquant._backends import sm120
 from turboquant.ops import ATTENTION_SCHEMA
@@ -200,7 +200,8 @@ def _host_sim_against_reference(op, prob, gen, label, poison=True):
     ``op``: close to the reference (E4M3 Q and P: 0.06 against outputs about 3; smoke
     tolerance 0.1); the one-token sequence gives exactly the un-rotated sink value.
     Returns the last call and its output."""
-    from turboquant.api import attention_op_args, prepare_attention
+    from turboquant.api import prepare_attention
+    from turboquant.calls import attention_op_args
     from turboquant.reference import attention_reference
     from turboquant.rotation import unrotate
     from turboquant.smoothing import SINK_VALUE
@@ -266,7 +267,7 @@ def test_kernel_source_on_host_with_transforms(tmp_path):
     poisoned FP4 bytes never count; a slot outside seq_state gives NaN rows for its sequence."""
     import dataclasses
 
-    from turboquant.api import attention_op_args
+    from turboquant.calls import attention_op_args
     from turboquant.cache import build_paged_problem
     from turboquant.config import PER_SEQUENCE
 

@@ -136,7 +136,7 @@ def test_device_mismatch_named(case):
 def test_value_checks_can_be_switched_off(case):
     seq = torch.tensor([20, 7, 999], dtype=torch.int32)
     with tq.value_checks(False):
-        from turboquant.api import make_attention_call
+        from turboquant.calls import make_attention_call
         make_attention_call(*[case[k] for k in ("query", "key_cache", "value_cache",
                                                 "key_scales", "value_scales", "block_tables")],
                             seq, 0.125)
@@ -341,7 +341,7 @@ def test_auto_warns_once_when_the_reference_runs_off_the_cpu(monkeypatch):
     import warnings
 
     from turboquant import registry
-    from turboquant.api import make_attention_call
+    from turboquant.calls import make_attention_call
 
     monkeypatch.setattr(registry, "_warned", set())
     meta = dict(device="meta")

@@ -17,7 +17,8 @@
 """
 from . import _backends  # registers the vendor backends  # noqa: F401
 from . import reference as _reference  # registers the reference backend  # noqa: F401
-from .api import backends, explain, paged_attention_fp4, reshape_and_cache_fp4, value_checks
+from .api import backends, explain, paged_attention_fp4, reshape_and_cache_fp4
+from .calls import value_checks
 from .cache import FP4Cache, allocate_cache, cache_in
 from .config import QuantConfig
 from .format import dequantize_fp4, quantize_fp4

@@ -1,26 +1,16 @@
-"""The public API: argument validation, backend dispatch, and the torch.library ops.
-
-Validation comes in two kinds:
-
-- Metadata checks (dtype, shape, device, divisibility) cost nothing and always run; they work
-  on fake tensors too, so ``torch.compile`` traces them away.
-- Value checks read index tensors (block ids in range, seq_lens within what the block table
-  holds, cu_query_lens non-decreasing). On a GPU that is a host synchronization, so they are
-  skipped during CUDA-graph capture and ``torch.compile`` tracing, and can be switched off
-  with ``turboquant.value_checks(False)`` (or ``TURBOQUANT_VALUE_CHECKS=0``) on a serving hot
-  path. Kernels never read out of bounds regardless: a block id outside the cache gives NaN
-  output for that sequence instead of a read.
-"""
+"""The public API: the ops' policy above the checked calls of ``turboquant.calls`` (the
+config a cache is bound to, the writer's state, the shared state's records), and backend
+dispatch. Argument validation and its two kinds (metadata and value checks): ``calls``."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 from typing import Optional
 
 import torch
 
 from . import registry
+from .calls import (INDEX_DTYPES, check_device, check_output, check_shape, check_tensor,
+                    make_attention_call, make_cache_write, values_checkable)
 from .config import QuantConfig
 from .registry import AttentionCall, CacheWrite
 from .rotation import rotation_signs
@@ -29,201 +19,6 @@ from .shared_state import (SharedState, check_shared_state, enter_sinks, take_sm
 from .shared_state import records as shared_records
 from .smoothing import KEY_SCALE, STATE_ROWS, check_smoothing, init_state
 from .tensor_facts import TensorFacts
-
-QUERY_DTYPES = (torch.bfloat16, torch.float16)
-KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INDEX_DTYPES = (torch.int32,)
-
-_value_checks = os.environ.get("TURBOQUANT_VALUE_CHECKS", "1") != "0"
-
-
-@contextlib.contextmanager
-def _restore(previous: bool):
-    global _value_checks
-    try:
-        yield
-    finally:
-        _value_checks = previous
-
-
-def value_checks(enabled: bool):
-    """Turn the value checks on or off. Usable as a plain call or as a context manager
-    (``with turboquant.value_checks(False): ...`` restores the previous setting)."""
-    global _value_checks
-    previous, _value_checks = _value_checks, bool(enabled)
-    return _restore(previous)
-
-
-def _values_checkable(t: torch.Tensor) -> bool:
-    if not _value_checks or torch.compiler.is_compiling():
-        return False
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    return True
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
-
-
-def _tensor(name: str, t, dtypes, ndims) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name}: expected dtype {want}, got {t.dtype}")
-    if t.dim() not in ndims:
-        want = " or ".join(f"{n}-D" for n in ndims)
-        raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(t.shape)}")
-    return t
-
-
-def _shape(name: str, t: torch.Tensor, expected: tuple) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(t.shape)}")
-
-
-def _output(name: str, t, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
-    """A caller-allocated output: its dtype, shape and device, and contiguous."""
-    _tensor(name, t, (dtype,), (len(shape),))
-    _shape(name, t, tuple(shape))
-    _same_device(device, **{name: t})
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor")
-
-
-def _same_device(device: torch.device, **tensors) -> None:
-    for name, t in tensors.items():
-        if t is not None and t.device != device:
-            raise ValueError(f"{name}: expected a tensor on {device} (the query's device), "
-                             f"got one on {t.device}")
-
-
-def _cache_geometry(key_cache, value_cache, key_scales, value_scales, num_kv_heads=None):
-    """Check the paged cache and its scales; return (num_blocks, Hkv, block_size, D, group,
-    key_format): key_format "fp4", or "fp8_e4m3" for a K8V4 cache (E4M3 key bytes
-    [num_blocks, Hkv, block_size, D] as torch.float8_e4m3fn, one scale per (token, head))."""
-    _tensor("key_cache", key_cache, (torch.uint8, torch.float8_e4m3fn), (4,))
-    k8 = key_cache.dtype == torch.float8_e4m3fn
-    nb, hkv, bs, last = key_cache.shape
-    if num_kv_heads is not None and hkv != num_kv_heads:
-        raise ValueError(f"key_cache: expected {num_kv_heads} kv heads in dim 1 "
-                         f"[num_blocks, num_kv_heads, block_size, D/2], got shape "
-                         f"{tuple(key_cache.shape)}")
-    d = last if k8 else 2 * last
-    if bs < 1 or bs & (bs - 1):
-        raise ValueError(f"key_cache: expected a power-of-two block size in dim 2, got {bs}")
-    _tensor("value_cache", value_cache, (torch.uint8,), (4,))
-    if not k8 and tuple(value_cache.shape) == (nb, hkv, bs, last // 2) and last % 2 == 0:
-        raise ValueError("key_cache: D bytes per token and head where value_cache holds D/2: E4M3 "
-                         "key bytes of a K8V4 cache are passed as torch.float8_e4m3fn "
-                         "(key_cache.view(torch.float8_e4m3fn)); an FP4 cache holds D/2")
-    if k8 and value_cache.shape == key_cache.shape:
-        raise ValueError("key_cache: float8_e4m3fn keys hold D bytes per token and head, twice "
-                         "value_cache's D/2; these hold D/2, like FP4 codes (pass them as uint8)")
-    _shape("value_cache", value_cache, (nb, hkv, bs, d // 2))
-    _tensor("key_scales", key_scales, (torch.uint8,), (3, 4))
-    if k8 and key_scales.dim() != 3:
-        raise ValueError(f"key_scales: a K8V4 cache has one scale per (token, head), "
-                         f"[num_blocks, block_size, num_kv_heads], got shape "
-                         f"{tuple(key_scales.shape)}")
-    if key_scales.dim() == 3:
-        group = d
-        _shape("key_scales", key_scales, (nb, bs, hkv))
-    else:
-        if d % 32:
-            raise ValueError(f"key_scales: per-32 scales need a head dim divisible by 32, got {d}")
-        group = 32
-        _shape("key_scales", key_scales, (nb, bs, hkv, d // 32))
-    _tensor("value_scales", value_scales, (torch.uint8,), (3, 4))
-    _shape("value_scales", value_scales, key_scales.shape)
-    return nb, hkv, bs, d, group, "fp8_e4m3" if k8 else "fp4"
-
-
-def make_attention_call(query, key_cache, value_cache, key_scales, value_scales, block_tables,
-                        seq_lens, scale, cu_query_lens=None, sliding_window=0,
-                        logits_soft_cap=0.0, max_seq_len=None, check_values=True
-                        ) -> AttentionCall:
-    """Validate the arguments of paged_attention_fp4 and bundle them."""
-    _tensor("query", query, QUERY_DTYPES, (3,))
-    num_tokens, num_heads, d = query.shape
-    nb, hkv, bs, dc, group, key_format = _cache_geometry(key_cache, value_cache, key_scales,
-                                                         value_scales)
-    if dc != d:
-        raise ValueError(f"key_cache/value_cache: expected D/2 = {d // 2} FP4 bytes per token "
-                         f"(query head dim {d}) in dim 3, got {dc // 2}")
-    if num_heads % hkv:
-        raise ValueError(f"query: expected num_heads divisible by num_kv_heads ({hkv}), "
-                         f"got {num_heads}")
-    _tensor("block_tables", block_tables, INDEX_DTYPES, (2,))
-    _tensor("seq_lens", seq_lens, INDEX_DTYPES, (1,))
-    num_seqs = seq_lens.shape[0]
-    if block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables: expected {num_seqs} rows (one per seq_lens entry), "
-                         f"got shape {tuple(block_tables.shape)}")
-    if cu_query_lens is None:
-        if num_tokens != num_seqs:
-            raise ValueError(f"query: expected one token per sequence ({num_seqs}) without "
-                             f"cu_query_lens, got {num_tokens}")
-    else:
-        _tensor("cu_query_lens", cu_query_lens, INDEX_DTYPES, (1,))
-        _shape("cu_query_lens", cu_query_lens, (num_seqs + 1,))
-    _same_device(query.device, key_cache=key_cache, value_cache=value_cache,
-                 key_scales=key_scales, value_scales=value_scales, block_tables=block_tables,
-                 seq_lens=seq_lens, cu_query_lens=cu_query_lens)
-    if not isinstance(scale, (float, int)) or isinstance(scale, bool):
-        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-    if not isinstance(sliding_window, int) or sliding_window < 0:
-        raise ValueError(f"sliding_window: expected an int >= 0 (0 = off), got {sliding_window!r}")
-    if not isinstance(logits_soft_cap, (float, int)) or logits_soft_cap < 0:
-        raise ValueError(f"logits_soft_cap: expected a float >= 0 (0 = off), "
-                         f"got {logits_soft_cap!r}")
-    capacity = block_tables.shape[1] * bs
-    if max_seq_len is None:
-        max_seq_len = capacity
-    elif not isinstance(max_seq_len, int) or not 0 <= max_seq_len <= capacity:
-        raise ValueError(f"max_seq_len: expected an int in [0, {capacity}] (the block table "
-                         f"holds {capacity} tokens), got {max_seq_len!r}")
-    if check_values and _values_checkable(seq_lens):
-        _check_attention_values(block_tables, seq_lens, cu_query_lens, num_tokens, nb, bs,
-                                max_seq_len)
-    return AttentionCall(
-        query=query, key_cache=key_cache, value_cache=value_cache, key_scales=key_scales,
-        value_scales=value_scales, block_tables=block_tables, seq_lens=seq_lens,
-        cu_query_lens=cu_query_lens, scale=float(scale), sliding_window=sliding_window,
-        logits_soft_cap=float(logits_soft_cap), max_seq_len=max_seq_len, num_seqs=num_seqs,
-        num_heads=num_heads, num_kv_heads=hkv, head_dim=d, block_size=bs, num_blocks=nb,
-        scale_group=group, key_format=key_format)
-
-
-def _check_attention_values(block_tables, seq_lens, cu_query_lens, num_tokens, num_blocks,
-                            block_size, max_seq_len):
-    lens = seq_lens.cpu()
-    if num_tokens and lens.numel() and (lens.min() < 0 or lens.max() > max_seq_len):
-        raise ValueError(f"seq_lens: expected values in [0, {max_seq_len}] (what the block "
-                         f"table or max_seq_len allows), got min {int(lens.min())}, "
-                         f"max {int(lens.max())}")
-    used = torch.arange(block_tables.shape[1]) < ((lens + block_size - 1) // block_size)[:, None]
-    ids = block_tables.cpu()[used]
-    if ids.numel() and (ids.min() < 0 or ids.max() >= num_blocks):
-        bad = ids[(ids < 0) | (ids >= num_blocks)][0]
-        raise ValueError(f"block_tables: expected block ids in [0, {num_blocks}) in the entries "
-                         f"a sequence uses, got {int(bad)}")
-    if cu_query_lens is not None:
-        cu = cu_query_lens.cpu()
-        if cu[0] != 0 or cu[-1] != num_tokens:
-            raise ValueError(f"cu_query_lens: expected to start at 0 and end at the number of "
-                             f"query tokens {num_tokens}, got {cu[0].item()} .. {cu[-1].item()}")
-        q = cu[1:] - cu[:-1]
-        if (q < 0).any():
-            raise ValueError("cu_query_lens: expected non-decreasing values, got "
-                             f"{cu.tolist()[:16]}")
-        if (q > lens).any():
-            i = int(torch.nonzero(q > lens)[0])
-            raise ValueError(f"cu_query_lens: sequence {i} has {int(q[i])} query tokens but "
-                             f"seq_len {int(lens[i])}; expected at most seq_len")
 
 
 def _check_config(config, group: int, head_dim: int) -> QuantConfig:
@@ -308,16 +103,16 @@ def _check_state(config: QuantConfig, seq_state, state_ids, num_ids: int, hkv: i
                          f"per sequence: pass seq_state=turboquant.allocate_state(num_slots, "
                          f"{hkv}, {d}) and {ids_name}= each sequence's slot, or a config "
                          f"without them (e.g. QuantConfig(key_smoothing=None, sink=False))")
-    _tensor("seq_state", seq_state, (torch.float32,), (4,))
+    check_tensor("seq_state", seq_state, (torch.float32,), (4,))
     if tuple(seq_state.shape[1:]) != (hkv, STATE_ROWS, d):
         raise ValueError(f"seq_state: expected shape [num_slots, {hkv}, {STATE_ROWS}, {d}], "
                          f"got {tuple(seq_state.shape)}")
     if not seq_state.is_contiguous():
         raise ValueError("seq_state: expected a contiguous tensor")
-    _tensor(ids_name, state_ids, INDEX_DTYPES, (1,))
-    _shape(ids_name, state_ids, (num_ids,))
-    _same_device(device, seq_state=seq_state, **{ids_name: state_ids})
-    if num_ids and _values_checkable(state_ids):
+    check_tensor(ids_name, state_ids, INDEX_DTYPES, (1,))
+    check_shape(ids_name, state_ids, (num_ids,))
+    check_device(device, seq_state=seq_state, **{ids_name: state_ids})
+    if num_ids and values_checkable(state_ids):
         lo, hi = int(state_ids.min()), int(state_ids.max())
         if lo < 0 or hi >= seq_state.shape[0]:
             raise ValueError(f"{ids_name}: expected slots in [0, {seq_state.shape[0]}) "
@@ -354,36 +149,6 @@ def _check_shared(config: QuantConfig, shared_state, seq_state, state_ids, hkv: 
                          "shared state's smoothing is the layer's: key_smoothing='calibrated' "
                          "(the default config)")
     check_shared_state(shared_state, hkv, d, device)
-
-
-def make_cache_write(key, value, key_cache, value_cache, key_scales, value_scales,
-                     slot_mapping, check_values=True, scale_rule="smallest",
-                     rotation_signs=None, seq_state=None, state_ids=None) -> CacheWrite:
-    """Validate the arguments of reshape_and_cache_fp4 and bundle them."""
-    _tensor("key", key, KV_DTYPES, (3,))
-    _tensor("value", value, (key.dtype,), (3,))
-    _shape("value", value, key.shape)
-    num_tokens, hkv, d = key.shape
-    nb, _, bs, dc, group, key_format = _cache_geometry(key_cache, value_cache, key_scales,
-                                                       value_scales, num_kv_heads=hkv)
-    if dc != d:
-        raise ValueError(f"key_cache/value_cache: expected D/2 = {d // 2} FP4 bytes per token "
-                         f"(key head dim {d}) in dim 3, got {dc // 2}")
-    _tensor("slot_mapping", slot_mapping, (torch.int64, torch.int32), (1,))
-    _shape("slot_mapping", slot_mapping, (num_tokens,))
-    _same_device(key.device, value=value, key_cache=key_cache, value_cache=value_cache,
-                 key_scales=key_scales, value_scales=value_scales, slot_mapping=slot_mapping)
-    if num_tokens and check_values and _values_checkable(slot_mapping):
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-        if lo < -1 or hi >= nb * bs:
-            raise ValueError(f"slot_mapping: expected slots in [-1, {nb * bs}) "
-                             f"(num_blocks * block_size), got min {lo}, max {hi}")
-    return CacheWrite(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                      key_scales=key_scales, value_scales=value_scales,
-                      slot_mapping=slot_mapping, num_kv_heads=hkv, head_dim=d, block_size=bs,
-                      num_blocks=nb, scale_group=group, scale_rule=scale_rule,
-                      rotation_signs=rotation_signs, seq_state=seq_state, state_ids=state_ids,
-                      key_format=key_format)
 
 
 def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_scales,
@@ -440,9 +205,9 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
         raise ValueError(f"calibration: config {config.name!r} does not use a calibration "
                          f"file; expected None")
     if positions is not None:
-        _tensor("positions", positions, (torch.int32, torch.int64), (1,))
-        _shape("positions", positions, (num_tokens,))
-        _same_device(key.device, positions=positions)
+        check_tensor("positions", positions, (torch.int32, torch.int64), (1,))
+        check_shape("positions", positions, (num_tokens,))
+        check_device(key.device, positions=positions)
         if not config.uses_state:
             raise ValueError(f"positions: config {config.name!r} keeps no per-sequence state; "
                              f"expected None")
@@ -465,7 +230,7 @@ def reshape_and_cache_fp4(key, value, key_cache, value_cache, key_scales, value_
         return
     if positions is not None:
         init_state(key, value, seq_state, state_ids, positions, config, calibration, signs)
-    elif config.uses_state and _values_checkable(state_ids):
+    elif config.uses_state and values_checkable(state_ids):
         ids = state_ids.long()
         unset = torch.isnan(seq_state[ids.clamp(0, seq_state.shape[0] - 1), 0, KEY_SCALE, 0])
         if bool(unset.any()):
@@ -518,9 +283,9 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
     signs = (rotation_signs(call.head_dim, config.rotation_seed, query.device)
              if config.rotation else None)
     if sinks is not None:
-        _tensor("sinks", sinks, (torch.float32,), (1,))
-        _shape("sinks", sinks, (call.num_heads,))
-        _same_device(query.device, sinks=sinks)
+        check_tensor("sinks", sinks, (torch.float32,), (1,))
+        check_shape("sinks", sinks, (call.num_heads,))
+        check_device(query.device, sinks=sinks)
         if not sinks.is_contiguous():
             raise ValueError("sinks: expected a contiguous tensor")
     return dataclasses.replace(call, rotation_signs=signs, seq_state=seq_state,
@@ -576,11 +341,11 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     if out is None:
         out = torch.empty_like(query)
     else:
-        _output("out", out, query.dtype, query.shape, query.device)
+        check_output("out", out, query.dtype, query.shape, query.device)
     if lse_out is not None:
         if not return_lse:
             raise ValueError("lse_out: given without return_lse=True")
-        _output("lse_out", lse_out, torch.float32, query.shape[:2], query.device)
+        check_output("lse_out", lse_out, torch.float32, query.shape[:2], query.device)
     lse = lse_out if lse_out is not None else (
         torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         if return_lse else None)
@@ -603,17 +368,3 @@ def backends() -> list[dict]:
     return registry.status()
 
 
-def attention_op_args(call: AttentionCall, out: torch.Tensor,
-                      lse: Optional[torch.Tensor] = None) -> tuple:
-    """The positional arguments of every ``paged_attention_fp4_<backend>`` op (ATTENTION_SCHEMA)."""
-    return (out, call.query, call.key_cache, call.value_cache, call.key_scales,
-            call.value_scales, call.block_tables, call.seq_lens, call.cu_query_lens,
-            call.scale, call.sliding_window, call.logits_soft_cap, call.max_seq_len,
-            call.rotation_signs, call.seq_state, call.state_ids, call.sink, call.sinks, lse)
-
-
-def cache_write_op_args(write: CacheWrite) -> tuple:
-    """The positional arguments of every ``reshape_and_cache_fp4_<backend>`` op."""
-    return (write.key, write.value, write.key_cache, write.value_cache, write.key_scales,
-            write.value_scales, write.slot_mapping, write.rotation_signs, write.seq_state,
-            write.state_ids)

@@ -242,14 +242,14 @@ def _backend_status(tq) -> list:
 def _select(kind: str, requested: str, *call_args, **kwargs) -> str:
     """The backend ``requested`` resolves to for these arguments (what ``auto`` picks); for
     kind 'attention' the arguments of ``paged_attention_fp4``, for 'cache_write' those of the
-    writer op (``api.make_cache_write``)."""
-    from . import api, registry
+    writer op (``calls.make_cache_write``)."""
+    from . import api, calls, registry
 
-    with api.value_checks(False):
+    with calls.value_checks(False):
         if kind == "attention":
             call = api.prepare_attention(*call_args, **kwargs)
         else:
-            call = api.make_cache_write(*call_args, check_values=False, **kwargs)
+            call = calls.make_cache_write(*call_args, check_values=False, **kwargs)
     return registry.select(requested, kind, call).name
 
 

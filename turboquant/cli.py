@@ -15,6 +15,7 @@ import time
 import torch
 
 from . import api
+from .calls import value_checks
 from .cache import build_paged_problem, kv_bytes_per_token
 
 # Default sizes: a 2-core CPU runs the reference in seconds; a GPU gets a serving-sized batch.
@@ -94,7 +95,7 @@ def run_main(args) -> int:
 
     _progress(f"[2/4] paged_attention_fp4 on backend '{backend}'", quiet)
     out = torch.empty_like(query)
-    with api.value_checks(False):
+    with value_checks(False):
         def attend():
             api.paged_attention_fp4(*call_args, out=out, backend=backend,
                                     max_seq_len=context, **problem.kwargs)

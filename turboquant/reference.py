@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .api import attention_op_args, cache_write_op_args, make_attention_call, make_cache_write
+from .calls import attention_op_args, cache_write_op_args, make_attention_call, make_cache_write
 from .format import dequantize_e4m3, dequantize_fp4, quantize_e4m3, quantize_fp4
 from .rotation import rotate, unrotate
 from .smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, transform_keys

@@ -46,7 +46,8 @@ import torch
 
 import dataclasses
 
-from turboquant.api import attention_op_args, make_attention_call, prepare_attention
+from turboquant.api import prepare_attention
+from turboquant.calls import attention_op_args, make_attention_call
 from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant._backends import sm120
 from turboquant.reference import _gather_tokens, attention_reference

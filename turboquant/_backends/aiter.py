@@ -54,7 +54,7 @@ from typing import Optional
 
 import torch
 
-from ..api import attention_op_args, cache_write_op_args
+from ..calls import attention_op_args, cache_write_op_args
 from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
 from ..smoothing import STATE_ROWS

@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from ..api import attention_op_args, cache_write_op_args
+from ..calls import attention_op_args, cache_write_op_args
 from ..ops import (ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, MERGE_STATES_SCHEMA,
                    SHARED_ENTER_SINKS_SCHEMA, SHARED_RECORDS_SCHEMA, define)
 from ..sources import source_dir

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from ..api import attention_op_args
+from ..calls import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
 from ..sources import source_dir
 from ._jit import load, sources_hash

@@ -26,7 +26,8 @@ from typing import Optional
 
 import torch
 
-from ...api import paged_attention_fp4, reshape_and_cache_fp4, value_checks
+from ...api import paged_attention_fp4, reshape_and_cache_fp4
+from ...calls import value_checks
 from ...cache import FP4Cache, cache_in, kv_bytes_per_token
 from ...config import QuantConfig
 from ...shared_state import SharedState, allocate_shared_state, positions_from_metadata
