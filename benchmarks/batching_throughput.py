@@ -37,7 +37,7 @@ import transformers  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api, model_runner  # noqa: E402
 
 from turboquant.integration import transformers_batching as tb  # noqa: E402
-from turboquant.peers import page_indices  # noqa: E402
+from turboquant.bench.peers import page_indices  # noqa: E402
 
 PAGE = 16
 WORKSPACE_BYTES = 128 << 20

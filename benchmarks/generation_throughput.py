@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turboquant as tq  # noqa: E402
-from turboquant.peers import page_indices  # noqa: E402
+from turboquant.bench.peers import page_indices  # noqa: E402
 from turboquant.integration import transformers as tq_hf  # noqa: E402
 from turboquant.integration.transformers import PagedKVCache  # noqa: E402
 

@@ -20,7 +20,7 @@ PEERS=${PEERS:-1}
     TURBOQUANT_CUDA_EXTRA_FLAGS="$f" python -c "from turboquant._backends import cuda as c; print('$f', c.ensure_loaded())" &
   done
   for fb in bf16:fa3 bf16:fa2 fp8:fa2; do
-    [ "$PEERS" = 1 ] && python -c "import torch; from turboquant import peers; print('$fb check:', peers.check_prefill('${fb%%:*}', '${fb#*:}', 32, 8, 128, 16, torch.device('cuda')))" &
+    [ "$PEERS" = 1 ] && python -c "import torch; from turboquant.bench import peers; print('$fb check:', peers.check_prefill('${fb%%:*}', '${fb#*:}', 32, 8, 128, 16, torch.device('cuda')))" &
   done
   for v in "${VARIANTS[@]}"; do
     TURBOQUANT_CUDA_EXTRA_FLAGS="-DTQ_ONLY_D128_BF16 ${v#*=}" python -c \

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turboquant as tq  # noqa: E402
-from turboquant.bench import writer_state  # noqa: E402
+from turboquant.bench.problems import writer_state  # noqa: E402
 
 
 def main() -> int:

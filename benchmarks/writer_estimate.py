@@ -24,7 +24,7 @@ Work. A work-item quantizes 16 elements of K and 16 of V of one (token, kv head)
 Per wave and CU the model gives the clocks of each pipe (VALU 4 clocks per wave64 instruction
 on a 16-lane SIMD, transcendentals x 4; SALU, LDS, VMEM and branch issue 4 clocks; the four
 SIMDs of a CU sharing the waves), against the wave's share of the HBM bytes at 8 TB/s: the
-bench's writer bytes (turboquant.bench_problems.writer_bytes: K and V read, codes and scales
+bench's writer bytes (turboquant.bench.problems.writer_bytes: K and V read, codes and scales
 written; 336.6 MB here; the slot ids and the state records, which the 8 heads of a token share
 through L2, are not counted). The larger time is the call's; the % of 8 TB/s is the HBM time
 over it (k = inf: memory and instructions overlap perfectly). The `x 1.5` column applies the
@@ -54,7 +54,7 @@ from isa_model import (  # noqa: E402
     MI355X, amd_class, amd_counts, amd_loops, amd_tile_cycles, parse_amd_body, predict_pct,
     real_loops)
 from turboquant import hip_writer  # noqa: E402
-from turboquant.bench_problems import writer_bytes  # noqa: E402
+from turboquant.bench.problems import writer_bytes  # noqa: E402
 
 TOKENS, KV_HEADS, HEAD_DIM = 65536, 8, 128
 ELEMENTS_PER_ITEM = 16  # csrc_cuda/tuning.cuh WRITER_EPT: elements of K and of V per work-item

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from turboquant import bench, bench_problems, bench_report, bench_timing
+from turboquant.bench import problems as bench_problems
+from turboquant.bench import report as bench_report
+from turboquant.bench import run as bench
+from turboquant.bench import timing as bench_timing
 
 
 def _args(*argv):
@@ -55,12 +58,12 @@ def test_dense_and_writer_bytes_by_hand():
 
 def test_parsing():
     assert bench.parse_shapes("32/8/128, 64x8x128") == [(32, 8, 128), (64, 8, 128)]
-    assert bench.parse_int_list("1,16,1k,32K") == [1, 16, 1024, 32768]
+    assert bench_problems.parse_int_list("1,16,1k,32K") == [1, 16, 1024, 32768]
     for bad in ("32/8", "30/8/128", "a/b/c"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.parse_shapes(bad)
     with pytest.raises(argparse.ArgumentTypeError):
-        bench.parse_int_list("1,zero")
+        bench_problems.parse_int_list("1,zero")
     a = _args("--quick", "--backend", "reference", "--repeats", "5", "--out", "x")
     assert a.quick and a.backend == "reference" and a.repeats == 5 and a.out == "x"
     assert _args().out == "bench_out" and _args().backend == "auto"
@@ -169,7 +172,7 @@ def test_max_observed_note():
 
 
 def test_multi_token_rows_parse_and_count_causal_flops():
-    from turboquant import bench_multitoken as M
+    from turboquant.bench import multitoken as M
 
     assert M.parse_multi("1x2048@16k, 64x4@4k") == [M.MultiRow(1, 2048, 16384),
                                                     M.MultiRow(64, 4, 4096)]
@@ -305,8 +308,7 @@ def test_table_shows_both_figures():
 # the split of the bench into modules
 
 
-BENCH_MODULES = ("bench", "bench_timing", "bench_problems", "bench_report", "bench_multitoken",
-                 "peers")
+BENCH_MODULES = ("run", "timing", "problems", "report", "multitoken", "peers")
 
 
 def _definitions():
@@ -331,7 +333,7 @@ def test_no_function_is_defined_twice_across_the_bench_modules():
         by_name.setdefault(name, []).append(mod)
     twice = {name: mods for name, mods in by_name.items() if len(mods) > 1}
     # the attention table's row and the multi-token table's row are different tables
-    assert twice == {"format_row": ["bench_report", "bench_multitoken"]}
+    assert twice == {"format_row": ["report", "multitoken"]}
     by_body = {}
     for mod, name, body in defs:
         by_body.setdefault(body, []).append(f"{mod}.{name}")
@@ -339,14 +341,13 @@ def test_no_function_is_defined_twice_across_the_bench_modules():
 
 
 def test_each_piece_lives_in_one_module_and_importers_find_it():
-    # what benchmarks/profile_writer.py and turboquant.cli take from turboquant.bench
-    assert bench.writer_state is bench_problems.writer_state
+    # what turboquant.cli takes from turboquant.bench.run
     assert callable(bench.add_arguments) and callable(bench.main)
     for name in ("time_calls", "kernel_names", "measure_bandwidth", "triton_read_sum"):
-        assert getattr(bench_timing, name).__module__ == "turboquant.bench_timing"
+        assert getattr(bench_timing, name).__module__ == "turboquant.bench.timing"
     for name in ("fp4_attention_bytes", "row_memory", "sets_for", "fill_cache",
                  "build_decode_problem", "writer_state"):
-        assert getattr(bench_problems, name).__module__ == "turboquant.bench_problems"
+        assert getattr(bench_problems, name).__module__ == "turboquant.bench.problems"
     for name in ("format_row", "write_csv", "write_plot", "note_max_observed", "device_meta"):
-        assert getattr(bench_report, name).__module__ == "turboquant.bench_report"
+        assert getattr(bench_report, name).__module__ == "turboquant.bench.report"
     assert math.isclose(bench_timing.GB, 1e9)

@@ -1,4 +1,4 @@
-"""The FlashInfer peer caches of ``bench --peers`` (turboquant.peers), on the CPU: each format's
+"""The FlashInfer peer caches of ``bench --peers`` (turboquant.bench.peers), on the CPU: each format's
 pages hold the dense K/V of the right sequence and position, and its values are what the format
 can hold (the peer itself runs only on a CUDA device with flashinfer, tests/gpu)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turboquant import peers
+from turboquant.bench import peers
 from turboquant.format import sqnr_db
 
 
@@ -89,7 +89,7 @@ def test_time_peers_records_single_and_chained_figures(monkeypatch):
     ``peer_<fmt>_us``."""
     import functools
 
-    from turboquant import bench_timing
+    from turboquant.bench import timing as bench_timing
 
     k, v, tables = _problem(nseq=4, length=32)  # 2 sets of batch 2
     block_tables = tables.view(2, 2, -1)
@@ -235,7 +235,7 @@ def test_prefill_check_passes_attention_and_rejects_the_rest(fake_flashinfer):
 
 
 def _prefill_timer(us_by_backend):
-    """A stand-in for bench_timing.time_calls: runs the calls once, the time by backend."""
+    """A stand-in for timing.time_calls: runs the calls once, the time by backend."""
     def time_calls(calls):
         for c in calls:
             c()
@@ -281,7 +281,8 @@ def test_multi_token_rows_get_the_prefill_peers(peer, tmp_path, capsys, monkeypa
     import json
     import sys
 
-    from turboquant import bench, bench_multitoken
+    from turboquant.bench import multitoken as bench_multitoken
+    from turboquant.bench import run as bench
 
     if peer == "fake":
         monkeypatch.setattr(peers, "flashinfer_unavailable", lambda: None)

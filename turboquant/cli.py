@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_arguments(sub.add_parser("run", help="the main job (the default)"))
     p = sub.add_parser("backends", help="list backends, whether each can run here, and why not")
     p.add_argument("--json", action="store_true", help="print JSON")
-    from . import accuracy, bench
+    from . import accuracy
+    from .bench import run as bench
     bench.add_arguments(sub.add_parser("bench", help="benchmark against PyTorch SDPA on a "
                                                      "dense BF16 cache (needs a CUDA GPU)"))
     accuracy.add_arguments(sub.add_parser("accuracy", help="the quantization options on "
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
     if args.command == "backends":
         return run_backends(args)
     if args.command == "bench":
-        from . import bench
+        from .bench import run as bench
         return bench.main(args)
     if args.command == "accuracy":
         from . import accuracy

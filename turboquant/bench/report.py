@@ -2,7 +2,7 @@
 files (``bench.json``, ``bench.csv``, ``bench_writer.csv``, ``bench.png``), the device's
 metadata and the note on the highest read rate any row reached.
 
-Time fields (``bench_timing`` says how each is taken): ``fp4_us`` / ``sdpa_us`` are the chained
+Time fields (``timing`` says how each is taken): ``fp4_us`` / ``sdpa_us`` are the chained
 figures (call i's query = call i-1's output, what a model's layers see; GB/s, % of bandwidth and
 speedups are computed from them), ``fp4_us_single`` / ``sdpa_us_single`` one call alone per
 CUDA-graph replay; the peers' pair is ``peer_<fmt>_us`` / ``peer_<fmt>_us_single``.

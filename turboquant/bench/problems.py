@@ -3,11 +3,12 @@ functions, unit-tested against hand computation), a row's device memory and inpu
 builders of the inputs (the FP4 cache written from dense K/V, the decode problem of a row and its
 FP4 and SDPA calls, the writer's steady state).
 
-The byte-counting formulas are written out in ``turboquant.bench``'s docstring and in
+The byte-counting formulas are written out in ``turboquant.bench.run``'s docstring and in
 ``BYTE_COUNTING`` (which the bench's JSON carries).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -15,15 +16,37 @@ from typing import Optional
 
 import torch
 
-from .bench_timing import Step, sync
-from .config import parse_cache_format
-from .shared_state import SharedState
+from ..config import parse_cache_format
+from ..shared_state import SharedState
+from .timing import Step, sync
 
 BYTE_COUNTING = {
     "fp4": "2*B*L*Hkv*D/2 codes + 2*B*L*Hkv*(D/group) scales + 2*B*Hq*D*elem (Q, O)",
     "sdpa": "2*B*L*Hkv*D*elem (dense K, V) + 2*B*Hq*D*elem (Q, O)",
     "writer": "2*T*Hkv*D*elem input + 2*T*Hkv*D/2 codes + 2*T*Hkv*(D/group) scales",
 }
+
+
+def parse_int(text: str) -> int:
+    """``"4k"`` -> 4096 (k, m: binary multiples); a positive integer."""
+    t = str(text).strip().lower()
+    mult = 1
+    if t.endswith("k"):
+        mult, t = 1024, t[:-1]
+    elif t.endswith("m"):
+        mult, t = 1024 * 1024, t[:-1]
+    try:
+        value = int(t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer like 4096 or 4k, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_int_list(text: str) -> list:
+    """``"1,16,1k"`` -> ``[1, 16, 1024]``."""
+    return [parse_int(p) for p in text.split(",") if p.strip()]
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ tables, HND layout), bf16 query and output, sm_scale = 1 / sqrt(D):
   0 .. L - Q + j, as turboquant's rows), its backends tried in turn (``PREFILL_BACKENDS``: bf16
   fa3 then fa2, fp8 fa2, since fa3 takes an FP8 cache only with an FP8 query), the fastest that
   passes the check being the row's (``time_prefill_peers``). Each is timed like turboquant's
-  multi-token rows (``bench_timing.time_calls``: independent calls in one CUDA graph, time per
+  multi-token rows (``timing.time_calls``: independent calls in one CUDA graph, time per
   call = replay / calls), ``run(q, (k, v), out=out)`` into a fixed output buffer, the wrapper
   created with ``use_cuda_graph=True`` and fixed index buffers, planned with ``uniform_q_len``
   = Q (every sequence has Q queries: without it FlashInfer's CUDA-graph plan sizes its query tile
@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .format import E2M1_MAX, decode_e2m1, encode_e2m1, pack_fp4, unpack_fp4
+from ..format import E2M1_MAX, decode_e2m1, encode_e2m1, pack_fp4, unpack_fp4
 
 PEER_FORMATS = ("bf16", "fp8", "nvfp4")
 PREFILL_FORMATS = ("bf16", "fp8")
@@ -367,7 +367,7 @@ def time_peers(time_decode: Callable, dense_k: torch.Tensor, dense_v: torch.Tens
     ``query`` [n_sets, B, Hq, D], ``block_tables`` [n_sets, B, nblk]; dense K/V
     [n_sets * B, Hkv, L, D]. ``time_decode(steps, queries, outs)`` times one call per set,
     ``steps[s](q, out)`` (a ``FlashInferDecode`` of set s: its ``run(q, ..., out=out)``), and
-    returns its single and chained figures (``turboquant.bench_timing.DecodeTimes``: in the
+    returns its single and chained figures (``turboquant.bench.timing.DecodeTimes``: in the
     chain, call i's query is call i-1's output). The faster variant by the chained figure is
     the format's row."""
     n_sets, b, hq, d = query.shape
@@ -407,7 +407,7 @@ def time_prefill_peers(time_calls: Callable, dense_k: torch.Tensor, dense_v: tor
     was not timed, the slower backends). Dense K/V [B, Hkv, L, D] in pages ``tables`` [B, nblk];
     ``query`` [sum Q, Hq, D] (taken as bf16), sequence s's rows
     ``cu_query_lens[s]:cu_query_lens[s + 1]``, the last Q of its ``seq_lens[s]`` tokens.
-    ``time_calls(calls)`` times the closures ``calls`` (``bench_timing.time_calls`` with the
+    ``time_calls(calls)`` times the closures ``calls`` (``timing.time_calls`` with the
     bench's settings: -> (us per call, timing used, calls, note))."""
     hq, d = query.shape[1], query.shape[2]
     q = query if query.dtype == torch.bfloat16 else query.bfloat16()

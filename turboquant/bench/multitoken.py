@@ -16,7 +16,7 @@ With ``--peers`` (and flashinfer importable on a CUDA device), FlashInfer's page
 BF16 and an FP8 E4M3 (per-tensor scale) paged cache of the same dense K/V in the same pages
 (page = turboquant block, the row's block tables, HND), causal with the same bottom-right
 diagonal, each checked against fp32 attention over its own bytes before it is timed
-(``turboquant.peers.time_prefill_peers``: the backends tried, the check, how it is timed):
+(``turboquant.bench.peers.time_prefill_peers``: the backends tried, the check, how it is timed):
 ``peer_<fmt>_us`` timed as turboquant's (``time_calls``), ``peer_<fmt>_tflops`` from the same
 causal FLOP count, ``peer_<fmt>_speedup`` = peer us / turboquant us, ``peer_note`` (the backend
 that ran, or why a format was not timed; without flashinfer, why not). The table gets the peers'
@@ -33,11 +33,10 @@ import re
 import torch
 
 from . import peers
-from .bench import parse_int_list
-from .bench_problems import (cache_config, checks_off, fill_cache, fp4_attention_bytes,
-                             state_bytes, state_kwargs, torch_dtype)
-from .bench_report import table_row, write_csv
-from .bench_timing import GB, kernel_names, time_calls
+from .problems import (cache_config, checks_off, fill_cache, fp4_attention_bytes,
+                       parse_int_list, state_bytes, state_kwargs, torch_dtype)
+from .report import table_row, write_csv
+from .timing import GB, kernel_names, time_calls
 
 FIELDS = ["shape", "batch", "query_len", "context", "config", "status", "fp4_us", "tflops",
           "pct_bw", "bytes", "flops", "sdpa_us", "sdpa_tflops", "sdpa_kernels", "speedup",

@@ -20,7 +20,7 @@ What it measures, in one run (CONTRACT.md section 6):
      beforehand where this torch lacks ``enable_gqa``; the row's ``sdpa_gqa`` field says
      which), whatever SDPA kernel torch picks.
    Timing: two figures per call (FP4, SDPA and each ``--peers`` format), each the median over
-   ``--repeats`` timed replays, CUDA events around each replay (``turboquant.bench_timing``):
+   ``--repeats`` timed replays, CUDA events around each replay (``turboquant.bench.timing``):
    - chained (``fp4_us``, ``sdpa_us``, ``peer_<fmt>_us``): one CUDA graph of
      ``calls_per_timing`` calls (whole passes over the input sets, at least ``--min-calls``)
      where call i's query is call i-1's output: two query buffers [batch, q_heads, D] in turn,
@@ -49,7 +49,7 @@ What it measures, in one run (CONTRACT.md section 6):
    the first shape's kv heads / head dim, bf16 input, slots in randomly permuted blocks; one
    CUDA graph of ``--min-calls`` / 2 calls of the same input, time per call = replay / calls.
 
-Byte counting (GB = 1e9 bytes; the same formulas are unit-tested, ``turboquant.bench_problems``):
+Byte counting (GB = 1e9 bytes; the same formulas are unit-tested, ``turboquant.bench.problems``):
 
 - FP4 attention: K codes + V codes (D/2 bytes each per token per kv head) + K scales +
   V scales (D/group bytes each per token per kv head: 1 with the default one scale per token
@@ -60,7 +60,7 @@ Byte counting (GB = 1e9 bytes; the same formulas are unit-tested, ``turboquant.b
   written (D/2 per token per kv head, K and V) + scales written (D/group per token per kv
   head, K and V). The slot mapping (8 bytes per token) is not counted.
 
-Outputs under ``--out`` (default ``./bench_out``, ``turboquant.bench_report``): ``bench.json``
+Outputs under ``--out`` (default ``./bench_out``, ``turboquant.bench.report``): ``bench.json``
 (everything, with metadata), ``bench.csv`` (attention rows), ``bench_writer.csv`` (the writer
 row) and ``bench.png`` (roofline-style plot: bytes per call vs achieved GB/s, FP4 and SDPA, the
 measured bandwidth as a horizontal line; skipped with a message when matplotlib is not
@@ -82,17 +82,17 @@ import sys
 
 import torch
 
-from . import peers
-from .bench_problems import (BYTE_COUNTING, Row, build_decode_problem, cache_config,
-                             checks_off, dense_attention_bytes, fp4_attention_bytes,
-                             fp4_steps, row_memory, sdpa_steps, sets_for, state_bytes,
-                             torch_dtype, writer_bytes, writer_state)
-from .bench_report import (ATTENTION_FIELDS, HEADER, WRITER_FIELDS, device_meta,
-                           format_row, format_writer, note_max_observed, write_files)
-from .bench_timing import (GB, GiB, TIMING_FIGURES, kernel_names, measure_bandwidth,
-                           time_calls, time_decode)
-from .rotation import rotation_signs
-from .shared_state import writer_records
+from ..rotation import rotation_signs
+from ..shared_state import writer_records
+from . import multitoken, peers
+from .problems import (BYTE_COUNTING, Row, build_decode_problem, cache_config, checks_off,
+                       dense_attention_bytes, fp4_attention_bytes, fp4_steps, parse_int,
+                       parse_int_list, row_memory, sdpa_steps, sets_for, state_bytes,
+                       torch_dtype, writer_bytes, writer_state)
+from .report import (ATTENTION_FIELDS, HEADER, WRITER_FIELDS, device_meta, format_row,
+                     format_writer, note_max_observed, write_files)
+from .timing import (GB, GiB, TIMING_FIGURES, kernel_names, measure_bandwidth, time_calls,
+                     time_decode)
 
 DEFAULT_SHAPES = "32/8/128,64/8/128"
 DEFAULT_BATCHES = "1,16,64,128"
@@ -108,27 +108,6 @@ CPU_QUICK_CONTEXTS = "64"
 
 # --------------------------------------------------------------------------------------------
 # argument parsing
-
-
-def _parse_int(text: str) -> int:
-    t = str(text).strip().lower()
-    mult = 1
-    if t.endswith("k"):
-        mult, t = 1024, t[:-1]
-    elif t.endswith("m"):
-        mult, t = 1024 * 1024, t[:-1]
-    try:
-        value = int(t) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer like 4096 or 4k, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def parse_int_list(text: str) -> list:
-    """``"1,16,1k"`` -> ``[1, 16, 1024]``."""
-    return [_parse_int(p) for p in text.split(",") if p.strip()]
 
 
 def parse_shapes(text: str) -> list:
@@ -183,15 +162,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="FlashInfer paged decode over BF16, FP8 and NVFP4 caches of the same "
                         "K/V and pages (decode rows) and its paged prefill over BF16 and FP8 "
                         "(multi-token rows), each checked against fp32 over its own bytes first "
-                        "(turboquant.peers; skipped with the reason when flashinfer is absent)")
+                        "(turboquant.bench.peers; skipped with the reason when flashinfer is absent)")
     g.add_argument("--no-writer", action="store_true", help="skip the cache-writer row")
     g.add_argument("--multi-token", default="",
                    help="multi-token rows BxQ@L (B sequences of L tokens, the last Q of each "
                         "its causal queries: chunked prefill, speculative decoding), e.g. "
-                        "'1x2048@16k,64x4@4k' (turboquant.bench_multitoken)")
+                        "'1x2048@16k,64x4@4k' (turboquant.bench.multitoken)")
     g.add_argument("--no-decode", action="store_true",
                    help="skip the decode rows (e.g. with --multi-token)")
-    g.add_argument("--writer-tokens", type=_parse_int, default=64 * 1024,
+    g.add_argument("--writer-tokens", type=parse_int, default=64 * 1024,
                    help="tokens per cache-writer call (default 64k)")
     g.add_argument("--allow-cpu", action="store_true",
                    help="without CUDA, run tiny shapes on the CPU (tests only; not a benchmark)")
@@ -212,7 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--l2-multiple", type=float, default=4.0,
                    help="rotate among input sets whose FP4 bytes total >= this many L2 "
                         "sizes (4)")
-    t.add_argument("--bw-bytes", type=_parse_int, default=4 * GiB,
+    t.add_argument("--bw-bytes", type=parse_int, default=4 * GiB,
                    help="bandwidth-measurement buffer in bytes (default 4 GiB)")
     t.add_argument("--bw-repeats", type=int, default=20,
                    help="bandwidth timings, the median is reported (20)")
@@ -243,7 +222,7 @@ def _select(kind: str, requested: str, *call_args, **kwargs) -> str:
     """The backend ``requested`` resolves to for these arguments (what ``auto`` picks); for
     kind 'attention' the arguments of ``paged_attention_fp4``, for 'cache_write' those of the
     writer op (``calls.make_cache_write``)."""
-    from . import api, calls, registry
+    from .. import api, calls, registry
 
     with calls.value_checks(False):
         if kind == "attention":
@@ -438,8 +417,6 @@ def run_writer(tq, args, device: torch.device, bw_ref: float, shape: tuple,
 
 
 def main(args: argparse.Namespace) -> int:
-    from . import bench_multitoken  # it imports this module
-
     cuda = torch.cuda.is_available()
     if not cuda and not getattr(args, "allow_cpu", False):
         print("turboquant bench: needs a CUDA GPU (torch.cuda.is_available() is False here). "
@@ -461,7 +438,7 @@ def main(args: argparse.Namespace) -> int:
         configs = [c.strip() for c in args.configs.split(",") if c.strip()]
         for c in configs:
             cache_config(c, args)
-        multi_rows = bench_multitoken.parse_multi(args.multi_token)
+        multi_rows = multitoken.parse_multi(args.multi_token)
     except (argparse.ArgumentTypeError, ValueError) as exc:
         print(f"turboquant bench: {exc}", file=sys.stderr)
         return 2
@@ -551,7 +528,7 @@ def main(args: argparse.Namespace) -> int:
                     for line in peers.format_table([rec])[2:]:
                         print("  peers:" + line, flush=True)
 
-    multi = bench_multitoken.run_all(tq, shapes, multi_rows, configs, args, device, bw) \
+    multi = multitoken.run_all(tq, shapes, multi_rows, configs, args, device, bw) \
         if multi_rows else []
 
     writers = []
@@ -602,9 +579,9 @@ def main(args: argparse.Namespace) -> int:
         print(line)
     if multi:
         print("multi-token rows:")
-        print(bench_multitoken.HEADER)
+        print(multitoken.HEADER)
         for r in multi:
-            print(bench_multitoken.format_row(r))
+            print(multitoken.format_row(r))
     if ceiling_note:
         print(ceiling_note)
     print(f"wrote {', '.join(written)} in {args.out}")
@@ -614,7 +591,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m turboquant.bench",
+    parser = argparse.ArgumentParser(prog="python -m turboquant.bench.run",
                                      description="FP4 paged decode attention vs the memory "
                                                  "roofline and dense BF16 SDPA")
     return add_arguments(parser)
