@@ -40,7 +40,7 @@ def fake_gfx950(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(gcnArchName="gfx950:sramecc+:xnack-"))
-    monkeypatch.setitem(tq_aiter._state, "checked", False)
+    monkeypatch.setattr(tq_aiter._checked, "results", {})
 
 
 def test_missing_aiter_names_the_command(fake_gfx950, monkeypatch):
@@ -101,7 +101,7 @@ def test_unpatched_aiter_names_the_command(fake_gfx950, monkeypatch, tmp_path):
     assert f"AITER 0.1.7.post2.dev18 at {site} is unpatched" in reason
     assert f"python -m turboquant.integration.aiter.patch --aiter-root {site}" in reason
     patch.apply(site)
-    monkeypatch.setitem(tq_aiter._state, "checked", False)
+    monkeypatch.setattr(tq_aiter._checked, "results", {})
     # Patched: the next step is importing aiter itself (absent here, on a CPU machine).
     reason = tq_aiter.BACKEND.unavailable()
     assert reason is None or "import aiter" in reason or "lacks paged_attention_fp4" in reason
@@ -109,10 +109,10 @@ def test_unpatched_aiter_names_the_command(fake_gfx950, monkeypatch, tmp_path):
     fake = types.ModuleType("aiter")
     fake.paged_attention_fp4 = lambda *a, **k: None
     monkeypatch.setitem(sys.modules, "aiter", fake)
-    monkeypatch.setitem(tq_aiter._state, "checked", False)
+    monkeypatch.setattr(tq_aiter._checked, "results", {})
     assert "lacks reshape_and_cache_fp4" in tq_aiter.BACKEND.unavailable()
     fake.reshape_and_cache_fp4 = lambda *a, **k: None
-    monkeypatch.setitem(tq_aiter._state, "checked", False)
+    monkeypatch.setattr(tq_aiter._checked, "results", {})
     assert tq_aiter.BACKEND.unavailable() is None
 
 

@@ -72,3 +72,23 @@ def test_a_prebuilt_library_that_does_not_load_is_compiled_with_a_warning(tmp_pa
     with pytest.warns(UserWarning, match="did not load"):
         _jit.load(name, ROOT / "csrc_cuda" / "torch_binding.cu", [])
     assert compiled == [name]
+
+
+def test_once_runs_each_key_once_and_keeps_the_reason():
+    """The build-once guard every backend uses: a key's first answer is kept (a usable one, a
+    reason, or a raised error turned into a reason naming the failure); keys are independent."""
+    once, calls = _jit.Once("building the test extension failed"), []
+
+    def build(result):
+        def fn():
+            calls.append(result)
+            if isinstance(result, Exception):
+                raise result
+            return result
+        return fn
+
+    assert once("ok", build(None)) is None and once("ok", build("never")) is None
+    assert once("no", build("no GPU")) == "no GPU" == once("no", build(None))
+    why = once("bad", build(RuntimeError("nvcc failed\nline 2\nerror: x")))
+    assert why == "building the test extension failed: RuntimeError: nvcc failed | line 2 | error: x"
+    assert once("bad", build(None)) == why and calls[:2] == [None, "no GPU"] and len(calls) == 3

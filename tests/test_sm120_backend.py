@@ -36,7 +36,7 @@ def _cpu_call():
 
 
 def test_import_builds_nothing_and_registers():
-    assert sm120._state == {} or torch.cuda.is_available()
+    assert sm120._loads.results == {} or torch.cuda.is_available()
     backend = registry.get("sm120")
     assert backend is sm120.BACKEND and backend.priority == 70
     assert any(r["name"] == "sm120" for r in registry.status())
@@ -47,7 +47,7 @@ def test_unavailable_says_compute_capability_12():
         return
     reason = sm120.BACKEND.unavailable()
     assert reason is not None and "compute capability 12" in reason
-    assert sm120._state == {}  # deciding that built nothing
+    assert sm120._loads.results == {}  # deciding that built nothing
 
 
 def test_ops_use_the_shared_schema():

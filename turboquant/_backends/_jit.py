@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Hashable, Optional
 
 SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
 CUDA_CFLAGS = ["-O3", "-std=c++17"]  # beside torch's own nvcc flags and the caller's
@@ -67,3 +68,29 @@ def load(name: str, source: Path, cuda_flags: list) -> None:
         is_python_module=False,
         verbose=os.environ.get("TURBOQUANT_BUILD_VERBOSE", "0") == "1",
     )
+
+
+class Once:
+    """A backend's build (or check) run once per key, under a lock: ``once(key, fn)`` runs
+    ``fn()`` the first time, which returns None (usable) or the reason it is not, or raises
+    (the reason then names ``failure`` and the error's last lines); later calls return the same
+    answer. A usable key answers without the lock (torch.compile traces the dispatch through
+    here)."""
+
+    def __init__(self, failure: str):
+        self.failure = failure  # e.g. "building the CUDA extension failed"
+        self.results: dict = {}  # key -> None or the reason
+        self._lock = threading.Lock()
+
+    def __call__(self, key: Hashable, fn: Callable[[], Optional[str]]) -> Optional[str]:
+        if key in self.results and self.results[key] is None:
+            return None
+        with self._lock:
+            if key not in self.results:
+                try:
+                    self.results[key] = fn()
+                except Exception as e:  # noqa: BLE001 - a failure is a reason, not a crash
+                    lines = str(e).strip().splitlines()
+                    tail = " | ".join(lines[-3:]) if lines else type(e).__name__
+                    self.results[key] = f"{self.failure}: {type(e).__name__}: {tail}"
+            return self.results[key]

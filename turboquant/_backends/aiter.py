@@ -48,7 +48,6 @@ aligned (16 for E4M3 keys), non-contiguous scales or slot_mapping, more than 2^3
 from __future__ import annotations
 
 import importlib.util
-import threading
 from pathlib import Path
 from typing import Optional
 
@@ -58,6 +57,7 @@ from ..calls import attention_op_args, cache_write_op_args
 from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
 from ..smoothing import STATE_ROWS
+from ._jit import Once
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_aiter"
 CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_aiter"
@@ -107,8 +107,7 @@ def _write_impl(key, value, key_cache, value_cache, key_scales, value_scales, sl
 torch.library.impl(CACHE_WRITE_OP, "CUDA")(_write_impl)  # ROCm builds dispatch HIP as CUDA
 
 
-_lock = threading.Lock()
-_state: dict = {"checked": False, "reason": None}
+_checked = Once("checking the patched AITER failed")
 
 
 def aiter_root() -> Optional[Path]:
@@ -181,11 +180,7 @@ class AiterBackend(Backend):
         reason = _device_reason()
         if reason is not None:
             return reason
-        with _lock:
-            if not _state["checked"]:
-                _state["reason"] = _aiter_reason()
-                _state["checked"] = True
-            return _state["reason"]
+        return _checked(None, _aiter_reason)
 
     def check_attention(self, call: AttentionCall) -> Optional[str]:
         reason = transform_tensors_reason(call)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from typing import Optional
 
 import torch
@@ -42,7 +41,7 @@ from ..calls import attention_op_args, cache_write_op_args
 from ..ops import (ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, MERGE_STATES_SCHEMA,
                    SHARED_ENTER_SINKS_SCHEMA, SHARED_RECORDS_SCHEMA, define)
 from ..sources import source_dir
-from ._jit import load, sources_hash
+from ._jit import Once, load, sources_hash
 from ..registry import (AttentionCall, Backend, CacheWrite, MergeCall, register,
                         transform_tensors_reason)
 
@@ -64,8 +63,7 @@ define(MERGE_STATES_OP, MERGE_STATES_SCHEMA)
 define(SHARED_RECORDS_OP, SHARED_RECORDS_SCHEMA)
 define(SHARED_ENTER_SINKS_OP, SHARED_ENTER_SINKS_SCHEMA)
 
-_lock = threading.Lock()
-_state: dict = {"loaded": False, "error": None}
+_loaded = Once("building the CUDA extension failed")
 
 
 def _arch_flags(major: int, minor: int) -> tuple[str, str]:
@@ -99,22 +97,7 @@ def _load() -> None:
 
 def ensure_loaded() -> Optional[str]:
     """Load the extension once; return None or the reason it cannot be used."""
-    if _state["loaded"]:  # no lock once loaded: torch.compile traces the dispatcher through here
-        return None
-    with _lock:
-        if _state["loaded"]:
-            return None
-        if _state["error"] is not None:
-            return _state["error"]
-        try:
-            _load()
-            _state["loaded"] = True
-            return None
-        except Exception as e:  # noqa: BLE001 - any build failure is a reason, not a crash
-            msg = str(e).strip().splitlines()
-            tail = " | ".join(msg[-3:]) if msg else type(e).__name__
-            _state["error"] = f"building the CUDA extension failed: {type(e).__name__}: {tail}"
-            return _state["error"]
+    return _loaded(None, _load)
 
 
 def _aligned(t: torch.Tensor, nbytes: int) -> bool:

@@ -27,7 +27,6 @@ left to the other backends.
 """
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
@@ -35,7 +34,7 @@ import torch
 from ..calls import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
 from ..sources import source_dir
-from ._jit import load, sources_hash
+from ._jit import Once, load, sources_hash
 from ..registry import (AttentionCall, Backend, register, state_outputs_reason,
                         transform_tensors_reason)
 
@@ -73,8 +72,7 @@ def _define_ops() -> None:
 
 _define_ops()
 
-_lock = threading.Lock()
-_state: dict = {}  # emulate -> None (loaded) or the reason the build failed
+_loads = Once("building the sm120 extension failed")  # key: emulate
 
 
 def _build(emulate: bool) -> None:
@@ -84,16 +82,7 @@ def _build(emulate: bool) -> None:
 
 def load_extension(emulate: bool = False) -> Optional[str]:
     """Build (or reuse) and load the extension once; None, or why it cannot be used."""
-    with _lock:
-        if emulate not in _state:
-            try:
-                _build(emulate)
-                _state[emulate] = None
-            except Exception as e:  # noqa: BLE001 - a build failure is a reason, not a crash
-                lines = str(e).strip().splitlines()
-                tail = " | ".join(lines[-3:]) if lines else type(e).__name__
-                _state[emulate] = f"building the sm120 extension failed: {type(e).__name__}: {tail}"
-        return _state[emulate]
+    return _loads(emulate, lambda: _build(emulate))
 
 
 class Sm120Backend(Backend):
