@@ -1,5 +1,6 @@
-"""Decode throughput through transformers' continuous batching (``generate_batch``, transformers
-5.23: carried to the GPU machines as batching_check.py says): turboquant's FP4 cache against BF16
+"""Decode throughput through transformers' continuous batching (``generate_batch``; its
+FlashInfer pages subclass transformers 5.23's allocator, so 5.23, carried to the GPU machines as
+batching_check.py says): turboquant's FP4 cache against BF16
 and FP8 pages read by FlashInfer through the same hook (``transformers_batching.run_batch`` with
 this file's cache and attention function), decode steps on transformers' block-table path and
 captured in CUDA graphs for all three.
@@ -37,6 +38,7 @@ import transformers  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api, model_runner  # noqa: E402
 
 from turboquant.integration import transformers_batching as tb  # noqa: E402
+from turboquant.integration import transformers_cb_cache as cbc  # noqa: E402
 from turboquant.bench.peers import page_indices  # noqa: E402
 
 PAGE = 16
@@ -45,7 +47,7 @@ FI_NAME = "fi_cb"
 CACHES = ("tq_fp4", "bf16", "fp8")
 
 
-class FIAllocator(tb._Allocator):
+class FIAllocator(cbc.Allocator):
     """BF16 or FP8 pages: a layer's range as [2, blocks, Hkv, page, D] (K pages, V pages)."""
 
     dtype = torch.bfloat16
@@ -59,7 +61,7 @@ class FIAllocator(tb._Allocator):
                                                  self.tokens_per_page, self.head_dim)
 
 
-class FICache(tb._Cache):
+class FICache(cbc.Cache):
     """transformers' paged cache holding BF16 or FP8 pages, read by FlashInfer: the host-side
     rows of each step (request, KV length) are kept to plan FlashInfer before the step runs."""
 
@@ -148,7 +150,7 @@ def fi_attention(module, query, key, value, attention_mask, scaling=None, *, cac
         slots = meta.slot_mapping[:t]
         cache.slots = torch.where(slots >= 0, slots, cache.trash_slot)
         cache.real_tokens = int(cu_seq_lens_q[-1]) if block_table is None else t
-    k_pages, v_pages = cache.allocator.buffers[i]
+    k_pages, v_pages = cache.buffers[i]
     blk, off = cache.slots // PAGE, cache.slots % PAGE
     k_pages[blk, :, off] = key[0].transpose(0, 1).to(cache.kv_dtype)
     v_pages[blk, :, off] = value[0].transpose(0, 1).to(cache.kv_dtype)

@@ -1,21 +1,30 @@
-"""transformers' continuous batching (``generate_batch``, transformers 5.23) with the KV cache in
-the format (``turboquant.integration.transformers_batching``), on the CPU with a small random
-Llama: prompts of 1, 54 and 97 tokens, in chunked prefill and with the block-table decode path,
-give the tokens ``PagedKVCache`` gives each prompt alone; a block holds the format's bytes."""
+"""transformers' continuous batching (``generate_batch``, transformers 5.23 and 5.17) with the KV
+cache in the format (``turboquant.integration.transformers_batching``), on the CPU with a small
+random Llama: prompts of 1, 54 and 97 tokens, in chunked prefill, with the block-table decode
+path, in steps padded as for CUDA graphs and in forks, give the tokens ``PagedKVCache`` gives
+each prompt alone; the cache holds the format's bytes and nothing in BF16. (CI runs this file
+under 5.23 and, through tests/test_transformers_versions.py, under 5.17.)"""
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-if not transformers.__version__.startswith("5.23"):
-    pytest.skip(f"continuous batching is wired for transformers 5.23, found "
+if transformers.__version__[:4] not in ("5.17", "5.23"):
+    pytest.skip(f"continuous batching is wired for transformers 5.23 and 5.17, found "
                 f"{transformers.__version__}", allow_module_level=True)
 
 from test_transformers_integration import LENS, batch, calibration, tiny_llama  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api  # noqa: E402
 from turboquant.integration import transformers_batching as tb  # noqa: E402
+from turboquant.integration import transformers_cb_cache as cbc  # noqa: E402
 from turboquant.integration.transformers import PagedKVCache  # noqa: E402
 
 NEW = 8
+
+
+def cb_config(**kw):
+    """A ContinuousBatchingConfig with pages of 16 (5.17 names the page ``block_size``)."""
+    page = "block_size" if cbc.VERSION == "5.17" else "page_size"
+    return transformers.ContinuousBatchingConfig(**{page: 16}, **kw)
 
 
 def alone(model, ids, cal):
@@ -71,7 +80,7 @@ def test_generate_batch_gives_each_prompt_its_tokens(fast_path, padded, monkeypa
     model.set_attn_implementation("sdpa")
     config = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1,
                                            pad_token_id=0)
-    cb = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=40, max_batch_tokens=64)
+    cb = cb_config(num_blocks=40, max_batch_tokens=64)
     out = tb.generate_batch(model, [p.tolist() for p in prompts], calibration=cal,
                             sink_entries=4096, generation_config=config,
                             continuous_batching_config=cb, decode_fast_path_blocks=fast_path)
@@ -81,20 +90,61 @@ def test_generate_batch_gives_each_prompt_its_tokens(fast_path, padded, monkeypa
     assert (steps["padded"] > 0) == padded
 
 
-def test_a_block_holds_the_format_bytes():
+def test_the_cache_holds_the_format_bytes_and_forks_copy_them(monkeypatch):
+    """Each layer's cache is a uint8 [blocks, Hkv, 16, D + 2] range, transformers holds no K/V
+    of its own (5.23: one uint8 tensor; 5.17: its K/V tensors empty); a fork
+    (num_return_sequences, top-1 sampling) copies its blocks and both children give the prompt's
+    greedy tokens; a dtype outside the two formats is refused, naming kv_cache_dtype."""
+    gen = torch.Generator().manual_seed(4)
     model = tiny_llama()
+    cal = calibration(model, gen)
+    ids, _ = batch(gen)
+    prompt = ids[1, -LENS[1]:]
+    want = alone(model, prompt, cal)
     hkv, d = model.config.num_key_value_heads, model.config.head_dim
-    per_page = tb._Allocator.get_bytes_per_page(hkv, d, torch.bfloat16, 16)
-    assert per_page == hkv * 16 * (d + 2)  # against 2 x Hkv x 16 x D x 2 for BF16
+    seen, copies = [], []
+    copy = cbc.copy_blocks
+    monkeypatch.setattr(cbc, "copy_blocks", lambda *a: (copies.append(a[3:]), copy(*a))[1])
+    attention = tb.attention
+
+    def spy(module, query, key, value, mask, **kw):
+        seen.append(kw["cache"])
+        return attention(module, query, key, value, mask, **kw)
+
+    monkeypatch.setattr(tb, "attention", spy)
+    config = transformers.GenerationConfig(max_new_tokens=NEW, do_sample=True, top_k=1,
+                                           eos_token_id=-1, pad_token_id=0,
+                                           num_return_sequences=2)
+    out = tb.generate_batch(model, [prompt.tolist()], calibration=cal, sink_entries=4096,
+                            generation_config=config,
+                            continuous_batching_config=cb_config(num_blocks=40,
+                                                                 max_batch_tokens=64))
+    cache = seen[0]
+    for buf in cache.buffers.values():
+        assert buf.dtype == torch.uint8 and tuple(buf.shape[1:]) == (hkv, 16, d + 2)
+    if cbc.VERSION == "5.17":
+        assert all(t.numel() == 0 for t in cache.key_cache + cache.value_cache)
+    else:
+        assert cache.allocator.cache_tensor.dtype == torch.uint8
+    assert copies and all(len(src) == len(dst) > 0 for src, dst in copies)
+    assert [o.generated_tokens for o in out.values()] == [want] * len(out) and len(out) >= 1
     with pytest.raises(ValueError, match="kv_cache_dtype: expected one of"):
         tb.generate_batch(model, [[1, 2]], kv_cache_dtype="fp8")
+
+
+def test_cpu_offload_is_refused():
+    """Offloading copies blocks as byte ranges: refused, also when transformers would size it."""
+    for space in (None, 1.0):
+        cb = cb_config(num_blocks=40, max_batch_tokens=64, cpu_offload_space=space)
+        with pytest.raises(ValueError, match="continuous_batching_config: cpu_offload_space"):
+            tb.generate_batch(tiny_llama(), [[1, 2]], continuous_batching_config=cb,
+                              max_new_tokens=2)
 
 
 @pytest.mark.parametrize("graphs", [True, (True, False)])
 def test_varlen_graphs_are_refused(graphs):
     """Varlen steps build their block table on the host: only decode steps may be captured."""
     model = tiny_llama()
-    cb = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=40, max_batch_tokens=64,
-                                               use_cuda_graph=graphs)
+    cb = cb_config(num_blocks=40, max_batch_tokens=64, use_cuda_graph=graphs)
     with pytest.raises(ValueError, match="continuous_batching_config: use_cuda_graph"):
         tb.generate_batch(model, [[1, 2]], continuous_batching_config=cb, max_new_tokens=2)
