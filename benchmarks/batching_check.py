@@ -1,14 +1,15 @@
-"""Continuous batching with the KV cache in the format on a GPU (transformers 5.23; the GPU
-machines have 5.17, so carry 5.23 as a site folder: `pip download --no-deps
+"""Continuous batching with the KV cache in the format on a GPU, under the machine's transformers
+(5.17 on the GPU machines here) or 5.23 carried as a site folder: `pip download --no-deps
 transformers==5.23.0`, unzip it into site/, `tar -cJf .tfsite/tf523.tar.xz site`, carry .tfsite,
-and on the machine unpack it to /tmp/tfsite and put that first on PYTHONPATH).
+and on the machine unpack it to /tmp/tfsite and put that first on PYTHONPATH.
 
 The small random Llama of tests/test_transformers_batching.py on the GPU: tokens of
 ``generate_batch`` per prompt against ``PagedKVCache`` per prompt alone, without the decode fast
 path and with it (its decode steps then replayed from CUDA graphs). Throughput:
 batching_throughput.py.
 
-    PYTHONPATH=/tmp/tfsite:$PWD python benchmarks/batching_check.py
+    python benchmarks/batching_check.py                              # the machine's transformers
+    PYTHONPATH=/tmp/tfsite:$PWD python benchmarks/batching_check.py  # 5.23 carried
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import transformers  # noqa: E402
+from test_transformers_batching import cb_config  # noqa: E402
 from test_transformers_integration import LENS, batch, calibration, tiny_llama  # noqa: E402
 
 from turboquant.integration import transformers_batching as tb  # noqa: E402
@@ -44,8 +46,7 @@ def agreement(dev: str, new: int = 8) -> None:
                                            pad_token_id=0)
     for fast in (0, 16):
         model.set_attn_implementation("sdpa")
-        cb = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=40,
-                                                   max_batch_tokens=64)
+        cb = cb_config(num_blocks=40, max_batch_tokens=64)
         out = tb.generate_batch(model, [p.tolist() for p in prompts], calibration=cal,
                                 sink_entries=4096, generation_config=config,
                                 continuous_batching_config=cb, decode_fast_path_blocks=fast)
