@@ -127,8 +127,9 @@ def test_generate_holds_only_the_format_bytes_and_refuses_bad_input():
 
 
 def test_readme_recipe_runs(tmp_path):
-    """README's "Use it with transformers" block, run as written, with MODEL a local model:
-    SmolLM2's tokenizer beside a small random Llama (no download)."""
+    """README's "Use it with transformers" blocks (model.generate, then continuous batching),
+    run as written, with MODEL a local model: SmolLM2's tokenizer beside a small random Llama
+    (no download)."""
     import os
 
     from turboquant.accuracy.models import ModelUnavailable, find_model_path
@@ -143,11 +144,17 @@ def test_readme_recipe_runs(tmp_path):
     tiny_llama(vocab=len(tok)).save_pretrained(tmp_path)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme.split("## Use it with transformers", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    section = section.split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2  # model.generate with PagedKVCache, then continuous batching
     scope = {"MODEL": str(tmp_path)}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(blocks[0], "README.md", "exec"), scope)
     assert len(scope["texts"]) == 2 and all(isinstance(t, str) for t in scope["texts"])
     assert isinstance(scope["cache"], PagedKVCache)
+    if transformers.__version__[:4] in ("5.17", "5.23"):  # continuous batching's versions
+        exec(compile(blocks[1], "README.md", "exec"), scope)
+        assert len(scope["batch_texts"]) == 2
+        assert all(isinstance(t, str) for t in scope["batch_texts"])
 
 
 @pytest.mark.parametrize("device", DEVICES)
