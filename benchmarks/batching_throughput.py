@@ -13,8 +13,9 @@ decodes while others prefill, and the batch never decodes together). Every step 
 wall = from its start to the next step's start (transformers' scheduling and input tensors, the
 plan - for FlashInfer its page indices built on the host and ``plan`` -, the graph's replay, the
 read-back of the sampled tokens), GPU = CUDA events around the step's compute. Reported over the
-decode steps that hold at least 7/8 of the B requests, the first two left out (graph capture): tokens/s = rows / wall, GPU tokens/s = rows /
-GPU, the host's share of the step (1 - GPU / wall), the plan's ms.
+decode steps that hold at least 7/8 of the B requests, the first two left out (graph capture):
+tokens/s = rows / wall, GPU tokens/s = rows / GPU, the host's share of the step (1 - GPU /
+wall), the plan's ms.
 ``--check``: FlashInfer BF16 through this hook against transformers' own continuous batching
 (sdpa) on a small case, greedy tokens equal.
 
@@ -320,9 +321,9 @@ def main(argv=None) -> None:
                 print(f"{cache:7s} {b:4d} x {length:6d}  {stats['rows']:5.1f} rows "
                       f"{stats['step_ms']:7.2f} ms/step "
                       f"{stats['tokens_per_s']:8.0f} tok/s  GPU {stats['gpu_step_ms']:7.2f} ms "
-                      f"{stats['gpu_tokens_per_s']:8.0f} tok/s  host {100 * stats['host_share']:4.1f}"
-                      f" %  plan {stats['plan_ms']:.2f} ms  ({stats['decode_steps']} steps, run "
-                      f"{r['total_s']:.1f} s)", flush=True)
+                      f"{stats['gpu_tokens_per_s']:8.0f} tok/s  host "
+                      f"{100 * stats['host_share']:4.1f} %  plan {stats['plan_ms']:.2f} ms  "
+                      f"({stats['decode_steps']} steps, run {r['total_s']:.1f} s)", flush=True)
             rows.append(row)
             torch.cuda.empty_cache()
             if args.json:  # after every row: a call cut short keeps what it measured

@@ -162,7 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="FlashInfer paged decode over BF16, FP8 and NVFP4 caches of the same "
                         "K/V and pages (decode rows) and its paged prefill over BF16 and FP8 "
                         "(multi-token rows), each checked against fp32 over its own bytes first "
-                        "(turboquant.bench.peers; skipped with the reason when flashinfer is absent)")
+                        "(turboquant.bench.peers; skipped with the reason when flashinfer is "
+                        "absent)")
     g.add_argument("--no-writer", action="store_true", help="skip the cache-writer row")
     g.add_argument("--multi-token", default="",
                    help="multi-token rows BxQ@L (B sequences of L tokens, the last Q of each "
