@@ -29,6 +29,7 @@
 #include <cuda_runtime.h>
 
 #include "fp4_portable.cuh"
+#include "limits.cuh"
 #include "tuning.cuh"
 
 namespace turboquant {
@@ -294,6 +295,7 @@ void launch_writer_variant(const CacheWriteParams& p, int blocks, bool smooth, b
 
 template <typename T, int D>
 cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream) {
+  static_assert(supported_head_dim<D>(), "D: not in limits.cuh's HeadDims");
   const long long threads = (long long)p.num_tokens * p.num_kv_heads * (D / tuning::WRITER_EPT);
   if (threads == 0) return cudaSuccess;
   if (threads >= (1LL << 31)) return cudaErrorInvalidValue;  // split the call

@@ -9,24 +9,17 @@
 namespace turboquant {
 namespace cuda_fp4 {
 
-#define TQ_ATTN(D, T) template cudaError_t launch_paged_attention<D, T>(const AttnParams&, int, cudaStream_t);
-TQ_ATTN(64, __half)
-TQ_ATTN(128, __half)
-TQ_ATTN(256, __half)
-TQ_ATTN(64, __nv_bfloat16)
-TQ_ATTN(128, __nv_bfloat16)
-TQ_ATTN(256, __nv_bfloat16)
-
-#define TQ_WRITE(T, D) template cudaError_t launch_reshape_and_cache<T, D>(const CacheWriteParams&, cudaStream_t);
-TQ_WRITE(__half, 64)
-TQ_WRITE(__half, 128)
-TQ_WRITE(__half, 256)
-TQ_WRITE(__nv_bfloat16, 64)
-TQ_WRITE(__nv_bfloat16, 128)
-TQ_WRITE(__nv_bfloat16, 256)
-TQ_WRITE(float, 64)
-TQ_WRITE(float, 128)
-TQ_WRITE(float, 256)
+// Every head dim of limits.cuh: the attention launcher for 16-bit queries, the writer for 16-
+// and 32-bit keys (taking their addresses instantiates them).
+template <typename T, int... Ds> int instantiate_head_dims(IntList<Ds...>) {
+  int n = 0;
+  ((n += (&launch_reshape_and_cache<T, Ds> != nullptr)), ...);
+  if constexpr (!std::is_same_v<T, float>) ((n += (&launch_paged_attention<Ds, T> != nullptr)), ...);
+  return n;
+}
+template int instantiate_head_dims<__half>(HeadDims);
+template int instantiate_head_dims<__nv_bfloat16>(HeadDims);
+template int instantiate_head_dims<float>(HeadDims);
 
 template cudaError_t launch_merge_states<__half>(const MergeParams<__half>&, cudaStream_t);
 template cudaError_t launch_merge_states<__nv_bfloat16>(const MergeParams<__nv_bfloat16>&, cudaStream_t);

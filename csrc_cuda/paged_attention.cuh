@@ -59,6 +59,7 @@
 #include <cuda_runtime.h>
 
 #include "fp4_common.cuh"
+#include "limits.cuh"
 #include "tuning.cuh"
 
 namespace turboquant {

@@ -802,15 +802,16 @@ int attention_smem_bytes_d(AttnKernel k, bool key_e4m3, int major, const char** 
   }
 }
 inline int attention_smem_bytes(AttnKernel k, int D, bool key_e4m3, int major, const char** kernel) {
-  if (D == 64) return attention_smem_bytes_d<64>(k, key_e4m3, major, kernel);
-  if (D == 128) return attention_smem_bytes_d<128>(k, key_e4m3, major, kernel);
-  return attention_smem_bytes_d<256>(k, key_e4m3, major, kernel);
+  int bytes = 0;
+  for_head_dim(D, [&](auto d) { bytes = attention_smem_bytes_d<decltype(d)::value>(k, key_e4m3, major, kernel); });
+  return bytes;
 }
 
 // Host launcher (torch-free). grid_x = row tiles (general kernel: 16 rows; short multi-token
 // forms: their 8 or 16 columns) = num_seqs (decode kernel) = row groups (prefill kernel).
 template <int D, typename T>
 cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
+  static_assert(supported_head_dim<D>(), "D: not in limits.cuh's HeadDims");
   const bool states = p.lse != nullptr || p.sinks != nullptr;
   if (p.key_e4m3) {
     if (states) return launch_attention_variant<D, T, true, true>(p, grid_x, stream);

@@ -110,8 +110,9 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   const int num_blocks = (int)key_cache.size(0), hkv = (int)key_cache.size(1), bs = (int)key_cache.size(2);
   const bool key_e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;  // K8V4
   TORCH_CHECK(key_cache.size(3) == (key_e4m3 ? D : D / 2), "key_cache: row size mismatch (D/2; K8V4: D)");
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
-  TORCH_CHECK(bs >= 16 && (bs & (bs - 1)) == 0, "block_size must be a power of two >= 16");
+  TORCH_CHECK(tq::is_head_dim(D), "head_dim ", D, " is not one the kernels are built for (limits.cuh)");
+  TORCH_CHECK(bs >= tq::kMinBlockSize && (bs & (bs - 1)) == 0, "block_size must be a power of two >= ",
+              tq::kMinBlockSize);
   TORCH_CHECK(num_heads % hkv == 0, "num_heads % num_kv_heads != 0");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out: last dim must be contiguous");
   TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == (key_e4m3 ? D : D / 2) &&
@@ -229,9 +230,9 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   TORCH_CHECK(D == 128 && !half, "this tuning build has only D=128 bf16");
   TQ_LAUNCH(128, __nv_bfloat16);
 #else
-  if (D == 64) { if (half) TQ_LAUNCH(64, __half); else TQ_LAUNCH(64, __nv_bfloat16); }
-  else if (D == 128) { if (half) TQ_LAUNCH(128, __half); else TQ_LAUNCH(128, __nv_bfloat16); }
-  else { if (half) TQ_LAUNCH(256, __half); else TQ_LAUNCH(256, __nv_bfloat16); }
+  tq::for_head_dim(D, [&](auto d) {
+    if (half) TQ_LAUNCH(decltype(d)::value, __half); else TQ_LAUNCH(decltype(d)::value, __nv_bfloat16);
+  });
 #endif
 #undef TQ_LAUNCH
   C10_CUDA_CHECK(err);
@@ -246,7 +247,7 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
   TORCH_CHECK(key.is_cuda() && key.dim() == 3 && value.sizes() == key.sizes(), "key/value: expected 3-D CUDA");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key/value dtype mismatch");
   const int num_tokens = (int)key.size(0), hkv = (int)key.size(1), D = (int)key.size(2);
-  TORCH_CHECK(D == 64 || D == 128 || D == 256, "head_dim must be 64, 128 or 256");
+  TORCH_CHECK(tq::is_head_dim(D), "head_dim ", D, " is not one the kernels are built for (limits.cuh)");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value: last dim must be contiguous");
   const bool key_e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;  // K8V4
   TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == (key_e4m3 ? D : D / 2) &&
@@ -281,10 +282,8 @@ void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, 
   p.num_blocks = (int)key_cache.size(0);
   set_transform_fields(p, D, hkv, num_tokens, rotation_signs, seq_state, state_ids);
   cudaError_t err = cudaSuccess;
-#define TQ_W(TT)                                                              \
-  if (D == 64) err = tq::launch_reshape_and_cache<TT, 64>(p, stream);        \
-  else if (D == 128) err = tq::launch_reshape_and_cache<TT, 128>(p, stream); \
-  else err = tq::launch_reshape_and_cache<TT, 256>(p, stream);
+#define TQ_W(TT) \
+  tq::for_head_dim(D, [&](auto d) { err = tq::launch_reshape_and_cache<TT, decltype(d)::value>(p, stream); });
 #ifdef TQ_ONLY_D128_BF16
   TORCH_CHECK(D == 128 && key.scalar_type() == at::kBFloat16, "tuning build: D=128 bf16 only");
   err = tq::launch_reshape_and_cache<__nv_bfloat16, 128>(p, stream);

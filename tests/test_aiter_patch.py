@@ -235,8 +235,8 @@ def test_round_trip(pristine):
 
 def WRITER_FILES(pa):
     """What the patch adds for the cache writer (aiter.reshape_and_cache_fp4)."""
-    return [f"{pa}/tq_cache_writer_hip.cuh", f"{pa}/tq_fp4_portable_hip.cuh", f"{pa}/tq_tuning.cuh",
-            f"{pa}/cache_fp4.cpp.jinja", f"{pa}/cache_fp4.py", "aiter/ops/turboquant_fp4_cache.py"]
+    return [f"{pa}/tq_cache_writer_hip.cuh", f"{pa}/tq_fp4_portable_hip.cuh", f"{pa}/tq_limits.cuh",
+            f"{pa}/tq_tuning.cuh", f"{pa}/cache_fp4.cpp.jinja", f"{pa}/cache_fp4.py", "aiter/ops/turboquant_fp4_cache.py"]
 
 
 def test_earlier_patch_is_reported_and_reverted(tree):

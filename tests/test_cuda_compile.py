@@ -245,3 +245,25 @@ def test_attention_smem_bytes_names_the_kernel_and_its_size(tmp_path):
     assert size[4] > 166912                # SM80: the D 256 general kernel does not fit
     assert size[6] > size[7] > 0           # the wgmma layout holds three fp16 tiles, the warp-MMA one two
     assert all(b > 0 for b in size)
+
+
+def test_the_head_dim_list_is_the_one_the_code_builds_and_rejects_others(tmp_path):
+    """limits.cuh's head dims are what the backend reads (turboquant.sources.cuda_limits), what
+    compile_check.cu instantiates, and a launcher for any other D fails to compile naming
+    limits.cuh (its static_assert)."""
+    from turboquant._backends import cuda
+    from turboquant.sources import cuda_limits
+
+    dims, lo, hi = cuda_limits()
+    assert (cuda.HEAD_DIMS, cuda.MIN_BLOCK_SIZE, cuda.MAX_BLOCK_SIZE) == (dims, lo, hi)
+    assert dims == (64, 128, 256) and (lo, hi) == (16, 256)
+    probe = tmp_path / "probe.cu"
+    probe.write_text('#include "cache_writer.cuh"\n'
+                     "namespace turboquant { namespace cuda_fp4 {\n"
+                     "static_assert(supported_head_dim<128>() && !supported_head_dim<96>());\n"
+                     "template cudaError_t launch_reshape_and_cache<float, 96>("
+                     "const CacheWriteParams&, cudaStream_t);\n} }\n")
+    r = subprocess.run([NVCC, "-std=c++17", *TARGETS["sm_90a"], "-I", str(CSRC), "-c",
+                        str(probe), "-o", str(tmp_path / "probe.o")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "not in limits.cuh's HeadDims" in r.stdout + r.stderr

@@ -56,8 +56,8 @@ def hip_tu(tmp_path_factory):
 
 def test_hipify_translates_the_writer(hip_tu):
     files = {f.name: f.read_text() for f in hip_tu.parent.iterdir()}
-    assert set(files) == {"cache_writer_hip.cuh", "fp4_portable_hip.cuh", "tuning.cuh",
-                          "cache_writer_instances.hip"}
+    assert set(files) == {"cache_writer_hip.cuh", "fp4_portable_hip.cuh", "limits.cuh",
+                          "tuning.cuh", "cache_writer_instances.hip"}
     writer = files["cache_writer_hip.cuh"]
     assert "#include <hip/hip_runtime.h>" in writer and '#include "fp4_portable_hip.cuh"' in writer
     assert "hipLaunchKernelGGL(( kernel), dim3(blocks), dim3(threads), 0, stream, p)" in writer

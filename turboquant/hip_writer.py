@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .sources import source_dir
+from .sources import cuda_limits, source_dir
 
 CSRC_CUDA = source_dir("cuda")
 SHIMS = source_dir("hip") / "shims"
@@ -48,10 +48,10 @@ HOST_SHIMS = SHIMS / "host"
 HOST_DRIVER = HOST_SHIMS / "cache_writer_host.cpp"
 
 # The writer and everything it includes (no other file of csrc_cuda is copied).
-WRITER_SOURCES = ("cache_writer.cuh", "fp4_portable.cuh", "tuning.cuh")
+WRITER_SOURCES = ("cache_writer.cuh", "fp4_portable.cuh", "limits.cuh", "tuning.cuh")
 ARCHS = ("gfx950", "gfx942")
 DTYPES = ("__half", "__nv_bfloat16", "float")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = cuda_limits()[0]  # csrc_cuda/limits.cuh
 TU_NAME = "cache_writer_instances.cu"
 HIP_TU_NAME = "cache_writer_instances.hip"  # hipify's name for the translated unit
 KERNEL = "reshape_and_cache_fp4_kernel"
@@ -207,9 +207,10 @@ def build_host_library(tu: Path, out: Path, cxx: Optional[str] = None) -> Path:
 # AITER's JIT renders and builds them from (aiter.reshape_and_cache_fp4).
 AITER_NAMES = {"cache_writer_hip.cuh": "tq_cache_writer_hip.cuh",
                "fp4_portable_hip.cuh": "tq_fp4_portable_hip.cuh",
-               "tuning.cuh": "tq_tuning.cuh"}
+               "limits.cuh": "tq_limits.cuh", "tuning.cuh": "tq_tuning.cuh"}
 _AITER_ORIGIN = {"cache_writer_hip.cuh": "cache_writer.cuh",
-                 "fp4_portable_hip.cuh": "fp4_portable.cuh", "tuning.cuh": "tuning.cuh"}
+                 "fp4_portable_hip.cuh": "fp4_portable.cuh", "limits.cuh": "limits.cuh",
+                 "tuning.cuh": "tuning.cuh"}
 _AITER_HEADER = ("// turboquant-fp4: csrc_cuda/{src} of turboquant as hipify-torch translated it "
                  "(turboquant/hip_writer.py),\n// included by the FP4 cache writer "
                  "cache_fp4.cpp.jinja (aiter.reshape_and_cache_fp4). Added to AITER by\n"

@@ -40,7 +40,7 @@ import torch
 from ..calls import attention_op_args, cache_write_op_args
 from ..ops import (ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, MERGE_STATES_SCHEMA,
                    SHARED_ENTER_SINKS_SCHEMA, SHARED_RECORDS_SCHEMA, define)
-from ..sources import source_dir
+from ..sources import cuda_limits, source_dir
 from ._jit import Once, load, sources_hash
 from ..registry import (AttentionCall, Backend, CacheWrite, MergeCall, register,
                         transform_tensors_reason)
@@ -50,9 +50,7 @@ CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_cuda"
 MERGE_STATES_OP = "turboquant::merge_attention_states_cuda"
 SHARED_RECORDS_OP = "turboquant::shared_records_cuda"  # turboquant.shared_state's two kernels
 SHARED_ENTER_SINKS_OP = "turboquant::shared_enter_sinks_cuda"
-HEAD_DIMS = (64, 128, 256)
-MIN_BLOCK_SIZE = 16
-MAX_BLOCK_SIZE = 256  # the largest the GPU tests cover
+HEAD_DIMS, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = cuda_limits()  # csrc_cuda/limits.cuh
 
 CSRC = source_dir("cuda")
 

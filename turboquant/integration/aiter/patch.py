@@ -16,9 +16,9 @@ What it does:
   length, grid, workspace layout) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4.py``
   (``aiter.paged_attention_fp4``); for the cache writer, the CUDA writer hipified by
   ``turboquant.hip_writer`` (``tq_cache_writer_hip.cuh``, ``tq_fp4_portable_hip.cuh``,
-  ``tq_tuning.cuh``), ``cache_fp4.cpp.jinja`` and ``cache_fp4.py`` (its launcher, module name
-  ``reshape_and_cache_fp4``) in ``csrc/cpp_itfs/pa/``, and ``aiter/ops/turboquant_fp4_cache.py``
-  (``aiter.reshape_and_cache_fp4``);
+  ``tq_limits.cuh``, ``tq_tuning.cuh``), ``cache_fp4.cpp.jinja`` and ``cache_fp4.py`` (its
+  launcher, module name ``reshape_and_cache_fp4``) in ``csrc/cpp_itfs/pa/``, and
+  ``aiter/ops/turboquant_fp4_cache.py`` (``aiter.reshape_and_cache_fp4``);
 - inserts lines at two places found from the structure of the Python code (its syntax tree,
   never a line number or an exact line, so reformatted or moved code is still found): pa_v1's
   ``kv_cache_dtype`` if/elif chain gains an ``fp4``/``fp4_e2m1`` branch before its first elif

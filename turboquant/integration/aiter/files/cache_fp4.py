@@ -2,8 +2,8 @@
 # fills the caches pa_fp4.py reads. Injected into csrc/cpp_itfs/pa/ by
 # `python -m turboquant.integration.aiter.patch`; removed by its --revert. The kernels are
 # turboquant's CUDA cache writer as hipify-torch translated it (tq_cache_writer_hip.cuh,
-# tq_fp4_portable_hip.cuh, tq_tuning.cuh, next to this file), built by AITER's JIT from
-# cache_fp4.cpp.jinja: one library per (input dtype, head size, arch).
+# tq_fp4_portable_hip.cuh, tq_limits.cuh, tq_tuning.cuh, next to this file), built by AITER's
+# JIT from cache_fp4.cpp.jinja: one library per (input dtype, head size, arch).
 #
 # key, value [num_tokens, num_kv_heads, head_size] bf16/fp16/fp32, quantized to the cache at
 # slot_mapping (int64 or int32 [num_tokens]; slot = block * block_size + offset; -1 skips the
@@ -42,7 +42,7 @@ CXXFLAGS = ["-Xclang -fdenormal-fp-math-f32=ieee"]
 
 _DIR = f"{AITER_CORE_DIR}/csrc/cpp_itfs/pa"
 _HEADERS = [f"{_DIR}/tq_cache_writer_hip.cuh", f"{_DIR}/tq_fp4_portable_hip.cuh",
-            f"{_DIR}/tq_tuning.cuh"]
+            f"{_DIR}/tq_limits.cuh", f"{_DIR}/tq_tuning.cuh"]
 with open(f"{_DIR}/cache_fp4.cpp.jinja", "r") as f:
     _TEMPLATE_TEXT = f.read()
 src_template = Template(_TEMPLATE_TEXT)
