@@ -1,7 +1,7 @@
 // Instantiates every kernel template of the cuda backend, with no torch, so that
 // tests/test_cuda_compile.py can compile the headers standalone for sm_80 and sm_90a:
 //   nvcc -std=c++17 -arch=sm_90a -c csrc_cuda/compile_check.cu -Xptxas -v
-#include "paged_attention_decode.cuh"
+#include "attention_plan.cuh"
 #include "cache_writer.cuh"
 #include "merge_states.cuh"
 #include "shared_state.cuh"

@@ -708,8 +708,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
 // The decode kernel applies to single-token queries of groups of at most 8 heads.
 inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_token && group_size <= 8; }
 
-// Which attention kernel a call runs: the one rule the launcher, the binding's shared-memory
-// check and its partition choice share (`prefill`: prefill_kernel_runs's answer).
+// Which attention kernel a call runs (`prefill`: whether the prefill kernel runs, see
+// plan_attention in attention_plan.cuh, which asks once per call; the plan carries the answer).
 // (kSpec8 / kSpec16: the decode kernel's short multi-token forms of 8 / 16 columns)
 enum class AttnKernel { kPrefill, kDecode, kSpec8, kSpec16, kGeneral };
 inline AttnKernel choose_attention_kernel(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs,
@@ -741,16 +741,11 @@ cudaError_t launch_decode_kernel(const AttnParams& p, int ctas, cudaStream_t str
                              stream, p);
 }
 
-// The decode, prefill, short multi-token or general kernel, then the reduce pass when the KV
-// range is split, for one kStates (see the general kernel).
+// The plan's kernel (decode, prefill, short multi-token or general), then the reduce pass when
+// the KV range is split, for one kStates (see the general kernel).
 template <int D, typename T, bool kStates, bool kE4m3>
-cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream_t stream) {
+cudaError_t launch_attention_variant(const AttnParams& p, AttnKernel k, int grid_x, cudaStream_t stream) {
   cudaError_t e;
-  const bool multi = p.cu_query_lens != nullptr;
-  // the binding sized the grid and the partitions by the same choice
-  const AttnKernel k = choose_attention_kernel(
-      prefill_kernel_runs(multi, D, p.num_tokens, p.num_seqs, p.group_size, kE4m3), multi, D, p.num_tokens,
-      p.num_seqs, p.group_size);
   if (k == AttnKernel::kPrefill) {  // grid_x row groups, one partition
     if constexpr (D <= 128) return launch_prefill_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
     return cudaErrorInvalidValue;
@@ -758,7 +753,7 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
   if (k == AttnKernel::kDecode) {
     e = launch_decode_kernel<D, T, kStates, kE4m3, 1, false>(p, p.num_seqs, stream);
   } else if (k == AttnKernel::kSpec8 || k == AttnKernel::kSpec16) {
-    // grid_x = row tiles of the form's 8 or 16 columns (the binding sizes it by TR = NC)
+    // grid_x = row tiles of the form's 8 or 16 columns (plan_attention sizes it by TR = NC)
     if constexpr (D <= 128) {
       e = k == AttnKernel::kSpec8 ? launch_decode_kernel<D, T, kStates, kE4m3, 1, true>(p, grid_x, stream)
                                   : launch_decode_kernel<D, T, kStates, kE4m3, 2, true>(p, grid_x, stream);
@@ -772,53 +767,19 @@ cudaError_t launch_attention_variant(const AttnParams& p, int grid_x, cudaStream
   return launch_reduce<D, T, kStates>(p, stream);
 }
 
-// Shared memory per CTA of kernel k (the prefill kernel's layout: that of a device of compute
-// capability `major`), and its name. The binding compares it with the device's opt-in limit, so
-// a kernel that cannot launch on a GPU is named in the error instead of failing at launch as a
-// bare CUDA error. Examples (this build, bytes): decode D 128, FP4: 58992; short multi-token
-// (16 columns) D 128, K8V4: 90320; general D 128, K8V4: 136336, over SM86 / SM89's 101376;
-// general D 256, FP4: 173200, over SM80's 166912 (tests/test_cuda_compile.py prints them).
-template <int D>
-int attention_smem_bytes_d(AttnKernel k, bool key_e4m3, int major, const char** kernel) {
-  switch (k) {
-    case AttnKernel::kPrefill:
-      *kernel = "prefill";
-      if constexpr (D <= 128) return key_e4m3 ? prefill_smem_bytes<D, true>(major) : prefill_smem_bytes<D, false>(major);
-      return 0;
-    case AttnKernel::kDecode:
-      *kernel = "decode";
-      return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
-    case AttnKernel::kSpec8:
-      *kernel = "short multi-token (8-column decode)";
-      if constexpr (D <= 128) return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
-      return 0;
-    case AttnKernel::kSpec16:
-      *kernel = "short multi-token (16-column decode)";
-      if constexpr (D <= 128) return key_e4m3 ? DecodeLayout<D, true, 2>::TOTAL : DecodeLayout<D, false, 2>::TOTAL;
-      return 0;
-    default:
-      *kernel = "general";
-      return key_e4m3 ? AttnLayout<D, true>::TOTAL : AttnLayout<D, false>::TOTAL;
-  }
-}
-inline int attention_smem_bytes(AttnKernel k, int D, bool key_e4m3, int major, const char** kernel) {
-  int bytes = 0;
-  for_head_dim(D, [&](auto d) { bytes = attention_smem_bytes_d<decltype(d)::value>(k, key_e4m3, major, kernel); });
-  return bytes;
-}
-
-// Host launcher (torch-free). grid_x = row tiles (general kernel: 16 rows; short multi-token
-// forms: their 8 or 16 columns) = num_seqs (decode kernel) = row groups (prefill kernel).
+// Host launcher (torch-free): kernel k on grid_x, as attention_plan.cuh's plan_attention chose
+// them (grid_x = row tiles of the general kernel's 16 rows or a short multi-token form's 8 or 16
+// columns, sequences for the decode kernel, row groups for the prefill kernel).
 template <int D, typename T>
-cudaError_t launch_paged_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
+cudaError_t launch_paged_attention(const AttnParams& p, AttnKernel k, int grid_x, cudaStream_t stream) {
   static_assert(supported_head_dim<D>(), "D: not in limits.cuh's HeadDims");
   const bool states = p.lse != nullptr || p.sinks != nullptr;
   if (p.key_e4m3) {
-    if (states) return launch_attention_variant<D, T, true, true>(p, grid_x, stream);
-    return launch_attention_variant<D, T, false, true>(p, grid_x, stream);
+    if (states) return launch_attention_variant<D, T, true, true>(p, k, grid_x, stream);
+    return launch_attention_variant<D, T, false, true>(p, k, grid_x, stream);
   }
-  if (states) return launch_attention_variant<D, T, true, false>(p, grid_x, stream);
-  return launch_attention_variant<D, T, false, false>(p, grid_x, stream);
+  if (states) return launch_attention_variant<D, T, true, false>(p, k, grid_x, stream);
+  return launch_attention_variant<D, T, false, false>(p, k, grid_x, stream);
 }
 
 }  // namespace cuda_fp4

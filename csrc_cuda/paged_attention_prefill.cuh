@@ -254,7 +254,7 @@ __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4
 
 // grid (row groups * num_kv_heads, 1), block prefill_threads(major) (32 * PREFILL_WARPS, twice
 // that on SM90a: the producer warps), dynamic smem prefill_smem_bytes<D, kE4m3> bytes. Requires
-// cu_query_lens and num_partitions == 1 (prefill_kernel_runs). kStates: the lse output or learned sinks are asked for (as the
+// cu_query_lens and num_partitions == 1 (plan_attention). kStates: the lse output or learned sinks are asked for (as the
 // general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(TQ_PREFILL_MMA_SYNC)
 #define TQ_PREFILL_KWG true  // warpgroup MMAs, producer and consumer warps (SM90a)
@@ -1018,25 +1018,7 @@ inline int prefill_threads(int major) {
   return prefill_uses_wgmma(major) ? PrefillLayout<128, false, true>::NTH : PrefillLayout<128, false, false>::NTH;
 }
 
-// The dispatcher's choice: the prefill kernel where tuning::use_prefill_kernel picks it and its
-// shared memory fits the current device. SM86, SM89 and SM12x allow 99 KB per CTA; K8V4 keys at
-// D 128 take 109 KB in the warp-MMA layout, so there those calls run the general kernel.
-// Example: H100 (227 KB), 1 x 2048 @ 16k, FP4 or K8V4: prefill (182 / 202 KB); RTX 4090, the
-// same call with K8V4 keys: general kernel; with FP4 keys: prefill (97 KB).
-inline bool prefill_kernel_runs(bool multi, int D, long long num_tokens, long long num_seqs, int group_size,
-                                bool key_e4m3) {
-  if (!tuning::use_prefill_kernel(multi, D, num_tokens, num_seqs, group_size)) return false;
-  int dev = 0, major = 0, optin = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
-    return false;
-  const int need = D <= 64 ? (key_e4m3 ? prefill_smem_bytes<64, true>(major) : prefill_smem_bytes<64, false>(major))
-                           : (key_e4m3 ? prefill_smem_bytes<128, true>(major) : prefill_smem_bytes<128, false>(major));
-  return need <= optin;
-}
-
-// The prefill kernel's launch (torch-free). grid_x = row groups (prefill_kernel_runs).
+// The prefill kernel's launch (torch-free). grid_x = row groups (plan_attention).
 template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
   auto kern = paged_attention_fp4_prefill_kernel<D, T, kStates, kE4m3>;

@@ -18,7 +18,7 @@
 
 #include "cache_writer.cuh"
 #include "merge_states.cuh"
-#include "paged_attention_decode.cuh"
+#include "attention_plan.cuh"
 #include "shared_state.cuh"
 
 namespace tq = turboquant::cuda_fp4;
@@ -146,39 +146,19 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   } else {
     TORCH_CHECK(num_tokens == num_seqs, "decode: one query token per sequence");
   }
-  namespace tn = turboquant::tuning;
-  const bool prefill = tq::prefill_kernel_runs(multi, D, num_tokens, num_seqs, G, key_e4m3);
-  const tq::AttnKernel kern = tq::choose_attention_kernel(prefill, multi, D, num_tokens, num_seqs, G);
-  {  // the kernel's shared memory must fit this GPU (a named error, not a failed launch)
-    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.get_device());
-    const char* name = "";
-    const int need = tq::attention_smem_bytes(kern, D, key_e4m3, prop->major, &name);
-    TORCH_CHECK(need <= (int)prop->sharedMemPerBlockOptin, "paged_attention_fp4 (cuda): the ", name,
-                " attention kernel needs ", need, " bytes of shared memory per block at head_dim ", D,
-                key_e4m3 ? " with K8V4 keys" : "", "; this GPU (SM ", prop->major, ".", prop->minor, ") allows ",
-                prop->sharedMemPerBlockOptin, ": run this call with backend='reference'");
-  }
-  const int tiles_per_seq = (G + 15) / 16;
-  // grid x: row groups of PREFILL_ROWS (prefill kernel), row tiles of TR rows (general: 16; the
-  // short multi-token forms: their 8 or 16 columns), sequences (decode)
-  const int TR = kern == tq::AttnKernel::kSpec8 ? 8 : 16;
-  const long long grid_x = prefill ? (long long)num_seqs + ((long long)num_tokens * G) / tn::PREFILL_ROWS
-                           : multi ? (long long)num_seqs + ((long long)num_tokens * G + TR - 1) / TR
-                                   : (long long)num_seqs * tiles_per_seq;
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.get_device());
+  const tq::AttnPlan plan = tq::plan_attention(D, key_e4m3, multi, num_tokens, num_seqs, hkv, G,
+                                               (int)std::max<int64_t>(max_seq_len, 0),
+                                               num_sms(query.get_device()), prop->major,
+                                               (int)prop->sharedMemPerBlockOptin);
+  // the kernel's shared memory must fit this GPU (a named error, not a failed launch)
+  TORCH_CHECK(plan.smem_bytes <= (int)prop->sharedMemPerBlockOptin, "paged_attention_fp4 (cuda): the ", plan.name,
+              " attention kernel needs ", plan.smem_bytes, " bytes of shared memory per block at head_dim ", D,
+              key_e4m3 ? " with K8V4 keys" : "", "; this GPU (SM ", prop->major, ".", prop->minor, ") allows ",
+              prop->sharedMemPerBlockOptin, ": run this call with backend='reference'");
   if (num_seqs == 0) return;
-  const long long base = grid_x * hkv;  // CTAs per partition: one per (row tile or group, kv head)
-  TORCH_CHECK(base < (1LL << 31), "query: too many (row tile, kv head) pairs for one grid");
-  const int msl = (int)std::max<int64_t>(max_seq_len, 0);
-  const int base_ctas = (int)std::min<long long>(base, 1 << 30), sms = num_sms(query.get_device());
-  // the short multi-token forms' grid has spare tiles (base(s) leaves room for ragged
-  // sequences): its wave model counts the tiles of evenly split sequences
-  const bool spec = kern == tq::AttnKernel::kSpec8 || kern == tq::AttnKernel::kSpec16;
-  const long long spec_ctas = std::max<long long>(num_seqs, ((long long)num_tokens * G + TR - 1) / TR) * hkv;
-  int P = kern == tq::AttnKernel::kPrefill ? std::max(msl, 1)  // one partition
-          : kern == tq::AttnKernel::kDecode ? tn::choose_decode_partition_size(msl, base_ctas, sms)
-          : spec ? tn::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), sms)
-                 : tn::choose_partition_size(msl, base_ctas, sms);
-  int nparts = std::max(1, (msl + P - 1) / P);
+  TORCH_CHECK(plan.grid_x * hkv < (1LL << 31), "query: too many (row tile, kv head) pairs for one grid");
+  const int nparts = plan.num_partitions;
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 
   at::Tensor tmp_out, tmp_ml;
@@ -211,9 +191,9 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.log2_block_size = lbs;
   p.num_blocks = num_blocks;
   p.max_blocks_per_seq = (int)block_tables.size(1);
-  p.partition_size = P;
+  p.partition_size = plan.partition_size;
   p.num_partitions = nparts;
-  p.tiles_per_seq = tiles_per_seq;
+  p.tiles_per_seq = plan.tiles_per_seq;
   p.sliding_window = (int)sliding_window;
   p.soft_cap = (float)logits_soft_cap;
   p.scale = (float)scale;
@@ -224,7 +204,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.key_e4m3 = key_e4m3 ? 1 : 0;
 
   cudaError_t err = cudaSuccess;
-#define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, (int)grid_x, stream)
+#define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, plan.kernel, (int)plan.grid_x, stream)
   const bool half = query.scalar_type() == at::kHalf;
 #ifdef TQ_ONLY_D128_BF16  // fast tuning builds (benchmarks/tune_cuda.py)
   TORCH_CHECK(D == 128 && !half, "this tuning build has only D=128 bf16");

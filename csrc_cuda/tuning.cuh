@@ -189,7 +189,7 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 // 16 KB of fp16 V, the scale words; 1 KB-aligned) + the rows' words = 150 KB on the H100 (K8V4
 // keys: a 63 KB ring, 170 KB; one CTA per SM, as the registers allow); with
 // 3 stages and 2 tiles 97 KB on SM80-SM89 (K8V4 keys at D 128: 109 KB, over SM86 / SM89's 99 KB:
-// prefill_kernel_runs sends those calls to the general kernel).
+// plan_attention sends those calls to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
 // benchmarks/prefill_peers_check.sh.) SM90a takes four tiles, so that the producers run three
 // steps ahead: measured 2026-11-27 (fifth session, H200, one call, the tree with the

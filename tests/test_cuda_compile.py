@@ -192,59 +192,70 @@ def test_e4m3_encode_matches_nearest_even_for_every_float(tmp_path):
     _run_host_check(E4M3_CHECK, tmp_path / "e4m3_check")
 
 
-SMEM_CHECK = r"""
+PLAN_CHECK = r"""
 #include <cstdio>
-#include "paged_attention_decode.cuh"
+#include "attention_plan.cuh"
 using namespace turboquant::cuda_fp4;
 int main() {
-  struct Case { bool prefill, multi; int d; long long t, s; int g; bool e4m3; int major; };
+  struct Case { bool multi; int d, t, s, g; bool e4m3; int major; };
   const Case cases[] = {
-    {false, false, 128, 64, 64, 4, false, 9},   // decode
-    {false, true, 128, 256, 64, 4, true, 8},    // 64 x 4 tokens, K8V4: 16 columns
-    {false, true, 128, 1024, 16, 4, true, 8},   // 16 x 64 tokens, K8V4: general
-    {false, true, 128, 256, 128, 4, true, 8},   // 128 x 2 tokens, K8V4: 8 columns
-    {false, true, 256, 256, 64, 4, false, 8},   // D 256 multi-token: general
-    {false, false, 256, 64, 64, 4, true, 8},    // D 256 decode, K8V4
-    {true, true, 128, 2048, 1, 4, false, 9},    // prefill on SM90 (wgmma layout)
-    {true, true, 128, 2048, 1, 4, false, 8},    // prefill below SM90
+    {false, 128, 64, 64, 4, false, 9},   // decode
+    {true, 128, 256, 64, 4, true, 8},    // 64 x 4 tokens, K8V4: 16 columns
+    {true, 128, 1024, 16, 4, true, 8},   // 16 x 64 tokens, K8V4: prefill's 109 KB too large: general
+    {true, 128, 256, 128, 4, true, 8},   // 128 x 2 tokens, K8V4: 8 columns
+    {true, 256, 256, 64, 4, false, 8},   // D 256 multi-token: general
+    {false, 256, 64, 64, 4, true, 8},    // D 256 decode, K8V4
+    {true, 128, 2048, 1, 4, false, 9},   // prefill on SM90 (wgmma layout)
+    {true, 128, 2048, 1, 4, false, 8},   // prefill below SM90
   };
-  for (const Case& c : cases) {
-    const char* kernel = "";
-    const AttnKernel k = choose_attention_kernel(c.prefill, c.multi, c.d, c.t, c.s, c.g);
-    const int b = attention_smem_bytes(k, c.d, c.e4m3, c.major, &kernel);
-    printf("%s %d\n", kernel, b);
+  for (const Case& c : cases) {  // 8 kv heads, 4096 keys, 132 SMs; per CTA SM90's 227 KB, SM8x's 99 KB
+    const int optin = c.major == 9 ? 232448 : 101376;
+    const AttnPlan p = plan_attention(c.d, c.e4m3, c.multi, c.t, c.s, 8, c.g, 4096, 132, c.major, optin);
+    printf("%s|%d %lld %d %d %d\n", p.name, p.smem_bytes, p.grid_x, p.tiles_per_seq,
+           p.partition_size, p.num_partitions);
   }
+  printf("PREFILL_ROWS %d\n", turboquant::tuning::PREFILL_ROWS);
   return 0;
 }
 """
 
 
-def test_attention_smem_bytes_names_the_kernel_and_its_size(tmp_path):
-    """choose_attention_kernel (the launcher's and the binding's one rule) and
-    attention_smem_bytes (the binding's check against the device's opt-in limit) give the kernel
-    a call runs and its shared memory: the 16-column kernel fits
-    SM86 / SM89's 99 KB (101376 bytes) at D 128 with K8V4 keys, the general kernel there does
-    not, nor does the D 256 general kernel fit SM80's 163 KB (166912 bytes); the 8-column form
-    (one draft token per sequence) has the decode kernel's layout; the prefill kernel's layout
-    follows the device (wgmma on SM 9.x)."""
-    src = tmp_path / "smem_check.cu"
-    src.write_text(SMEM_CHECK)
-    exe = tmp_path / "smem_check"
+def test_the_launch_plan_names_the_kernel_its_size_grid_and_splits(tmp_path):
+    """plan_attention (the binding's one call; the launcher runs what it chose): the kernel a
+    call runs and its shared memory (the binding's check against the device's opt-in limit): the
+    16-column kernel fits SM86 / SM89's 99 KB (101376 bytes) at D 128 with K8V4 keys, the general
+    kernel there does not, nor does the D 256 general kernel fit SM80's 163 KB (166912 bytes);
+    the 8-column form (one draft token per sequence) has the decode kernel's layout; the prefill
+    kernel's layout follows the device (wgmma on SM 9.x). Its grid: one tile per sequence in
+    decode, sequences + row tiles of the form's columns for multi-token queries, sequences + row
+    groups for prefill (one partition); every split covers the 4096 keys."""
+    src = tmp_path / "plan_check.cu"
+    src.write_text(PLAN_CHECK)
+    exe = tmp_path / "plan_check"
     r = subprocess.run([NVCC, "-std=c++17", "-O2", "-I", str(CSRC), str(src), "-o", str(exe),
                         *nvcc_link_flags(NVCC)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.splitlines()
-    rows = [(line.rsplit(" ", 1)[0], int(line.rsplit(" ", 1)[1])) for line in out]
+    prefill_rows = int(out.pop().split()[1])
+    rows = [(line.split("|")[0], *map(int, line.split("|")[1].split())) for line in out]
     print(rows)
-    kernels = [k for k, _ in rows]
+    kernels = [r[0] for r in rows]
     assert kernels == ["decode", "short multi-token (16-column decode)", "general",
                        "short multi-token (8-column decode)", "general", "decode", "prefill", "prefill"]
-    size = [b for _, b in rows]
+    size = [r[1] for r in rows]
     assert size[1] <= 101376 < size[2]     # SM86 / SM89: 16 columns fit, the general kernel not
     assert size[3] < size[1]               # 8 columns: the decode kernel's layout, smaller
     assert size[4] > 166912                # SM80: the D 256 general kernel does not fit
     assert size[6] > size[7] > 0           # the wgmma layout holds three fp16 tiles, the warp-MMA one two
     assert all(b > 0 for b in size)
+    grid = [r[2] for r in rows]
+    assert grid[0] == 64 and grid[5] == 64                    # decode: a tile per sequence (G 4)
+    assert grid[1] == 64 + 256 * 4 // 16 and grid[3] == 128 + 256 * 4 // 8
+    assert grid[2] == 16 + 1024 * 4 // 16
+    assert grid[6] == 1 + 2048 * 4 // prefill_rows
+    for _, _, _, _, part, nparts in rows:
+        assert nparts == -(-4096 // part) and part * nparts >= 4096
+    assert rows[6][5] == rows[7][5] == 1                      # prefill: one partition
 
 
 def test_the_head_dim_list_is_the_one_the_code_builds_and_rejects_others(tmp_path):
