@@ -166,6 +166,26 @@ struct AttnParams {
   int key_e4m3;            // K8V4: key_cache holds E4M3 bytes, D per row
 };
 
+// The paged-KV lookup every kernel makes: sequence s's row of the block table, read for a token.
+struct BlockRow {
+  const AttnParams& p;
+  const int* row;
+  __device__ __forceinline__ BlockRow(const AttnParams& params, int s)
+      : p(params), row(params.block_tables + (long long)s * params.bt_stride) {}
+  // the table's entry for token tok's block: -1 past the table (entries past it are never read)
+  __device__ __forceinline__ int entry(int tok) const {
+    const int col = tok >> p.log2_block_size;
+    return col < p.max_blocks_per_seq ? __ldg(row + col) : -1;
+  }
+  // token tok's block id: -1 past the table or outside the cache's [0, num_blocks)
+  __device__ __forceinline__ int id(int tok) const {
+    const int col = tok >> p.log2_block_size;
+    if (col >= p.max_blocks_per_seq) return -1;
+    const int b = __ldg(row + col);
+    return (b < 0 || b >= p.num_blocks) ? -1 : b;
+  }
+};
+
 // ---- accuracy transforms (turboquant/rotation.py, turboquant/smoothing.py) ---------------
 
 // Whether the prologue computes scale * q.m (q.m: the original query and the key center). With
@@ -730,15 +750,9 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   const int ntiles = ((r_hi - 1) >> 4) - tile_first + 1;
   const int my_n = ntiles > warp ? (ntiles - warp + L::W - 1) / L::W : 0;
   const int Hkv = p.num_kv_heads;
-  const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
+  const BlockRow blocks(p, s);
   // block id of this warp's tile k (lane-parallel, 32 tiles per register): -1 if invalid
-  auto load_bid = [&](int k) -> int {
-    if (k >= my_n) return 0;
-    int col = ((tile_first + warp + L::W * k) * 16) >> lbs;
-    if (col >= p.max_blocks_per_seq) return -1;
-    int b = __ldg(bt_row + col);
-    return (b < 0 || b >= p.num_blocks) ? -1 : b;
-  };
+  auto load_bid = [&](int k) -> int { return k >= my_n ? 0 : blocks.id((tile_first + warp + L::W * k) * 16); };
   int kc = 0;
   int bid_cur = load_bid(lane), bid_nxt = load_bid(32 + lane);
   bool bad = false;

@@ -203,15 +203,16 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
                                             q_head * p.q_stride_head + q_col);
   }
   const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
-  const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
+  const BlockRow blocks(p, s);
   const uint32_t blk_stride = (uint32_t)p.vc_stride_blk;  // K: KROW / ROW times it (binding checks)
   // tile k of this warp, counted from tile_first tf: its block id (-1 if out of range; unused
   // tiles may be looked up: the block table row is read only below max_blocks_per_seq), then
   // the byte offset of its first V token row in the kv head's cache (~0 for a bad id; K's is
   // KROW / ROW times it) and its first scale row (block * block_size + offset)
+  // blocks.id's test, written on the entry: the form this kernel's measured SASS comes from
+  // (blocks.id's early return schedules it differently)
   auto load_bid = [&](int tf, int k) -> int {
-    const int col = ((tf + warp + L::W * k) * 16) >> lbs;
-    const int b = col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
+    const int b = blocks.entry((tf + warp + L::W * k) * 16);
     return (b < 0 || b >= p.num_blocks) ? -1 : b;
   };
   auto locate = [&](int tf, int k, int b, unsigned long long& toff, uint32_t& srow) {

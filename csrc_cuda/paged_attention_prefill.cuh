@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
 
   // ---- copies: the same positions in every step ----
   const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
-  const int* bt_row = p.block_tables + (long long)s * p.bt_stride;
+  const BlockRow blocks(p, s);
   const int tile_first = r_lo / TK;
   const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;
   // K chunks kc0 + NT i (i < NK), V chunk vc0, scale word of token cs (threads [0, 2 TK));
@@ -383,10 +383,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   // exist otherwise); `whole`: every sub-tile of the step does (one test for the step)
   const int sub_lo = r_lo & ~15, sub_hi = (r_hi + 15) & ~15;
   auto needed = [&](int tok) { const int sub = tok & ~15; return sub < r_hi && sub + 16 > r_lo; };
-  auto raw_bid = [&](int tok) {  // the block table entry of tok's block (-1 past the table)
-    const int col = tok >> lbs;
-    return col < p.max_blocks_per_seq ? __ldg(bt_row + col) : -1;
-  };
+  auto raw_bid = [&](int tok) { return blocks.entry(tok); };  // -1 past the table
   // FP4 keys: a thread's K and V chunks are tokens of one aligned 16-token run (the same token,
   // or at D 64 with FP8 S the same 8-token group), so one block id serves both
   constexpr bool kSameTok = NK == 1 && L::KCPR == L::VCPR;
