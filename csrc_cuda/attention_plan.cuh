@@ -4,7 +4,7 @@
 #pragma once
 #include <algorithm>
 
-#include "paged_attention_decode.cuh"
+#include "attention_launch.cuh"
 
 namespace turboquant {
 namespace cuda_fp4 {

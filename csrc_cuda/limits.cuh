@@ -3,7 +3,7 @@
 // declining a call), the binding dispatches with for_head_dim (which rejects any other head
 // dim), compile_check.cu instantiates every one, and the launchers static_assert theirs.
 // Adding a head dim: add it here, then give the layouts that switch on D (the swizzles in
-// paged_attention.cuh and paged_attention_decode.cuh, tuning.cuh's tiles) a case for it.
+// attention_common.cuh and attention_decode.cuh, tuning.cuh's tiles) a case for it.
 #pragma once
 #include <type_traits>
 

@@ -97,7 +97,7 @@ constexpr int MIN_PARTITION = TQ_MIN_PARTITION;
 constexpr int MAX_PARTITION = 4096;
 constexpr int MAX_BT_ENTRIES = MAX_PARTITION / ATTN_TILE + 2;
 
-// ---- decode kernel (paged_attention_decode.cuh: one query token, G <= 8) ----
+// ---- decode kernel (attention_decode.cuh: one query token, G <= 8) ----
 // Warps per CTA, as in the general kernel (each warp walks its own tiles, merged at the end;
 // the last step writes head r of the group from warp r, so DECODE_WARPS >= 8).
 #ifndef TQ_DECODE_WARPS
@@ -140,7 +140,7 @@ template <int NB> struct DecodeMinBlocks {
   static constexpr int value = NB == 1 ? DECODE_MIN_BLOCKS : TQ_SPEC_MIN_BLOCKS;
 };
 
-// ---- prefill kernel (paged_attention_prefill.cuh: multi-token rows, D <= 128) ----
+// ---- prefill kernel (attention_prefill.cuh: multi-token rows, D <= 128) ----
 // A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
 // sequence and kv head), 16 per warp; all warps walk the same KV steps of PREFILL_TILE tokens,
 // whose FP4 codes are copied (PREFILL_STAGES_*-deep cp.async ring) and decoded ONCE into shared

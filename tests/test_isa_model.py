@@ -145,7 +145,7 @@ def test_cuda_decode_loop_counts(sass, name, nb):
     hot = im.hot_path(code, head, back)
     c = im.count_classes(hot)
     print(name, dict(c))
-    # design note of csrc_cuda/paged_attention_decode.cuh: per 16-token tile a warp runs D/16
+    # design note of csrc_cuda/attention_decode.cuh: per 16-token tile a warp runs D/16
     # MMAs for S^T = K Q^T and D/16 for O^T = V^T P^T per n-block of 8 columns: 16 at D 128
     assert c["hmma"] == nb * 2 * 128 // 16
     assert all(i.op == "HMMA.16816.F32" for i in hot if i.base == "HMMA")

@@ -1,5 +1,5 @@
 """A random-schedule model of the SM90a prefill kernel's named barriers (csrc_cuda/
-paged_attention_prefill.cuh, the wgmma path): the producer warps (one agent, 256 threads) and the
+attention_prefill.cuh, the wgmma path): the producer warps (one agent, 256 threads) and the
 two warpgroups of rows (128 threads each) run the kernel's sequence of bar.sync / bar.arrive per
 step: FULL + NDEC w + b (one per warpgroup), EMPTY + b (both hand a tile back), the turns
 TURN + w of the ping-pong, and the CTA barrier after the loop. A named barrier completes when

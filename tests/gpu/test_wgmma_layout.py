@@ -1,5 +1,5 @@
 """The prefill kernel's warpgroup MMAs (SM90a) on structured integer inputs, issued as the kernel
-issues them (fp4_common.cuh's wrappers and descriptor, paged_attention_prefill.cuh's decoded-tile
+issues them (fp4_common.cuh's wrappers and descriptor, attention_prefill.cuh's decoded-tile
 layout): S = Q K^T with K-major K (Q in registers as the kernel has it, and Q from shared
 memory as the variants in benchmarks/variants), O = P V with N-major V at N 128 and 64, and the
 FP8 S of the kernel's FP8 path (E4M3 Q in registers, E5M2 K decoded from FP4 codes, and E4M3

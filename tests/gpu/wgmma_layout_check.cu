@@ -1,5 +1,5 @@
 // The prefill kernel's warpgroup MMAs on structured inputs, exactly as the kernel issues them:
-// B from a decoded tile in shared memory (paged_attention_prefill.cuh's dec_off panels, 128-byte
+// B from a decoded tile in shared memory (attention_prefill.cuh's dec_off panels, 128-byte
 // swizzle) through wgmma_desc_sw128; A from registers (Q and P, fp4_common.cuh's layout) or from
 // shared memory (Q rows, the second warpgroup's of a 128-row CTA, the first 64 rows poisoned).
 //   S = Q K^T: Q [64 x 128], K [64 tokens x 128] K-major, 8 x m64n64k16 with Q in registers
@@ -21,7 +21,7 @@
 
 #include <cuda_fp8.h>
 
-#include "paged_attention_prefill.cuh"
+#include "attention_prefill.cuh"
 
 using namespace turboquant::cuda_fp4;
 

@@ -1,7 +1,7 @@
 """The ``cuda`` backend: fused split-KV FP4 paged attention for NVIDIA SM80-SM90 (and later GPUs
 as a fallback), plus a CUDA cache writer. Kernels: ``csrc_cuda/`` (design note at the top of
-``csrc_cuda/paged_attention_decode.cuh`` for decode with at most 8 heads per kv head,
-``csrc_cuda/paged_attention.cuh`` for the rest; tuning choices in ``csrc_cuda/tuning.cuh``).
+``csrc_cuda/attention_decode.cuh`` for decode with at most 8 heads per kv head,
+``csrc_cuda/attention_general.cuh`` for the rest; tuning choices in ``csrc_cuda/tuning.cuh``).
 
 Importing this module builds nothing: it defines the op schemas (from ``turboquant.ops``:
 attention, cache write, merge of attention states), their fake (meta) implementations, and

@@ -2,8 +2,9 @@
 // most 8 query heads per kv head, in the swapped form S^T = K Q^T, O^T = V^T P^T; and the same
 // kernel with 8 or 16 (query token, head) columns for short multi-token queries (speculative
 // decoding; kMulti below, NB = 1 or 2, tuning::use_spec_kernel and spec_columns).
-// Torch-free. Shares the parameters, the reduce pass and the register helpers with
-// paged_attention.cuh (the general kernel: multi-token queries and groups of more than 8 heads).
+// Torch-free. Shares the parameters and the register helpers (attention_common.cuh) and the
+// reduce pass with the general kernel (attention_general.cuh: multi-token queries and groups of
+// more than 8 heads).
 //
 // ============================== design note ==============================================
 // Why a second kernel: in decode the MMA rows of the general kernel are the G query heads of a
@@ -58,8 +59,7 @@
 // ===========================================================================================
 #pragma once
 
-#include "paged_attention.cuh"
-#include "paged_attention_prefill.cuh"
+#include "attention_common.cuh"
 
 namespace turboquant {
 namespace cuda_fp4 {
@@ -104,7 +104,7 @@ template <int D> __device__ __forceinline__ int dv_swz(int r) {
   else if constexpr (D == 128) return r & 2;
   else return (r & 6);
 }
-// K rows: token r at row r, chunks placed by k_chunk (paged_attention.cuh).
+// K rows: token r at row r, chunks placed by k_chunk (attention_common.cuh).
 // Copy order of V: copy index q (lane / CPR + (32 / CPR) i) -> token. D=128: tokens r, r+4 in
 // one 8-lane store phase (different row parity); D=64/256: tokens with distinct bits 1..2.
 template <int D> __device__ __forceinline__ int dv_copy_token(int q) {
@@ -706,22 +706,6 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   }
 }
 
-// The decode kernel applies to single-token queries of groups of at most 8 heads.
-inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_token && group_size <= 8; }
-
-// Which attention kernel a call runs (`prefill`: whether the prefill kernel runs, see
-// plan_attention in attention_plan.cuh, which asks once per call; the plan carries the answer).
-// (kSpec8 / kSpec16: the decode kernel's short multi-token forms of 8 / 16 columns)
-enum class AttnKernel { kPrefill, kDecode, kSpec8, kSpec16, kGeneral };
-inline AttnKernel choose_attention_kernel(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs,
-                                          int group_size) {
-  if (prefill) return AttnKernel::kPrefill;
-  if (use_decode_kernel(multi, group_size)) return AttnKernel::kDecode;
-  if (tuning::use_spec_kernel(multi, D, num_tokens, num_seqs, group_size))
-    return tuning::spec_columns(num_tokens, num_seqs, group_size) == 8 ? AttnKernel::kSpec8 : AttnKernel::kSpec16;
-  return AttnKernel::kGeneral;
-}
-
 // One instantiation of the decode kernel (NB = 1, kMulti false: decode; kMulti: short
 // multi-token queries in NB n-blocks of 8 columns) on grid (ctas * num_kv_heads, num_partitions).
 template <int D, typename T, bool kStates, bool kE4m3, int NB, bool kMulti>
@@ -740,47 +724,6 @@ cudaError_t launch_decode_kernel(const AttnParams& p, int ctas, cudaStream_t str
   // costs (224 of 2080 bytes per tile and head without reuse).
   return launch_programmatic(kern, dim3(ctas * p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
                              stream, p);
-}
-
-// The plan's kernel (decode, prefill, short multi-token or general), then the reduce pass when
-// the KV range is split, for one kStates (see the general kernel).
-template <int D, typename T, bool kStates, bool kE4m3>
-cudaError_t launch_attention_variant(const AttnParams& p, AttnKernel k, int grid_x, cudaStream_t stream) {
-  cudaError_t e;
-  if (k == AttnKernel::kPrefill) {  // grid_x row groups, one partition
-    if constexpr (D <= 128) return launch_prefill_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
-    return cudaErrorInvalidValue;
-  }
-  if (k == AttnKernel::kDecode) {
-    e = launch_decode_kernel<D, T, kStates, kE4m3, 1, false>(p, p.num_seqs, stream);
-  } else if (k == AttnKernel::kSpec8 || k == AttnKernel::kSpec16) {
-    // grid_x = row tiles of the form's 8 or 16 columns (plan_attention sizes it by TR = NC)
-    if constexpr (D <= 128) {
-      e = k == AttnKernel::kSpec8 ? launch_decode_kernel<D, T, kStates, kE4m3, 1, true>(p, grid_x, stream)
-                                  : launch_decode_kernel<D, T, kStates, kE4m3, 2, true>(p, grid_x, stream);
-    } else {
-      return cudaErrorInvalidValue;
-    }
-  } else {
-    e = launch_general_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
-  }
-  if (e != cudaSuccess || p.num_partitions == 1) return e;
-  return launch_reduce<D, T, kStates>(p, stream);
-}
-
-// Host launcher (torch-free): kernel k on grid_x, as attention_plan.cuh's plan_attention chose
-// them (grid_x = row tiles of the general kernel's 16 rows or a short multi-token form's 8 or 16
-// columns, sequences for the decode kernel, row groups for the prefill kernel).
-template <int D, typename T>
-cudaError_t launch_paged_attention(const AttnParams& p, AttnKernel k, int grid_x, cudaStream_t stream) {
-  static_assert(supported_head_dim<D>(), "D: not in limits.cuh's HeadDims");
-  const bool states = p.lse != nullptr || p.sinks != nullptr;
-  if (p.key_e4m3) {
-    if (states) return launch_attention_variant<D, T, true, true>(p, k, grid_x, stream);
-    return launch_attention_variant<D, T, false, true>(p, k, grid_x, stream);
-  }
-  if (states) return launch_attention_variant<D, T, true, false>(p, k, grid_x, stream);
-  return launch_attention_variant<D, T, false, false>(p, k, grid_x, stream);
 }
 
 }  // namespace cuda_fp4

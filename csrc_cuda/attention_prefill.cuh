@@ -2,7 +2,7 @@
 // per sequence (chunked prefill), head dim 64 or 128, FP4 or E4M3 (K8V4) keys, with or without
 // the lse output and learned sinks. Torch-free. Shares the
 // parameters, the Q transforms, the sink merge and the output un-rotation with
-// paged_attention.cuh (the general kernel, which serves everything this one declines).
+// attention_general.cuh (the general kernel, which serves everything this one declines).
 //
 // ============================== design note ==============================================
 // Why a third kernel: the general kernel gives each 16-row tile (query token x head pairs) a
@@ -66,7 +66,7 @@
 // ===========================================================================================
 #pragma once
 
-#include "paged_attention.cuh"
+#include "attention_common.cuh"
 
 namespace turboquant {
 namespace cuda_fp4 {
