@@ -581,5 +581,17 @@ cudaError_t launch_programmatic(Kernel kern, dim3 grid, dim3 block, int smem, cu
   return cudaLaunchKernelEx(&cfg, kern, p);
 }
 
+// kern(p) on grid (grid_x * num_kv_heads, num_partitions) of 32 * warps threads and smem bytes
+// of dynamic shared memory, its attributes set once per device (`attr_set`: the caller's
+// per-instantiation flags), as a programmatic dependent launch.
+template <typename Kernel>
+cudaError_t launch_kv_grid(Kernel kern, bool (&attr_set)[kMaxDevices], int grid_x, int warps, int smem,
+                           const AttnParams& p, cudaStream_t stream) {
+  const cudaError_t e = set_smem_attributes_once(kern, smem, attr_set);
+  if (e != cudaSuccess) return e;
+  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, p.num_partitions), dim3(32 * warps), smem, stream,
+                             p);
+}
+
 }  // namespace cuda_fp4
 }  // namespace turboquant

@@ -713,8 +713,6 @@ cudaError_t launch_decode_kernel(const AttnParams& p, int ctas, cudaStream_t str
   using L = DecodeLayout<D, kE4m3, NB>;
   auto kern = paged_attention_fp4_decode_kernel<D, T, kStates, kE4m3, NB, kMulti>;
   static bool attr_set[kMaxDevices] = {};  // per instantiation and device
-  const cudaError_t e = set_smem_attributes_once(kern, L::TOTAL, attr_set);
-  if (e != cudaSuccess) return e;
   // CTA x = s * num_kv_heads + kv head: the kv heads of one sequence start together and walk
   // their blocks in step, so the scale sectors they share ([block, token, kv head] bytes: a
   // 32-byte sector holds 32 / num_kv_heads tokens of every head) come from DRAM once and from
@@ -722,8 +720,7 @@ cudaError_t launch_decode_kernel(const AttnParams& p, int ctas, cudaStream_t str
   // sequence ran num_seqs CTAs apart, often in different waves: ncu at 64 x 16k counted 5.8 %
   // more DRAM bytes than the kernel needs, about what re-reading the scale sectors per head
   // costs (224 of 2080 bytes per tile and head without reuse).
-  return launch_programmatic(kern, dim3(ctas * p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
-                             stream, p);
+  return launch_kv_grid(kern, attr_set, ctas, L::W, L::TOTAL, p, stream);
 }
 
 }  // namespace cuda_fp4

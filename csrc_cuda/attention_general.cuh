@@ -568,11 +568,8 @@ cudaError_t launch_general_attention(const AttnParams& p, int grid_x, cudaStream
   using L = AttnLayout<D, kE4m3>;
   auto kern = paged_attention_fp4_kernel<D, T, kStates, kE4m3>;
   static bool attr_set[kMaxDevices] = {};  // per instantiation and device
-  const cudaError_t e = set_smem_attributes_once(kern, L::TOTAL, attr_set);
-  if (e != cudaSuccess) return e;
   // CTA x = row tile * num_kv_heads + kv head, as the decode kernel (see its launch)
-  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, p.num_partitions), dim3(32 * L::W), L::TOTAL,
-                             stream, p);
+  return launch_kv_grid(kern, attr_set, grid_x, L::W, L::TOTAL, p, stream);
 }
 
 }  // namespace cuda_fp4
