@@ -71,29 +71,25 @@ def allocate_state(num_slots: int, num_kv_heads: int, head_dim: int, device="cpu
                       dtype=torch.float32, device=device)
 
 
-def smoothing_from_keys(keys: torch.Tensor, keep: Optional[torch.Tensor] = None,
+def smoothing_from_keys(keys: torch.Tensor,
                         quantile: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [T, Hkv, D] (positions >= 1 of one sequence, or a calibration text's) ->
-    (m, lam), each float32 [Hkv, D], by the rule in the module docstring. keep: bool [T], the
-    keys to use (None: all; no host synchronization either way). quantile: a_c as this quantile
-    of |k_tc - m_c| over t instead of the maximum."""
+    (m, lam), each float32 [Hkv, D], by the rule in the module docstring. quantile: a_c as this
+    quantile of |k_tc - m_c| over t instead of the maximum."""
     k = keys.float()
-    if k.shape[0] == 0:
+    n = k.shape[0]
+    if n == 0:
         shape = k.shape[1:]
         return torch.zeros(shape, device=k.device), torch.ones(shape, device=k.device)
-    if keep is None:
-        keep = torch.ones(k.shape[0], dtype=torch.bool, device=k.device)
-    # none kept: m = 0 and a = 0, so lam = 1 (the flat rule below)
-    w = keep[:, None, None]
-    m = torch.where(w, k, 0.0).sum(0) / keep.sum().clamp_min(1)
-    dev = torch.where(w, (k - m).abs(), 0.0)
+    m = k.sum(0) / n
+    dev = (k - m).abs()
     if quantile is None:
         a = dev.amax(dim=0)
-    else:  # the kept deviations (>= 0) first in descending order, those left out (-1) after
-        desc = torch.where(w, dev, -1.0).sort(dim=0, descending=True).values
-        at = (keep.sum() - 1).clamp_min(0) * (1.0 - quantile)  # from the top, interpolated
+    else:  # the deviations in descending order, read from the top, interpolated
+        desc = dev.sort(dim=0, descending=True).values
+        at = torch.tensor(n - 1, device=k.device) * (1.0 - quantile)
         lo = at.floor().long()
-        hi = torch.minimum(lo + 1, (keep.sum() - 1).clamp_min(0))
+        hi = torch.clamp(lo + 1, max=n - 1)
         a = torch.lerp(desc[lo], desc[hi], at - lo).clamp_min(0.0)
     a = torch.maximum(a, _FLOOR * a.amax(dim=-1, keepdim=True))
     lam = a.pow(SMOOTHING_EXPONENT)
