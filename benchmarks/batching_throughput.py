@@ -86,13 +86,13 @@ class FICache(cbc.Cache):
                                       write_index):
         super().extend_read_and_write_indices(request_id, past_length, query_length,
                                               read_index, write_index)
-        self._keep(request_id, past_length, query_length)
+        self._plan_row(request_id, past_length, query_length)
 
     def fill_block_table(self, request_id, past_length, query_length, block_table):
         super().fill_block_table(request_id, past_length, query_length, block_table)
-        self._keep(request_id, past_length, query_length)
+        self._plan_row(request_id, past_length, query_length)
 
-    def _keep(self, request_id, past_length, query_length):
+    def _plan_row(self, request_id, past_length, query_length):
         self.pending.append((list(self.allocator.block_table[request_id]),
                              past_length + query_length, query_length))
 
