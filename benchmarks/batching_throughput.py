@@ -1,9 +1,9 @@
 """Decode throughput through transformers' continuous batching (``generate_batch``; its
 FlashInfer pages subclass transformers 5.23's allocator, so 5.23, carried to the GPU machines as
-batching_check.py says): turboquant's FP4 cache against BF16
-and FP8 pages read by FlashInfer through the same hook (``transformers_batching.run_batch`` with
-this file's cache and attention function), decode steps on transformers' block-table path and
-captured in CUDA graphs for all three.
+batching_check.py says): turboquant's FP4 cache against BF16 and FP8 pages read by FlashInfer
+through the same hook (``transformers_batching.run_batch`` with this file's cache and attention
+function), decode steps on transformers' block-table path and captured in CUDA graphs for all
+three.
 
 Model: random weights of Llama-3-8B's geometry (32 / 8 heads, D 128) with ``--layers`` layers,
 bf16. Per (cache, B x L): B random prompts of L tokens and ``--new-tokens`` tokens each;
@@ -41,6 +41,7 @@ from transformers.generation.continuous_batching import continuous_api, model_ru
 from turboquant.integration import transformers_batching as tb  # noqa: E402
 from turboquant.integration import transformers_cb_cache as cbc  # noqa: E402
 from turboquant.bench.peers import page_indices  # noqa: E402
+from generation_throughput import model_of  # noqa: E402  (this folder, first on sys.path)
 
 PAGE = 16
 WORKSPACE_BYTES = 128 << 20
@@ -231,16 +232,6 @@ class StepClock:
                 "plan_ms": 1e3 * plan}
 
 
-def model_of(layers: int):
-    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336,
-                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                                   num_hidden_layers=layers, vocab_size=128256,
-                                   max_position_embeddings=131072)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-
-
 def run(model, cache: str, prompts: list, new: int, graphs: bool = True) -> dict:
     """generate_batch of ``prompts`` with ``new`` tokens each through ``cache``; outputs and
     the step clock."""
@@ -298,7 +289,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     print("transformers", transformers.__version__, torch.cuda.get_device_name(), flush=True)
-    model = model_of(args.layers)
+    model = model_of(args.layers, "cuda")
     if args.check:
         check(model)
     rows = []
