@@ -139,10 +139,6 @@ if VERSION == "5.23":
             copy_blocks(self.buffers, self.head_dim, self.key_format, source_block_ids,
                         dest_block_ids)
 
-        def update(self, *args, **kwargs):
-            raise NotImplementedError("the turboquant cache is written by its attention "
-                                      "function")
-
     class MemoryHandler(cb_cache.PagedAttentionMemoryHandler):
         """5.23's sizing without the BF16 read-back and the 4D masks this path never makes."""
 
