@@ -49,10 +49,10 @@ inline int attention_smem_bytes(AttnKernel k, int D, bool key_e4m3, int major, c
 // warp-MMA layout, so there those calls run the general kernel. Example: H100 (227 KB), 1 x 2048
 // @ 16k, FP4 or K8V4: prefill (182 / 202 KB); RTX 4090, the same call with K8V4 keys: general
 // kernel; with FP4 keys: prefill (97 KB).
+// (Only asked where use_prefill_kernel holds, so D <= 128.)
 inline bool prefill_fits(int D, bool key_e4m3, int major, int optin_smem) {
-  const int need = D <= 64 ? (key_e4m3 ? prefill_smem_bytes<64, true>(major) : prefill_smem_bytes<64, false>(major))
-                           : (key_e4m3 ? prefill_smem_bytes<128, true>(major) : prefill_smem_bytes<128, false>(major));
-  return need <= optin_smem;
+  const char* name = "";
+  return attention_smem_bytes(AttnKernel::kPrefill, D, key_e4m3, major, &name) <= optin_smem;
 }
 
 struct AttnPlan {
