@@ -83,6 +83,8 @@
 #include <cstdint>
 #include <utility>
 
+#include "../limits.cuh"
+#include "../paged_kv.cuh"
 #include "mma_sm120.cuh"
 
 namespace tq {
@@ -453,9 +455,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm<D>()) paged_attentio
       {
         long long scale_row = 0;  // row in the [num_blocks * block_size * num_kv_heads] scale rows
         if (key_ok) {
-          const int index = key / p.block_size, offset = key % p.block_size;
-          const long long block = index < p.max_blocks_per_seq ? block_table[index] : -1;
-          key_in_cache = block >= 0 && block < p.num_blocks;
+          const int offset = key % p.block_size;
+          const long long block = turboquant::paged_kv::block_id(block_table, key / p.block_size,
+                                                                 p.max_blocks_per_seq, p.num_blocks);
+          key_in_cache = block >= 0;
           key_nan = !key_in_cache;
           if (key_in_cache) {
             cache_row = (block * p.num_kv_heads + kv_head) * p.block_size + offset;
@@ -730,6 +733,7 @@ __global__ void __launch_bounds__(kThreads) combine_splits_sm120_kernel(const At
 
 template <typename T, int D, bool kPer32, bool kKeyE4m3>
 inline cudaError_t launch_with(const AttentionParams& p, int tile_stride, cudaStream_t stream) {
+  static_assert(turboquant::cuda_fp4::supported_head_dim<D>(), "D: a head dim of limits.cuh");
   if (p.num_seqs > 0 && p.num_tokens > 0) {
     paged_attention_sm120_kernel<T, D, kPer32, kKeyE4m3>
         <<<dim3(p.num_seqs * p.num_kv_heads, p.num_splits, tile_stride), kThreads, 0, stream>>>(p);
@@ -744,24 +748,15 @@ inline cudaError_t launch_with(const AttentionParams& p, int tile_stride, cudaSt
 template <typename T>
 inline cudaError_t launch_paged_attention_sm120(const AttentionParams& p, int head_dim, bool per32_scales, bool key_e4m3,
                                                 int tile_stride, cudaStream_t stream) {
-  if (key_e4m3) {
-    if (per32_scales) return cudaErrorInvalidValue;
-    switch (head_dim) {
-      case 64: return launch_with<T, 64, false, true>(p, tile_stride, stream);
-      case 128: return launch_with<T, 128, false, true>(p, tile_stride, stream);
-      case 256: return launch_with<T, 256, false, true>(p, tile_stride, stream);
-      default: return cudaErrorInvalidValue;
-    }
-  }
-  switch (head_dim * 2 + (per32_scales ? 1 : 0)) {
-    case 128: return launch_with<T, 64, false, false>(p, tile_stride, stream);
-    case 129: return launch_with<T, 64, true, false>(p, tile_stride, stream);
-    case 256: return launch_with<T, 128, false, false>(p, tile_stride, stream);
-    case 257: return launch_with<T, 128, true, false>(p, tile_stride, stream);
-    case 512: return launch_with<T, 256, false, false>(p, tile_stride, stream);
-    case 513: return launch_with<T, 256, true, false>(p, tile_stride, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  if (key_e4m3 && per32_scales) return cudaErrorInvalidValue;
+  cudaError_t err = cudaErrorInvalidValue;  // stays so for a head dim limits.cuh does not list
+  turboquant::cuda_fp4::for_head_dim(head_dim, [&](auto d) {
+    constexpr int D = decltype(d)::value;
+    err = key_e4m3       ? launch_with<T, D, false, true>(p, tile_stride, stream)
+          : per32_scales ? launch_with<T, D, true, false>(p, tile_stride, stream)
+                         : launch_with<T, D, false, false>(p, tile_stride, stream);
+  });
+  return err;
 }
 
 }  // namespace sm120

@@ -80,8 +80,8 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
               "] (key_cache's blocks, D/2 bytes per row), got ", value_cache.sizes());
   // Both contiguous with these shapes: the kernel addresses both caches by one row index
   // (block, kv head, offset), and key_cache's block stride is value_cache's (K8V4: twice it).
-  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256, "query: head dim must be 64, 128 or 256, got ",
-              head_dim);
+  TORCH_CHECK(turboquant::cuda_fp4::is_head_dim(head_dim), "query: head dim ", head_dim,
+              " is not one the kernels are built for (csrc_cuda/limits.cuh)");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query: num_heads must be a multiple of num_kv_heads");
   const bool per32 = key_scales.dim() == 4;
   TORCH_CHECK(!per32 || key_scales.size(3) == head_dim / 32, "key_scales: expected last dim D/32");

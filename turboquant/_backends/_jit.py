@@ -24,13 +24,15 @@ def build_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "turboquant"
 
 
-def sources_hash(folder: Path) -> str:
-    """12 hex digits over the names and bytes of the C++/CUDA files directly in ``folder``."""
+def sources_hash(*paths: Path) -> str:
+    """12 hex digits over the names and bytes of the C++/CUDA files directly in each folder of
+    ``paths``, and of each file among them (a header included from elsewhere)."""
     h = hashlib.sha256()
-    for f in sorted(folder.glob("*")):
-        if f.suffix in SOURCE_SUFFIXES:
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
+    for path in paths:
+        for f in sorted(path.glob("*")) if path.is_dir() else [path]:
+            if f.suffix in SOURCE_SUFFIXES:
+                h.update(f.name.encode())
+                h.update(f.read_bytes())
     return h.hexdigest()[:12]
 
 

@@ -33,15 +33,17 @@ import torch
 
 from ..calls import attention_op_args
 from ..ops import ATTENTION_SCHEMA, define
-from ..sources import source_dir
+from ..sources import cuda_limits, source_dir
 from ._jit import Once, load, sources_hash
 from ..registry import (AttentionCall, Backend, register, state_outputs_reason,
                         transform_tensors_reason)
 
 ATTENTION_OP = "turboquant::paged_attention_fp4_sm120"
 PROBE_SCHEMA = "(Tensor a, Tensor b, Tensor sfa, Tensor sfb, Tensor c, int kind, int selectors) -> Tensor"
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = cuda_limits()[0]  # csrc_cuda/limits.cuh, which the kernel's dispatch reads
 CSRC = source_dir("cuda") / "sm120"
+# the cuda backend's headers the kernel includes (its build name hashes them too)
+SHARED_HEADERS = tuple(CSRC.parent / f for f in ("limits.cuh", "paged_kv.cuh"))
 
 # -gencode flags of the two builds: the real instructions, or the model on Hopper.
 ARCH_FLAGS = {
@@ -76,7 +78,7 @@ _loads = Once("building the sm120 extension failed")  # key: emulate
 
 
 def _build(emulate: bool) -> None:
-    name = f"turboquant_sm120{'_emulated' if emulate else ''}_{sources_hash(CSRC)}"
+    name = f"turboquant_sm120{'_emulated' if emulate else ''}_{sources_hash(CSRC, *SHARED_HEADERS)}"
     load(name, CSRC / "torch_binding_sm120.cu", ["-lineinfo"] + ARCH_FLAGS[emulate])
 
 
