@@ -32,6 +32,13 @@ def test_import_is_cheap_and_registers():
         assert "not a ROCm build of PyTorch" in r.stdout
 
 
+
+def test_head_dims_match_the_nvidia_list():
+    """The HIP kernels keep their own head-dim list; the vLLM plugin states one list for every
+    backend it picks (limits.cuh's), so the two must name the same head dims."""
+    from turboquant.sources import cuda_limits
+    assert tuple(tq_aiter.HEAD_DIMS) == cuda_limits()[0]
+
 @pytest.fixture
 def fake_gfx950(monkeypatch):
     """Pretend to be a ROCm PyTorch on a gfx950 machine (device queries only)."""

@@ -38,10 +38,14 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from ...shared_state import positions_from_metadata
 from ...smoothing import load_calibration
+from ...sources import cuda_limits
 from .layer import KEY_FORMATS, PagedLayer, StepMetadata, bytes_per_token_head
 
-HEAD_SIZES = [64, 128, 256]
-BLOCK_SIZES = [16, 32, 64, 128, 256]
+# the NVIDIA kernels' shapes (csrc_cuda/limits.cuh); the aiter backend's own list
+# (turboquant._backends.aiter.HEAD_DIMS) names the same head dims
+_DIMS, _MIN_BLOCK, _MAX_BLOCK = cuda_limits()
+HEAD_SIZES = list(_DIMS)
+BLOCK_SIZES = [1 << n for n in range(_MIN_BLOCK.bit_length() - 1, _MAX_BLOCK.bit_length())]
 CALIBRATION_ENV = "TURBOQUANT_CALIBRATION"
 
 
