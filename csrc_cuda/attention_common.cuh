@@ -504,7 +504,7 @@ __device__ __forceinline__ void lazy_rescale(const float (&m_new)[2], int VM_new
 // tile. Every thread of a warp calls it (a ballot): s is the last sequence with base(s) <= tile
 // (0 if none), found by a 32-way search: lane l probes lo + l * step of [lo, hi) and one ballot
 // keeps the last probe at or below the tile (base increases, so those probes are a prefix):
-// ceil(log32 num_seqs) rounds of one load (2 up to 1024 sequences) where a binary search made
+// ceil(log32 num_seqs) rounds of one load (2 up to 1024 sequences) where a binary search takes
 // log2 num_seqs dependent loads (6 at 64 sequences). Measured (H100, same call, against the
 // binary search): 128 x 2 @ 4k 213.1-213.3 vs 220.3 us, 64 x 4 @ 4k 141.5 vs 144.5-144.6,
 // 16 x 16 @ 4k (general kernel) 141.3 vs 143.3-143.5.
@@ -528,7 +528,7 @@ __device__ __forceinline__ int find_row_tile(const AttnParams& p, int tile, int&
 }
 
 // Dynamic shared memory above 48 KB, and the largest shared-memory carveout so that registers,
-// not the L1/shared split, bound the CTAs per SM (the default split allowed only 3 CTAs of
+// not the L1/shared split, bound the CTAs per SM (the default split allows only 3 CTAs of
 // 44 KB on H100).
 template <typename Kernel>
 cudaError_t set_smem_attributes(Kernel kern, int bytes) {

@@ -716,10 +716,10 @@ cudaError_t launch_decode_kernel(const AttnParams& p, int ctas, cudaStream_t str
   // CTA x = s * num_kv_heads + kv head: the kv heads of one sequence start together and walk
   // their blocks in step, so the scale sectors they share ([block, token, kv head] bytes: a
   // 32-byte sector holds 32 / num_kv_heads tokens of every head) come from DRAM once and from
-  // L2 for the other heads. With the sequence index fastest (the former order) the heads of a
-  // sequence ran num_seqs CTAs apart, often in different waves: ncu at 64 x 16k counted 5.8 %
-  // more DRAM bytes than the kernel needs, about what re-reading the scale sectors per head
-  // costs (224 of 2080 bytes per tile and head without reuse).
+  // L2 for the other heads. With the sequence index fastest the heads of a sequence would run
+  // num_seqs CTAs apart, often in different waves (ncu, 64 x 16k: 5.8 % more DRAM bytes than
+  // the kernel needs, about what re-reading the scale sectors per head costs: 224 of 2080
+  // bytes per tile and head without reuse).
   return launch_kv_grid(kern, attr_set, ctas, L::W, L::TOTAL, p, stream);
 }
 

@@ -20,9 +20,9 @@
 //     K8V4's E4M3 key bytes as they are, Q as two E4M3 terms);
 //   SM80-SM89 (and -DTQ_PREFILL_MMA_SYNC): every warp copies, decodes and computes: FA2-style
 //     m16n8k16 mma.sync per warp, Q fragments in registers, K / V fragments by ldmatrix.
-// H200, 32/8/128, 1 x 2048 @ 16k (2026-11-27): 1548 us (333 TFLOP/s) warp-specialized, 1883 us
-// (274) when every warp of the wgmma path also decoded (H100, earlier: 1840 us, mma.sync 2541);
-// 1472 us (350) with conflict-free decode stores and the warpgroups' turns (fifth session).
+// H200, 32/8/128, 1 x 2048 @ 16k: 1472 us (350 TFLOP/s). Warp specialization is most of that:
+// without the conflict-free decode stores and the warpgroups' turns, 1548 us warp-specialized
+// against 1883 us with every warp of the wgmma path also decoding (H100: 1840 us, mma.sync 2541).
 // Grid (row groups * num_kv_heads, 1), kv head fastest: sequence s owns row groups
 //   [s + floor(cu[s] G / ROWS), s + 1 + floor(cu[s+1] G / ROWS)) (at least the ceil(q G / ROWS)
 //   it needs; a CTA past its sequence's rows exits), found by binary search over cu_query_lens.
@@ -107,7 +107,7 @@ struct PrefillLayout {
   // reads, as 16-byte words: two K-scale pairs, four V-factor pairs. SB_PITCH = TK / 4 + 8: the
   // four parts start 96 bytes apart (floats) and 48 bytes apart (halves), so that each read's
   // four words hit distinct banks and the halves' words stay 16-byte aligned. With mma.sync,
-  // token order, read in pairs (the permuted order made the sm_80 build spill 8 bytes at 255
+  // token order, read in pairs (the permuted order makes the sm_80 build spill 8 bytes at 255
   // registers). The V bytes, read on NaN steps only, are in token order.
   static constexpr int OFF_SB = DEC_K + DEC_V;
   static constexpr int SB_PITCH = TK / 4 + 8;
@@ -208,8 +208,8 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* t
 // decoded tile, each of its store instructions' positions (dec_off: (chunk in the panel)
 // ^ (token % 8)). In token-major order (c = t) the raw side is distinct, but at D 128 a token's
 // chunks fill two panels and chunks q and q + CPR / 2 land on the same position of each: every
-// decode store was 2-way conflicted (ncu, 1 x 2048 @ 16k: 35.2 M excess wavefronts, 19 % of
-// the kernel's shared traffic). The fix pairs each first-panel chunk of one token with a
+// decode store would be 2-way conflicted (ncu, 1 x 2048 @ 16k: 35.2 M excess wavefronts, 19 % of
+// the kernel's shared traffic). So each first-panel chunk of one token is paired with a
 // second-panel chunk of its neighbour inside a group of 8 threads; bit k of t is bk:
 //   CPR 4 (FP4 at D 128): token 4 b4 + 2 b2 + b1, chunk 2 (b2 ^ b3) + b0: threads 0-7 hold
 //     (token, chunk) (0,0) (0,1) (1,0) (1,1) (2,2) (2,3) (3,2) (3,3): raw slots 0 1 4 5 2 3 6 7,
@@ -228,10 +228,10 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* t
 //     V (fp16) stays token-major;
 //   K8V4 (E4M3 keys: CPR 8 at D 128) keeps token-major order for both K and V: on FP8 S a
 //     token's 8 key chunks fill its 128-byte row's 8 slots (no conflict); V keeps its 2-way
-//     conflicts, since (with the warpgroups' turns) a V permutation cost the 48-register
-//     producers 20 bytes of spills (one more live chunk index; nvcc 13.0);
+//     conflicts, since a V permutation costs the 48-register producers 20 bytes of spills (one
+//     more live chunk index; nvcc 13.0);
 //   and below SM90a (kWG false: every warp copies, decodes and computes at 255 registers) the
-//     permutation spilled 12 bytes in two D 128 instantiations of sm_80: token-major there.
+//     permutation spills 12 bytes in two D 128 instantiations of sm_80: token-major there.
 template <int CPR, int D, bool kWG, bool kFp8Rows = false>
 __device__ __forceinline__ int chunk_of_thread(int t) {
   if constexpr (kWG && D == 128 && CPR == 4)
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
                 "wgmma path: 64-token steps, whole warpgroups, three tiles (P V runs into the next step)");
   // setmaxnreg moves registers inside the CTA's launch allocation (NTH threads x the launch
   // bound's count, 65536 / NTH rounded down to 8): a .inc the producers' .dec cannot cover
-  // waits forever (a four-producer-warp build at 96 / 208 hung on the device: NOTES_cuda)
+  // waits forever (a four-producer-warp build at 96 / 208 hangs on the device)
   static_assert(!kWG || 32 * L::W * (tuning::PREFILL_PRODUCER_REGS + tuning::PREFILL_CONSUMER_REGS) <=
                                L::NTH * ((65536 / L::NTH) & ~7),
                 "wgmma path: the producer and row warps' registers within the CTA's launch allocation");
@@ -291,9 +291,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   pdl_launch_dependents();
 
   // ---- which sequence / rows: find_row_tile's search, as a binary search (its 32-way warp
-  //      search made six D 128 sm_80 instantiations spill 8 bytes at 255 registers; a prefill
+  //      search makes six D 128 sm_80 instantiations spill 8 bytes at 255 registers; a prefill
   //      CTA is long enough that the search's dependent loads do not show: equal times on the
-  //      H100, tenth session, call 5) ----
+  //      H100) ----
   const int* cu = p.cu_query_lens;
   int lo = 0, hi = p.num_seqs - 1;
   while (lo < hi) {
@@ -448,7 +448,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   uint32_t st_dec = 0, buf_dec = 0;  // ring stage and decode buffer of the next decode
   // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
   // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps).
-  // (The buffer rotation below is next_buf's, written out: calling next_buf here moved ptxas's
+  // (The buffer rotation below is next_buf's, written out: calling next_buf here shifts ptxas's
   // register allocation enough to spill 8 bytes in the sm_80 K8V4 build at 255 registers.)
   auto decode = [&](int i) {
     const int sd = (int)st_dec;
@@ -516,7 +516,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     // the OR of the producers' bad block ids, once every warp is past its loop (the epilogue's
     // O rows alias the tiles). The roles split here, before Q, and never join: ptxas allocates
     // registers per setmaxnreg region, and code before a split or after a join has to fit the
-    // smaller count (the Q transforms spilled at 80 when the split came after them).
+    // smaller count (the Q transforms spill at 80 when the split comes after them).
     if (producer) {
       // step j: the copy of step j + ST - 1 issued, step j's codes waited for and decoded
       setmaxnreg_dec<tuning::PREFILL_PRODUCER_REGS>();
@@ -551,9 +551,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   // ---- Q: this warp's 16 rows, the transforms in fp32 (D/8 lanes per row), the sink's and
   //      the cap's per-row terms, a power-of-two prescale, fp16 A fragments in registers (both
   //      paths: with wgmma, S from registers reads 32 KB less shared memory per step than Q
-  //      rows in shared memory did; the row warps hold 200 registers). The prescale: wgmma, one per CTA, so that
-  //      the K-scale floats carry kmul (16 multiplies fewer per step and thread); mma.sync, one
-  //      per warp (the CTA-wide one made the sm_80 build of the K8V4 kernel spill 20 bytes).
+  //      rows in shared memory; the row warps hold 200 registers). The prescale: wgmma, one per
+  //      CTA, so that the K-scale floats carry kmul (16 multiplies fewer per step and thread);
+  //      mma.sync, one per warp (a CTA-wide one makes the sm_80 K8V4 build spill 20 bytes).
   //      Its maximum is over the finite |q| (a NaN or Inf row stays so, and does not switch the
   //      prescale off for the rows beside it). wgmma: the producer warps only join its barriers ----
   constexpr int LPR = D / 8, RPP = 32 / LPR;  // lanes per row, rows per pass
@@ -789,7 +789,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
 #pragma unroll
         for (int q = 0; q < TK / 32; ++q) {  // blocks j = 4 q .. 4 q + 3: one word of factors, one vmax
           // (the halves sit at sb_slot: this is word sb_pair(t4, 4 q) / 2, written out so that
-          // it folds as before: the division form compiled to 8 more SASS instructions per kernel)
+          // it folds: the division form compiles to 8 more SASS instructions per kernel)
           const uint4 w = *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
           const uint32_t vgh[4] = {w.x, w.y, w.z, w.w};
           const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + q], VM);
@@ -825,8 +825,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     // Per step k: wait for its tile (FULL), S = Q K^T, the wait (for S and for step k - 1's
     // O += P' V, whose tile is then handed back: EMPTY), softmax, the turn, O += P' V issued (it
     // runs into the next step). Issuing S(k + 1) before step k's softmax instead (two S
-    // accumulators) was slower when every warp also decoded: 2437 vs 2150 us at 1 x 2048 @ 16k
-    // (H100).
+    // accumulators) is slower (H100, 1 x 2048 @ 16k, every warp also decoding: 2437 vs 2150 us).
     // descriptors of decode buffer 0's K and V tiles; a k16 slice and another buffer are byte
     // offsets added to them (wgmma_desc_advance)
     const uint64_t kdesc = wgmma_desc_sw128(dec_s, 16, 1024);
@@ -996,7 +995,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
 #undef TQ_PREFILL_KWG
 
 // The prefill kernel on a device of compute capability `major` is the wgmma one (producer and
-// row warps, three decode buffers) on SM 9.x, for which the extension is built as sm_90a
+// row warps, four decode buffers) on SM 9.x, for which the extension is built as sm_90a
 // (turboquant/_backends/cuda.py), else the warp-MMA one (SM80-SM89 and later GPUs, whose plain
 // sm_XY build has no wgmma; and every GPU with -DTQ_PREFILL_MMA_SYNC).
 inline bool prefill_uses_wgmma(int major) {

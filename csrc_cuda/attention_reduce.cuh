@@ -21,10 +21,9 @@ __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_red
   pdl_wait();  // the attention grid's partials are complete and visible
   // the next kernel, if launched as a programmatic dependent (the next attention call), may
   // start now: its CTAs become resident while this pass runs and wait in their own pdl_wait (a
-  // kernel launched without waits for this grid's end as before). Measured (CUDA graph, chained
-  // calls, default config, two rounds each, NOTES_cuda 2026-11-27 seventh): H100 1 x 4k 9.7 vs
-  // 10.0 us, 1 x 16k 14.8 vs 15.1, 1 x 32k 20.4 vs 20.7, 16 x 4k 32.7 vs 32.9; the H200 alike;
-  // shapes without a split unchanged. (On the 2026-11-22 kernel it measured 0.4 us slower.)
+  // kernel launched without that waits for this grid's end). Measured (CUDA graph, chained
+  // calls, default config): H100 1 x 4k 9.7 vs 10.0 us, 1 x 16k 14.8 vs 15.1, 1 x 32k 20.4 vs
+  // 20.7, 16 x 4k 32.7 vs 32.9; the H200 alike; shapes without a split unchanged.
   pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const long long item = blockIdx.x;

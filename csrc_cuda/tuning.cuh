@@ -120,7 +120,7 @@ template <int D> struct DecodeStages { static constexpr int value = TQ_DECODE_ST
 #endif
 // Q^T fragments live in registers for head dims up to this (D/8 registers), else they are
 // re-read from shared memory (one 8-byte load per lane per MMA k-step).
-// Example: D=128 holds 16 registers of Q^T; D=256 would need 32 and spilled 80 bytes at the
+// Example: D=128 holds 16 registers of Q^T; D=256 would need 32 and spills 80 bytes at the
 // 128-register limit, so D=256 re-reads them.
 #ifndef TQ_DECODE_QREG_MAX_D
 #define TQ_DECODE_QREG_MAX_D 128
@@ -153,7 +153,8 @@ template <int NB> struct DecodeMinBlocks {
 // spends ~150 decode instructions per 32 MMAs. Registers of a row warp: O (64), S (32), P (16),
 // Q fragments (32) -> one CTA per SM (128 KB of shared memory on SM90, below).
 // (Overridable for tuning builds, e.g. -DTQ_PREFILL_WARPS=12 on the warp-MMA path (measured:
-// mixed, see NOTES; the SM90a build allows at most 8: its producer warps double the threads) or,
+// mixed, see docs/cuda-kernels.md; the SM90a build allows at most 8: its producer warps double
+// the threads) or,
 // with -DTQ_PREFILL_MMA_SYNC on SM90 (the wgmma path needs 64-token steps and whole
 // warpgroups), -DTQ_PREFILL_WARPS=4 -DTQ_PREFILL_TILE=32: 64 rows per CTA, two CTAs per SM; the
 // V copy needs TILE * D / 32 <= 32 * WARPS.)
@@ -167,14 +168,13 @@ constexpr int PREFILL_WARPS = TQ_PREFILL_WARPS;
 constexpr int PREFILL_ROWS = 16 * PREFILL_WARPS;
 constexpr int PREFILL_TILE = TQ_PREFILL_TILE;
 // The raw-code ring (cp.async, one stage per step): SM90a (wgmma) copies four steps ahead
-// (five stages): ncu there (2026-11-27, sixth session, H100, 1 x 2048 @ 16k) had the producers'
-// wait for their own copies (cp.async.wait_group) as their largest stall (17 % of their
-// samples) and the row warps waiting for tiles (FULL) 7 % of theirs, and five stages measured
-// 2.3 / 1.3 / 1.1 / 1.9 % faster than three at 1 x 512 @ 4k, 1 x 2048 @ 16k, 1 x 8192 @ 64k,
-// 4 x 2048 @ 16k (one call, four stages within 0.5 %), for 17 KB more shared memory (D 128 FP4:
-// 8.7 KB a stage; K8V4 12.8 KB). With FP8 S's smaller tiles (2026-11-28, ninth session, H100,
-// one call, FP4 and K8V4 rows): six stages within 0.2 % of five, seven 2.3 % slower with K8V4
-// keys (198 KB per CTA). Below SM90a three, which keeps SM86 / SM89's 99 KB (below).
+// (five stages). The producers' largest stall is the wait for their own copies
+// (cp.async.wait_group: 17 % of their samples in ncu, H100, 1 x 2048 @ 16k; the row warps
+// wait for tiles (FULL) 7 % of theirs); five stages measure 2.3 / 1.3 / 1.1 / 1.9 % faster than
+// three at 1 x 512 @ 4k, 1 x 2048 @ 16k, 1 x 8192 @ 64k, 4 x 2048 @ 16k (H100; four stages within
+// 0.5 % of five), for 17 KB more shared memory (D 128 FP4: 8.7 KB a stage; K8V4 12.8 KB). With
+// FP8 S's smaller tiles six stages are within 0.2 % of five and seven 2.3 % slower with K8V4 keys
+// (198 KB per CTA; H100). Below SM90a three, which keeps SM86 / SM89's 99 KB (below).
 // (-DTQ_PREFILL_STAGES=N sets the SM90a count.)
 #ifndef TQ_PREFILL_STAGES
 #define TQ_PREFILL_STAGES 5
@@ -192,10 +192,8 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 // plan_attention sends those calls to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
 // benchmarks/prefill_peers_check.sh.) SM90a takes four tiles, so that the producers run three
-// steps ahead: measured 2026-11-27 (fifth session, H200, one call, the tree with the
-// warpgroups' turns) 0.5 / 1.4 / 0.8 / 0.7 % faster at 1 x 512 @ 4k, 1 x 2048 @ 16k,
-// 1 x 8192 @ 64k, 4 x 2048 @ 16k than three (fourth session, H100, before the turns: 4.7 / 6.5
-// / 1.3 %); -DTQ_PREFILL_DEC_BUFFERS=3 builds three.
+// steps ahead (H200: 0.5 / 1.4 / 0.8 / 0.7 % faster than three at 1 x 512 @ 4k, 1 x 2048 @ 16k,
+// 1 x 8192 @ 64k, 4 x 2048 @ 16k); -DTQ_PREFILL_DEC_BUFFERS=3 builds three.
 #ifndef TQ_PREFILL_DEC_BUFFERS
 #define TQ_PREFILL_DEC_BUFFERS 4
 #endif
@@ -206,21 +204,16 @@ constexpr int PREFILL_DEC_BUFFERS_MMA = 2;
 // where fp16 takes 11, and half the tile stores), Q is split into two E4M3 terms (Q1 = e4m3(q),
 // Q2 = e4m3(q - Q1)), and S = Q1 K + Q2 K: 8 m64n64k32 FP8 MMAs where fp16 issues 8 m64n64k16, the
 // same tensor time. The cost is Q's rounding: two E4M3 terms keep ~2^-8 of q's 2^-4 residual.
-// Measured 2026-11-28 (H100, one call, two rounds; NOTES_cuda), FP4 keys at D 128 (32/8/128):
-// 1 x 512 @ 4k 311 -> 326 TFLOP/s, 1 x 2048 @ 16k 379 -> 391-396, 1 x 8192 @ 64k 398 -> 419,
-// 4 x 2048 @ 16k 382 -> 403-404; the
-// output's relative (Frobenius) error against the fp32 reference 1.0e-3 -> 2.1e-3 (default
-// config; plain 0.75e-3 -> 1.27e-3), beside the bf16 output's own rounding of ~1.1e-3. K8V4 keys
-// take the same path with their E4M3 bytes as they are (each 8 reordered like the FP4 decode's
-// bytes, 4 byte permutes per 16 keys' elements, no conversion; E4M3 x E4M3 MMAs): measured
-// the same way (ninth session): 1 x 512 @ 4k 274-276 -> 302-305 TFLOP/s, 1 x 2048 @
-// 16k 325 -> 363, 1 x 8192 @ 64k 338 -> 382-383, 4 x 2048 @ 16k 326 -> 367-370; relative error
-// 1.0e-3 -> 2.2e-3 (default), 0.74e-3 -> 1.63e-3 (plain). FP4 keys at D 64 (gpt-oss's head dim)
-// too, in 128-byte K rows half used (64/8/64, another call): 1 x 512 @ 4k 217 -> 226-228 TFLOP/s,
-// 1 x 2048 @ 16k 251 -> 264, 1 x 8192 @ 64k 261 -> 274-276, 4 x 2048 @ 16k 251 -> 264-265;
-// relative error 1.05e-3 -> 1.86e-3 (default); K8V4 keys at D 64: 210 -> 220-221, 244 -> 258-260,
-// 251 -> 269, 244 -> 260; 1.04e-3 -> 1.97e-3. Example: every SM90a prefill instantiation (D 64
-// and 128, FP4 and K8V4 keys) runs FP8 S. (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
+// K8V4 keys take the same path with their E4M3 bytes as they are (each 8 reordered like the FP4
+// decode's bytes, 4 byte permutes per 16 keys' elements, no conversion; E4M3 x E4M3 MMAs).
+// Measured on H100 against fp16 S at 1 x 512 @ 4k, 1 x 2048 @ 16k, 1 x 8192 @ 64k and
+// 4 x 2048 @ 16k: FP4 keys at D 128 (32/8/128) 311 -> 326, 379 -> 391-396, 398 -> 419,
+// 382 -> 403-404 TFLOP/s; K8V4 keys at D 128 10-13 % faster; FP4 and K8V4 keys at D 64
+// (gpt-oss's head dim, 128-byte K rows half used) 4-7 % faster. The output's relative
+// (Frobenius) error against the fp32 reference goes from 1.0e-3 to 2.1e-3 (FP4 keys, default
+// config; plain 0.75e-3 -> 1.27e-3; K8V4 2.2e-3; D 64 1.9-2.0e-3), beside the bf16 output's own
+// rounding of ~1.1e-3. Every SM90a prefill instantiation (D 64 and 128, FP4 and K8V4 keys) runs
+// FP8 S. (-DTQ_PREFILL_FP8_S=0: fp16 S everywhere.)
 #ifndef TQ_PREFILL_FP8_S
 #define TQ_PREFILL_FP8_S 1
 #endif
@@ -231,8 +224,7 @@ constexpr bool PREFILL_FP8_S = TQ_PREFILL_FP8_S;
 // (PRODUCER + CONSUMER). Example D 128: a consumer holds O (64), S (32), P' (16) and Q (32)
 // fragments, the softmax's logits and state; a producer one step's 16-byte chunks in flight and
 // the copy addresses. The split is where ptxas (13.0) spills nothing in any of the 16
-// instantiations: 40 / 216 spilled 8-68 bytes (producers), 56 / 200 4-28 bytes (consumers,
-// once Q moved into registers).
+// instantiations: 40 / 216 spill 8-68 bytes (producers), 56 / 200 4-28 bytes (consumers).
 constexpr int PREFILL_PRODUCER_REGS = 48;
 constexpr int PREFILL_CONSUMER_REGS = 208;
 static_assert(PREFILL_PRODUCER_REGS + PREFILL_CONSUMER_REGS <= 256, "64K registers per SM");
@@ -277,7 +269,7 @@ inline bool use_spec_kernel(bool multi, int head_dim, long long num_tokens, long
 // else 16 (NB 2). A sequence with more pairs than the form's columns takes several CTAs, each
 // reading the sequence's KV once.
 // Examples (G = 4): 128 x 2 tokens (one draft token): 8 pairs -> 8 columns, one CTA per
-// (sequence, kv head) and no padding (the 16-column form left half its columns empty);
+// (sequence, kv head) and no padding (the 16-column form would leave half its columns empty);
 // 64 x 4: 16 -> 16 columns; ragged 1-3 tokens averaging 2: 8 -> 8 columns (a 3-token
 // sequence's 12 pairs take two CTAs); MHA (G = 1) with up to 8 tokens: 8 columns.
 // Measured (H100, one call, against -DTQ_SPEC8=0, 32/8/128): 128 x 2 @ 16k 779-782 vs 950-954
