@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(tuning::WRITER_THREADS) reshape_and_cache_fp4_
 }
 
 // One launch statement with the variant picked beforehand: hipify-torch rewrites each
-// kernel<<<...>>> into hipLaunchKernelGGL and eats the blank before it ("else kernel<<<" became
+// kernel<<<...>>> into hipLaunchKernelGGL and eats the blank before it ("else kernel<<<" becomes
 // "elsehipLaunchKernelGGL"), so no launch follows a keyword.
 template <typename T, int D, int GROUP, bool kKeyE4m3>
 void launch_writer_variant(const CacheWriteParams& p, int blocks, bool smooth, bool rotate, cudaStream_t stream) {

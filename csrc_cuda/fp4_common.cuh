@@ -257,7 +257,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t sme
 // is tracked per thread by commit/wait groups below. The L2::128B hint lets L2 fetch the whole
 // 128-byte line from DRAM at the first miss (the KV tiles are read whole): measured on H100
 // (CUDA graph, 32/8/128, two runs in one call) 64 x 4k 104.7 / 104.9 vs 105.5 / 106.1 us,
-// 1 x 32k 22.3 / 22.5 vs 22.8 / 23.0 us; L2::256B was in between. Those shapes run the decode
+// 1 x 32k 22.3 / 22.5 vs 22.8 / 23.0 us; L2::256B measures in between. Those shapes run the decode
 // kernel; the general kernel's tiles use the same copy (its GPU tests pass; not timed apart).
 __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gmem));

@@ -21,7 +21,7 @@ namespace cuda_fp4 {
 // ---- cross-lane exchange: the value of v held by lane (lane ^ o) -----------------------------
 // Callers exchange within aligned runs of at most 32 lanes (o < 32, every lane of the warp
 // present), so a partner never lies in another 32-lane half.
-// - NVIDIA (32-lane warps): shfl.sync.bfly over the full warp, as before this wrapper existed.
+// - NVIDIA (32-lane warps): shfl.sync.bfly over the full warp.
 // - AMD (hipified; gfx9 runs 64-lane wavefronts): HIP's __shfl_xor with width 32, which keeps
 //   CUDA's warp semantics inside each half of the wavefront (a partner index outside the
 //   caller's 32-lane segment returns the caller's own value, as CUDA's width rule does; with
