@@ -212,7 +212,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
   // but its scales are staged as constants and its logit is -inf in every row, so its codes
   // (finite FP4) meet only P = 0. Each lane's row sees [row_lo, row_lo + row_n); one unsigned
   // compare per token (a position below the start wraps around): a second compare per token
-  // kept masks live across the softmax and cost SGPR spills. In decode every row has the
+  // would keep masks live across the softmax and cost SGPR spills. In decode every row has the
   // tile's range (uniform), in multi-token each lane has its own.
   const int first_pos = sink != 0 ? 1 : 0;
   const int kv_lo = max_i32(tile_keys.lo, first_pos);
@@ -491,7 +491,7 @@ TQ_KERNEL(kThreads, kThreads) void tq_fp4_pa_partition_kernel(
       max_logits[idx] = m_out;
     }
     // gfx942: the PV MFMA applies no scale; P's power of two (lane = row here) joins post.
-    post = scale_e8m0_pair(post, pscale, kE8m0One);  // the PV MFMA applies no scale
+    post = scale_e8m0_pair(post, pscale, kE8m0One);
     lds->post[lane] = post;
     lds->sinkw[lane] = sinkw;
   }

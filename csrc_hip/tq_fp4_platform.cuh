@@ -1,4 +1,5 @@
-// turboquant gfx950 kernels: the few machine primitives the kernels use, in one place.
+// turboquant AMD kernels (gfx950, gfx942): the few machine primitives the kernels use, in one
+// place.
 //
 // Two builds see this header:
 //   - the device build (clang-22 / hipcc, `-x hip --offload-arch=gfx950`): every primitive is
