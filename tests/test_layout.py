@@ -61,6 +61,15 @@ def test_the_backends_build_below_the_api(path):
     assert "turboquant.calls" in imports(path) or path.name in ("__init__.py", "_jit.py")
 
 
+
+@pytest.mark.parametrize("path", [p for p in sources() if p.parent.name != "_backends"
+                                  and p != PACKAGE / "__init__.py"],
+                         ids=lambda p: p.relative_to(PACKAGE).as_posix())
+def test_only_the_package_imports_the_backends(path):
+    """A backend registers itself when the package imports it; the rest of the library reaches
+    one through ``turboquant.registry`` (by name), never by importing it."""
+    assert not {m for m in imports(path) if m.startswith("turboquant._backends")}
+
 def test_the_bench_modules_have_no_cycle():
     graph = {module_name(p): {m for m in imports(p) if m.startswith("turboquant.bench.")}
              for p in sources(PACKAGE / "bench")}

@@ -45,6 +45,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import registry
 from .format import dequantize_e4m3, dequantize_fp4
 from .rotation import rotate
 from .smoothing import (KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, LAYER_RANGE_QUANTILE, SINK_KEY,
@@ -177,10 +178,7 @@ def _entry(state: SharedState, tags: torch.Tensor) -> torch.Tensor:
 def _cuda_op(t: torch.Tensor, name: str):
     """The cuda backend's op ``name`` for tensors on a CUDA device where its library loads,
     else None (the definition runs)."""
-    if not t.is_cuda:
-        return None
-    from ._backends import cuda
-    if cuda.BACKEND.unavailable() is not None:
+    if not t.is_cuda or registry.get("cuda").unavailable() is not None:
         return None
     return getattr(torch.ops.turboquant, name)
 
