@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds .peers/peers_site.tar.xz, what benchmarks/peers_check.sh unpacks on the device machine
+# Builds .peers/peers_site.tar.xz, what benchmarks/device_env.sh unpacks on the device machine
 # (which has no package index): flashinfer-python 0.7.2.post1 (pure Python, 62 MB as a wheel,
 # over the 64 MiB a device call may carry) and apache-tvm-ffi 0.1.12 for CPython 3.12, unpacked,
 # minus the kernel sources paged decode and prefill never compile (sampling, MoE, MLA, ...),
