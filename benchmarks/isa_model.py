@@ -126,7 +126,6 @@ Which instructions belong to a tile:
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import functools
 import hashlib
@@ -907,71 +906,26 @@ HIP_DECODE_TRIPS = [2, 1, 2, 2, 2]
 # ----------------------------------------------------------------------------------------------
 # measurements
 # ----------------------------------------------------------------------------------------------
-RESULTS = ROOT / "benchmarks" / "results"
-# bench runs (python -m turboquant bench): bench.csv + bench.log, or the named JSON file. All
-# three timed the grid order before 06d9709 ("seq").
-RUNS = ["h100-2026-11-24d", "h100-2026-11-24e"]
-JSON_RUNS = [("h100-2026-11-24f", "peers_128x32k.json")]  # one cuda row, 128 x 32k (--peers)
-# benchmarks/tune_cuda.py logs (plain cache, D128 bf16 build, its own bytes and bandwidth): the
-# g run's grid-order A/B, sections "== seq", "== kv", "== seq2", "== kv2"
-LOG_RUNS = [("h100-2026-11-24g", "grid_order.log")]
+# The measured H100 decode rows (cuda, 32/8/128): one evidence record. Runs 24d, 24e (bench), 24f
+# (bench --peers, one row) timed the grid order before 06d9709 ("seq"); 24g's sections are
+# tune_cuda.py builds of both orders (plain cache).
+MEASURED_ROWS = ROOT / "benchmarks" / "results" / "2026-11-24-h100-isa-model-rows.json"
 # the one row the overlap exponent k is fitted on: (run, config, batch, context)
 OVERLAP_TRAIN_ROW = ("h100-2026-11-24d", "default", 64, 16384)
 TRANSFORM_CONFIGS = {"default", "k8v4"}  # configs with the default transforms (Q/O in the kernel)
 
 
-def run_bandwidth(run: str) -> float:
-    log = (RESULTS / run / "bench.log").read_text()
-    return float(re.search(r"bandwidth: read (\d+(?:\.\d+)?) GB/s", log).group(1))
-
-
-def _row(run: str, r: dict, bw: float) -> dict:
-    return {"run": run, "config": r["config"], "batch": int(r["batch"]),
-            "context": int(r["context"]), "pct": float(r["fp4_pct_bw"]),
-            "us": float(r["fp4_us"]), "bytes": int(r["fp4_bytes"]), "bw": bw,
-            "k8v4": r["config"].startswith("k8v4"),
-            "transforms": r["config"] in TRANSFORM_CONFIGS, "order": "seq"}
-
-
-def _wanted(r: dict) -> bool:
-    return r["shape"] == "32/8/128" and r["status"] == "ok" and r["backend"] == "cuda"
-
-
-def measured_rows(run: str) -> list[dict]:
-    """The cuda rows (32/8/128) of a bench run: bench.csv, or the named JSON file."""
-    for name, fname in JSON_RUNS:
-        if name == run:
-            data = json.loads((RESULTS / run / fname).read_text())
-            return [_row(run, r, data["bandwidth"]["read_GBps"]) for r in data["rows"] if _wanted(r)]
-    bw = run_bandwidth(run)
-    return [_row(run, r, bw) for r in csv.DictReader(open(RESULTS / run / "bench.csv")) if _wanted(r)]
-
-
-def tune_log_rows(run: str, fname: str) -> list[dict]:
-    """The attention rows of a benchmarks/tune_cuda.py log (32/8/128, plain cache), one
-    section per build; bytes as tune_cuda.py counts them (codes, scales, Q and O)."""
-    rows = []
-    text = (RESULTS / run / fname).read_text()
-    for sec in re.split(r"^== ", text, flags=re.M)[1:]:
-        name = sec.split()[0]
-        bw = float(re.search(r"HBM read bandwidth \(torch\.sum fp32 2 GiB\): (\d+) GB/s", sec).group(1))
-        for b, ctx, us, pct in re.findall(r"attn batch\s+(\d+) x\s+(\d+) \(block 16\):.*?graph"
-                                           r"\s+([\d.]+) us.*?=\s*([\d.]+)%", sec):
-            b, ctx = int(b), int(ctx)
-            rows.append({"run": f"{run}:{name}", "config": "plain", "batch": b, "context": ctx,
-                         "pct": float(pct), "us": float(us), "bw": bw,
-                         "bytes": b * ctx * 8 * (128 + 2) + 2 * b * 32 * 128 * 2,
-                         "k8v4": False, "transforms": False,
-                         "order": "seq" if name.startswith("seq") else "kv"})
-    return rows
-
-
 def all_measured_rows() -> list[dict]:
-    runs = RUNS + [name for name, fname in JSON_RUNS if (RESULTS / name / fname).exists()]
-    rows = [r for run in runs for r in measured_rows(run)]
-    for run, fname in LOG_RUNS:
-        if (RESULTS / run / fname).exists():
-            rows += tune_log_rows(run, fname)
+    """The record's rows as the model reads them (bytes and bandwidth of each row's own run)."""
+    record = json.loads(MEASURED_ROWS.read_text())
+    rows = []
+    for cells in record["rows"]:
+        r = dict(zip(record["columns"], cells))
+        rows.append({"run": r["run"], "config": r["config"], "batch": r["batch"],
+                     "context": r["context"], "pct": r["fp4_pct_bw"], "us": r["fp4_us"],
+                     "bytes": r["fp4_bytes"], "bw": r["read_GBps"],
+                     "k8v4": r["config"].startswith("k8v4"),
+                     "transforms": r["config"] in TRANSFORM_CONFIGS, "order": r["cta_order"]})
     return rows
 
 
