@@ -63,7 +63,7 @@ Every constant is a field of `H100` / `MI355X` / `MI300X` below, with its source
     k -> inf is the throughput-only max() (perfect overlap of memory and instruction issue),
     k = 1 no overlap at all; k is fitted on ONE measured row (OVERLAP_TRAIN_ROW) and checked on
     every other row (other shapes and the other kernel);
-  - per-call fixed costs from the measured timeline of one call (NOTES_cuda.md session 3): per
+  - per-call fixed costs from the measured timeline of one call (docs/cuda-kernels.md, "Known limits and open directions"): per
     wave a CTA's prologue (two dependent DRAM round trips: block ids, then the first KV tile)
     and its merge/output writes; the grid boundary to the next (programmatically dependent)
     grid; with a split KV range the reduce pass and the relaunch after it; the default
@@ -326,7 +326,7 @@ class H100:
     mufu_clk: float = 8.0   # 4 lanes
     hmma_clk: float = 4.0   # 1024 FLOP/clk/scheduler (989 TFLOP/s dense at 1.83 GHz)
     warps_per_sm: int = 16  # 2 CTAs x 8 warps (README's tuning); assumed to hide latency
-    # Per-call fixed costs (us), from the timeline of one call in NOTES_cuda.md session 3 (probe
+    # Per-call fixed costs (us), from the timeline of one call in docs/cuda-kernels.md (probe
     # build, 1 x 32k: 32 partitions x 8 kv heads; the 1 x 4k column in brackets):
     # one dependent DRAM round trip: the first KV tile lands (median) 3.07 us (2.05) after the
     # first CTA starts = two dependent round trips (block ids, then KV) + half of the first
@@ -991,7 +991,7 @@ def cuda_report(sass: str, hw: H100 = H100(),
         "measured read bandwidth)", "",
         f"Constants: SM clock {hw.clock_ghz} GHz, {hw.sms} SMs x {t['DECODE_MIN_BLOCKS']} CTAs of "
         f"{t['DECODE_WARPS']} warps, {t['DECODE_STAGES']} stages (tuning.cuh); per-call costs from "
-        f"NOTES_cuda.md session 3's timeline: DRAM round trip {hw.dram_latency_us} us (x 2 per "
+        f"docs/cuda-kernels.md's one-call timeline: DRAM round trip {hw.dram_latency_us} us (x 2 per "
         f"CTA prologue, and Little's law), merge {hw.merge_us} us, grid boundary "
         f"{hw.boundary_us} us, reduce {hw.reduce_us} us + relaunch {hw.relaunch_us} us when "
         f"split, Q/O transforms {hw.transforms_us} us (default and k8v4 configs; session 4). "
@@ -1211,7 +1211,7 @@ GFX950_PATHS = [("gfx950_fp4_native", "gfx950 native FP4", True, False),
 KV_HEADS, Q_HEADS, HEAD = 8, 64, 128   # the table's shape: 64 query heads, 8 kv heads, head 128
 TABLE_SHAPES = [(b, ctx) for ctx in (4096, 32768) for b in (1, 16, 64, 128)]
 # The H100's measured instruction-bound time over its throughput count (compute_bound_check.py;
-# benchmarks/results/isa-model-2026-11-24c.md: K8V4 1.40x, FP4 1.49x): the low end here, the
+# benchmarks/results/2026-11-24-h100-isa-model-dependency.json: K8V4 1.40x, FP4 1.49x): the low end here, the
 # high end is aiter_anchor.DEPENDENCY_FACTOR (1.5).
 DEPENDENCY_FACTOR_LOW = 1.4
 PLAN_FILE = ROOT / "turboquant" / "integration" / "aiter" / "files" / "pa_fp4_plan.py"

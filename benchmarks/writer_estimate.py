@@ -9,7 +9,7 @@ writer, clang-22 for gfx950; the kernels the AITER op's libraries hold, tests/te
 and one kernel per config is counted: bf16 input, head dim 128, one scale per (token, head),
 FP4 keys; `default` (key smoothing and rotation fused: the kSmooth, kRotate instantiation) and
 `plain` (neither). The problem: 65536 tokens x 8 kv heads x D 128 (the bench's writer row,
-`python -m turboquant bench`, whose H100 figures PERFORMANCE.md gives).
+`python -m turboquant bench`, whose H100 figures docs/performance.md gives).
 
 Counting (benchmarks/isa_model.py's functions: parse_amd_body, amd_class through amd_counts,
 amd_tile_cycles and predict_pct with its MI355X constants). The kernel has no loop: every

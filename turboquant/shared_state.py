@@ -18,13 +18,14 @@ is per sequence:
   an entry is never wrong for a block it matches: the bytes it was taken from are the block's.
 
 Measured (``python -m turboquant accuracy --models smollm2,gemma3``, KLD against the unquantized
-model; record ``benchmarks/results/accuracy-2026-11-28.md``): the default (this state, the
+model; record ``benchmarks/results/2026-11-28-cpu-accuracy.json``): the default (this state, the
 calibration text's smoothing) SmolLM2-135M 0.0339, Gemma 3 270M 0.0303; per-sequence records
 0.0360 / 0.0284; smoothing from a first write of 256 / 16 / 1 keys 0.039 / 0.031, 0.050 / 0.050,
-0.077 / 0.148 (1 key: none past position 0, so m = 0 and lam = 1). Earlier, on the per-sequence
-record patched to this state's parts (the tree of 924b875, ``shared-state-2026-11-28.md``): the
-sink as bf16 cost 0.0343 -> 0.0346 / 0.0335 -> 0.0321 against fp32; an entry missed (position 0
-from FP4) 0.0462 / 0.0351. The sink is kept as bf16.
+0.077 / 0.148 (1 key: none past position 0, so m = 0 and lam = 1). On the per-sequence record
+patched to this state's parts (the tree of 924b875, record
+``benchmarks/results/2026-11-28-cpu-shared-state-study.json``): the sink as bf16 cost
+0.0343 -> 0.0346 / 0.0335 -> 0.0321 against fp32; an entry missed (position 0 from FP4)
+0.0462 / 0.0351. The sink is kept as bf16.
 
 Memory: S entries per layer, S = ceil(num_blocks / ENTRY_BLOCKS), each (4 D + 8) bytes per kv
 head, against a block's 16 x 2 x (D / 2 + 1) FP4 bytes per kv head at block size 16: 1.6 % of

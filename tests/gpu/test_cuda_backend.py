@@ -960,7 +960,7 @@ SANITIZER_CASE = textwrap.dedent("""
 # threads (the prefill kernel's producer and consumer warps hand tiles over by named barriers).
 # (synccheck is not run: it reports "Divergent thread(s) in block" at the prefill kernel's first
 # named barrier that its producer and consumer warps reach from different code, which the PTX
-# barrier allows (bar.arrive / bar.sync hand-offs are that); NOTES_cuda.md, 2026-11-27 third.)
+# barrier allows (bar.arrive / bar.sync hand-offs are that); docs/cuda-kernels.md, "Known limits and open directions".)
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer(tmp_path, tool):
