@@ -909,7 +909,7 @@ HIP_DECODE_TRIPS = [2, 1, 2, 2, 2]
 # The measured H100 decode rows (cuda, 32/8/128): one evidence record. Runs 24d, 24e (bench), 24f
 # (bench --peers, one row) timed the grid order before 06d9709 ("seq"); 24g's sections are
 # tune_cuda.py builds of both orders (plain cache).
-MEASURED_ROWS = ROOT / "benchmarks" / "results" / "2026-11-24-h100-isa-model-rows.json"
+MEASURED_ROWS = ROOT / "benchmarks/results/2026-11-24-h100-isa-model-rows.json"
 # the one row the overlap exponent k is fitted on: (run, config, batch, context)
 OVERLAP_TRAIN_ROW = ("h100-2026-11-24d", "default", 64, 16384)
 TRANSFORM_CONFIGS = {"default", "k8v4"}  # configs with the default transforms (Q/O in the kernel)

@@ -63,3 +63,34 @@ def test_cited_results_paths_exist():
                 line = text.count("\n", 0, m.start()) + 1
                 dead.append(f"{rel}:{line}: {cited}")
     assert not dead, "cited paths that do not exist:\n" + "\n".join(dead)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set:
+    """The anchors of a markdown file's headings (lines in code fences are not headings)."""
+    found, fence = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and re.match(r"#+ ", line):
+            found.add(slug(line.lstrip("#")))
+    return found
+
+
+@pytest.mark.parametrize("path", RECORDS, ids=[p.name for p in RECORDS])
+def test_record_is_cited_where_it_says(path):
+    """A record is cited outside benchmarks/results/, and each place its published_in names
+    exists, cites it, and (for a markdown file) has the named heading."""
+    cited = f"benchmarks/results/{path.name}"
+    citing = [rel for rel in tracked_sources() if not rel.startswith("benchmarks/results/")
+              and cited in (ROOT / rel).read_text(errors="replace")]
+    assert citing, f"{path.name}: no document or source cites it"
+    for place in json.loads(path.read_text())["published_in"]:
+        rel, _, anchor = place.partition("#")
+        assert rel in citing, f"{path.name}: published_in {rel}, which does not cite it"
+        if anchor:
+            assert anchor in anchors((ROOT / rel).read_text()), f"{path.name}: no #{anchor}"
