@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "paged_kv.cuh"
+
 namespace turboquant {
 namespace cuda_fp4 {
 
@@ -42,7 +44,8 @@ struct AttnParams {
   int key_e4m3;            // K8V4: key_cache holds E4M3 bytes, D per row
 };
 
-// The paged-KV lookup every kernel makes: sequence s's row of the block table, read for a token.
+// The paged-KV lookup every kernel makes (paged_kv.cuh), for one sequence's row of the block
+// table and a token of it.
 struct BlockRow {
   const AttnParams& p;
   const int* row;
@@ -50,15 +53,11 @@ struct BlockRow {
       : p(params), row(params.block_tables + (long long)s * params.bt_stride) {}
   // the table's entry for token tok's block: -1 past the table (entries past it are never read)
   __device__ __forceinline__ int entry(int tok) const {
-    const int col = tok >> p.log2_block_size;
-    return col < p.max_blocks_per_seq ? __ldg(row + col) : -1;
+    return paged_kv::table_entry(row, tok >> p.log2_block_size, p.max_blocks_per_seq);
   }
   // token tok's block id: -1 past the table or outside the cache's [0, num_blocks)
   __device__ __forceinline__ int id(int tok) const {
-    const int col = tok >> p.log2_block_size;
-    if (col >= p.max_blocks_per_seq) return -1;
-    const int b = __ldg(row + col);
-    return (b < 0 || b >= p.num_blocks) ? -1 : b;
+    return paged_kv::block_id(row, tok >> p.log2_block_size, p.max_blocks_per_seq, p.num_blocks);
   }
 };
 
