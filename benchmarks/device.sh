@@ -138,7 +138,9 @@ cmd_tests() {
   timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -rfs "${n[@]}" "${paths[@]}" "${k[@]}" \
     > "$full" 2>&1
   echo "tests rc=$? (${paths[*]} ${k[*]})" >> "$full"
-  tail -30 "$full" | tee "${full/tests_full/tests}"
+  # the end of the log, less pytest-benchmark's warning per xdist worker
+  grep -vE "PytestBenchmarkWarning|warner\(|bringing up nodes|^$" "$full" | tail -30 \
+    | tee "${full/tests_full/tests}"
 }
 
 cmd_bench() {
@@ -320,8 +322,9 @@ cmd_sanitize() {  # spec_check's SYNCCHECK, and compute-sanitizer on any pytest 
   need_gpu
   local what=("$@")
   if [ $# -eq 0 ]; then  # the GPU tests' sanitizer case, written out by this tree's tests
-    python -c "import sys; sys.path.insert(0, '$HERE/tests/gpu'); import test_cuda_backend as t; \
-open('$OUT/sanitizer_case.py', 'w').write(t.SANITIZER_CASE)"
+    python -c "import sys; sys.path[:0] = ['$HERE/tests', '$HERE/tests/gpu']; \
+import test_cuda_backend as t; open('$OUT/sanitizer_case.py', 'w').write(t.SANITIZER_CASE)" \
+      || die "no SANITIZER_CASE in tests/gpu/test_cuda_backend.py"
     what=("$OUT/sanitizer_case.py")
   else
     what=(-m pytest -q -x "$@")
