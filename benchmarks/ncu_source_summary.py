@@ -1,7 +1,7 @@
 """Summarize ncu's SASS source counters of the prefill kernel by warp role (issue 18).
 
 Input: `ncu -i REP --page source --csv --print-source sass > FILE.csv` of one launch of
-paged_attention_fp4_prefill_kernel (benchmarks/ncu_prefill_case.py). The SM90a kernel's code is
+paged_attention_fp4_prefill_kernel (benchmarks/probe.py ncu-prefill). The SM90a kernel's code is
 split at its two USETMAXREG instructions: the row warps run from the .TRY_ALLOC (setmaxnreg.inc)
 to the .DEALLOC (setmaxnreg.dec), the producers from the .DEALLOC on; what precedes both is the
 shared prologue. Per region: executed warp instructions (and per warp and 64-token step when

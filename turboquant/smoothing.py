@@ -28,7 +28,7 @@ the others, and the sink keeps it exactly anyway), per kv head and channel c:
 
 An exponent of 1/2 splits each channel's range evenly between the keys (divided) and the
 queries (multiplied), as SmoothQuant does for activations and weights. Measured
-(``benchmarks/smoothing_exponent.py``, the default config, KLD / top-1 against the unquantized
+(``python benchmarks/probe.py smoothing-exponent``, the default config, KLD / top-1 against the unquantized
 model, 2026-11-24), exponents 0.25 / 0.5 / 0.75 / 1: SmolLM2-135M 0.0401 / 0.0324 / 0.0333 /
 0.0422 (top-1 87.1 / 88.9 / 88.7 / 88.3 %); chosen there, then checked on the held-back Gemma 3
 270M: 0.0359 / 0.0309 / 0.0350 / 0.0502 (86.8 / 89.2 / 88.4 / 86.6 %).
