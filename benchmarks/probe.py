@@ -6,6 +6,7 @@
     python benchmarks/probe.py locality
     python benchmarks/probe.py fp8-q-terms                   (CPU)
     python benchmarks/probe.py smoothing-exponent [--model M] [--exponents E,E] [--options O]
+    python benchmarks/probe.py prefill-workspace [--shapes BxQ@L,..] [--calls N] [--rounds N]
 
 ncu-decode, ncu-prefill and writer launch one kernel a few times for a profiler (ncu with
 --launch-skip 2 --launch-count 1, or `bash benchmarks/device.sh ncu ...`, which runs them);
@@ -160,6 +161,74 @@ def smoothing_exponent(args) -> None:
                   f"{100 * r['top1']:.1f} %  ppl {r['ppl_delta_pct']:+.2f} %", flush=True)
 
 
+def prefill_workspace(args) -> None:
+    """Chunked prefill with and without the decode-once workspace (csrc_cuda/prefill_workspace.cuh)
+    in one process: per shape BxQ@L (32/8/128, block 16, shuffled pages, the default config),
+    the call's time (CUDA graph of --calls calls, median of --rounds) with
+    TURBOQUANT_PREFILL_WORKSPACE=0 and =1, and the workspace pass alone (its kernel's time from
+    the profiler); TFLOP/s over the causal FLOPs of the chunk. One JSON line per shape."""
+    import json
+    import os
+    import torch
+    import turboquant
+    from turboquant.cache import build_paged_problem
+
+    def timed(fn, calls, rounds):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        times = []
+        for _ in range(rounds):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+        return sorted(times)[len(times) // 2]
+
+    for shape in args.shapes.split(","):
+        b, rest = shape.split("x")
+        q_len, ctx = rest.split("@")
+        b, q_len = int(b), int(q_len)
+        ctx = int(ctx[:-1]) * 1024 if ctx.endswith("k") else int(ctx)
+        g = torch.Generator().manual_seed(0)
+        prob = build_paged_problem([ctx] * b, 8, 128, 16, device="cuda", generator=g,
+                                   write_backend="cuda", config=turboquant.QuantConfig())
+        q = torch.randn(b * q_len, 32, 128, device="cuda", dtype=torch.bfloat16)
+        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda") * q_len
+
+        def call():
+            return turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
+                                                  128 ** -0.5, cu_query_lens=cu, backend="cuda",
+                                                  max_seq_len=ctx, **prob.kwargs)
+        # causal FLOPs: query i of the chunk sees ctx - q_len + i + 1 keys; 4 D FLOPs per key
+        keys = b * sum(ctx - q_len + i + 1 for i in range(q_len))
+        flops = 4 * 128 * 32 * keys
+        row = {"shape": shape}
+        with turboquant.value_checks(False):
+            outs = {}
+            for mode in ("0", "1"):
+                os.environ["TURBOQUANT_PREFILL_WORKSPACE"] = mode
+                us = timed(call, args.calls, args.rounds)
+                outs[mode] = call()
+                row[f"ws{mode}_us"] = round(us, 1)
+                row[f"ws{mode}_tflops"] = round(flops / us / 1e6, 1)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.calls):
+                    call()
+                torch.cuda.synchronize()
+            ws_us = [e.time_range.elapsed_us() for e in prof.events()
+                     if "prefill_workspace_kernel" in e.name]
+            row["ws_pass_us"] = round(sum(ws_us) / max(len(ws_us), 1), 1)
+            del os.environ["TURBOQUANT_PREFILL_WORKSPACE"]
+        row["bit_identical"] = bool(torch.equal(outs["0"], outs["1"]))
+        print(json.dumps(row), flush=True)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -187,6 +256,11 @@ def parser() -> argparse.ArgumentParser:
             "shuffled against sequential block tables, timed")
     add("fp8-q-terms", fp8_q_terms,
             "S with Q as E4M3 terms against fp16 / bf16 Q (CPU)")
+    p = add("prefill-workspace", prefill_workspace,
+            "chunked prefill with and without the decode-once workspace, timed")
+    p.add_argument("--shapes", default="1x512@4k,1x2048@16k,4x2048@16k,1x8192@64k")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=5)
     p = add("smoothing-exponent", smoothing_exponent,
             "KLD / top-1 per key-smoothing exponent")
     p.add_argument("--model", default="smollm2")

@@ -7,6 +7,7 @@
 #include "attention_general.cuh"
 #include "attention_prefill.cuh"
 #include "attention_reduce.cuh"
+#include "prefill_workspace.cuh"
 
 namespace turboquant {
 namespace cuda_fp4 {
@@ -33,7 +34,13 @@ template <int D, typename T, bool kStates, bool kE4m3>
 cudaError_t launch_attention_variant(const AttnParams& p, AttnKernel k, int grid_x, cudaStream_t stream) {
   cudaError_t e;
   if (k == AttnKernel::kPrefill) {  // grid_x row groups, one partition
-    if constexpr (D <= 128) return launch_prefill_attention<D, T, kStates, kE4m3>(p, grid_x, stream);
+    if constexpr (D <= 128) {
+      if (p.ws == nullptr) return launch_prefill_attention<D, T, kStates, kE4m3, false>(p, grid_x, stream);
+      // the decode-once workspace (the plan's ws_steps), then the kernel copying its tiles
+      e = launch_prefill_workspace<D, kE4m3>(p, stream);
+      if (e != cudaSuccess) return e;
+      return launch_prefill_attention<D, T, kStates, kE4m3, true>(p, grid_x, stream);
+    }
     return cudaErrorInvalidValue;
   }
   if (k == AttnKernel::kDecode) {

@@ -42,6 +42,9 @@ struct AttnParams {
   float* lse;              // [num_tokens, num_heads] fp32: each row's log-sum-exp (natural log)
   const float* sinks;      // [num_heads] fp32: learned sink logits (one more logit, no value)
   int key_e4m3;            // K8V4: key_cache holds E4M3 bytes, D per row
+  // the prefill kernel's decode-once workspace (prefill_workspace.cuh), or nullptr (it decodes)
+  uint8_t* ws;             // [num_seqs, ws_steps, num_kv_heads] tiles of PrefillLayout::WS_TILE bytes
+  int ws_steps;            // steps of PREFILL_TILE keys per sequence it holds
 };
 
 // The paged-KV lookup every kernel makes (paged_kv.cuh), for one sequence's row of the block

@@ -63,14 +63,20 @@ struct AttnPlan {
   int tiles_per_seq;     // 16-row head tiles per sequence (the decode grid's unit)
   int partition_size;    // keys per split of the KV range (tuning.cuh's choices) ...
   int num_partitions;    // ... and the number of splits (> 1: a reduce pass follows)
+  int ws_steps;          // the prefill kernel's decode-once workspace: steps per sequence (0: none)
+  long long ws_bytes;    // ... and its bytes (prefill_workspace.cuh)
 };
+
+// Whether a prefill-kernel call takes the decode-once workspace: tuning.cuh's rule, or the
+// caller's choice (ws_mode 0: never, 1: whenever the byte bound allows, -1: the rule).
+enum : int { kWsAuto = -1, kWsOff = 0, kWsOn = 1 };
 
 // num_tokens query tokens of num_seqs sequences (multi: cu_query_lens given), group_size query
 // heads per kv head, max_seq_len a host-side bound of the keys, on a device with num_sms SMs of
 // compute capability major that allows optin_smem bytes of shared memory per CTA.
 inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens, int num_seqs,
                                int num_kv_heads, int group_size, int max_seq_len, int num_sms,
-                               int major, int optin_smem) {
+                               int major, int optin_smem, int ws_mode = kWsAuto) {
   AttnPlan plan{};
   const bool prefill = tuning::use_prefill_kernel(multi, D, num_tokens, num_seqs, group_size) &&
                        prefill_fits(D, key_e4m3, major, optin_smem);
@@ -97,6 +103,16 @@ inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens,
       : spec ? tuning::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), num_sms)
              : tuning::choose_partition_size(msl, base_ctas, num_sms);
   plan.num_partitions = std::max(1, (msl + plan.partition_size - 1) / plan.partition_size);
+  // the decode-once workspace: the wgmma build's prefill kernel only; one grid row per
+  // (sequence, kv head) of the workspace pass (at most 65535)
+  const bool ws = prefill && prefill_uses_wgmma(major) && ws_mode != kWsOff &&
+                  (ws_mode == kWsOn || tuning::use_prefill_workspace(num_tokens, num_seqs, group_size));
+  const long long steps = (msl + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE;
+  const long long bytes = (long long)num_seqs * steps * num_kv_heads * prefill_ws_tile_bytes(D, key_e4m3);
+  if (ws && steps > 0 && bytes <= tuning::PREFILL_WS_MAX_BYTES && (long long)num_seqs * num_kv_heads <= 65535) {
+    plan.ws_steps = (int)steps;
+    plan.ws_bytes = bytes;
+  }
   return plan;
 }
 

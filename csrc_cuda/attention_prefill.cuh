@@ -77,6 +77,7 @@ struct PrefillLayout {
   // W more (producers) with wgmma; NTH threads in all
   static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS, NT = 32 * W, NTH = kWG ? 2 * NT : NT;
   static constexpr int TK = tuning::PREFILL_TILE, ST = kWG ? tuning::PREFILL_STAGES_WGMMA : tuning::PREFILL_STAGES_MMA;
+  static constexpr bool E4M3 = kE4m3;
   static constexpr int KROWB = KeyRow<D, kE4m3>::BYTES, VROWB = D / 2;  // code bytes per token
   static constexpr int KCPR = KROWB / 16, VCPR = VROWB / 16;         // 16-byte chunks per token
   static constexpr int KCH = TK * KCPR, VCH = TK * VCPR;              // chunks per step
@@ -110,6 +111,12 @@ struct PrefillLayout {
   // token order, read in pairs (the permuted order makes the sm_80 build spill 8 bytes at 255
   // registers). The V bytes, read on NaN steps only, are in token order.
   static constexpr int OFF_SB = DEC_K + DEC_V;
+  // The decode-once workspace's tile of one (sequence, step, kv head) (prefill_workspace.cuh):
+  // the step's decoded K and V exactly as a decode buffer holds them, then the K and V scale
+  // bytes of its TK tokens, then per 16-token sub-tile whether its block id is bad (1) or not.
+  static constexpr int WS_SCALES = DEC_K + DEC_V, WS_BAD = WS_SCALES + 2 * TK;
+  static constexpr int WS_TILE = (WS_BAD + TK / 16 + 127) / 128 * 128;
+  static constexpr int WS_CHUNKS = (DEC_K + DEC_V) / 16;  // 16-byte copies of a step's K and V
   static constexpr int SB_PITCH = TK / 4 + 8;
   static constexpr int SB_KF = 0, SB_VB = 4 * SB_PITCH, SB_VMAX = SB_VB + TK, SB_VNAN = SB_VMAX + TK / 32;
   static constexpr int SB_VG = SB_VNAN + TK / 32;
@@ -153,8 +160,7 @@ __device__ __forceinline__ int dec_off(int r, int c) {
 // E2M1 * 2^-14 in head-dim order, four 16-byte chunks of row r of the decoded tile, at
 // off ^ (i << 4) for off = dec_off(r, 4 q) (chunks 4 q + i of one panel: the swizzle's XOR
 // with r & 7 commutes with i < 4; the thread computes off once). 11 integer ops per 8.
-__device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* tile, uint32_t off) {
-  const uint4 w4 = *reinterpret_cast<const uint4*>(src);
+__device__ __forceinline__ void decode_fp4_chunk(uint4 w4, uint8_t* tile, uint32_t off) {
   const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -168,8 +174,7 @@ __device__ __forceinline__ void decode_fp4_chunk(const uint8_t* src, uint8_t* ti
 // 32 FP4 codes -> 32 E5M2 bytes E2M1 * 2^-14 (fp4x8_to_f16hi8's high bytes, each 8 codes' in its
 // order 0 2 4 6 1 3 5 7, which Q's columns follow): two 16-byte chunks of a 128-byte K-major row,
 // at off and off ^ 16 (chunks 2 q and 2 q + 1 under the swizzle). 7 integer ops per 8.
-__device__ __forceinline__ void decode_fp4_chunk_e5m2(const uint8_t* src, uint8_t* tile, uint32_t off) {
-  const uint4 w4 = *reinterpret_cast<const uint4*>(src);
+__device__ __forceinline__ void decode_fp4_chunk_e5m2(uint4 w4, uint8_t* tile, uint32_t off) {
   uint32_t lo[4], hi[4];
   fp4x8_to_f16hi8(w4.x, lo[0], hi[0]);
   fp4x8_to_f16hi8(w4.y, lo[1], hi[1]);
@@ -181,16 +186,14 @@ __device__ __forceinline__ void decode_fp4_chunk_e5m2(const uint8_t* src, uint8_
 // 16 E4M3 key bytes (K8V4: head-dim elements [16 q, 16 q + 16)) -> the same 16 bytes with each
 // 8 in the order 0 2 4 6 1 3 5 7 (FP8 S's K row, as decode_fp4_chunk_e5m2 orders its bytes):
 // chunk q of a 128-byte K-major row, at off. 4 byte permutes, no conversion.
-__device__ __forceinline__ void reorder_e4m3_chunk(const uint8_t* src, uint8_t* tile, uint32_t off) {
-  const uint4 w = *reinterpret_cast<const uint4*>(src);
+__device__ __forceinline__ void reorder_e4m3_chunk(uint4 w, uint8_t* tile, uint32_t off) {
   *reinterpret_cast<uint4*>(tile + off) =
       make_uint4(prmt(w.x, w.y, 0x6420u), prmt(w.x, w.y, 0x7531u), prmt(w.z, w.w, 0x6420u), prmt(w.z, w.w, 0x7531u));
 }
 // 16 E4M3 key bytes (K8V4: head-dim elements [16 q, 16 q + 16)) -> fp16 values E4M3 * 2^-8 in
 // head-dim order (decode_key8's placement, without its permutation), two chunks of row r at
 // off ^ (i << 4), off = dec_off(r, 2 q).
-__device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* tile, uint32_t off) {
-  const uint4 w4 = *reinterpret_cast<const uint4*>(src);
+__device__ __forceinline__ void decode_e4m3_chunk(uint4 w4, uint8_t* tile, uint32_t off) {
   const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -199,6 +202,26 @@ __device__ __forceinline__ void decode_e4m3_chunk(const uint8_t* src, uint8_t* t
                                e4m3hi_to_f16x2(prmt(w[2 * i + 1], 0, 0x3424u)));
     *reinterpret_cast<uint4*>(tile + (off ^ (i << 4))) = o;
   }
+}
+
+// Where 16-byte code chunk q of token r lands in a decoded tile of layout L (K: L::KCPR chunks
+// per token, V: L::VCPR), and the decode of a key chunk for L's tile (FP8 S: E5M2 bytes from
+// FP4 keys or K8V4's E4M3 bytes reordered; else fp16). The prefill kernel's producers and the
+// workspace pass (prefill_workspace.cuh) both place chunks by these.
+template <typename L>
+__device__ __forceinline__ uint32_t key_chunk_off(int r, int q) {
+  return L::S8 ? r * 128 + (((L::E4M3 ? q : 2 * q) ^ (r & 7)) << 4) : dec_off<L::TK>(r, q * (L::E4M3 ? 2 : 4));
+}
+template <typename L>
+__device__ __forceinline__ uint32_t value_chunk_off(int r, int q) {
+  return L::DEC_K + dec_off<L::TK>(r, q * 4);
+}
+template <typename L>
+__device__ __forceinline__ void decode_key_chunk(uint4 w, uint8_t* tile, uint32_t off) {
+  if constexpr (L::E4M3 && L::S8) reorder_e4m3_chunk(w, tile, off);
+  else if constexpr (L::E4M3) decode_e4m3_chunk(w, tile, off);
+  else if constexpr (L::S8) decode_fp4_chunk_e5m2(w, tile, off);
+  else decode_fp4_chunk(w, tile, off);
 }
 
 // The 16-byte code chunk (of CPR per token) that thread t copies and decodes in every step, a
@@ -255,16 +278,21 @@ __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4
 // grid (row groups * num_kv_heads, 1), block prefill_threads(major) (32 * PREFILL_WARPS, twice
 // that on SM90a: the producer warps), dynamic smem prefill_smem_bytes<D, kE4m3> bytes. Requires
 // cu_query_lens and num_partitions == 1 (plan_attention). kStates: the lse output or learned sinks are asked for (as the
-// general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes).
+// general kernel: compiled out of the plain instantiation); kE4m3: K8V4 keys (E4M3 bytes); kWs:
+// the tiles come decoded from p.ws (prefill_workspace.cuh wrote them), SM90a only.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(TQ_PREFILL_MMA_SYNC)
 #define TQ_PREFILL_KWG true  // warpgroup MMAs, producer and consumer warps (SM90a)
 #else
 #define TQ_PREFILL_KWG false  // ldmatrix + mma.sync, every warp both
 #endif
-template <int D, typename T, bool kStates, bool kE4m3>
+template <int D, typename T, bool kStates, bool kE4m3, bool kWs>
 __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, tuning::PREFILL_MIN_BLOCKS)
     paged_attention_fp4_prefill_kernel(const AttnParams p) {
   constexpr bool kWG = TQ_PREFILL_KWG;
+  if constexpr (kWs && !kWG) {
+    __trap();  // the workspace path is the wgmma build's: plan_attention never launches it elsewhere
+    return;
+  }
   using L = PrefillLayout<D, kE4m3, kWG>;
   constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
   static_assert(!kWG || (TK == 64 && L::W % 4 == 0 && L::NDEC >= 3),
@@ -440,11 +468,35 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
 #pragma unroll
   for (int j = 0; j < NK; ++j) {
     const int c = min(kchunk(j), L::KCH - 1);
-    const int r = c / L::KCPR, q = c % L::KCPR;
     // FP8 S: a K8V4 chunk is 16 of the row's bytes (chunk q), an FP4 chunk becomes 32 (2 q, 2 q + 1)
-    k_off[j] = L::S8 ? r * 128 + (((kE4m3 ? q : 2 * q) ^ (r & 7)) << 4) : dec_off<TK>(r, q * (kE4m3 ? 2 : 4));
+    k_off[j] = key_chunk_off<L>(c / L::KCPR, c % L::KCPR);
   }
-  const uint32_t v_off = L::DEC_K + dec_off<TK>(cv, (vc0 % L::VCPR) * 4);
+  const uint32_t v_off = value_chunk_off<L>(cv, vc0 % L::VCPR);
+  // the scale words of token cs of step i in decoded tile dec, from its scale byte b (K: a float;
+  // V: the byte, its factor, and per 32 tokens the maximum and 255 flag of the visible ones)
+  // (threads with has_s; 0 for a token not copied)
+  auto put_scale = [&](int i, uint8_t* dec, int b) {
+    int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
+    if (tid < TK) {
+      // 255 -> NaN; wgmma: times the logits' factor (kmul, one per CTA there)
+      reinterpret_cast<float*>(sb)[L::SB_KF + L::sb_slot(cs)] = kWG ? e8m0_to_float((uint32_t)b) * kmul : e8m0_to_float((uint32_t)b);
+    } else {
+      sb[L::SB_VB + cs] = b;
+      const int tok = tok_of(i, cs);
+      const bool vis = tok >= r_lo && tok < r_hi;
+      const int v = __reduce_max_sync(0xffffffffu, (vis && b != 255) ? b : 0);
+      const bool nan = __any_sync(0xffffffffu, vis && b == 255);
+      // the token's part of P's V-scale factor (make_p): finite for any byte (a masked
+      // token's may exceed v, or be 255), 0 below 2^-126 (wgmma, in fp16: below 2^-24)
+      const float vg = __int_as_float(min(max(b - v + 127, 0), 127) << 23);
+      if constexpr (kWG) reinterpret_cast<__half*>(sb + L::SB_VG)[L::sb_slot(cs)] = __float2half_rn(vg);
+      else reinterpret_cast<float*>(sb)[L::SB_VG + L::sb_slot(cs)] = vg;
+      if (lane == 0) {
+        sb[L::SB_VMAX + (cs >> 5)] = v;
+        sb[L::SB_VNAN + (cs >> 5)] = nan;
+      }
+    }
+  };
   uint32_t st_dec = 0, buf_dec = 0;  // ring stage and decode buffer of the next decode
   // the thread decodes what it copied: codes -> fp16 rows; its scale (K: a float, V: the byte;
   // 0 where not copied); the V-scale maximum and 255 flag of the visible tokens (V warps).
@@ -460,36 +512,13 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     for (int j = 0; j < NK; ++j) {
       const int c = kchunk(j);
       if (c >= L::KCH) continue;
-      if constexpr (kE4m3 && L::S8) reorder_e4m3_chunk(raw + c * 16, dec, k_off[j]);
-      else if constexpr (kE4m3) decode_e4m3_chunk(raw + c * 16, dec, k_off[j]);
-      else if constexpr (L::S8) decode_fp4_chunk_e5m2(raw + c * 16, dec, k_off[j]);
-      else decode_fp4_chunk(raw + c * 16, dec, k_off[j]);
+      decode_key_chunk<L>(*reinterpret_cast<const uint4*>(raw + c * 16), dec, k_off[j]);
     }
-    if (has_v) decode_fp4_chunk(raw + L::RAW_K + vc0 * 16, dec, v_off);
+    if (has_v) decode_fp4_chunk(*reinterpret_cast<const uint4*>(raw + L::RAW_K + vc0 * 16), dec, v_off);
     if (has_s) {
       const uint32_t nib = (nib_ring >> (4 * sd)) & 15u;
       const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + L::RAW_K + L::RAW_V + (tid < TK ? 0 : L::RAW_S) + cs * 4);
-      const int b = (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0;
-      int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
-      if (tid < TK) {
-        // 255 -> NaN; wgmma: times the logits' factor (kmul, one per CTA there)
-        reinterpret_cast<float*>(sb)[L::SB_KF + L::sb_slot(cs)] = kWG ? e8m0_to_float((uint32_t)b) * kmul : e8m0_to_float((uint32_t)b);
-      } else {
-        sb[L::SB_VB + cs] = b;
-        const int tok = tok_of(i, cs);
-        const bool vis = tok >= r_lo && tok < r_hi;
-        const int v = __reduce_max_sync(0xffffffffu, (vis && b != 255) ? b : 0);
-        const bool nan = __any_sync(0xffffffffu, vis && b == 255);
-        // the token's part of P's V-scale factor (make_p): finite for any byte (a masked
-        // token's may exceed v, or be 255), 0 below 2^-126 (wgmma, in fp16: below 2^-24)
-        const float vg = __int_as_float(min(max(b - v + 127, 0), 127) << 23);
-        if constexpr (kWG) reinterpret_cast<__half*>(sb + L::SB_VG)[L::sb_slot(cs)] = __float2half_rn(vg);
-        else reinterpret_cast<float*>(sb)[L::SB_VG + L::sb_slot(cs)] = vg;
-        if (lane == 0) {
-          sb[L::SB_VMAX + (cs >> 5)] = v;
-          sb[L::SB_VNAN + (cs >> 5)] = nan;
-        }
-      }
+      put_scale(i, dec, (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0);
     }
     if constexpr (kWG) fence_proxy_async();  // the tile is read by wgmma after the next barrier
   };
@@ -518,26 +547,69 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     // registers per setmaxnreg region, and code before a split or after a join has to fit the
     // smaller count (the Q transforms spill at 80 when the split comes after them).
     if (producer) {
-      // step j: the copy of step j + ST - 1 issued, step j's codes waited for and decoded
       setmaxnreg_dec<tuning::PREFILL_PRODUCER_REGS>();
-      first_copies();
+      if constexpr (!kWs) first_copies();
       // the consumers prepare Q: the prescale's barriers (the maximum word zeroed before the
       // first) and the one after it
       unsigned* qamax = reinterpret_cast<unsigned*>(smem + L::OFF_QAMAX);
       if (tid == 0) *qamax = 0u;
       kmul = logit_factor(q_prescale_exponent(0u, qamax, cta_sync) - L::QEXP_DROP);
       cta_sync();
-      uint32_t b = 0;
-#pragma unroll 1
-      for (int j = 0; j < nsteps; ++j) {
-        if (j + ST - 1 < nsteps) issue(j + ST - 1);  // into the stage step j - 1 left
-        cp_async_commit();
-        if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + b, L::NTH);  // step j - NDEC's tile is free
-        cp_async_wait<ST - 1>();
-        decode(j);  // (fence_proxy_async: its tile is read by wgmma)
+      if constexpr (kWs) {
+        // Decode-once workspace: step j's tile is a copy of the workspace's (prefill_workspace.cuh)
+        // into decode buffer bj (free once step j - NDEC is read), issued before step j - 1's
+        // copy is waited for; then step j - 1's scale words from its scale bytes, as decode()
+        // writes them. The copies start after Q (the buffers alias Q's fp32 rows). A sequence
+        // longer than the workspace's steps (past the call's max_seq_len) gets NaN rows.
+        const bool ws_ok = tile_first + nsteps <= p.ws_steps;
+        bad = bad || !ws_ok;
+        const uint8_t* ws_seq = p.ws + ((long long)s * p.ws_steps * Hkv + kvh) * L::WS_TILE;
+        int sb_next = 0;  // the thread's scale byte of the step copied last (0: not needed, or bad)
+        auto ws_copy = [&](int i, uint32_t buf) {
+          const uint8_t* src = ws_seq + (long long)(tile_first + i) * Hkv * L::WS_TILE;
+          const uint32_t dst = raw_s + L::OFF_DEC + buf;
+          static_assert(L::WS_CHUNKS % L::NT == 0, "whole 16-byte copies per producer thread");
 #pragma unroll
-        for (int w = 0; w < L::WGS; ++w) named_barrier_arrive(L::BAR_FULL + w * L::NDEC + b, L::NT + 128);
-        b = b + 1 == L::NDEC ? 0 : b + 1;
+          for (int k = 0; k < L::WS_CHUNKS / L::NT; ++k) cp_async_16(dst + (tid + k * L::NT) * 16, src + (tid + k * L::NT) * 16);
+          sb_next = 0;
+          if (has_s && needed(tok_of(i, cs))) {
+            if (__ldg(src + L::WS_BAD + (cs >> 4))) bad = true;
+            else sb_next = __ldg(src + L::WS_SCALES + (tid < TK ? 0 : TK) + cs);
+          }
+        };
+        uint32_t bj = 0;  // step j's buffer
+#pragma unroll 1
+        for (int j = 0; j <= nsteps; ++j) {
+          const int sb_prev = sb_next;
+          if (j < nsteps) {
+            if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + bj, L::NTH);  // step j - NDEC's tile is free
+            if (ws_ok) ws_copy(j, bj * L::DEC);
+          }
+          cp_async_commit();
+          if (j > 0) {
+            const uint32_t bp = bj == 0 ? L::NDEC - 1 : bj - 1;  // step j - 1's buffer
+            cp_async_wait<1>();
+            if (has_s) put_scale(j - 1, smem + L::OFF_DEC + bp * L::DEC, sb_prev);
+            fence_proxy_async();  // the tile is read by wgmma after the next barrier
+#pragma unroll
+            for (int w = 0; w < L::WGS; ++w) named_barrier_arrive(L::BAR_FULL + w * L::NDEC + bp, L::NT + 128);
+          }
+          bj = bj + 1 == L::NDEC ? 0 : bj + 1;
+        }
+      } else {
+        // step j: the copy of step j + ST - 1 issued, step j's codes waited for and decoded
+        uint32_t b = 0;
+#pragma unroll 1
+        for (int j = 0; j < nsteps; ++j) {
+          if (j + ST - 1 < nsteps) issue(j + ST - 1);  // into the stage step j - 1 left
+          cp_async_commit();
+          if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + b, L::NTH);  // step j - NDEC's tile is free
+          cp_async_wait<ST - 1>();
+          decode(j);  // (fence_proxy_async: its tile is read by wgmma)
+#pragma unroll
+          for (int w = 0; w < L::WGS; ++w) named_barrier_arrive(L::BAR_FULL + w * L::NDEC + b, L::NT + 128);
+          b = b + 1 == L::NDEC ? 0 : b + 1;
+        }
       }
       cp_async_wait<0>();
       if (named_barrier_or(L::BAR_DONE, L::NTH, bad)) write_const_rows(__int_as_float(0x7fc00000), 0.f);
@@ -1015,9 +1087,9 @@ inline int prefill_threads(int major) {
 }
 
 // The prefill kernel's launch (torch-free). grid_x = row groups (plan_attention).
-template <int D, typename T, bool kStates, bool kE4m3>
+template <int D, typename T, bool kStates, bool kE4m3, bool kWs>
 cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream_t stream) {
-  auto kern = paged_attention_fp4_prefill_kernel<D, T, kStates, kE4m3>;
+  auto kern = paged_attention_fp4_prefill_kernel<D, T, kStates, kE4m3, kWs>;
   static bool attr_set[kMaxDevices] = {};  // per instantiation and device
   int dev = 0, major = 0;
   cudaError_t e = cudaGetDevice(&dev);

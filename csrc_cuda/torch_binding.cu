@@ -13,6 +13,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -76,6 +78,16 @@ void set_transform_fields(Params& p, int D, int hkv, int num_ids,
     p.state_ids = ids.data_ptr<int>();
     p.num_slots = (int)st.size(0);
   }
+}
+
+// TURBOQUANT_PREFILL_WORKSPACE: "0" never takes the prefill kernel's decode-once workspace, "1"
+// takes it for every prefill-kernel call the byte bound allows; unset or anything else:
+// tuning.cuh's rule (read at every call, as the plan is made).
+int prefill_workspace_mode() {
+  const char* v = std::getenv("TURBOQUANT_PREFILL_WORKSPACE");
+  if (v != nullptr && std::strcmp(v, "0") == 0) return tq::kWsOff;
+  if (v != nullptr && std::strcmp(v, "1") == 0) return tq::kWsOn;
+  return tq::kWsAuto;
 }
 
 int num_sms(int device) {
@@ -150,7 +162,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   const tq::AttnPlan plan = tq::plan_attention(D, key_e4m3, multi, num_tokens, num_seqs, hkv, G,
                                                (int)std::max<int64_t>(max_seq_len, 0),
                                                num_sms(query.get_device()), prop->major,
-                                               (int)prop->sharedMemPerBlockOptin);
+                                               (int)prop->sharedMemPerBlockOptin, prefill_workspace_mode());
   // the kernel's shared memory must fit this GPU (a named error, not a failed launch)
   TORCH_CHECK(plan.smem_bytes <= (int)prop->sharedMemPerBlockOptin, "paged_attention_fp4 (cuda): the ", plan.name,
               " attention kernel needs ", plan.smem_bytes, " bytes of shared memory per block at head_dim ", D,
@@ -161,7 +173,8 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   const int nparts = plan.num_partitions;
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 
-  at::Tensor tmp_out, tmp_ml;
+  at::Tensor tmp_out, tmp_ml, ws;
+  if (plan.ws_steps > 0) ws = at::empty({plan.ws_bytes}, query.options().dtype(at::kByte));
   if (nparts > 1) {
     auto fopts = query.options().dtype(at::kFloat);
     tmp_out = at::empty({num_tokens, num_heads, nparts, D}, fopts);
@@ -202,6 +215,8 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.key_e4m3 = key_e4m3 ? 1 : 0;
+  p.ws = plan.ws_steps > 0 ? ws.data_ptr<uint8_t>() : nullptr;
+  p.ws_steps = plan.ws_steps;
 
   cudaError_t err = cudaSuccess;
 #define TQ_LAUNCH(DD, TT) err = tq::launch_paged_attention<DD, TT>(p, plan.kernel, (int)plan.grid_x, stream)

@@ -191,7 +191,7 @@ constexpr int PREFILL_MIN_BLOCKS = PREFILL_WARPS >= 8 ? 1 : 8 / PREFILL_WARPS;  
 // 3 stages and 2 tiles 97 KB on SM80-SM89 (K8V4 keys at D 128: 109 KB, over SM86 / SM89's 99 KB:
 // plan_attention sends those calls to the general kernel).
 // (-DTQ_PREFILL_MMA_SYNC builds the warp-MMA path on SM90 too: the comparison build of
-// benchmarks/prefill_peers_check.sh.) SM90a takes four tiles, so that the producers run three
+// `bash benchmarks/device.sh bench prefill-peers`.) SM90a takes four tiles, so that the producers run three
 // steps ahead (H200: 0.5 / 1.4 / 0.8 / 0.7 % faster than three at 1 x 512 @ 4k, 1 x 2048 @ 16k,
 // 1 x 8192 @ 64k, 4 x 2048 @ 16k); -DTQ_PREFILL_DEC_BUFFERS=3 builds three.
 #ifndef TQ_PREFILL_DEC_BUFFERS
@@ -240,6 +240,30 @@ static_assert(PREFILL_PRODUCER_REGS + PREFILL_CONSUMER_REGS <= 256, "64K registe
 inline bool use_prefill_kernel(bool multi, int head_dim, long long num_tokens, long long num_seqs, int group_size) {
   return multi && head_dim <= 128 &&
          num_tokens * group_size >= (long long)PREFILL_ROWS * num_seqs;
+}
+// The decode-once workspace (prefill_workspace.cuh; SM90a, the prefill kernel's wgmma build):
+// each KV tile is decoded once per call into a workspace the prefill kernel's CTAs copy from,
+// instead of once per CTA. The kernel gains a share of its time that grows with the CTAs per
+// kv head (each decoding the whole context otherwise); the pass costs a read of the codes and a
+// write of three times their bytes, per key: its share of the call falls as 1 / rows per
+// sequence. Measured (H200, 32/8/128, one call, kernel without / with the workspace, the pass
+// alone): 1 x 512 @ 4k (16 groups) 107.2 / 108.6 us, pass 9.6; 1 x 2048 @ 16k (64) 1323.1 /
+// 1237.9, pass 37.4; 4 x 2048 @ 16k 5193.9 / 4807.0; 1 x 8192 @ 64k 19607.9 / 18016.6: the
+// kernel gains 8-9 % at every shape, the pass costs 9 % of the call at 16 groups and 3 % at 64.
+// Rule: rows averaging at least PREFILL_WS_MIN_GROUPS row groups (CTAs) per sequence and kv
+// head (the break-even near 19 groups, rounded up), within PREFILL_WS_MAX_BYTES.
+// Example (32/8/128, G = 4): 1 x 2048 @ 16k: 8192 rows = 64 groups -> workspace (51 MB);
+// 1 x 512 @ 4k: 16 groups -> the kernel decodes; the mixed step above (1 chunk of 512 tokens
+// and 15 decode tokens) -> the kernel decodes (the rule is per call).
+// (-DTQ_PREFILL_WS_MIN_GROUPS=N for A/B builds; TURBOQUANT_PREFILL_WORKSPACE=0 / 1 in the
+// environment turns it off / on for every prefill-kernel call, within the byte bound.)
+#ifndef TQ_PREFILL_WS_MIN_GROUPS
+#define TQ_PREFILL_WS_MIN_GROUPS 32
+#endif
+constexpr int PREFILL_WS_MIN_GROUPS = TQ_PREFILL_WS_MIN_GROUPS;
+constexpr long long PREFILL_WS_MAX_BYTES = 1LL << 30;  // 1 GiB: 1 x 64k keys x 8 kv heads takes 203 MB
+inline bool use_prefill_workspace(long long num_tokens, long long num_seqs, int group_size) {
+  return num_tokens * group_size >= (long long)PREFILL_WS_MIN_GROUPS * PREFILL_ROWS * num_seqs;
 }
 // Short multi-token queries (speculative decoding: 2-8 tokens per sequence) run the decode
 // kernel with 16 (query token, head) columns per CTA instead of the general kernel's 16 rows:

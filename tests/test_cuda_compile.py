@@ -211,9 +211,15 @@ int main() {
   for (const Case& c : cases) {  // 8 kv heads, 4096 keys, 132 SMs; per CTA SM90's 227 KB, SM8x's 99 KB
     const int optin = c.major == 9 ? 232448 : 101376;
     const AttnPlan p = plan_attention(c.d, c.e4m3, c.multi, c.t, c.s, 8, c.g, 4096, 132, c.major, optin);
-    printf("%s|%d %lld %d %d %d\n", p.name, p.smem_bytes, p.grid_x, p.tiles_per_seq,
-           p.partition_size, p.num_partitions);
+    printf("%s|%d %lld %d %d %d %d %lld\n", p.name, p.smem_bytes, p.grid_x, p.tiles_per_seq,
+           p.partition_size, p.num_partitions, p.ws_steps, p.ws_bytes);
   }
+  // the decode-once workspace: one row group per sequence (16 x 128 rows) by the rule and
+  // forced on; two sequences of 64 groups, forced off
+  const AttnPlan one = plan_attention(128, false, true, 512, 16, 8, 4, 4096, 132, 9, 232448);
+  const AttnPlan on = plan_attention(128, false, true, 512, 16, 8, 4, 4096, 132, 9, 232448, kWsOn);
+  const AttnPlan off = plan_attention(128, false, true, 4096, 2, 8, 4, 4096, 132, 9, 232448, kWsOff);
+  printf("WS %d %d %lld %d\n", one.ws_steps, on.ws_steps, on.ws_bytes, off.ws_steps);
   printf("PREFILL_ROWS %d\n", turboquant::tuning::PREFILL_ROWS);
   return 0;
 }
@@ -237,6 +243,7 @@ def test_the_launch_plan_names_the_kernel_its_size_grid_and_splits(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.splitlines()
     prefill_rows = int(out.pop().split()[1])
+    ws_one, ws_on, ws_on_bytes, ws_off = map(int, out.pop().split()[1:])
     rows = [(line.split("|")[0], *map(int, line.split("|")[1].split())) for line in out]
     print(rows)
     kernels = [r[0] for r in rows]
@@ -253,9 +260,16 @@ def test_the_launch_plan_names_the_kernel_its_size_grid_and_splits(tmp_path):
     assert grid[1] == 64 + 256 * 4 // 16 and grid[3] == 128 + 256 * 4 // 8
     assert grid[2] == 16 + 1024 * 4 // 16
     assert grid[6] == 1 + 2048 * 4 // prefill_rows
-    for _, _, _, _, part, nparts in rows:
+    for _, _, _, _, part, nparts, _, _ in rows:
         assert nparts == -(-4096 // part) and part * nparts >= 4096
     assert rows[6][5] == rows[7][5] == 1                      # prefill: one partition
+    # the decode-once workspace: SM90's prefill of 64 row groups per sequence takes it, 4096 keys
+    # in 64 steps of 64 per kv head, 24832 bytes a tile at D 128 (8 KB K, 16 KB V, scales);
+    # below SM90 and for the other kernels none; one group per sequence only when forced
+    ws = [(r[6], r[7]) for r in rows]
+    assert ws[6] == (64, 64 * 8 * 24832)
+    assert all(w == (0, 0) for i, w in enumerate(ws) if i != 6)
+    assert (ws_one, ws_on, ws_on_bytes, ws_off) == (0, 64, 16 * 64 * 8 * 24832, 0)
 
 
 def test_the_head_dim_list_is_the_one_the_code_builds_and_rejects_others(tmp_path):
