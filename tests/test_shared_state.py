@@ -434,8 +434,15 @@ def test_cuda_kernels_match_the_definition(key_format, group):
             gpu = (tq.FP4Cache(*(t.cuda() for t in cache)), tq.SharedState(*(t.cuda() for t in st)))
             from turboquant.shared_state import enter_sinks
             enter_sinks(cpu[1], k, v, tuple(cpu[0]), slots, pos, signs, smooth)
+            # heads not contiguous (a view of [Hkv, n, D]): the same table
+            strided = tq.SharedState(*(t.clone() for t in gpu[1]))
+            kt, vt = (x.cuda().transpose(0, 1).contiguous().transpose(0, 1) for x in (k, v))
+            enter_sinks(strided, kt, vt, tuple(gpu[0]), slots.cuda(), pos.cuda(), signs.cuda(),
+                        smooth)
             enter_sinks(gpu[1], k.cuda(), v.cuda(), tuple(gpu[0]), slots.cuda(), pos.cuda(),
                         signs.cuda(), smooth)
+            assert torch.equal(strided.sink_tags, gpu[1].sink_tags)
+            assert torch.equal(strided.sink_kv.view(torch.int16), gpu[1].sink_kv.view(torch.int16))
             assert torch.equal(gpu[1].sink_tags.cpu()[:-1], cpu[1].sink_tags[:-1])
             assert torch.equal(gpu[1].sink_kv.cpu()[:-1].view(torch.int16),
                                cpu[1].sink_kv[:-1].view(torch.int16))

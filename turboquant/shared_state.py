@@ -237,6 +237,9 @@ def enter_sinks(state: SharedState, key: torch.Tensor, value: torch.Tensor, cach
         return
     op = _cuda_op(key, "shared_enter_sinks_cuda")
     if op is not None:
+        # the kernel reads each token's [Hkv, D] rows as one block (any token stride)
+        key, value = (t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+                      for t in (key, value))
         op(key, value, *cache, slot_mapping.long().contiguous(), positions.long().contiguous(),
            state.smoothing if smooth else None, state.sink_kv, state.sink_tags, signs)
         return
