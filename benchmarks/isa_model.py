@@ -271,10 +271,11 @@ def _branch_target(ins: Sass) -> int | None:
     return int(m.group(1), 16) if m else None
 
 
-def find_key_loop(code: list[Sass]) -> tuple[int, int]:
-    """(index of the loop head, index of the back-edge BRA) of the loop that holds the HMMAs:
-    of the conditional backward branches whose range contains HMMAs, the innermost (shortest)
-    one (unconditional backward jumps are the returns of out-of-line BRA.DIV fallbacks)."""
+def find_key_loop(code: list[Sass], mma: str = "HMMA") -> tuple[int, int]:
+    """(index of the loop head, index of the back-edge BRA) of the loop that holds the MMAs
+    (opcode ``mma``: HMMA in the cuda kernels, QMMA in the sm120 one): of the conditional
+    backward branches whose range contains them, the innermost (shortest) one (unconditional
+    backward jumps are the returns of out-of-line BRA.DIV fallbacks)."""
     idx = {ins.addr: i for i, ins in enumerate(code)}
     best = None
     for i, ins in enumerate(code):
@@ -282,10 +283,10 @@ def find_key_loop(code: list[Sass]) -> tuple[int, int]:
         if t is None or t >= ins.addr or t not in idx or not ins.pred:
             continue
         j = idx[t]
-        if any(c.base == "HMMA" for c in code[j:i]) and (best is None or i - j < best[1] - best[0]):
+        if any(c.base == mma for c in code[j:i]) and (best is None or i - j < best[1] - best[0]):
             best = (j, i)
     if best is None:
-        raise ValueError("no loop with HMMA instructions")
+        raise ValueError(f"no loop with {mma} instructions")
     return best
 
 
@@ -1349,23 +1350,6 @@ def attention_params_offsets(path: Path = SM120_SOURCE, base: int = 0x380) -> di
 SM120_BENCH_PARAMS = {"sliding_window": 0, "logits_soft_cap": 0, "sink": 0}
 
 
-def sm120_key_loop(code: list[Sass]) -> tuple[int, int]:
-    """(head, back-edge) of the sm120 kernel's chunk loop: the conditional backward branch whose
-    range holds the QMMAs, the innermost such."""
-    idx = {ins.addr: i for i, ins in enumerate(code)}
-    best = None
-    for i, ins in enumerate(code):
-        t = _branch_target(ins)
-        if t is None or t >= ins.addr or t not in idx or not ins.pred:
-            continue
-        j = idx[t]
-        if any(c.base == "QMMA" for c in code[j:i]) and (best is None or i - j < best[1] - best[0]):
-            best = (j, i)
-    if best is None:
-        raise ValueError("no loop with QMMA instructions")
-    return best
-
-
 def _track_uniform(ins: Sass, ur: dict, up: dict, params: dict[int, float]) -> None:
     """Follow, along the walked path, the uniform registers loaded from parameters of known
     value (LDCU URn, c[0x0][off]) and the uniform predicates set by comparing one with zero
@@ -1435,7 +1419,7 @@ def sm120_counts(sass: str, source: Path = SM120_SOURCE) -> dict:
     """The sm120 kernel <bf16, D 128, per-head scales, FP4 keys>: its chunk loop, the hot path of
     one 32-key chunk of one warp, its class counts and the MMA ops in it."""
     code = parse_sass(sass)[SM120_DECODE]
-    h, b = sm120_key_loop(code)
+    h, b = find_key_loop(code, "QMMA")
     at = {x.addr: n for n, x in enumerate(code)}
     inner = [(at[t], i) for i, ins in enumerate(code[h:b], h)
              if (t := _branch_target(ins)) is not None and t in at and h < at[t] < i]

@@ -707,7 +707,7 @@ def test_hot_path_follows_the_side_where_the_vote_is_false():
 
 def test_sm120_hot_path_on_a_toy_loop():
     code = im.parse_sass(TOY_SM120)["toy"]
-    head, back = im.sm120_key_loop(code)
+    head, back = im.find_key_loop(code, "QMMA")
     assert (code[head].addr, code[back].addr) == (0x10, 0x120)
     params = {0x40c: 0}  # no sliding window
     hot = im.sm120_hot_path(code, head, back, 4, params)
