@@ -8,6 +8,7 @@
 // never dereferenced: the kernels treat the keys it would hold as NaN, so exactly the rows that
 // attend them come out NaN (CONTRACT.md section 3).
 #pragma once
+#include <cuda_runtime.h>
 
 namespace turboquant {
 namespace paged_kv {

@@ -21,6 +21,8 @@
 
 #include <cstdint>
 
+#include "paged_kv.cuh"
+
 namespace turboquant {
 namespace cuda_fp4 {
 
@@ -120,8 +122,8 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
     int entries) {
   const int s = blockIdx.x, D = c.head_dim, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) state_ids[s] = s;
-  const int first = bt_cols > 0 ? block_tables[int64_t(s) * bt_stride] : -1;
-  const bool ok = first >= 0 && first < c.num_blocks && seq_lens[s] > 0;
+  const int first = paged_kv::block_id(block_tables + int64_t(s) * bt_stride, 0, bt_cols, c.num_blocks);
+  const bool ok = first >= 0 && seq_lens[s] > 0;
   const int64_t blk = ok ? first : 0;
   const float nan = __int_as_float(0x7fc00000);
   for (int h = threadIdx.x / 32; h < c.hkv; h += blockDim.x / 32) {
