@@ -5,6 +5,7 @@ writes, so the output must be bit-identical to the kernel without the workspace 
 included), on every case the prefill kernel's tests use; and it must match the reference on the
 structured probe. TURBOQUANT_PREFILL_WORKSPACE=1 / 0 forces the path on / off per call."""
 import os
+import shutil
 from contextlib import contextmanager
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import turboquant
 from turboquant import registry
 
+import test_cuda_backend as base
 from test_cuda_backend import (PREFILL_CASES, _check_bad_block_gives_nan, _compare, _kernel_names,
                                _one_hot_check, _problem, _run)
 
@@ -147,3 +149,14 @@ def test_cuda_graph_replay_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
     _same(out, eager)
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_with_the_workspace(tmp_path, tool, monkeypatch):
+    """The cuda backend's sanitizer case with the workspace forced on: every call of it that
+    runs the prefill kernel (chunks with windows, lse and sinks, K8V4 keys, D 64, a bad block
+    id, a state slot out of range) takes the two stages; no access out of bounds, no
+    shared-memory hazard between the producers' copies and the row warps."""
+    monkeypatch.setenv("TURBOQUANT_PREFILL_WORKSPACE", "1")
+    base.test_compute_sanitizer(tmp_path, tool)
