@@ -176,12 +176,36 @@ def test_multi_token_rows_parse_and_count_causal_flops():
 
     assert M.parse_multi("1x2048@16k, 64x4@4k") == [M.MultiRow(1, 2048, 16384),
                                                     M.MultiRow(64, 4, 4096)]
-    for bad in ("1x2048", "0x4@4k", "1x5000@4k", "ax4@4k"):
+    for bad in ("1x2048", "0x4@4k", "1x5000@4k", "ax4@4k", "1x2048+@16k", "1x2048+0x1@16k"):
         with pytest.raises(ValueError):
             M.parse_multi(bad)
+    # a mixed step: one chunk and decode rows in one call
+    (mix,) = M.parse_multi("1x2048+64x1@16k")
+    assert (mix.batch, mix.query_len, mix.context) == (65, 2048, 16384)
+    assert mix.query_lens() == [2048] + [1] * 64 and mix.label() == "2048+64x1"
+    assert M.MultiRow(2, 3, 8).query_lens() == [3, 3] and M.MultiRow(2, 3, 8).label() == 3
     # query j of Q sees L - Q + j + 1 keys: Q = L is the full causal triangle L (L + 1) / 2
     assert M.causal_flops(1, 4, 4, 1, 1) == 4 * (1 + 2 + 3 + 4)
     assert M.causal_flops(2, 2, 10, 32, 128) == 2 * 4 * 32 * 128 * (9 + 10)
+
+
+def test_mixed_multi_token_row_runs_on_the_cpu():
+    """A mixed step through the reference backend: each sequence its own query length, the
+    exact causal FLOPs of both groups, bytes = the cache once + Q and O of every token, SDPA
+    skipped with the reason (its [B, Hq, Q, D] view needs one Q)."""
+    import turboquant as tq
+    from turboquant.bench import multitoken as M
+
+    a = _args("--configs", "plain", "--backend", "reference", "--timing", "eager",
+              "--repeats", "1", "--warmup", "0", "--min-calls", "1", "--block-size", "16")
+    (row,) = M.parse_multi("1x24+3x1@32")
+    rec = M.run_multi_row(tq, (4, 2, 32), row, "plain", a, torch.device("cpu"), 0.0)
+    assert rec["status"] == "ok", rec
+    assert rec["query_len"] == "24+3x1" and rec["batch"] == 4
+    assert rec["flops"] == M.causal_flops(1, 24, 32, 4, 32) + 3 * M.causal_flops(1, 1, 32, 4, 32)
+    assert rec["bytes"] == bench_problems.fp4_attention_bytes(4, 32, 4, 2, 32, query_len=0) \
+        + 2 * 27 * 4 * 32 * 2
+    assert "SDPA: uniform rows only" in rec["note"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Multi-token rows of ``python -m turboquant bench --multi-token BxQ@L,...``: chunked prefill
 (a chunk of Q new tokens per sequence attending to everything in the cache) and speculative
-decoding (Q = 2-8), causal, each sequence L tokens long of which the last Q are its queries.
+decoding (Q = 2-8), causal, each sequence L tokens long of which the last Q are its queries;
+a mixed step (``B1xQ1+B2xQ2@L``, e.g. ``1x2048+64x1@16k``: one chunk and 64 decode rows in one
+call, what a chunked-prefill engine's step looks like) gives its sequences their own Q.
 
 Per row: turboquant (``paged_attention_fp4`` with ``cu_query_lens``) on an FP4 (or K8V4) cache
 written from dense BF16 K/V, and PyTorch SDPA on the dense BF16 K/V [B, Hkv, L, D] with
@@ -50,19 +52,40 @@ class MultiRow:
     batch: int
     query_len: int
     context: int
+    # a mixed step (B1xQ1+B2xQ2+...@L, e.g. one chunk and decode rows): its (count, Q) groups;
+    # batch is their sequences, query_len the longest Q
+    mix: tuple = ()
+
+    def query_lens(self) -> list:
+        """The query tokens of each sequence."""
+        return [q for b, q in self.mix for _ in range(b)] if self.mix else \
+            [self.query_len] * self.batch
+
+    def label(self):
+        """The row's query-length column: Q, or the mix as written (2048+64x1)."""
+        if not self.mix:
+            return self.query_len
+        return "+".join(str(q) if b == 1 else f"{b}x{q}" for b, q in self.mix)
 
 
 def parse_multi(text: str) -> list:
-    """'1x2048@16k,64x4@4k' -> [MultiRow(1, 2048, 16384), MultiRow(64, 4, 4096)]."""
+    """'1x2048@16k,64x4@4k' -> [MultiRow(1, 2048, 16384), MultiRow(64, 4, 4096)]; a mixed
+    step '1x2048+64x1@16k' -> MultiRow(65, 2048, 16384, ((1, 2048), (64, 1)))."""
     rows = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        m = re.fullmatch(r"(\d+)x(\d+)@(\w+)", part)
+        m = re.fullmatch(r"(\d+x\d+(?:\+\d+x\d+)*)@(\w+)", part)
         if not m:
-            raise ValueError(f"--multi-token: expected BxQ@L (e.g. 1x2048@16k), got {part!r}")
-        b, q, length = int(m.group(1)), int(m.group(2)), parse_int_list(m.group(3))[0]
-        if not (b >= 1 and 1 <= q <= length):
+            raise ValueError(f"--multi-token: expected BxQ@L or B1xQ1+B2xQ2@L (e.g. 1x2048@16k, "
+                             f"1x2048+64x1@16k), got {part!r}")
+        length = parse_int_list(m.group(2))[0]
+        groups = tuple(tuple(int(x) for x in g.split("x")) for g in m.group(1).split("+"))
+        if not all(b >= 1 and 1 <= q <= length for b, q in groups):
             raise ValueError(f"--multi-token {part}: need batch >= 1 and 1 <= Q <= L")
-        rows.append(MultiRow(b, q, length))
+        if len(groups) == 1:
+            rows.append(MultiRow(groups[0][0], groups[0][1], length))
+        else:
+            rows.append(MultiRow(sum(b for b, _ in groups), max(q for _, q in groups), length,
+                                 groups))
     return rows
 
 
@@ -77,27 +100,30 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
                   bw_ref: float) -> dict:
     hq, hkv, d = shape
     b, q, length = row.batch, row.query_len, row.context
+    qls = row.query_lens()
+    ntok = sum(qls)
     bs = args.block_size
     config, key_format = cache_config(config_name, args)
     dtype = torch_dtype(args.dtype)
     elem = torch.finfo(dtype).bits // 8
     rec = {f: "" for f in FIELDS}
-    rec.update(shape=f"{hq}/{hkv}/{d}", batch=b, query_len=q, context=length, config=config_name)
+    rec.update(shape=f"{hq}/{hkv}/{d}", batch=b, query_len=row.label(), context=length,
+               config=config_name)
     if length % bs:
         rec.update(status="skipped", note=f"context {length} is not a multiple of the block")
         return rec
     nblk = length // bs
-    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + b * 131 + q * 17 + length)
+    gen = torch.Generator(device=device).manual_seed(args.seed * 7 + b * 131 + ntok * 17 + length)
     dense_k = torch.randn(b, hkv, length, d, device=device, dtype=dtype, generator=gen)
     dense_v = torch.randn(b, hkv, length, d, device=device, dtype=dtype, generator=gen)
-    query = torch.randn(b * q, hq, d, device=device, dtype=dtype, generator=gen)
+    query = torch.randn(ntok, hq, d, device=device, dtype=dtype, generator=gen)
     out = torch.empty_like(query)
     cache = tq.allocate_cache(b * nblk, hkv, bs, d, scale_group=args.scale_group or None,
                               device=device, key_format=key_format)
     tables = torch.randperm(b * nblk, device=device, generator=gen).to(torch.int32).view(b, nblk)
     state = fill_cache(tq, cache, config, dense_k, dense_v, tables, bs, 512 * 2**20)
     seq_lens = torch.full((b,), length, device=device, dtype=torch.int32)
-    cu = torch.arange(b + 1, device=device, dtype=torch.int32) * q
+    cu = torch.tensor([0] + qls, device=device, dtype=torch.int64).cumsum(0).to(torch.int32)
     scale = 1.0 / math.sqrt(d)
     kw = {"config": config,
           **state_kwargs(state, torch.arange(b, device=device, dtype=torch.int32))}
@@ -106,9 +132,10 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
         tq.paged_attention_fp4(query, *cache, tables, seq_lens, scale, cu_query_lens=cu,
                                out=out, backend=args.backend, max_seq_len=length, **kw)
 
-    flops = causal_flops(b, q, length, hq, d)
-    nbytes = (fp4_attention_bytes(b, length, hq, hkv, d, args.scale_group, elem, q, key_format)
-              + state_bytes(b, hkv, d, config))
+    flops = sum(causal_flops(1, qi, length, hq, d) for qi in qls)
+    # the cache once, Q read and O written
+    nbytes = (fp4_attention_bytes(b, length, hq, hkv, d, args.scale_group, elem, 0, key_format)
+              + 2 * ntok * hq * d * elem + state_bytes(b, hkv, d, config))
     notes = []
     with checks_off(tq):
         us, used, _n, note = time_calls([fp4], device, args.repeats, args.warmup, args.timing,
@@ -134,7 +161,9 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
                     rec.update({f"peer_{fmt}_tflops": flops / p_us * 1e-6,
                                 f"peer_{fmt}_speedup": p_us / us})
 
-    if not args.no_sdpa:
+    if not args.no_sdpa and row.mix:
+        notes.append("SDPA: uniform rows only")
+    elif not args.no_sdpa:
         q4 = query.view(b, q, hq, d).transpose(1, 2)  # [B, Hq, Q, D]
         pos = torch.arange(length, device=device)
         mask = pos[None, :] <= (length - q + torch.arange(q, device=device))[:, None]
@@ -201,7 +230,7 @@ def run_all(tq, shapes, rows, configs, args, device, bw_ref) -> list:
                 except Exception as exc:  # noqa: BLE001 - a failed row is reported
                     rec = {f: "" for f in FIELDS}
                     rec.update(shape="/".join(map(str, shape)), batch=row.batch,
-                               query_len=row.query_len, context=row.context, config=name,
+                               query_len=row.label(), context=row.context, config=name,
                                status="error", note=f"{type(exc).__name__}: {str(exc)[:200]}")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
