@@ -164,37 +164,22 @@ def smoothing_exponent(args) -> None:
 def prefill_workspace(args) -> None:
     """Chunked prefill with and without the decode-once workspace (csrc_cuda/prefill_workspace.cuh)
     in one process: per shape BxQ@L (32/8/128, block 16, shuffled pages, the default config),
-    the call's time (CUDA graph of --calls calls, median of --rounds) with
+    the call's time (the bench's time_calls: a CUDA graph of --calls calls, median of --rounds) with
     TURBOQUANT_PREFILL_WORKSPACE=0 and =1, and the workspace pass alone (its kernel's time from
     the profiler); TFLOP/s over the causal FLOPs of the chunk. One JSON line per shape."""
     import json
     import os
     import torch
     import turboquant
+    from turboquant.bench.multitoken import causal_flops, parse_multi
+    from turboquant.bench.timing import time_calls
     from turboquant.cache import build_paged_problem
 
-    def timed(fn, calls, rounds):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        times = []
-        for _ in range(rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-        return sorted(times)[len(times) // 2]
-
-    for shape in args.shapes.split(","):
-        b, rest = shape.split("x")
-        q_len, ctx = rest.split("@")
-        b, q_len = int(b), int(q_len)
-        ctx = int(ctx[:-1]) * 1024 if ctx.endswith("k") else int(ctx)
+    device = torch.device("cuda")
+    for shape, row_shape in zip(args.shapes.split(","), parse_multi(args.shapes)):
+        if row_shape.mix:
+            sys.exit(f"probe.py prefill-workspace: {shape}: one query length per shape")
+        b, q_len, ctx = row_shape.batch, row_shape.query_len, row_shape.context
         g = torch.Generator().manual_seed(0)
         prob = build_paged_problem([ctx] * b, 8, 128, 16, device="cuda", generator=g,
                                    write_backend="cuda", config=turboquant.QuantConfig())
@@ -205,15 +190,13 @@ def prefill_workspace(args) -> None:
             return turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
                                                   128 ** -0.5, cu_query_lens=cu, backend="cuda",
                                                   max_seq_len=ctx, **prob.kwargs)
-        # causal FLOPs: query i of the chunk sees ctx - q_len + i + 1 keys; 4 D FLOPs per key
-        keys = b * sum(ctx - q_len + i + 1 for i in range(q_len))
-        flops = 4 * 128 * 32 * keys
+        flops = causal_flops(b, q_len, ctx, 32, 128)
         row = {"shape": shape}
         with turboquant.value_checks(False):
             outs = {}
             for mode in ("0", "1"):
                 os.environ["TURBOQUANT_PREFILL_WORKSPACE"] = mode
-                us = timed(call, args.calls, args.rounds)
+                us = time_calls([call], device, args.rounds, 1, "graph", args.calls)[0]
                 outs[mode] = call()
                 row[f"ws{mode}_us"] = round(us, 1)
                 row[f"ws{mode}_tflops"] = round(flops / us / 1e6, 1)
