@@ -856,14 +856,16 @@ def _digest(paths) -> str:
     return h.hexdigest()[:16]
 
 
-def cuda_sass(nvcc: str, cuobjdump: str, src_dir: Path | None = None) -> str:
-    """cuobjdump -sass of csrc_cuda/compile_check.cu built with nvcc -cubin for sm_90a (cached
-    in the temp dir by the sources' hash). src_dir: another copy of csrc_cuda."""
+def cuda_sass(nvcc: str, cuobjdump: str, src_dir: Path | None = None,
+              arch: str = "sm_90a") -> str:
+    """cuobjdump -sass of csrc_cuda/compile_check.cu built with nvcc -cubin for arch (sm_90a, or
+    sm_100a for B200), cached in the temp dir by the arch and the sources' hash. src_dir:
+    another copy of csrc_cuda."""
     d = Path(src_dir or ROOT / "csrc_cuda")
-    out = _cache_dir() / f"cuda_{_digest(d.glob('*.cu*'))}.sass"
+    out = _cache_dir() / f"cuda_{arch}_{_digest(d.glob('*.cu*'))}.sass"
     if not out.exists():
         cubin = out.with_suffix(".cubin")
-        subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-O3", "-cubin", "-o", str(cubin),
+        subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "-O3", "-cubin", "-o", str(cubin),
                         str(d / "compile_check.cu")], check=True)
         text = subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
                               text=True).stdout
@@ -1471,21 +1473,6 @@ def sm120_sass(nvcc: str, cuobjdump: str) -> tuple[str, str]:
         out.write_text(subprocess.run([cuobjdump, "-sass", str(cubin)], check=True,
                                       capture_output=True, text=True).stdout)
     return out.read_text(), log.read_text()
-
-
-def cuda_sass_arch(nvcc: str, cuobjdump: str, arch: str) -> str:
-    """`cuda_sass` for another arch (sm_100a): csrc_cuda/compile_check.cu, cached likewise."""
-    if arch == "sm_90a":
-        return cuda_sass(nvcc, cuobjdump)
-    d = ROOT / "csrc_cuda"
-    out = _cache_dir() / f"cuda_{arch}_{_digest(d.glob('*.cu*'))}.sass"
-    if not out.exists():
-        cubin = out.with_suffix(".cubin")
-        subprocess.run([nvcc, "-std=c++17", f"-arch={arch}", "-O3", "-cubin", "-o", str(cubin),
-                        str(d / "compile_check.cu")], check=True)
-        out.write_text(subprocess.run([cuobjdump, "-sass", str(cubin)], check=True,
-                                      capture_output=True, text=True).stdout)
-    return out.read_text()
 
 
 def sm120_plan(batch: int, context: int, sms: int, kv_heads: int = 8) -> tuple[int, int]:
@@ -2233,7 +2220,7 @@ def main(argv=None) -> int:
             k = res["k"]
             print(text)
             if not args.no_nvidia_targets:
-                text, nres = nvidia_report(sass90, cuda_sass_arch(nvcc, cuobj, "sm_100a"),
+                text, nres = nvidia_report(sass90, cuda_sass(nvcc, cuobj, args.cuda_src, "sm_100a"),
                                            sm120_sass(nvcc, cuobj))
                 print()
                 print(text)

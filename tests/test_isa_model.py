@@ -122,11 +122,17 @@ def test_amd_counts_and_model_arithmetic():
 # ---------------------------------------------------------------------------------------------
 # the real kernels
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sass_text():
+def _nvcc_cuobjdump():
+    """(nvcc, cuobjdump), or the test skips naming what is missing."""
     nvcc, cuobj = find_nvcc(), find_tool("cuobjdump")
     if nvcc is None or cuobj is None:
         pytest.skip("needs nvcc and cuobjdump (tests/_tools.py; bash .ci/install gets them)")
+    return nvcc, cuobj
+
+
+@pytest.fixture(scope="module")
+def sass_text():
+    nvcc, cuobj = _nvcc_cuobjdump()
     return im.cuda_sass(nvcc, cuobj)
 
 
@@ -731,17 +737,13 @@ def test_sm120_hot_path_on_a_toy_loop():
 
 @pytest.fixture(scope="module")
 def sass100():
-    nvcc, cuobj = find_nvcc(), find_tool("cuobjdump")
-    if nvcc is None or cuobj is None:
-        pytest.skip("needs nvcc and cuobjdump (tests/_tools.py; bash .ci/install gets them)")
-    return im.cuda_sass_arch(nvcc, cuobj, "sm_100a")
+    nvcc, cuobj = _nvcc_cuobjdump()
+    return im.cuda_sass(nvcc, cuobj, arch="sm_100a")
 
 
 @pytest.fixture(scope="module")
 def sass120():
-    nvcc, cuobj = find_nvcc(), find_tool("cuobjdump")
-    if nvcc is None or cuobj is None:
-        pytest.skip("needs nvcc and cuobjdump (tests/_tools.py; bash .ci/install gets them)")
+    nvcc, cuobj = _nvcc_cuobjdump()
     return im.sm120_sass(nvcc, cuobj)
 
 
