@@ -366,6 +366,26 @@ __device__ __forceinline__ float const_row_lse(const AttnParams& p, int head, fl
   return p.sinks != nullptr ? __ldg(p.sinks + head) : -INFINITY;
 }
 
+// Element d of a constant row (query token tok, head): with one partition the output (and, with
+// kStates, the row's lse at d = 0), else partition part's partial (O, unless the partition is
+// empty, mval = -inf: the reduce skips it; (m, l) at d = 0). The kernels' write_const_rows.
+template <int D, typename T, bool kStates>
+__device__ __forceinline__ void write_const_element(const AttnParams& p, int tok, int head, int d,
+                                                    int nparts, int part, float oval, float mval,
+                                                    float lval) {
+  if (nparts == 1) {
+    T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
+    o[d] = from_float<T>(oval);
+    if constexpr (kStates) {
+      if (d == 0 && p.lse != nullptr) p.lse[(size_t)tok * p.num_heads + head] = const_row_lse(p, head, mval);
+    }
+  } else {
+    const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
+    if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;
+    if (d == 0) p.tmp_ml[idx] = make_float2(mval, lval);
+  }
+}
+
 // Power of two 2^n as float for n in [-149, 127] (exact; below -149 gives 0).
 __device__ __forceinline__ float pow2i(int n) {
   if (n >= -126) return __int_as_float((n + 127) << 23);

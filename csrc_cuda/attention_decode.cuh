@@ -246,18 +246,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
     for (int i = tid; i < NC * D; i += blockDim.x) {
       const int c = i / D, d = i % D;
       int tok, head;
-      if (!column(c, tok, head)) continue;
-      if (nparts == 1) {
-        T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-        o[d] = from_float<T>(oval);
-        if constexpr (kStates) {
-          if (d == 0 && p.lse != nullptr) p.lse[(size_t)tok * p.num_heads + head] = const_row_lse(p, head, mval);
-        }
-      } else {
-        const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
-        if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
-        if (d == 0) p.tmp_ml[idx] = make_float2(mval, lval);
-      }
+      if (column(c, tok, head)) write_const_element<D, T, kStates>(p, tok, head, d, nparts, part, oval, mval, lval);
     }
   };
   if (r_lo >= r_hi && !sink_here) {

@@ -134,18 +134,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   auto write_const_rows = [&](float oval, float mval, float lval) {
     for (int i = tid; i < 16 * D; i += blockDim.x) {
       int r = i / D, d = i % D, tok, head;
-      if (!row_out(r, tok, head)) continue;
-      if (nparts == 1) {
-        T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
-        o[d] = from_float<T>(oval);
-        if constexpr (kStates) {
-          if (d == 0 && p.lse != nullptr) p.lse[(size_t)tok * p.num_heads + head] = const_row_lse(p, head, mval);
-        }
-      } else {
-        size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
-        if (mval != -INFINITY) p.tmp_out[idx * D + d] = oval;  // empty: the reduce skips O
-        if (d == 0) p.tmp_ml[idx] = make_float2(mval, lval);
-      }
+      if (row_out(r, tok, head)) write_const_element<D, T, kStates>(p, tok, head, d, nparts, part, oval, mval, lval);
     }
   };
 
