@@ -1,4 +1,4 @@
-"""Small one-process probes, one subcommand each (issue 41: they were six scripts).
+"""Small one-process probes, one subcommand each.
 
     python benchmarks/probe.py ncu-decode [BATCH CTX]        (default 64 4096)
     python benchmarks/probe.py ncu-prefill [BATCH Q CTX]     (default 1 2048 16384)
