@@ -166,7 +166,10 @@ def prefill_workspace(args) -> None:
     in one process: per shape BxQ@L (32/8/128, block 16, shuffled pages, the default config),
     the call's time (the bench's time_calls: a CUDA graph of --calls calls, median of --rounds) with
     TURBOQUANT_PREFILL_WORKSPACE=0 and =1, and the workspace pass alone (its kernel's time from
-    the profiler); TFLOP/s over the causal FLOPs of the chunk. One JSON line per shape."""
+    the profiler); TFLOP/s over the causal FLOPs of the chunk; the two outputs' difference
+    (relative RMS: FP8 V tiles round P' to E4M3) and, with --reference, each one's relative RMS
+    and largest error against the reference backend. --scale-mul multiplies the softmax scale
+    (more peaked rows). One JSON line per shape."""
     import json
     import os
     import torch
@@ -187,9 +190,12 @@ def prefill_workspace(args) -> None:
         cu = torch.arange(b + 1, dtype=torch.int32, device="cuda") * q_len
 
         def call():
+            return run("cuda")
+
+        def run(backend):
             return turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
-                                                  128 ** -0.5, cu_query_lens=cu, backend="cuda",
-                                                  max_seq_len=ctx, **prob.kwargs)
+                                                  args.scale_mul * 128 ** -0.5, cu_query_lens=cu,
+                                                  backend=backend, max_seq_len=ctx, **prob.kwargs)
         flops = causal_flops(b, q_len, ctx, 32, 128)
         row = {"shape": shape}
         with turboquant.value_checks(False):
@@ -209,6 +215,16 @@ def prefill_workspace(args) -> None:
             row["ws_pass_us"] = round(sum(ws_us) / max(len(ws_us), 1), 1)
             del os.environ["TURBOQUANT_PREFILL_WORKSPACE"]
         row["bit_identical"] = bool(torch.equal(outs["0"], outs["1"]))
+
+        def rel(a, b):
+            return float((a.float() - b.float()).norm() / b.float().norm())
+        row["ws1_vs_ws0_rel"] = round(rel(outs["1"], outs["0"]), 6)
+        if args.reference:
+            ref = run("reference").float()
+            for mode in ("0", "1"):
+                row[f"ws{mode}_ref_rel"] = round(rel(outs[mode], ref), 6)
+                row[f"ws{mode}_ref_max"] = round(float((outs[mode].float() - ref).abs().max()), 5)
+            del ref
         print(json.dumps(row), flush=True)
 
 
@@ -244,6 +260,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", default="1x512@4k,1x2048@16k,4x2048@16k,1x8192@64k")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reference", action="store_true", help="errors against the reference")
+    p.add_argument("--scale-mul", type=float, default=1.0, help="softmax scale times this")
     p = add("smoothing-exponent", smoothing_exponent,
             "KLD / top-1 per key-smoothing exponent")
     p.add_argument("--model", default="smollm2")
