@@ -347,6 +347,13 @@ __device__ __forceinline__ float state_lse(float M, float Ls) {
   return (M + log2f(Ls)) * 0.6931471805599453f;
 }
 
+// The lse of a row whose output element o the lse's writer holds: NaN where o is (a visible
+// token's V scale 255 makes the whole row NaN through P' while its logits, and so M and Ls,
+// stay finite; the contract's NaN row has a NaN lse).
+__device__ __forceinline__ float row_lse(float M, float Ls, float o) {
+  return o == o ? state_lse(M, Ls) : o;
+}
+
 // A row complete in one partition (both kernels' epilogues): the learned sink joins its state
 // (M, Ls, a = O / Ls, N elements of the row in this thread) and the row's `writer` thread
 // stores its lse at lse[row].
@@ -356,7 +363,7 @@ __device__ __forceinline__ void finish_whole_row(const AttnParams& p, int head, 
   const float k = add_learned_sink(p, head, M, Ls);
 #pragma unroll
   for (int i = 0; i < N; ++i) a[i] *= k;
-  if (p.lse != nullptr && writer) p.lse[row] = state_lse(M, Ls);
+  if (p.lse != nullptr && writer) p.lse[row] = row_lse(M, Ls, a[0]);
 }
 
 // The lse of a constant row of a whole-row launch: a row with nothing visible (mval = -inf) has

@@ -84,7 +84,6 @@ __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_red
     const float L0 = Ls;
     const float k = add_learned_sink(p, head, M, Ls);
     inv = (L0 == 0.f) ? 0.f : k / L0;
-    if (p.lse != nullptr && lane == 0) p.lse[item] = state_lse(M, Ls);
   }
   T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head;
   // warp 0 writes the row, D/32 elements per lane, un-rotated when the cache is rotated
@@ -95,6 +94,9 @@ __global__ void __launch_bounds__(32 * tuning::REDUCE_WARPS) paged_attention_red
 #pragma unroll
     for (int w = 0; w < NWR; ++w) v[e] += part_sum[w][lane * EPL + e];
     v[e] *= inv;
+  }
+  if constexpr (kStates) {
+    if (p.lse != nullptr && lane == 0) p.lse[item] = row_lse(M, Ls, v[0]);
   }
   if (p.rot_signs != nullptr) unrotate_row<EPL, 32>(p, v, lane * EPL, lane);
 #pragma unroll
