@@ -87,7 +87,7 @@ preset() {  # NAME -> its bench arguments; status 1 when NAME is none
     prefill) echo "--no-decode --no-writer --configs default --multi-token \
 1x512@4k,1x2048@16k,1x8192@64k,4x2048@16k,64x4@4k,16x4@16k,64x8@4k,128x2@4k" ;;
     prefill-peers) echo "--shapes 32/8/128 --no-decode --no-writer --peers --multi-token \
-1x512@4k,1x2048@16k,1x8192@64k,4x2048@16k,1x2048+64x1@16k,64x4@4k" ;;
+1x512@4k,1x2048@16k,1x8192@64k,4x2048@16k,1x2048+64x1@16k,64x1+1x2048@16k,64x4@4k" ;;
     spec) echo "--shapes 32/8/128 --no-decode --no-writer --no-sdpa --multi-token \
 64x4@4k,16x4@16k,64x8@4k,128x2@4k,128x4@4k,16x8@16k,32x2@16k" ;;
     writer) echo "--shapes 32/8/128 --batches 64 --contexts 4k --no-sdpa \

@@ -11,7 +11,7 @@ import torch
 
 import turboquant as tq
 from turboquant.integration.vllm.layer import (PagedLayer, StepMetadata, bytes_per_token_head,
-                                               layer_bytes)
+                                               layer_bytes, leading_decodes)
 
 HQ, HKV, D, BS, NB = 8, 2, 64, 16, 40
 # per step, each sequence's query tokens (0: not scheduled); final lengths 1, 54, 97, 17, 30
@@ -90,13 +90,16 @@ def test_engine_steps_match_the_api_and_fp32(key_format, device):
     api_caches = [tq.allocate_cache(NB, HKV, BS, D, key_format=key_format, fill=0xFF,
                                     device=device) for _ in range(2)]
     api_states = [tq.allocate_shared_state(HKV, D, NB, device=device) for _ in range(2)]
-    for st in steps:
+    for step, st in enumerate(steps):
         n = len(st["seq"])
         st = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
         slots = torch.cat([slots_of(table, st["seq"], st["pos"]),
                            torch.full((PAD,), -1)]).to(device)
+        # steps 0 and 2 start with a decode: the layer runs it as its own call
         meta = StepMetadata.build(st["cu"], st["seq_lens"], table[st["live"]], slots, n,
-                                  int(st["seq_lens"].max()))
+                                  int(st["seq_lens"].max()),
+                                  num_decodes=leading_decodes(st["cu"].cpu(), len(st["live"])))
+        assert meta.num_decodes == [1, 0, 1][step]
         assert meta.positions.tolist() == st["pos"]
         for layer in range(2):
             k = torch.cat([kv[layer, i][0][p:p + 1] for i, p in zip(st["seq"], st["pos"])]
@@ -112,7 +115,8 @@ def test_engine_steps_match_the_api_and_fp32(key_format, device):
                                      shared_state=api_states[layer])
             ref = tq.paged_attention_fp4(q[:n], *cache, table[st["live"]], st["seq_lens"],
                                          D ** -0.5, cu_query_lens=st["cu"],
-                                         shared_state=api_states[layer])
+                                         shared_state=api_states[layer],
+                                         num_decodes=meta.num_decodes)
             assert torch.equal(out[:n], ref)
             for j, i in enumerate(st["live"]):
                 rows = slice(int(st["cu"][j]), int(st["cu"][j + 1]))

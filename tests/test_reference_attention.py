@@ -216,3 +216,28 @@ def test_torch_compile_fullgraph():
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(query), f(query))
+
+
+def test_num_decodes_runs_the_decodes_and_the_rest_apart():
+    """num_decodes = 5 (five one-token sequences first, then chunks of 120 and 54 tokens): the
+    two calls give the one call's bits, output and lse, under the default transforms, a
+    window and learned sinks; a count the query lengths contradict, or past the sequences,
+    is refused by name."""
+    g = torch.Generator().manual_seed(5)
+    lens, qlens = [40, 1, 97, 17, 300, 300, 97], [1, 1, 1, 1, 1, 120, 54]
+    prob = build_paged_problem(lens, 2, 64, 16, generator=g, write_backend="reference")
+    q = torch.randn(sum(qlens), 8, 64, generator=g).bfloat16()
+    cu = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    sinks = torch.randn(8, generator=g)
+
+    def run(nd):
+        return tq.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.125,
+                                      cu_query_lens=cu, sliding_window=64, sinks=sinks,
+                                      return_lse=True, num_decodes=nd, **prob.kwargs)
+    (one, one_lse), (two, two_lse) = run(0), run(5)
+    assert torch.equal(one, two) and torch.equal(one_lse, two_lse)
+    for nd in (6, 7):
+        with pytest.raises(ValueError, match=f"num_decodes: the first {nd} sequences"):
+            run(nd)
+    with pytest.raises(ValueError, match=r"num_decodes: expected an int in \[0, 7\]"):
+        run(8)

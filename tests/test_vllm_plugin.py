@@ -5,6 +5,7 @@ its metadata through our builder, the layer's forward against the API, and what 
 through vLLM's validation. No vLLM server runs here (nor on the GPU machines: its wheel is over
 what a device call carries)."""
 import importlib.metadata
+import itertools
 import math
 
 import pytest
@@ -158,6 +159,9 @@ def test_forward_over_vllm_allocated_pages_matches_the_api(backends, name, monke
             slot_mapping=slots)
         meta = builder.build(0, common)
         assert meta.positions.tolist() == st["pos"] and meta.num_tokens == n
+        # vLLM puts one-token requests first (threshold 1); the builder counts those in front
+        assert builder.reorder_batch_threshold == 1
+        assert meta.num_decodes == len(list(itertools.takewhile(lambda x: x == 1, q_lens)))
         for i, impl in enumerate(impls):
             q = torch.randn(n + pad, HQ, D, generator=gen).bfloat16()
             k = torch.randn(n + pad, HKV, D, generator=gen).bfloat16()

@@ -303,7 +303,7 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                         sinks: Optional[torch.Tensor] = None,
                         return_lse: bool = False, holds_first_token: bool = True,
                         lse_out: Optional[torch.Tensor] = None,
-                        shared_state: Optional[SharedState] = None):
+                        shared_state: Optional[SharedState] = None, num_decodes: int = 0):
     """Attention of ``query`` [num_tokens, num_heads, D] over the FP4 paged cache.
 
     ``max_seq_len`` (an extension to the contract's signature) is an optional host-side upper
@@ -331,7 +331,31 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     call that holds the sequences' position 0 keeps the default. ``lse_out`` (with
     ``return_lse``): a contiguous float32 [num_tokens, num_heads] tensor the lse is written
     into, as ``out`` is for the output (e.g. views of a collective's send buffer).
+    ``num_decodes`` (a host int, with ``cu_query_lens``): the first ``num_decodes`` sequences
+    have one query token each (an engine's decode-first order, as vLLM's
+    ``reorder_batch_threshold = 1`` makes it): they run as a decode batch and the other
+    sequences as a multi-token batch, two calls, each choosing its own kernel. Without it a
+    chunked-prefill step's decode rows ride the prefill kernel's 128-row tiles.
     """
+    num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else 0
+    if not isinstance(num_decodes, int) or isinstance(num_decodes, bool) or \
+            not 0 <= num_decodes <= num_seqs:
+        raise ValueError(f"num_decodes: expected an int in [0, {num_seqs}] (the sequences), "
+                         f"got {num_decodes!r}")
+    if cu_query_lens is not None and num_decodes and isinstance(cu_query_lens, torch.Tensor) \
+            and values_checkable(cu_query_lens):
+        head = cu_query_lens[:num_decodes + 1].cpu()
+        if not torch.equal(head, torch.arange(num_decodes + 1, dtype=head.dtype)):
+            raise ValueError(f"num_decodes: the first {num_decodes} sequences must have one "
+                             f"query token each, but cu_query_lens starts {head.tolist()[:16]}")
+    if cu_query_lens is not None and 0 < num_decodes < num_seqs:
+        return _decodes_then_rest(
+            num_decodes, query, (key_cache, value_cache, key_scales, value_scales), block_tables,
+            seq_lens, scale, cu_query_lens, out, lse_out, return_lse, state_ids,
+            dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                 backend=backend, max_seq_len=max_seq_len, config=config, seq_state=seq_state,
+                 sinks=sinks, holds_first_token=holds_first_token,
+                 shared_state=shared_state))
     call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
                              block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
@@ -352,6 +376,23 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     if query.shape[0]:
         registry.select(backend, "attention", call).paged_attention(call, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _decodes_then_rest(nd, query, cache, block_tables, seq_lens, scale, cu_query_lens, out,
+                       lse_out, return_lse, state_ids, common):
+    """paged_attention_fp4 with num_decodes = nd: the first nd sequences (one query token
+    each) as a decode call, the others as a multi-token call, into slices of one output."""
+    if out is None:
+        out = torch.empty_like(query)
+    if return_lse and lse_out is None:
+        lse_out = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+    for seqs, cu in ((slice(0, nd), None), (slice(nd, None), cu_query_lens[nd:] - nd)):
+        paged_attention_fp4(query[seqs], *cache, block_tables[seqs], seq_lens[seqs], scale,
+                            cu_query_lens=cu, out=out[seqs],
+                            state_ids=None if state_ids is None else state_ids[seqs],
+                            return_lse=return_lse,
+                            lse_out=None if lse_out is None else lse_out[seqs], **common)
+    return (out, lse_out) if return_lse else out
 
 
 def explain(query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens,

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import turboquant
-from turboquant import format as tqf
 from turboquant import registry
 from turboquant._backends import cuda as tq_cuda
 from turboquant.cache import allocate_cache, build_paged_problem
@@ -415,6 +414,34 @@ PREFILL_CASES = {
 }
 
 
+@pytest.mark.parametrize("window", [0, 100])
+def test_decodes_first_run_as_their_own_call(window):
+    """num_decodes: a chunked-prefill step in vLLM's order (17 decode rows of awkward lengths
+    first, then chunks of 600 and 54 tokens) runs the decode rows through the decode kernel's
+    one-token form and the chunks through the prefill kernel; the output and the lse match the
+    reference, with a NaN-scaled token in one decode sequence and one chunk."""
+    lens = [1, 54, 97] + [300 + 37 * i for i in range(14)] + [700, 54]
+    qlens = [1] * 17 + [600, 54]
+    prob, q, cu = _problem(lens, 32, 8, 128, 16, qlens=qlens, seed=12)
+    for s, tok in ((2, 40), (17, 650)):  # sequence 2's key 40, the chunk's key 650
+        prob.cache.value_scales[prob.block_tables[s, tok // 16], tok % 16, 3] = 255
+    kw = dict(sliding_window=window, return_lse=True)
+    names = _kernel_names(lambda: _run("cuda", prob, q, cu, num_decodes=17, **kw))
+    assert any("prefill" in n for n in names), names
+    assert any("decode_kernel" in n for n in names) and not _multi_token_form(names), names
+    out, lse = _run("cuda", prob, q, cu, num_decodes=17, **kw)
+    ref, ref_lse = _run("reference", prob, q, cu, **kw)
+    rows = torch.isfinite(ref.float()).all(-1)
+    assert torch.equal(rows, torch.isfinite(out.float()).all(-1)) and not rows.all()
+    _compare(out[rows], ref[rows])
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    tol = 2e-3 + 1e-4 * ref_lse.abs()  # as test_multi_token_kernels_states_and_k8v4's
+    if torch.cuda.get_device_capability() == (9, 0):  # the chunks' S on FP8 tensor cores
+        tol = tol + _fp8_s_logit_bound(prob, q, cu, **kw)
+    assert ((lse - ref_lse).abs()[fin] <= tol[fin]).all()
+
+
 @pytest.mark.parametrize("window,cap,config", [(0, 0.0, "default"), (0, 0.0, "plain"),
                                                (100, 0.0, "default"), (0, 30.0, "default"),
                                                (37, 10.0, "plain"), (1, 0.0, "default")])
@@ -773,11 +800,14 @@ LSE_CASES = {  # name: (lens, hq, hkv, qlens, window, cap)
 def test_lse_and_sinks_match_reference(case, with_sinks, config):
     """The log-sum-exp output and learned sinks in the decode kernel, the general kernel and
     the split-KV reduce, against the reference (awkward lengths, a zero-length sequence, a NaN
-    scale in a used token)."""
+    key scale in a used token, and a NaN value scale: its rows' lse NaN too, where the logits
+    stay finite; outside a window it reaches no row)."""
     lens, hq, hkv, qlens, window, cap = LSE_CASES[case]
     prob, q, cu = _problem(lens, hq, hkv, 128, 16, qlens=qlens, seed=len(case), config=config)
-    ks = prob.cache.key_scales
-    ks[prob.block_tables[-1, 0], 0 if config == "plain" else 1] = 255  # NaN rows for the last sequence
+    ks, vs = prob.cache.key_scales, prob.cache.value_scales
+    tok = 0 if config == "plain" else 1  # (the default config's key 0 is the sink's record)
+    ks[prob.block_tables[-1, 0], tok] = 255  # NaN rows for the last sequence
+    vs[prob.block_tables[1, 0], tok] = 255  # ... and for the second where it sees its key
     sinks = (torch.randn(hq, generator=torch.Generator().manual_seed(3)) * 3).cuda() if with_sinks else None
     kw = dict(sliding_window=window, logits_soft_cap=cap, sinks=sinks, return_lse=True)
     out, lse = _run("cuda", prob, q, cu, **kw)

@@ -2,7 +2,9 @@
 (a chunk of Q new tokens per sequence attending to everything in the cache) and speculative
 decoding (Q = 2-8), causal, each sequence L tokens long of which the last Q are its queries;
 a mixed step (``B1xQ1+B2xQ2@L``, e.g. ``1x2048+64x1@16k``: one chunk and 64 decode rows in one
-call, what a chunked-prefill engine's step looks like) gives its sequences their own Q.
+call, what a chunked-prefill engine's step looks like) gives its sequences their own Q; written
+decodes first (``64x1+1x2048@16k``, the order vLLM gives a step) it passes ``num_decodes``, so
+that the decode rows run as their own call.
 
 Per row: turboquant (``paged_attention_fp4`` with ``cu_query_lens``) on an FP4 (or K8V4) cache
 written from dense BF16 K/V, and PyTorch SDPA on the dense BF16 K/V [B, Hkv, L, D] with
@@ -28,6 +30,7 @@ TFLOP/s and speedups as columns, the note on a line of its own; the records go t
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -128,9 +131,14 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
     kw = {"config": config,
           **state_kwargs(state, torch.arange(b, device=device, dtype=torch.int32))}
 
+    # a mixed step that starts with decode rows (64x1+1x2048: an engine's decode-first order)
+    # runs them as their own call (num_decodes); the other order as one call
+    num_decodes = len(list(itertools.takewhile(lambda x: x == 1, qls))) if row.mix else 0
+
     def fp4():
         tq.paged_attention_fp4(query, *cache, tables, seq_lens, scale, cu_query_lens=cu,
-                               out=out, backend=args.backend, max_seq_len=length, **kw)
+                               out=out, backend=args.backend, max_seq_len=length,
+                               num_decodes=num_decodes, **kw)
 
     flops = sum(causal_flops(1, qi, length, hq, d) for qi in qls)
     # the cache once, Q read and O written

@@ -14,7 +14,9 @@ Choices (vLLM 0.33):
   step's positions, which ``do_kv_cache_update`` is not given.
 - CUDA graphs: uniform batches (decode, and speculative verification of 1 + k tokens); their
   metadata is captured with ``max_seq_len`` at the block table's capacity, so the kernels' grid
-  covers any sequence a replay brings. Mixed and prefill batches run eagerly, in one call.
+  covers any sequence a replay brings. Mixed and prefill batches run eagerly, decode-first
+  (``reorder_batch_threshold = 1``): a step's decodes as one call and its other sequences as
+  another, each with its own kernel (``paged_attention_fp4``'s ``num_decodes``).
 - Declined: ALiBi, encoder and cross attention, KV sharing between layers, MLA, sparse attention,
   per-head quant scales, batch invariance, decode context parallelism, non-causal attention.
 - Calibration: ``TURBOQUANT_CALIBRATION=FILE`` (``turboquant.save_calibration``'s format, one
@@ -39,7 +41,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from ...shared_state import positions_from_metadata
 from ...smoothing import load_calibration
 from ...sources import cuda_limits
-from .layer import KEY_FORMATS, PagedLayer, StepMetadata, bytes_per_token_head
+from .layer import KEY_FORMATS, PagedLayer, StepMetadata, bytes_per_token_head, leading_decodes
 
 # the NVIDIA kernels' shapes (csrc_cuda/limits.cuh); the aiter backend's own list
 # (turboquant._backends.aiter.HEAD_DIMS) names the same head dims
@@ -83,6 +85,8 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
     derived into the builder's own buffer, so a captured graph reads the current ones."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # vLLM puts the requests of one query token first; build() counts them (num_decodes)
+    reorder_batch_threshold: int = 1
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -107,7 +111,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         # views of vLLM's tensors, never copies: a captured graph reads vLLM's persistent buffers
         return TurboQuantMetadata.build(m.query_start_loc, m.seq_lens, m.block_table_tensor,
                                         m.slot_mapping, m.num_actual_tokens, m.max_seq_len,
-                                        positions=positions)
+                                        positions=positions,
+                                        num_decodes=leading_decodes(m.query_start_loc_cpu,
+                                                                    m.num_reqs))
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> TurboQuantMetadata:

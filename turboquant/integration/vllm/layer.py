@@ -68,15 +68,28 @@ class StepMetadata:
     positions: torch.Tensor  # int64 [num_tokens], each query token's position
     num_tokens: int  # query tokens of the step (padding included)
     max_seq_len: int  # host-side upper bound of seq_lens
+    # the leading sequences with one query token each (decode-first order): the layer runs
+    # them as a decode call and the rest as a multi-token call (paged_attention_fp4's
+    # num_decodes); 0 = one call for the step
+    num_decodes: int = 0
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, block_table, slot_mapping, num_tokens: int,
-              max_seq_len: int, positions: Optional[torch.Tensor] = None) -> "StepMetadata":
+              max_seq_len: int, positions: Optional[torch.Tensor] = None,
+              num_decodes: int = 0) -> "StepMetadata":
         """From an engine's metadata; ``positions`` derived from it when not given."""
         if positions is None:
             positions = positions_from_metadata(query_start_loc, seq_lens, num_tokens)
         return cls(query_start_loc, seq_lens, block_table, slot_mapping, positions[:num_tokens],
-                   int(num_tokens), int(max_seq_len))
+                   int(num_tokens), int(max_seq_len), int(num_decodes))
+
+
+def leading_decodes(query_start_loc_cpu: torch.Tensor, num_seqs: int) -> int:
+    """The sequences at the front of a step with one query token each, from the host copy of
+    query_start_loc [>= num_seqs + 1] (no device sync)."""
+    q = query_start_loc_cpu[1:num_seqs + 1] - query_start_loc_cpu[:num_seqs]
+    other = torch.nonzero(q != 1)
+    return int(other[0, 0]) if other.numel() else int(num_seqs)
 
 
 class PagedLayer:
@@ -164,7 +177,8 @@ class PagedLayer:
                                                 meta.block_table.shape[1] *
                                                 cache.key_cache.shape[2]),
                                 config=self.config, sinks=self._sinks(query.device),
-                                shared_state=state, backend=self.backend)
+                                shared_state=state, backend=self.backend,
+                                num_decodes=meta.num_decodes)
         return output
 
     def _sinks(self, device) -> Optional[torch.Tensor]:
