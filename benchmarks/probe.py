@@ -45,19 +45,28 @@ def ncu_decode(args) -> None:
     torch.cuda.synchronize()
 
 
-def ncu_prefill(args) -> None:
-    """One chunked-prefill call: BATCH sequences x Q query tokens at CTX context (causal),
-    32/8/128, block 16, shuffled pages, the default transforms; launched 4 times."""
+def chunked_prefill_case(batch: int, q_len: int, ctx: int):
+    """(problem, query, cu_query_lens) of BATCH sequences of CTX keys whose last Q_LEN are the
+    queries: 32/8/128, block 16, shuffled pages written by the cuda writer, the default config."""
     import torch
     import turboquant
     from turboquant.cache import build_paged_problem
 
-    batch, q_len, ctx = args.batch, args.q, args.ctx
     g = torch.Generator().manual_seed(0)
     prob = build_paged_problem([ctx] * batch, 8, 128, 16, device="cuda", generator=g,
                                write_backend="cuda", config=turboquant.QuantConfig())
     q = torch.randn(batch * q_len, 32, 128, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * q_len
+    return prob, q, cu
+
+
+def ncu_prefill(args) -> None:
+    """One chunked-prefill call: BATCH sequences x Q query tokens at CTX context (causal),
+    32/8/128, block 16, shuffled pages, the default transforms; launched 4 times."""
+    import torch
+    import turboquant
+
+    prob, q, cu = chunked_prefill_case(args.batch, args.q, args.ctx)
     with turboquant.value_checks(False):
         for _ in range(4):
             turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens,
@@ -167,27 +176,22 @@ def prefill_workspace(args) -> None:
     the call's time (the bench's time_calls: a CUDA graph of --calls calls, median of --rounds) with
     TURBOQUANT_PREFILL_WORKSPACE=0 and =1, and the workspace pass alone (its kernel's time from
     the profiler); TFLOP/s over the causal FLOPs of the chunk; the two outputs' difference
-    (relative RMS: FP8 V tiles round P' to E4M3) and, with --reference, each one's relative RMS
-    and largest error against the reference backend. --scale-mul multiplies the softmax scale
-    (more peaked rows). One JSON line per shape."""
+    (relative RMS: 0 where the workspace holds the kernel's own bytes) and, with --reference,
+    each one's relative RMS and largest error against the reference backend. --scale-mul
+    multiplies the softmax scale (more peaked rows). One JSON line per shape."""
     import json
     import os
     import torch
     import turboquant
     from turboquant.bench.multitoken import causal_flops, parse_multi
     from turboquant.bench.timing import time_calls
-    from turboquant.cache import build_paged_problem
 
     device = torch.device("cuda")
     for shape, row_shape in zip(args.shapes.split(","), parse_multi(args.shapes)):
         if row_shape.mix:
             sys.exit(f"probe.py prefill-workspace: {shape}: one query length per shape")
         b, q_len, ctx = row_shape.batch, row_shape.query_len, row_shape.context
-        g = torch.Generator().manual_seed(0)
-        prob = build_paged_problem([ctx] * b, 8, 128, 16, device="cuda", generator=g,
-                                   write_backend="cuda", config=turboquant.QuantConfig())
-        q = torch.randn(b * q_len, 32, 128, device="cuda", dtype=torch.bfloat16)
-        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda") * q_len
+        prob, q, cu = chunked_prefill_case(b, q_len, ctx)
 
         def call():
             return run("cuda")
