@@ -5,6 +5,7 @@
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
+#include <utility>
 
 #include "attention_params.cuh"
 #include "fp4_common.cuh"
@@ -282,6 +283,15 @@ template <int D> __device__ __forceinline__ int v_swz(int row) {
 }
 
 template <bool B> struct BoolConst { static constexpr bool value = B; };
+// f(std::integral_constant<int, i>{}) for i = 0 .. N - 1 (an index that must be a constant)
+template <typename F, int... I>
+__device__ __forceinline__ void static_for_seq(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+  static_for_seq(f, std::make_integer_sequence<int, N>{});
+}
 
 // ex2.approx.ftz.f32: 2^x, results below 2^-126 flushed to 0 (a probability that small is 0
 // after the fp16 rounding of P anyway). The non-ftz form costs 3 more instructions per call

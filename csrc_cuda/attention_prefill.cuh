@@ -60,6 +60,11 @@
 //   they then hand back), do the softmax and issue P V; the two warpgroups take turns to issue
 //   (ping-pong: one's MMAs under the other's softmax). mma.sync: the next step's decode runs
 //   while other warps do this step's MMAs; one __syncthreads per step.
+// With the decode-once workspace (kWs, prefill_workspace.cuh) the producers only copy finished
+// tiles: one warpgroup of them at setmaxnreg's floor (24 registers), the row warps at 240
+// (tuning.cuh: 3-4.5 % faster than two producer warpgroups). -DTQ_PREFILL_WS_STEP_TILES=2
+// builds the two-tile step (slots of two tiles, one m64n128k32 S per slice with Q's terms in
+// shared memory; slower: tuning.cuh).
 // Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
 //   and the lse (kStates), the un-rotation, the store; no cross-warp merge (each warp owns its
 //   rows). One partition (no split-KV).
@@ -74,18 +79,23 @@
 namespace turboquant {
 namespace cuda_fp4 {
 
-template <int D, bool kE4m3, bool kWG>
+template <int D, bool kE4m3, bool kWG, bool kWsL = false>
 struct PrefillLayout {
   // W warps hold the rows (16 each); NT threads copy and decode: the same W warps below SM90,
-  // W more (producers) with wgmma; NTH threads in all
-  static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS, NT = 32 * W, NTH = kWG ? 2 * NT : NT;
+  // PW more (producers) with wgmma: W, or with the workspace (WS: copies only) one warpgroup;
+  // NTH threads in all. PREGS / CREGS: the producers' and the row warps' registers (setmaxnreg)
+  static constexpr bool WS = kWG && kWsL;
+  static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS;
+  static constexpr int PW = WS ? 4 : W, NT = 32 * PW, NTH = kWG ? NT + 32 * W : NT;
+  static constexpr int PREGS = WS ? tuning::PREFILL_WS_PRODUCER_REGS : tuning::PREFILL_PRODUCER_REGS;
+  static constexpr int CREGS = WS ? tuning::PREFILL_WS_CONSUMER_REGS : tuning::PREFILL_CONSUMER_REGS;
   static constexpr int TK = tuning::PREFILL_TILE, ST = kWG ? tuning::PREFILL_STAGES_WGMMA : tuning::PREFILL_STAGES_MMA;
   static constexpr bool E4M3 = kE4m3;
   static constexpr int KROWB = KeyRow<D, kE4m3>::BYTES, VROWB = D / 2;  // code bytes per token
   static constexpr int KCPR = KROWB / 16, VCPR = VROWB / 16;         // 16-byte chunks per token
   static constexpr int KCH = TK * KCPR, VCH = TK * VCPR;              // chunks per step
   static constexpr int NK = (KCH + NT - 1) / NT;                      // K chunks per thread
-  static_assert(VCH <= NT && 2 * TK <= NT && TK % 32 == 0, "one V chunk and one scale word per thread");
+  static_assert((WS || VCH <= NT) && 2 * TK <= NT && TK % 32 == 0, "one V chunk and one scale word per thread");
   static constexpr int RAW_K = TK * KROWB, RAW_V = TK * VROWB, RAW_S = TK * 4;
   static constexpr int RAW = RAW_K + RAW_V + 2 * RAW_S;  // K codes, V codes, K / V scale words
   // A decoded fp16 tile [TK tokens][D] is D / 64 panels of [TK][64 elements = 128 bytes], each
@@ -129,8 +139,27 @@ struct PrefillLayout {
   }
   // the word of tokens 8 j + 2 t4 + {0, 1} (with wgmma and j even: the 16-byte word of j, j + 1)
   static __device__ __forceinline__ int sb_pair(int t4, int j) { return kWG ? SB_PITCH * t4 + 2 * j : 8 * j + 2 * t4; }
-  static constexpr int DEC = (OFF_SB + (SB_VG + 4 * SB_PITCH) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
-  static constexpr int NDEC = kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
+  static constexpr int SBB = (SB_VG + 4 * SB_PITCH) * 4;  // a tile's scale words (bytes)
+  static constexpr int DEC = (OFF_SB + SBB + 1023) / 1024 * 1024;  // 1024-byte aligned tiles
+  // The row warps' step: STEP_TILES consecutive tiles (with the workspace, tuning.cuh), read
+  // from one slot of SLOT bytes; NDEC slots between the producers and the row warps. A slot
+  // holds its tiles' K rows together (at SLOT_K + u DEC_K: one K-major operand of
+  // STEP_TILES TK rows), then their V tiles (SLOT_V + u DEC_V), then their scale words
+  // (SLOT_SB + u SBB); one tile's slot is a decode buffer as above
+  static constexpr int STEP_TILES = WS && S8 ? tuning::PREFILL_WS_STEP_TILES : 1;
+  static constexpr int SLOT_V = STEP_TILES * DEC_K, SLOT_SB = STEP_TILES * (DEC_K + DEC_V);
+  static constexpr int SLOT = (SLOT_SB + STEP_TILES * SBB + 1023) / 1024 * 1024;
+  static_assert(SBB % 16 == 0 && DEC_K % 1024 == 0 && DEC_V % 1024 == 0, "slot parts aligned");
+  // QS: S over the two tiles as one m64n128k32 FP8 MMA per k32 slice, Q's two E4M3 terms in
+  // shared memory (wgmma's A from a descriptor) instead of 32 registers of fragments, which two
+  // tiles' S, O and P' leave no room for (at 240 registers the row warps spill 626 bytes with Q
+  // in registers): per term ROWS rows of 128 bytes (the K tile's K-major, 128-byte swizzled
+  // form), a warpgroup's 64 rows one 8 KB atom column
+  static constexpr bool QS = STEP_TILES > 1;
+  static_assert(!QS || STEP_TILES * TK == 128, "QS: S as m64n128k32");
+  static constexpr int QTERM = ROWS * 128;
+  static constexpr int NDEC = WS ? tuning::PREFILL_WS_SLOTS
+                              : kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
   // wgmma: named barriers FULL + NDEC w + b (decode buffer b is full, for warpgroup w of rows:
   // one per warpgroup, so that neither waits for the other at a tile), EMPTY + b (buffer b has
   // been read by both), BAR_CTA for the whole CTA before the split's end (its warps reach it
@@ -142,11 +171,13 @@ struct PrefillLayout {
   static constexpr int BAR_TURN = BAR_CTA + 1;
   static_assert(BAR_TURN + 1 < 16, "16 hardware barriers");
   static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
-  static constexpr int BIG_A = NDEC * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
+  static constexpr int BIG_A = NDEC * SLOT, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
   static constexpr int BIG = BIG_A > BIG_B ? (BIG_A > BIG_C ? BIG_A : BIG_C) : (BIG_B > BIG_C ? BIG_B : BIG_C);
-  static constexpr int OFF_DEC = (ST * RAW + 1023) / 1024 * 1024;  // NDEC decode buffers; aliased by
-                                                     // the prologue's fp32 Q rows and the epilogue's O
-  static constexpr int OFF_ROWS = OFF_DEC + BIG;     // per CTA row: q'.k0', scale * q.m, m, l
+  // NDEC slots after the raw-code ring (none with the workspace); aliased by the prologue's fp32
+  // Q rows and the epilogue's O
+  static constexpr int OFF_DEC = WS ? 0 : (ST * RAW + 1023) / 1024 * 1024;
+  static constexpr int OFF_Q = OFF_DEC + BIG;        // QS: Q's terms [2][ROWS][128 bytes]
+  static constexpr int OFF_ROWS = OFF_Q + (QS ? 2 * QTERM : 0);  // per CTA row: q'.k0', scale * q.m, m, l
   static constexpr int OFF_QAMAX = OFF_ROWS + 4 * ROWS * 4;  // wgmma: one word, the CTA's max |q| (bits)
   static constexpr int TOTAL = OFF_QAMAX + 16 + 1024;  // + the base's alignment to 1024
 };
@@ -289,22 +320,21 @@ __device__ __forceinline__ void wgmma_n(float (&d)[N / 2], const uint32_t (&a)[4
 #define TQ_PREFILL_KWG false  // ldmatrix + mma.sync, every warp both
 #endif
 template <int D, typename T, bool kStates, bool kE4m3, bool kWs>
-__global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, tuning::PREFILL_MIN_BLOCKS)
+__global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::NTH, tuning::PREFILL_MIN_BLOCKS)
     paged_attention_fp4_prefill_kernel(const AttnParams p) {
   constexpr bool kWG = TQ_PREFILL_KWG;
   if constexpr (kWs && !kWG) {
     __trap();  // the workspace path is the wgmma build's: plan_attention never launches it elsewhere
     return;
   }
-  using L = PrefillLayout<D, kE4m3, kWG>;
-  constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
+  using L = PrefillLayout<D, kE4m3, kWG, kWs>;
+  constexpr int TK = L::TK, ST = L::ST, NK = L::NK, NTL = L::STEP_TILES;
   static_assert(!kWG || (TK == 64 && L::W % 4 == 0 && L::NDEC >= 3),
                 "wgmma path: 64-token steps, whole warpgroups, three tiles (P V runs into the next step)");
   // setmaxnreg moves registers inside the CTA's launch allocation (NTH threads x the launch
   // bound's count, 65536 / NTH rounded down to 8): a .inc the producers' .dec cannot cover
   // waits forever (a four-producer-warp build at 96 / 208 hangs on the device)
-  static_assert(!kWG || 32 * L::W * (tuning::PREFILL_PRODUCER_REGS + tuning::PREFILL_CONSUMER_REGS) <=
-                               L::NTH * ((65536 / L::NTH) & ~7),
+  static_assert(!kWG || 32 * (L::PW * L::PREGS + L::W * L::CREGS) <= L::NTH * ((65536 / L::NTH) & ~7),
                 "wgmma path: the producer and row warps' registers within the CTA's launch allocation");
   // one MMA unit: a warpgroup's 64 rows (wgmma) or a warp's 16 rows (mma.sync)
   constexpr int UROWS = kWG ? 64 : 16;
@@ -314,8 +344,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   const int g = lane >> 2, t4 = lane & 3;
   // wgmma: warps [0, W) copy and decode (producers), warps [W, 2 W) hold the rows (consumers);
   // mma.sync: every warp does both. cw: the consumer warp's index (its rows 16 cw .. 16 cw + 15)
-  const bool producer = !kWG || warp < L::W;
-  const int cw = kWG ? warp - L::W : warp;
+  const bool producer = !kWG || warp < L::PW;
+  const int cw = kWG ? warp - L::PW : warp;
   const int G = p.group_size, Hkv = p.num_kv_heads;
   // row groups in reverse (the grid's last first): a sequence's later rows see more keys, so the
   // heaviest CTAs start in the first wave and the last wave holds the lightest
@@ -398,7 +428,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
   const BlockRow blocks(p, s);
   const int tile_first = r_lo / TK;
-  const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;
+  const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;  // tiles
+  const int csteps = (nsteps + NTL - 1) / NTL;  // the row warps' steps (of NTL tiles)
   // K chunks kc0 + NT i (i < NK), V chunk vc0, scale word of token cs (threads [0, 2 TK));
   // kc0, vc0: the thread's K and V chunks of its warp's 32 (chunk_of_thread; K8V4: tid)
   const int kc0 = chunk_of_thread<L::KCPR, D, kWG, L::S8>(tid), vc0 = kE4m3 ? tid : chunk_of_thread<L::VCPR, D, kWG>(tid);
@@ -480,8 +511,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   // the scale words of token cs of step i in decoded tile dec, from its scale byte b (K: a float;
   // V: the byte, its factor, and per 32 tokens the maximum and 255 flag of the visible ones)
   // (threads with has_s; 0 for a token not copied)
-  auto put_scale = [&](int i, uint8_t* dec, int b) {
-    int* sb = reinterpret_cast<int*>(dec + L::OFF_SB);
+  auto put_scale = [&](int i, int* sb, int b) {  // (sb: the tile's scale words)
     if (tid < TK) {
       // 255 -> NaN; wgmma: times the logits' factor (kmul, one per CTA there)
       reinterpret_cast<float*>(sb)[L::SB_KF + L::sb_slot(cs)] = kWG ? e8m0_to_float((uint32_t)b) * kmul : e8m0_to_float((uint32_t)b);
@@ -523,7 +553,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     if (has_s) {
       const uint32_t nib = (nib_ring >> (4 * sd)) & 15u;
       const uint32_t w = *reinterpret_cast<const uint32_t*>(raw + L::RAW_K + L::RAW_V + (tid < TK ? 0 : L::RAW_S) + cs * 4);
-      put_scale(i, dec, (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0);
+      put_scale(i, reinterpret_cast<int*>(dec + L::OFF_SB), (nib & 4u) ? (int)((w >> (8 * (nib & 3u))) & 255u) : 0);
     }
     if constexpr (kWG) fence_proxy_async();  // the tile is read by wgmma after the next barrier
   };
@@ -552,7 +582,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     // registers per setmaxnreg region, and code before a split or after a join has to fit the
     // smaller count (the Q transforms spill at 80 when the split comes after them).
     if (producer) {
-      setmaxnreg_dec<tuning::PREFILL_PRODUCER_REGS>();
+      setmaxnreg_dec<L::PREGS>();
       if constexpr (!kWs) first_copies();
       // the consumers prepare Q: the prescale's barriers (the maximum word zeroed before the
       // first) and the one after it
@@ -561,41 +591,58 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       kmul = logit_factor(q_prescale_exponent(0u, qamax, cta_sync) - L::QEXP_DROP);
       cta_sync();
       if constexpr (kWs) {
-        // Decode-once workspace: step j's tile is a copy of the workspace's (prefill_workspace.cuh)
-        // into decode buffer bj (free once step j - NDEC is read), issued before step j - 1's
-        // copy is waited for; then step j - 1's scale words from its scale bytes, as decode()
-        // writes them. The copies start after Q (the buffers alias Q's fp32 rows). A sequence
-        // longer than the workspace's steps (past the call's max_seq_len) gets NaN rows.
-        const bool ws_ok = tile_first + nsteps <= p.ws_steps;
+        // Decode-once workspace: step j's NTL tiles are copies of the workspace's
+        // (prefill_workspace.cuh) into slot bj (free once step j - NDEC is read), issued before
+        // step j - 1's copies are waited for; then step j - 1's scale words from its scale
+        // bytes, as decode() writes them. The copies start after Q (the slots alias Q's fp32
+        // rows). A last step past the range's tiles reads the workspace's zero tiles (masked);
+        // a sequence longer than the workspace's steps (past the call's max_seq_len) gets NaN rows.
+        const bool ws_ok = tile_first + csteps * NTL <= p.ws_steps;
         bad = bad || !ws_ok;
         const uint8_t* ws_seq = p.ws + ((long long)s * p.ws_steps * Hkv + kvh) * L::WS_TILE;
-        int sb_next = 0;  // the thread's scale byte of the step copied last (0: not needed, or bad)
-        auto ws_copy = [&](int i, uint32_t buf) {
-          const uint8_t* src = ws_seq + (long long)(tile_first + i) * Hkv * L::WS_TILE;
-          const uint32_t dst = raw_s + L::OFF_DEC + buf;
-          static_assert(L::WS_CHUNKS % L::NT == 0, "whole 16-byte copies per producer thread");
+        int sb_next[NTL] = {};  // the thread's scale bytes of the step copied last (0: not needed, or bad)
+        auto ws_copy = [&](int j, uint32_t slot_off) {
 #pragma unroll
-          for (int k = 0; k < L::WS_CHUNKS / L::NT; ++k) cp_async_16(dst + (tid + k * L::NT) * 16, src + (tid + k * L::NT) * 16);
-          sb_next = 0;
-          if (has_s && needed(tok_of(i, cs))) {
-            if (__ldg(src + L::WS_BAD + (cs >> 4))) bad = true;
-            else sb_next = __ldg(src + L::WS_SCALES + (tid < TK ? 0 : TK) + cs);
+          for (int u = 0; u < NTL; ++u) {
+            const int i = NTL * j + u;  // the tile
+            const uint8_t* tile = ws_seq + (long long)(tile_first + i) * Hkv * L::WS_TILE;
+            const uint8_t* src = tile + tid * 16;
+            const uint32_t dst = raw_s + L::OFF_DEC + slot_off + tid * 16;
+            static_assert(L::DEC_K % (16 * L::NT) == 0 && L::DEC_V % (16 * L::NT) == 0,
+                          "whole 16-byte copies per producer thread");
+            static_for<L::DEC_K / 16 / L::NT>(  // the tile's K rows, then its V tile
+                [&](auto k) { cp_async_16_at<decltype(k)::value * L::NT * 16>(dst + u * L::DEC_K, src); });
+            static_for<L::DEC_V / 16 / L::NT>([&](auto k) {
+              cp_async_16_at<decltype(k)::value * L::NT * 16>(dst + L::SLOT_V + u * L::DEC_V, src + L::DEC_K);
+            });
+            sb_next[u] = 0;
+            if (has_s && i < nsteps && needed(tok_of(i, cs))) {
+              if (__ldg(tile + L::WS_BAD + (cs >> 4))) bad = true;
+              else sb_next[u] = __ldg(tile + L::WS_SCALES + (tid < TK ? 0 : TK) + cs);
+            }
           }
         };
-        uint32_t bj = 0;  // step j's buffer
+        uint32_t bj = 0;  // step j's slot
 #pragma unroll 1
-        for (int j = 0; j <= nsteps; ++j) {
-          const int sb_prev = sb_next;
-          if (j < nsteps) {
-            if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + bj, L::NTH);  // step j - NDEC's tile is free
-            if (ws_ok) ws_copy(j, bj * L::DEC);
+        for (int j = 0; j <= csteps; ++j) {
+          int sb_prev[NTL];
+#pragma unroll
+          for (int u = 0; u < NTL; ++u) sb_prev[u] = sb_next[u];
+          if (j < csteps) {
+            if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + bj, L::NTH);  // step j - NDEC's slot is free
+            if (ws_ok) ws_copy(j, bj * L::SLOT);
           }
           cp_async_commit();
           if (j > 0) {
-            const uint32_t bp = bj == 0 ? L::NDEC - 1 : bj - 1;  // step j - 1's buffer
+            const uint32_t bp = bj == 0 ? L::NDEC - 1 : bj - 1;  // step j - 1's slot
             cp_async_wait<1>();
-            if (has_s) put_scale(j - 1, smem + L::OFF_DEC + bp * L::DEC, sb_prev);
-            fence_proxy_async();  // the tile is read by wgmma after the next barrier
+            if (has_s) {
+#pragma unroll
+              for (int u = 0; u < NTL; ++u)
+                put_scale(NTL * (j - 1) + u, reinterpret_cast<int*>(smem + L::OFF_DEC + bp * L::SLOT + L::SLOT_SB + u * L::SBB),
+                          sb_prev[u]);
+            }
+            fence_proxy_async();  // the tiles are read by wgmma after the next barrier
 #pragma unroll
             for (int w = 0; w < L::WGS; ++w) named_barrier_arrive(L::BAR_FULL + w * L::NDEC + bp, L::NT + 128);
           }
@@ -620,7 +667,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       if (named_barrier_or(L::BAR_DONE, L::NTH, bad)) write_const_rows(__int_as_float(0x7fc00000), 0.f);
       return;
     }
-    setmaxnreg_inc<tuning::PREFILL_CONSUMER_REGS>();
+    setmaxnreg_inc<L::CREGS>();
   } else {
     first_copies();
   }
@@ -695,6 +742,19 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       two_terms(a + 16, qa[ks][2], qa[D / 32 + ks][2]);
       two_terms(b + 16, qa[ks][3], qa[D / 32 + ks][3]);
     }
+    if constexpr (L::QS) {
+      // the fragments' words to the terms' rows: word w of qa[ks] holds row 16 cw + g + 8 (w % 2),
+      // bytes [4 t4, 4 t4 + 4) of the k32 slice ks % (D / 32) (+ 16 for words 2, 3)
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const int row = 16 * cw + g + 8 * (w & 1), kpos = 32 * (ks % (D / 32)) + 16 * (w >> 1) + 4 * t4;
+          *reinterpret_cast<uint32_t*>(smem + L::OFF_Q + (ks / (D / 32)) * L::QTERM + row * 128 +
+                                       (((kpos >> 4) ^ (row & 7)) << 4) + (kpos & 15)) = qa[ks][w];
+        }
+      fence_proxy_async();  // read by wgmma after the barrier below
+    }
   } else {
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -733,36 +793,39 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
   int VM = 0;
   const uint32_t dec_s = raw_s + L::OFF_DEC;
   auto unit_does = [&](int k) {  // the MMA unit's rows see some token of step k (unit-uniform)
-    const int t0 = (tile_first + k) * TK;
-    return uactive && t0 <= u_hi_max && t0 + TK - 1 >= u_lo_min;
+    const int t0 = (tile_first + NTL * k) * TK;
+    return uactive && t0 <= u_hi_max && t0 + NTL * TK - 1 >= u_lo_min;
   };
-  // step k's logits from S (this warp's 16 rows x TK tokens, the MMA C layout), the online
-  // softmax, and P' packed as the A fragments of O += P' V
-  // (buf: step k's decode buffer, (k % NDEC) * DEC)
-  auto softmax_p = [&](int k, uint32_t buf, const float (&sacc)[TK / 8][4], uint32_t (&pa)[TK / 16][4]) {
-    const int t0 = (tile_first + k) * TK;
-    const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::OFF_SB);
-    const float* sbf = reinterpret_cast<const float*>(sb);
+  // step k's logits from S (this warp's 16 rows x NTL TK tokens, the MMA C layout), the online
+  // softmax, and P' packed as the A fragments of O += P' V (8-token block j: in tile
+  // j / (TK / 8) of the step, whose scale words sbt gives)
+  // (buf: step k's slot, (k % NDEC) * SLOT)
+  constexpr int NJ = NTL * TK / 8;  // 8-token blocks per step
+  auto softmax_p = [&](int k, uint32_t buf, const float (&sacc)[NJ][4], uint32_t (&pa)[NJ / 2][4]) {
+    const int t0 = (tile_first + NTL * k) * TK;
+    auto sbt = [&](int u) { return reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::SLOT_SB + u * L::SBB); };
     // ---- y = logit - ms (exp2 domain), ms the row maxima the state holds before this step
     //      (max_offset): without a cap one FFMA per logit, and the exponentials below wait for
     //      no reduction (the row maxima are taken only when the state has to move). The thread
     //      holds rows g, g+8 x tokens 8j + 2 t4 + {0, 1}; K-scale floats at sb_pair (wgmma:
     //      one 16-byte word for j = 2q, 2q + 1) ----
     float ms[2] = {max_offset(m_run[0]), max_offset(m_run[1])};
-    float y[TK / 8][4];
+    float y[NJ][4];
     auto logits = [&](auto capped) {
 #pragma unroll
-      for (int q = 0; q < TK / 16; ++q) {
+      for (int q = 0; q < NJ / 2; ++q) {
+        const float* sbf = reinterpret_cast<const float*>(sbt(q / (TK / 16)));
+        const int ql = q % (TK / 16);  // in its tile
         float kfs[4];
         if constexpr (kWG) {
-          const float4 kq = *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * q));
+          const float4 kq = *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * ql));
           kfs[0] = kq.x; kfs[1] = kq.y; kfs[2] = kq.z; kfs[3] = kq.w;  // (times kmul already)
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int j = 2 * q + h;
           if constexpr (!kWG) {
-            const float2 kp = *reinterpret_cast<const float2*>(sbf + L::SB_KF + L::sb_pair(t4, j));
+            const float2 kp = *reinterpret_cast<const float2*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * ql + h));
             kfs[2 * h] = kp.x * kmul;
             kfs[2 * h + 1] = kp.y * kmul;
           }
@@ -778,10 +841,10 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       }
     };
     if (cap) logits(BoolConst<true>{}); else logits(BoolConst<false>{});
-    const bool need_mask = t0 < w_lo_max || t0 + TK - 1 > w_hi_min || wlast - wrow0 < 15;
+    const bool need_mask = t0 < w_lo_max || t0 + NTL * TK - 1 > w_hi_min || wlast - wrow0 < 15;
     if (need_mask) {
 #pragma unroll
-      for (int j = 0; j < TK / 8; ++j)
+      for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tok = t0 + 8 * j + 2 * t4 + (i & 1);
@@ -795,10 +858,10 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     //      rescaled and y moved to the new maxima ----
     int VM_new = VM;  // the step's V-scale maximum, one partial per warp of V-scale words
 #pragma unroll
-    for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[L::SB_VMAX + i]);
+    for (int i = 0; i < NTL * TK / 32; ++i) VM_new = max(VM_new, sbt(i / (TK / 32))[L::SB_VMAX + i % (TK / 32)]);
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < TK / 8; ++j) {
+    for (int j = 0; j < NJ; ++j) {
       mloc[0] = fmaxf(mloc[0], fmaxf(y[j][0], y[j][1]));
       mloc[1] = fmaxf(mloc[1], fmaxf(y[j][2], y[j][3]));
     }
@@ -819,7 +882,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       for (int rh = 0; rh < 2; ++rh) {
         const float d = max_offset(m_run[rh]) - ms[rh];
 #pragma unroll
-        for (int j = 0; j < TK / 8; ++j) {
+        for (int j = 0; j < NJ; ++j) {
           y[j][2 * rh] -= d;
           y[j][2 * rh + 1] -= d;
         }
@@ -842,7 +905,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       // the same as an fp16 pair
       auto put = [&](int j, float vf0, float vf1, uint32_t vfh) {
         if constexpr (kNan) {
-          const int2 vb = *reinterpret_cast<const int2*>(sb + L::SB_VB + 8 * j + 2 * t4);
+          const int2 vb = *reinterpret_cast<const int2*>(sbt(j / (TK / 8)) + L::SB_VB + 8 * (j % (TK / 8)) + 2 * t4);
           if (vb.x == 255) vf0 = __int_as_float(0x7fc00000);
           if (vb.y == 255) vf1 = __int_as_float(0x7fc00000);
         }
@@ -864,12 +927,14 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       };
       if constexpr (kWG) {
 #pragma unroll
-        for (int q = 0; q < TK / 32; ++q) {  // blocks j = 4 q .. 4 q + 3: one word of factors, one vmax
+        for (int q = 0; q < NJ / 4; ++q) {  // blocks j = 4 q .. 4 q + 3: one word of factors, one vmax
           // (the halves sit at sb_slot: this is word sb_pair(t4, 4 q) / 2, written out so that
           // it folds: the division form compiles to 8 more SASS instructions per kernel)
-          const uint4 w = *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
+          const int* sb = sbt(q / (TK / 32));
+          const int ql = q % (TK / 32);  // in its tile
+          const uint4 w = *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * ql);
           const uint32_t vgh[4] = {w.x, w.y, w.z, w.w};
-          const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + q], VM);
+          const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + ql], VM);
           const uint32_t vhh = pack_f16x2(vh, vh);
 #pragma unroll
           for (int h = 0; h < 4; ++h) {
@@ -883,6 +948,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
           }
         }
       } else {
+        static_assert(NTL == 1, "mma.sync: one tile per step");
+        const int* sb = sbt(0);
+        const float* sbf = reinterpret_cast<const float*>(sb);
 #pragma unroll
         for (int j = 0; j < TK / 8; ++j) {
           const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + j / 4], VM);
@@ -893,20 +961,22 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     };
     bool nan_step = false;
 #pragma unroll
-    for (int i = 0; i < TK / 32; ++i) nan_step |= sb[L::SB_VNAN + i] != 0;
+    for (int i = 0; i < NTL * TK / 32; ++i) nan_step |= sbt(i / (TK / 32))[L::SB_VNAN + i % (TK / 32)] != 0;
     if (nan_step) make_p(BoolConst<true>{}); else make_p(BoolConst<false>{});
   };
-  auto next_buf = [](uint32_t buf) { return buf + L::DEC == L::NDEC * L::DEC ? 0u : buf + L::DEC; };
+  auto next_buf = [](uint32_t buf) { return buf + L::SLOT == L::NDEC * L::SLOT ? 0u : buf + L::SLOT; };
 
   if constexpr (kWG) {
-    // Per step k: wait for its tile (FULL), S = Q K^T, the wait (for S and for step k - 1's
-    // O += P' V, whose tile is then handed back: EMPTY), softmax, the turn, O += P' V issued (it
+    // Per step k: wait for its NTL tiles (FULL), S = Q K^T, the wait (for S and for step k - 1's
+    // O += P' V, whose slot is then handed back: EMPTY), softmax, the turn, O += P' V issued (it
     // runs into the next step). Issuing S(k + 1) before step k's softmax instead (two S
     // accumulators) is slower (H100, 1 x 2048 @ 16k, every warp also decoding: 2437 vs 2150 us).
-    // descriptors of decode buffer 0's K and V tiles; a k16 slice and another buffer are byte
+    // descriptors of slot 0's K and V tiles; a k16 slice, another tile and another slot are byte
     // offsets added to them (wgmma_desc_advance)
     const uint64_t kdesc = wgmma_desc_sw128(dec_s, 16, 1024);
-    const uint64_t vdesc = wgmma_desc_sw128(dec_s + L::DEC_K, L::DPANEL, 1024);
+    // QS: this warpgroup's rows of Q's first term; the second is QTERM bytes on
+    const uint64_t qdesc = wgmma_desc_sw128(raw_s + L::OFF_Q + (cw / 4) * 64 * 128, 16, 1024);
+    const uint64_t vdesc = wgmma_desc_sw128(dec_s + L::SLOT_V, L::DPANEL, 1024);
     // Ping-pong (FA3's order between the two warpgroups): a warpgroup issues step k - 1's
     // O += P' V and step k's S only in its turn, then gives the turn to the other, so that the
     // tensor cores run one warpgroup's MMAs while the other does its softmax (without it both
@@ -919,35 +989,40 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
     const int wg = cw / 4;
     auto turn_wait = [&] { if constexpr (kTurns) named_barrier_sync(L::BAR_TURN + wg, 2 * 128); };
     auto turn_give = [&] { if constexpr (kTurns) named_barrier_arrive(L::BAR_TURN + (wg ^ 1), 2 * 128); };
-    uint32_t pa[TK / 16][4];  // P' of step k: read by its O += P' V until the next step's wait
+    uint32_t pa[NJ / 2][4];  // P' of step k: read by its O += P' V until the next step's wait
     uint32_t buf = 0, b = 0, b_prev = L::NDEC - 1;
     if (wg == 1) turn_wait();
 #pragma unroll 1
-    for (int k = 0; k < nsteps; ++k) {
+    for (int k = 0; k < csteps; ++k) {
       named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
       const bool wdo = unit_does(k);
-      float sacc[TK / 8][4];  // written whole by the first MMA (no accumulate), read only if wdo
+      float sacc[NJ][4];  // written whole by the first MMAs of each tile (no accumulate), read only if wdo
       if (wdo) {
         wgmma_fence();
-        if constexpr (L::S8) {  // Q1 K then Q2 K, k32 slices of the 128-byte rows
+        float(&s1)[NJ * 4] = reinterpret_cast<float(&)[NJ * 4]>(sacc);
+        if constexpr (L::QS) {  // Q1 K then Q2 K over the slot's 128 K rows, k32 slices
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks)
+            wgmma_m64n128k32_e4m3_ss<kE4m3>(s1, wgmma_desc_advance(qdesc, (ks / (D / 32)) * L::QTERM + (ks % (D / 32)) * 32),
+                                            wgmma_desc_advance(kdesc, buf + (ks % (D / 32)) * 32), ks > 0);
+        } else if constexpr (L::S8) {  // Q1 K then Q2 K, k32 slices of the 128-byte rows
 #pragma unroll
           for (int ks = 0; ks < D / 16; ++ks) {
             const uint64_t kd = wgmma_desc_advance(kdesc, buf + (ks % (D / 32)) * 32);
-            if constexpr (kE4m3) wgmma_m64n64k32_e4m3_e4m3(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks], kd, ks > 0);
-            else wgmma_m64n64k32_e4m3_e5m2(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks], kd, ks > 0);
+            if constexpr (kE4m3) wgmma_m64n64k32_e4m3_e4m3(s1, qa[ks], kd, ks > 0);
+            else wgmma_m64n64k32_e4m3_e5m2(s1, qa[ks], kd, ks > 0);
           }
         } else {
 #pragma unroll
           for (int ks = 0; ks < D / 16; ++ks)
-            wgmma_m64n64k16_f16<0>(reinterpret_cast<float(&)[TK / 2]>(sacc), qa[ks],
-                                   wgmma_desc_advance(kdesc, buf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
+            wgmma_m64n64k16_f16<0>(s1, qa[ks], wgmma_desc_advance(kdesc, buf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
         }
         wgmma_commit();
       }
       turn_give();
       wgmma_wait<0>();  // every unit: the barrier hands its tiles back
-      if (k > 0 && k - 1 + L::NDEC < nsteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
-      reg_fence(reinterpret_cast<float(&)[TK / 2]>(sacc));
+      if (k > 0 && k - 1 + L::NDEC < csteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
+      reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
       reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
       reg_fence(pa);
       if (wdo) softmax_p(k, buf, sacc, pa);
@@ -955,8 +1030,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG>::NTH, 
       if (wdo) {
         wgmma_fence();
 #pragma unroll
-        for (int u = 0; u < TK / 16; ++u)
-          wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pa[u], wgmma_desc_advance(vdesc, buf + u * 16 * 128));
+        for (int u = 0; u < NJ / 2; ++u)  // 16-token blocks: tile u / (TK / 16), its rows 16 (u % (TK / 16))
+          wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pa[u],
+                        wgmma_desc_advance(vdesc, buf + (u / (TK / 16)) * L::DEC_V + (u % (TK / 16)) * 16 * 128));
         wgmma_commit();
       }
       b_prev = b;
@@ -1082,13 +1158,21 @@ inline bool prefill_uses_wgmma(int major) {
   return major == 9;
 #endif
 }
-// Its dynamic shared memory and its threads per CTA (the wgmma build adds the producer warps).
+// Its dynamic shared memory (kWs: with the workspace's slots instead of the raw-code ring and
+// decode buffers) and its threads per CTA (the wgmma build adds the producer warps).
+template <int D, bool kE4m3, bool kWs>
+int prefill_smem_bytes(int major) {
+  return prefill_uses_wgmma(major) ? PrefillLayout<D, kE4m3, true, kWs>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
+}
+// ... the larger of the two forms (the plan's check against the device's limit)
 template <int D, bool kE4m3>
 int prefill_smem_bytes(int major) {
-  return prefill_uses_wgmma(major) ? PrefillLayout<D, kE4m3, true>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;
+  const int plain = prefill_smem_bytes<D, kE4m3, false>(major), ws = prefill_smem_bytes<D, kE4m3, true>(major);
+  return plain > ws ? plain : ws;
 }
-inline int prefill_threads(int major) {
-  return prefill_uses_wgmma(major) ? PrefillLayout<128, false, true>::NTH : PrefillLayout<128, false, false>::NTH;
+template <bool kWs>
+int prefill_threads(int major) {
+  return prefill_uses_wgmma(major) ? PrefillLayout<128, false, true, kWs>::NTH : PrefillLayout<128, false, false>::NTH;
 }
 
 // The prefill kernel's launch (torch-free). grid_x = row groups (plan_attention).
@@ -1100,11 +1184,11 @@ cudaError_t launch_prefill_attention(const AttnParams& p, int grid_x, cudaStream
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   if (e != cudaSuccess) return e;
-  const int smem = prefill_smem_bytes<D, kE4m3>(major);  // the layout follows the device (wgmma on SM 9.x)
+  const int smem = prefill_smem_bytes<D, kE4m3, kWs>(major);  // the layout follows the device (wgmma on SM 9.x)
   e = set_smem_attributes_once(kern, smem, attr_set);
   if (e != cudaSuccess) return e;
   // CTA x = row group * num_kv_heads + kv head, as the other kernels
-  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, 1), dim3(prefill_threads(major)), smem, stream, p);
+  return launch_programmatic(kern, dim3(grid_x * p.num_kv_heads, 1), dim3(prefill_threads<kWs>(major)), smem, stream, p);
 }
 
 }  // namespace cuda_fp4

@@ -265,6 +265,32 @@ constexpr long long PREFILL_WS_MAX_BYTES = 1LL << 30;  // 1 GiB: 1 x 64k keys x 
 inline bool use_prefill_workspace(long long num_tokens, long long num_seqs, int group_size) {
   return num_tokens * group_size >= (long long)PREFILL_WS_MIN_GROUPS * PREFILL_ROWS * num_seqs;
 }
+// With the workspace the producers only copy finished tiles: one warpgroup of them (384
+// threads, 168 registers each by the launch bound) at setmaxnreg's floor of 24, and the row
+// warps get 240 instead of 208. Measured (H200, 2026-11-29, one call, two rounds, against two
+// producer warpgroups at 48 / 208): 1 x 2048 @ 16k 1159.7 / 1164.6 against 1216.1 / 1216.1 us,
+// 1 x 8192 @ 64k 17240.8 / 17214.9 against 17828.3 / 17860.3, 4 x 2048 @ 16k 4575.4 / 4574.2
+// against 4770.6 / 4765.4 (3-4.5 % faster). (The producers keep 8 bytes in local memory.)
+#ifndef TQ_PREFILL_WS_PRODUCER_REGS
+#define TQ_PREFILL_WS_PRODUCER_REGS 24
+#endif
+constexpr int PREFILL_WS_PRODUCER_REGS = TQ_PREFILL_WS_PRODUCER_REGS;
+constexpr int PREFILL_WS_CONSUMER_REGS = (384 * 168 - 128 * PREFILL_WS_PRODUCER_REGS) / 256 / 8 * 8;
+// -DTQ_PREFILL_WS_STEP_TILES=2: the row warps take two workspace tiles (128 keys) per step:
+// one wait, one row-maximum vote and rescale, one m64n128k32 S per k32 slice (Q's two E4M3
+// terms then in shared memory: two tiles' S, O and P' leave no registers for Q's fragments),
+// from three slots of two tiles, the workspace one zero tile longer per sequence (a range of an
+// odd number of tiles ends in a whole slot). Slower, in the same call as above: 1296-1298 /
+// 18903-18906 / 5079-5080 us (the three shapes; with two m64n64k32 S MMAs reading Q from shared
+// memory twice as often, 1321 / 19309 / 5169 us, another call). The extra shared-memory reads
+// of Q (16 KB per warpgroup and step) and a pipeline one step shallower (three slots) cost more
+// than the halved per-step overheads gain. Its output is not the one-tile kernel's bits (the
+// maxima move at other points): tests/gpu/test_prefill_workspace.py then compares to 2 bf16 ulps.
+#ifndef TQ_PREFILL_WS_STEP_TILES
+#define TQ_PREFILL_WS_STEP_TILES 1
+#endif
+constexpr int PREFILL_WS_STEP_TILES = TQ_PREFILL_WS_STEP_TILES;
+constexpr int PREFILL_WS_SLOTS = PREFILL_WS_STEP_TILES == 1 ? PREFILL_DEC_BUFFERS_WGMMA : 3;
 // Short multi-token queries (speculative decoding: 2-8 tokens per sequence) run the decode
 // kernel with 16 (query token, head) columns per CTA instead of the general kernel's 16 rows:
 // the same KV tiles read per 16 rows, but the swapped form's decode of K and V as MMA A
