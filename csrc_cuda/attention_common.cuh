@@ -497,11 +497,12 @@ __device__ __forceinline__ void store_row(T* o, const float (&a)[N]) {
 // Rescale of a warp's softmax state, rows g and g + 8 of the m16n8 C layout (acc[j][0..1] row
 // g, acc[j][2..3] row g + 8; the general and the prefill kernel): to the row maxima m_new (>=
 // m_run) and the V-scale maximum VM_new (>= VM).
-template <int NJ>
-__device__ __forceinline__ void rescale_state(const float (&m_new)[2], int VM_new, float (&m_run)[2], float (&l_run)[2],
-                                              int& VM, float (&acc)[NJ][4]) {
+// rescale_factors: the state's part (m, l, VM), and f, the factors O's rows g, g + 8 take;
+// scale_rows: O's part (the prefill kernel's workspace form applies it later, once the
+// asynchronous O += P' V that still writes O is done).
+__device__ __forceinline__ void rescale_factors(const float (&m_new)[2], int VM_new, float (&m_run)[2],
+                                                float (&l_run)[2], int& VM, float (&f)[2]) {
   const float vr = pow2i(VM - VM_new);
-  float f[2];
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     const float alpha = (m_new[rh] == -INFINITY) ? 1.f : fast_exp2(m_run[rh] - m_new[rh]);
@@ -509,11 +510,21 @@ __device__ __forceinline__ void rescale_state(const float (&m_new)[2], int VM_ne
     f[rh] = alpha * vr;
     m_run[rh] = m_new[rh];
   }
+  VM = VM_new;
+}
+template <int NJ>
+__device__ __forceinline__ void scale_rows(float (&acc)[NJ][4], const float (&f)[2]) {
 #pragma unroll
   for (int j = 0; j < NJ; ++j) {
     acc[j][0] *= f[0]; acc[j][1] *= f[0]; acc[j][2] *= f[1]; acc[j][3] *= f[1];
   }
-  VM = VM_new;
+}
+template <int NJ>
+__device__ __forceinline__ void rescale_state(const float (&m_new)[2], int VM_new, float (&m_run)[2], float (&l_run)[2],
+                                              int& VM, float (&acc)[NJ][4]) {
+  float f[2];
+  rescale_factors(m_new, VM_new, m_run, l_run, VM, f);
+  scale_rows(acc, f);
 }
 // The maximum a row's logits are taken relative to (exp2 domain): its running maximum, 0 while
 // it has none.

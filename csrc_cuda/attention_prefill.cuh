@@ -61,8 +61,11 @@
 //   (ping-pong: one's MMAs under the other's softmax). mma.sync: the next step's decode runs
 //   while other warps do this step's MMAs; one __syncthreads per step.
 // With the decode-once workspace (kWs, prefill_workspace.cuh) the producers only copy finished
-// tiles: one warpgroup of them at setmaxnreg's floor (24 registers), the row warps at 240
-// (tuning.cuh: 3-4.5 % faster than two producer warpgroups). -DTQ_PREFILL_WS_STEP_TILES=2
+// tiles: one warpgroup of them at 32 registers, the row warps at 232 (tuning.cuh: 3-4.5 %
+// faster than two producer warpgroups), and each warpgroup runs step k's
+// softmax under its own step k - 1 O += P' V (S (k) and that MMA issued in one turn, a wait
+// for S alone, then one for the MMA; a rescale of O waits for it; unrolled by two so that the
+// two steps' P' fragments keep their registers: 2-4 % faster). -DTQ_PREFILL_WS_STEP_TILES=2
 // builds the two-tile step (slots of two tiles, one m64n128k32 S per slice with Q's terms in
 // shared memory; slower: tuning.cuh).
 // Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
@@ -129,7 +132,6 @@ struct PrefillLayout {
   // bytes of its TK tokens, then per 16-token sub-tile whether its block id is bad (1) or not.
   static constexpr int WS_SCALES = DEC_K + DEC_V, WS_BAD = WS_SCALES + 2 * TK;
   static constexpr int WS_TILE = (WS_BAD + TK / 16 + 127) / 128 * 128;
-  static constexpr int WS_CHUNKS = (DEC_K + DEC_V) / 16;  // 16-byte copies of a step's K and V
   static constexpr int SB_PITCH = TK / 4 + 8;
   static constexpr int SB_KF = 0, SB_VB = 4 * SB_PITCH, SB_VMAX = SB_VB + TK, SB_VNAN = SB_VMAX + TK / 32;
   static constexpr int SB_VG = SB_VNAN + TK / 32;
@@ -152,8 +154,8 @@ struct PrefillLayout {
   static_assert(SBB % 16 == 0 && DEC_K % 1024 == 0 && DEC_V % 1024 == 0, "slot parts aligned");
   // QS: S over the two tiles as one m64n128k32 FP8 MMA per k32 slice, Q's two E4M3 terms in
   // shared memory (wgmma's A from a descriptor) instead of 32 registers of fragments, which two
-  // tiles' S, O and P' leave no room for (at 240 registers the row warps spill 626 bytes with Q
-  // in registers): per term ROWS rows of 128 bytes (the K tile's K-major, 128-byte swizzled
+  // tiles' S, O and P' leave no room for (at 240 registers the row warps spilled 626 bytes with
+  // Q in registers): per term ROWS rows of 128 bytes (the K tile's K-major, 128-byte swizzled
   // form), a warpgroup's 64 rows one 8 KB atom column
   static constexpr bool QS = STEP_TILES > 1;
   static_assert(!QS || STEP_TILES * TK == 128, "QS: S as m64n128k32");
@@ -342,7 +344,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   uint8_t* const smem = smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  // wgmma: warps [0, W) copy and decode (producers), warps [W, 2 W) hold the rows (consumers);
+  // wgmma: warps [0, PW) copy and decode (producers), warps [PW, PW + W) hold the rows (consumers);
   // mma.sync: every warp does both. cw: the consumer warp's index (its rows 16 cw .. 16 cw + 15)
   const bool producer = !kWG || warp < L::PW;
   const int cw = kWG ? warp - L::PW : warp;
@@ -801,6 +803,12 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   // j / (TK / 8) of the step, whose scale words sbt gives)
   // (buf: step k's slot, (k % NDEC) * SLOT)
   constexpr int NJ = NTL * TK / 8;  // 8-token blocks per step
+  // kOv (the workspace form, tuning::PREFILL_WS_OVERLAP): step k's softmax runs while step
+  // k - 1's O += P' V is still on the tensor cores, so a rescale of O waits in o_pend (its
+  // factors; o_pend_any: one is waiting) until that MMA is done
+  constexpr bool kOv = L::WS && tuning::PREFILL_WS_OVERLAP;
+  float o_pend[2] = {1.f, 1.f};
+  bool o_pend_any = false;
   auto softmax_p = [&](int k, uint32_t buf, const float (&sacc)[NJ][4], uint32_t (&pa)[NJ / 2][4]) {
     const int t0 = (tile_first + NTL * k) * TK;
     auto sbt = [&](int u) { return reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::SLOT_SB + u * L::SBB); };
@@ -857,8 +865,12 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     //      y, one vote per warp; only then the row maxima are reduced (shuffles), the state
     //      rescaled and y moved to the new maxima ----
     int VM_new = VM;  // the step's V-scale maximum, one partial per warp of V-scale words
+    // (kOv also runs the steps whose keys the unit's rows do not see, all masked: they leave the
+    // state as it was, as a kernel that skips them does, VM included)
+    if (!kOv || unit_does(k)) {
 #pragma unroll
-    for (int i = 0; i < NTL * TK / 32; ++i) VM_new = max(VM_new, sbt(i / (TK / 32))[L::SB_VMAX + i % (TK / 32)]);
+      for (int i = 0; i < NTL * TK / 32; ++i) VM_new = max(VM_new, sbt(i / (TK / 32))[L::SB_VMAX + i % (TK / 32)]);
+    }
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
@@ -877,7 +889,15 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         m_new[rh] = fmaxf(m_run[rh], mx + ms[rh]);
       }
-      rescale_state(m_new, VM_new, m_run, l_run, VM, acc);
+      if constexpr (kOv) {
+        float f[2];
+        rescale_factors(m_new, VM_new, m_run, l_run, VM, f);
+        o_pend[0] *= f[0];
+        o_pend[1] *= f[1];
+        o_pend_any = true;
+      } else {
+        rescale_state(m_new, VM_new, m_run, l_run, VM, acc);
+      }
 #pragma unroll
       for (int rh = 0; rh < 2; ++rh) {
         const float d = max_offset(m_run[rh]) - ms[rh];
@@ -967,12 +987,11 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   auto next_buf = [](uint32_t buf) { return buf + L::SLOT == L::NDEC * L::SLOT ? 0u : buf + L::SLOT; };
 
   if constexpr (kWG) {
-    // Per step k: wait for its NTL tiles (FULL), S = Q K^T, the wait (for S and for step k - 1's
-    // O += P' V, whose slot is then handed back: EMPTY), softmax, the turn, O += P' V issued (it
-    // runs into the next step). Issuing S(k + 1) before step k's softmax instead (two S
-    // accumulators) is slower (H100, 1 x 2048 @ 16k, every warp also decoding: 2437 vs 2150 us).
-    // descriptors of slot 0's K and V tiles; a k16 slice, another tile and another slot are byte
-    // offsets added to them (wgmma_desc_advance)
+    // Two step orders, below: with the workspace (kOv) softmax under the previous O += P' V,
+    // else softmax, then O += P' V. (Issuing S (k + 1) before step k's softmax instead, two S
+    // accumulators, was slower with every warp also decoding: H100, 1 x 2048 @ 16k, 2437 vs
+    // 2150 us.) Descriptors of slot 0's K and V tiles; a k16 slice, another tile and another slot
+    // are byte offsets added to them (wgmma_desc_advance)
     const uint64_t kdesc = wgmma_desc_sw128(dec_s, 16, 1024);
     // QS: this warpgroup's rows of Q's first term; the second is QTERM bytes on
     const uint64_t qdesc = wgmma_desc_sw128(raw_s + L::OFF_Q + (cw / 4) * 64 * 128, 16, 1024);
@@ -989,55 +1008,137 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     const int wg = cw / 4;
     auto turn_wait = [&] { if constexpr (kTurns) named_barrier_sync(L::BAR_TURN + wg, 2 * 128); };
     auto turn_give = [&] { if constexpr (kTurns) named_barrier_arrive(L::BAR_TURN + (wg ^ 1), 2 * 128); };
-    uint32_t pa[NJ / 2][4];  // P' of step k: read by its O += P' V until the next step's wait
+    uint32_t pa[NJ / 2][4];  // P' of a step: read by its O += P' V until a later wait
     uint32_t buf = 0, b = 0, b_prev = L::NDEC - 1;
-    if (wg == 1) turn_wait();
-#pragma unroll 1
-    for (int k = 0; k < csteps; ++k) {
-      named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
-      const bool wdo = unit_does(k);
-      float sacc[NJ][4];  // written whole by the first MMAs of each tile (no accumulate), read only if wdo
-      if (wdo) {
-        wgmma_fence();
-        float(&s1)[NJ * 4] = reinterpret_cast<float(&)[NJ * 4]>(sacc);
-        if constexpr (L::QS) {  // Q1 K then Q2 K over the slot's 128 K rows, k32 slices
+    auto issue_s = [&](uint32_t sbuf, float (&sacc)[NJ][4]) {  // S = Q K^T from slot sbuf
+      float(&s1)[NJ * 4] = reinterpret_cast<float(&)[NJ * 4]>(sacc);
+      if constexpr (L::QS) {  // Q1 K then Q2 K over the slot's 128 K rows, k32 slices
 #pragma unroll
-          for (int ks = 0; ks < D / 16; ++ks)
-            wgmma_m64n128k32_e4m3_ss<kE4m3>(s1, wgmma_desc_advance(qdesc, (ks / (D / 32)) * L::QTERM + (ks % (D / 32)) * 32),
-                                            wgmma_desc_advance(kdesc, buf + (ks % (D / 32)) * 32), ks > 0);
-        } else if constexpr (L::S8) {  // Q1 K then Q2 K, k32 slices of the 128-byte rows
+        for (int ks = 0; ks < D / 16; ++ks)
+          wgmma_m64n128k32_e4m3_ss<kE4m3>(s1, wgmma_desc_advance(qdesc, (ks / (D / 32)) * L::QTERM + (ks % (D / 32)) * 32),
+                                          wgmma_desc_advance(kdesc, sbuf + (ks % (D / 32)) * 32), ks > 0);
+      } else if constexpr (L::S8) {  // Q1 K then Q2 K, k32 slices of the 128-byte rows
 #pragma unroll
-          for (int ks = 0; ks < D / 16; ++ks) {
-            const uint64_t kd = wgmma_desc_advance(kdesc, buf + (ks % (D / 32)) * 32);
-            if constexpr (kE4m3) wgmma_m64n64k32_e4m3_e4m3(s1, qa[ks], kd, ks > 0);
-            else wgmma_m64n64k32_e4m3_e5m2(s1, qa[ks], kd, ks > 0);
-          }
-        } else {
-#pragma unroll
-          for (int ks = 0; ks < D / 16; ++ks)
-            wgmma_m64n64k16_f16<0>(s1, qa[ks], wgmma_desc_advance(kdesc, buf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
+        for (int ks = 0; ks < D / 16; ++ks) {
+          const uint64_t kd = wgmma_desc_advance(kdesc, sbuf + (ks % (D / 32)) * 32);
+          if constexpr (kE4m3) wgmma_m64n64k32_e4m3_e4m3(s1, qa[ks], kd, ks > 0);
+          else wgmma_m64n64k32_e4m3_e5m2(s1, qa[ks], kd, ks > 0);
         }
-        wgmma_commit();
-      }
-      turn_give();
-      wgmma_wait<0>();  // every unit: the barrier hands its tiles back
-      if (k > 0 && k - 1 + L::NDEC < csteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
-      reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
-      reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
-      reg_fence(pa);
-      if (wdo) softmax_p(k, buf, sacc, pa);
-      turn_wait();
-      if (wdo) {
-        wgmma_fence();
+      } else {
 #pragma unroll
-        for (int u = 0; u < NJ / 2; ++u)  // 16-token blocks: tile u / (TK / 16), its rows 16 (u % (TK / 16))
-          wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pa[u],
-                        wgmma_desc_advance(vdesc, buf + (u / (TK / 16)) * L::DEC_V + (u % (TK / 16)) * 16 * 128));
-        wgmma_commit();
+        for (int ks = 0; ks < D / 16; ++ks)
+          wgmma_m64n64k16_f16<0>(s1, qa[ks], wgmma_desc_advance(kdesc, sbuf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
       }
+    };
+    auto issue_pv = [&](uint32_t pbuf, const uint32_t (&pf)[NJ / 2][4]) {  // O += P' V, slot pbuf, P' pf
+#pragma unroll
+      for (int u = 0; u < NJ / 2; ++u)  // 16-token blocks: tile u / (TK / 16), its rows 16 (u % (TK / 16))
+        wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pf[u],
+                      wgmma_desc_advance(vdesc, pbuf + (u / (TK / 16)) * L::DEC_V + (u % (TK / 16)) * 16 * 128));
+    };
+    auto advance = [&] {
       b_prev = b;
       b = b + 1 == L::NDEC ? 0 : b + 1;
       buf = next_buf(buf);
+    };
+    if (wg == 1) turn_wait();
+    if constexpr (kOv) {
+      // Step k issues S (k) and step k - 1's O += P' V in one turn, waits for S only (the older
+      // group), runs its softmax under that O += P' V, then waits for it (its slot goes back, O
+      // takes a waiting rescale). Every step issues both MMAs, also where the warpgroup's rows
+      // see none of the step's keys (masked: P' = 0): wgmma under a branch, or a wait that
+      // depends on one, makes ptxas serialize every wgmma (C7514 / C7520), and so does one P'
+      // array copied into the other after each step (C7513: ptxas gives both the same registers):
+      // hence the unrolling by two. Step 0 has no O += P' V before it, the last one's comes
+      // after the loop.
+      uint32_t pn[NJ / 2][4];  // P' of every other step (pa: the others'), unrolled by two
+      if (csteps > 0) {
+        named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
+        float sacc[NJ][4];
+        wgmma_fence();
+        issue_s(buf, sacc);
+        wgmma_commit();
+        turn_give();
+        wgmma_wait<0>();
+        reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
+        softmax_p(0, buf, sacc, pa);
+        o_pend[0] = o_pend[1] = 1.f;  // (O is still zero)
+        o_pend_any = false;
+        turn_wait();
+        advance();
+      }
+      // step k: pin, the previous step's P' (read by its O += P' V), pout this step's
+      auto step = [&](int k, uint32_t (&pin)[NJ / 2][4], uint32_t (&pout)[NJ / 2][4]) {
+        named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
+        float sacc[NJ][4];
+        wgmma_fence();
+        issue_s(buf, sacc);
+        wgmma_commit();
+        issue_pv(b_prev * L::SLOT, pin);
+        wgmma_commit();
+        turn_give();
+        wgmma_wait<1>();
+        reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
+        softmax_p(k, buf, sacc, pout);
+        wgmma_wait<0>();
+        if (k - 1 + L::NDEC < csteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
+        reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
+        reg_fence(pin);
+        if (o_pend_any) {
+          scale_rows(acc, o_pend);
+          o_pend[0] = o_pend[1] = 1.f;
+          o_pend_any = false;
+        }
+        turn_wait();
+        advance();
+      };
+      int k = 1;
+#pragma unroll 1
+      for (; k + 1 < csteps; k += 2) {
+        step(k, pa, pn);
+        step(k + 1, pn, pa);
+      }
+      if (k < csteps) {
+        step(k, pa, pn);
+#pragma unroll
+        for (int u = 0; u < NJ / 2; ++u)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) pa[u][i] = pn[u][i];
+      }
+      if (csteps > 0) {  // the last step's O += P' V
+        wgmma_fence();
+        issue_pv(b_prev * L::SLOT, pa);
+        wgmma_commit();
+      }
+    } else {
+      // Per step k: wait for its NTL tiles (FULL), S, the wait (for S and for step k - 1's
+      // O += P' V, whose slot is then handed back: EMPTY), softmax, the turn, O += P' V issued
+      // (it runs into the next step).
+#pragma unroll 1
+      for (int k = 0; k < csteps; ++k) {
+        named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
+        const bool wdo = unit_does(k);
+        float sacc[NJ][4];  // written whole by the first MMAs (no accumulate), read only if wdo
+        if (wdo) {
+          wgmma_fence();
+          issue_s(buf, sacc);
+          wgmma_commit();
+        }
+        turn_give();
+        wgmma_wait<0>();  // every unit: the barrier hands its tiles back
+        if (k > 0 && k - 1 + L::NDEC < csteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
+        reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
+        reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
+        reg_fence(pa);
+        if (wdo) softmax_p(k, buf, sacc, pa);
+        turn_wait();
+        if (wdo) {
+          wgmma_fence();
+          issue_pv(buf, pa);
+          wgmma_commit();
+        }
+        advance();
+      }
     }
     if (wg == 0) turn_give();
     wgmma_wait<0>();

@@ -266,13 +266,15 @@ inline bool use_prefill_workspace(long long num_tokens, long long num_seqs, int 
   return num_tokens * group_size >= (long long)PREFILL_WS_MIN_GROUPS * PREFILL_ROWS * num_seqs;
 }
 // With the workspace the producers only copy finished tiles: one warpgroup of them (384
-// threads, 168 registers each by the launch bound) at setmaxnreg's floor of 24, and the row
-// warps get 240 instead of 208. Measured (H200, 2026-11-29, one call, two rounds, against two
+// threads, 168 registers each by the launch bound) at 32 registers, and the row warps get 232
+// instead of 208. Measured at 24 / 240 (H200, 2026-11-29, one call, two rounds, against two
 // producer warpgroups at 48 / 208): 1 x 2048 @ 16k 1159.7 / 1164.6 against 1216.1 / 1216.1 us,
 // 1 x 8192 @ 64k 17240.8 / 17214.9 against 17828.3 / 17860.3, 4 x 2048 @ 16k 4575.4 / 4574.2
-// against 4770.6 / 4765.4 (3-4.5 % faster). (The producers keep 8 bytes in local memory.)
+// against 4770.6 / 4765.4 (3-4.5 % faster). At 24 (setmaxnreg's floor) the producers spill
+// 16-24 bytes (ptxas 13.0, the overlap below built), at 32 nothing spills; 32 / 232 has not
+// been timed (no device time was left).
 #ifndef TQ_PREFILL_WS_PRODUCER_REGS
-#define TQ_PREFILL_WS_PRODUCER_REGS 24
+#define TQ_PREFILL_WS_PRODUCER_REGS 32
 #endif
 constexpr int PREFILL_WS_PRODUCER_REGS = TQ_PREFILL_WS_PRODUCER_REGS;
 constexpr int PREFILL_WS_CONSUMER_REGS = (384 * 168 - 128 * PREFILL_WS_PRODUCER_REGS) / 256 / 8 * 8;
@@ -290,6 +292,18 @@ constexpr int PREFILL_WS_CONSUMER_REGS = (384 * 168 - 128 * PREFILL_WS_PRODUCER_
 #define TQ_PREFILL_WS_STEP_TILES 1
 #endif
 constexpr int PREFILL_WS_STEP_TILES = TQ_PREFILL_WS_STEP_TILES;
+// With the workspace a warpgroup issues step k's S and step k - 1's O += P' V together (one
+// turn) and runs step k's softmax while that O += P' V is on the tensor cores (FA3's overlap
+// inside a warpgroup), a rescale of O waiting until it is done; the extra P' fragments (16
+// registers) fit the row warps' 232. Measured at 24 / 240 (H200, 2026-11-29, one call, two
+// rounds, against -DTQ_PREFILL_WS_OVERLAP=0: softmax, then O += P' V): 1 x 2048 @ 16k 1138.9 /
+// 1138.9 against 1162.0 / 1157.4 us, 1 x 8192 @ 64k 16870.2 / 16835.7 against 17538.3 /
+// 17468.1, 4 x 2048 @ 16k 4510.4 / 4517.6 against 4619.2 / 4620.1 (2-4 % faster; 452.5 / 489.8
+// / 457.1 TFLOP/s).
+#ifndef TQ_PREFILL_WS_OVERLAP
+#define TQ_PREFILL_WS_OVERLAP 1
+#endif
+constexpr bool PREFILL_WS_OVERLAP = TQ_PREFILL_WS_OVERLAP;
 constexpr int PREFILL_WS_SLOTS = PREFILL_WS_STEP_TILES == 1 ? PREFILL_DEC_BUFFERS_WGMMA : 3;
 // Short multi-token queries (speculative decoding: 2-8 tokens per sequence) run the decode
 // kernel with 16 (query token, head) columns per CTA instead of the general kernel's 16 rows:

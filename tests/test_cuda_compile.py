@@ -52,7 +52,9 @@ def test_prefill_kernel_mma_instructions(built):
     with K8V4 keys, Q's two terms in registers and K-major K; P V: 4 HGMMA 64xDx16 with P' in
     registers and V transposed, .tnspB), no warp MMA, and the register split of its producer and
     consumer warps (one USETMAXREG down, one up), the workspace instantiations (kWs) as the
-    others; on sm_80 warp MMAs (HMMA.16816) only, and the workspace instantiations a trap (the
+    others but with four copies of each (tuning::PREFILL_WS_OVERLAP: S in step 0, in the two
+    steps of the loop unrolled by two and in an odd last step; P V in those three and after the
+    loop); on sm_80 warp MMAs (HMMA.16816) only, and the workspace instantiations a trap (the
     plan never launches them there)."""
     target, _, obj = built
     cuobj = find_tool("cuobjdump")
@@ -75,8 +77,9 @@ def test_prefill_kernel_mma_instructions(built):
             assert all(k == key_type for k in qgmma), (name, qgmma)
             s_mmas = qgmma
             pv_mmas = [h for h in hgmma if h[0] == str(d) and h[1] and h[2] == ".tnspB"]
-            assert len(s_mmas) == d // 16 and len(pv_mmas) == 4, (name, hgmma, qgmma)
-            assert len(hgmma) + len(qgmma) == d // 16 + 4, (name, hgmma, qgmma)
+            copies = 4 if ws == "1" else 1
+            assert len(s_mmas) == copies * d // 16 and len(pv_mmas) == copies * 4, (name, hgmma, qgmma)
+            assert len(hgmma) + len(qgmma) == copies * (d // 16 + 4), (name, hgmma, qgmma)
             assert "HMMA" not in f.replace("HGMMA", ""), name
             assert len(re.findall(r"USETMAXREG\.DEALLOC", f)) == 1, name
             assert len(re.findall(r"USETMAXREG\.TRY_ALLOC", f)) == 1, name
