@@ -89,7 +89,7 @@ struct PrefillLayout {
   // NTH threads in all. PREGS / CREGS: the producers' and the row warps' registers (setmaxnreg)
   static constexpr bool WS = kWG && kWsL;
   static constexpr int W = tuning::PREFILL_WARPS, ROWS = tuning::PREFILL_ROWS;
-  static constexpr int PW = WS ? 4 : W, NT = 32 * PW, NTH = kWG ? NT + 32 * W : NT;
+  static constexpr int PW = WS ? tuning::PREFILL_WS_PRODUCER_WARPS : W, NT = 32 * PW, NTH = kWG ? NT + 32 * W : NT;
   static constexpr int PREGS = WS ? tuning::PREFILL_WS_PRODUCER_REGS : tuning::PREFILL_PRODUCER_REGS;
   static constexpr int CREGS = WS ? tuning::PREFILL_WS_CONSUMER_REGS : tuning::PREFILL_CONSUMER_REGS;
   static constexpr int TK = tuning::PREFILL_TILE, ST = kWG ? tuning::PREFILL_STAGES_WGMMA : tuning::PREFILL_STAGES_MMA;

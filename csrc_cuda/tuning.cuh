@@ -276,8 +276,13 @@ inline bool use_prefill_workspace(long long num_tokens, long long num_seqs, int 
 #ifndef TQ_PREFILL_WS_PRODUCER_REGS
 #define TQ_PREFILL_WS_PRODUCER_REGS 32
 #endif
+constexpr int PREFILL_WS_PRODUCER_WARPS = 4;
 constexpr int PREFILL_WS_PRODUCER_REGS = TQ_PREFILL_WS_PRODUCER_REGS;
-constexpr int PREFILL_WS_CONSUMER_REGS = (384 * 168 - 128 * PREFILL_WS_PRODUCER_REGS) / 256 / 8 * 8;
+// the row warps' share of the launch allocation (threads x (65536 / threads rounded down to 8))
+constexpr int PREFILL_WS_THREADS = 32 * (PREFILL_WS_PRODUCER_WARPS + PREFILL_WARPS);
+constexpr int PREFILL_WS_CONSUMER_REGS =
+    (PREFILL_WS_THREADS * ((65536 / PREFILL_WS_THREADS) & ~7) -
+     32 * PREFILL_WS_PRODUCER_WARPS * PREFILL_WS_PRODUCER_REGS) / (32 * PREFILL_WARPS) / 8 * 8;
 // -DTQ_PREFILL_WS_STEP_TILES=2: the row warps take two workspace tiles (128 keys) per step:
 // one wait, one row-maximum vote and rescale, one m64n128k32 S per k32 slice (Q's two E4M3
 // terms then in shared memory: two tiles' S, O and P' leave no registers for Q's fragments),
