@@ -107,9 +107,7 @@ inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens,
   // (sequence, kv head) of the workspace pass (at most 65535)
   const bool ws = prefill && prefill_uses_wgmma(major) && ws_mode != kWsOff &&
                   (ws_mode == kWsOn || tuning::use_prefill_workspace(num_tokens, num_seqs, group_size));
-  // (the keys' steps, then the row warps' last step's zero tiles: prefill_workspace.cuh)
-  const long long steps = msl > 0 ? (msl + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE +
-                                        tuning::PREFILL_WS_STEP_TILES - 1 : 0;
+  const long long steps = (msl + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE;
   const long long bytes = (long long)num_seqs * steps * num_kv_heads * prefill_ws_tile_bytes(D, key_e4m3);
   if (ws && steps > 0 && bytes <= tuning::PREFILL_WS_MAX_BYTES && (long long)num_seqs * num_kv_heads <= 65535) {
     plan.ws_steps = (int)steps;

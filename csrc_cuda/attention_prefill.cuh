@@ -65,9 +65,7 @@
 // faster than two producer warpgroups), and each warpgroup runs step k's
 // softmax under its own step k - 1 O += P' V (S (k) and that MMA issued in one turn, a wait
 // for S alone, then one for the MMA; a rescale of O waits for it; unrolled by two so that the
-// two steps' P' fragments keep their registers: 2-4 % faster). -DTQ_PREFILL_WS_STEP_TILES=2
-// builds the two-tile step (slots of two tiles, one m64n128k32 S per slice with Q's terms in
-// shared memory; slower: tuning.cuh).
+// two steps' P' fragments keep their registers: 2-4 % faster).
 // Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
 //   and the lse (kStates), the un-rotation, the store; no cross-warp merge (each warp owns its
 //   rows). One partition (no split-KV).
@@ -141,27 +139,8 @@ struct PrefillLayout {
   }
   // the word of tokens 8 j + 2 t4 + {0, 1} (with wgmma and j even: the 16-byte word of j, j + 1)
   static __device__ __forceinline__ int sb_pair(int t4, int j) { return kWG ? SB_PITCH * t4 + 2 * j : 8 * j + 2 * t4; }
-  static constexpr int SBB = (SB_VG + 4 * SB_PITCH) * 4;  // a tile's scale words (bytes)
-  static constexpr int DEC = (OFF_SB + SBB + 1023) / 1024 * 1024;  // 1024-byte aligned tiles
-  // The row warps' step: STEP_TILES consecutive tiles (with the workspace, tuning.cuh), read
-  // from one slot of SLOT bytes; NDEC slots between the producers and the row warps. A slot
-  // holds its tiles' K rows together (at SLOT_K + u DEC_K: one K-major operand of
-  // STEP_TILES TK rows), then their V tiles (SLOT_V + u DEC_V), then their scale words
-  // (SLOT_SB + u SBB); one tile's slot is a decode buffer as above
-  static constexpr int STEP_TILES = WS && S8 ? tuning::PREFILL_WS_STEP_TILES : 1;
-  static constexpr int SLOT_V = STEP_TILES * DEC_K, SLOT_SB = STEP_TILES * (DEC_K + DEC_V);
-  static constexpr int SLOT = (SLOT_SB + STEP_TILES * SBB + 1023) / 1024 * 1024;
-  static_assert(SBB % 16 == 0 && DEC_K % 1024 == 0 && DEC_V % 1024 == 0, "slot parts aligned");
-  // QS: S over the two tiles as one m64n128k32 FP8 MMA per k32 slice, Q's two E4M3 terms in
-  // shared memory (wgmma's A from a descriptor) instead of 32 registers of fragments, which two
-  // tiles' S, O and P' leave no room for (at 240 registers the row warps spilled 626 bytes with
-  // Q in registers): per term ROWS rows of 128 bytes (the K tile's K-major, 128-byte swizzled
-  // form), a warpgroup's 64 rows one 8 KB atom column
-  static constexpr bool QS = STEP_TILES > 1;
-  static_assert(!QS || STEP_TILES * TK == 128, "QS: S as m64n128k32");
-  static constexpr int QTERM = ROWS * 128;
-  static constexpr int NDEC = WS ? tuning::PREFILL_WS_SLOTS
-                              : kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
+  static constexpr int DEC = (OFF_SB + (SB_VG + 4 * SB_PITCH) * 4 + 1023) / 1024 * 1024;  // 1024-byte aligned buffers
+  static constexpr int NDEC = kWG ? tuning::PREFILL_DEC_BUFFERS_WGMMA : tuning::PREFILL_DEC_BUFFERS_MMA;
   // wgmma: named barriers FULL + NDEC w + b (decode buffer b is full, for warpgroup w of rows:
   // one per warpgroup, so that neither waits for the other at a tile), EMPTY + b (buffer b has
   // been read by both), BAR_CTA for the whole CTA before the split's end (its warps reach it
@@ -173,13 +152,12 @@ struct PrefillLayout {
   static constexpr int BAR_TURN = BAR_CTA + 1;
   static_assert(BAR_TURN + 1 < 16, "16 hardware barriers");
   static constexpr int OPITCH = D + 4;               // epilogue rows (floats)
-  static constexpr int BIG_A = NDEC * SLOT, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
+  static constexpr int BIG_A = NDEC * DEC, BIG_B = W * 16 * OPITCH * 4, BIG_C = W * 16 * D * 4;
   static constexpr int BIG = BIG_A > BIG_B ? (BIG_A > BIG_C ? BIG_A : BIG_C) : (BIG_B > BIG_C ? BIG_B : BIG_C);
-  // NDEC slots after the raw-code ring (none with the workspace); aliased by the prologue's fp32
-  // Q rows and the epilogue's O
+  // NDEC decode buffers after the raw-code ring (none with the workspace); aliased by the
+  // prologue's fp32 Q rows and the epilogue's O
   static constexpr int OFF_DEC = WS ? 0 : (ST * RAW + 1023) / 1024 * 1024;
-  static constexpr int OFF_Q = OFF_DEC + BIG;        // QS: Q's terms [2][ROWS][128 bytes]
-  static constexpr int OFF_ROWS = OFF_Q + (QS ? 2 * QTERM : 0);  // per CTA row: q'.k0', scale * q.m, m, l
+  static constexpr int OFF_ROWS = OFF_DEC + BIG;     // per CTA row: q'.k0', scale * q.m, m, l
   static constexpr int OFF_QAMAX = OFF_ROWS + 4 * ROWS * 4;  // wgmma: one word, the CTA's max |q| (bits)
   static constexpr int TOTAL = OFF_QAMAX + 16 + 1024;  // + the base's alignment to 1024
 };
@@ -330,7 +308,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     return;
   }
   using L = PrefillLayout<D, kE4m3, kWG, kWs>;
-  constexpr int TK = L::TK, ST = L::ST, NK = L::NK, NTL = L::STEP_TILES;
+  constexpr int TK = L::TK, ST = L::ST, NK = L::NK;
   static_assert(!kWG || (TK == 64 && L::W % 4 == 0 && L::NDEC >= 3),
                 "wgmma path: 64-token steps, whole warpgroups, three tiles (P V runs into the next step)");
   // setmaxnreg moves registers inside the CTA's launch allocation (NTH threads x the launch
@@ -430,8 +408,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   const int lbs = p.log2_block_size, bs_mask = (1 << lbs) - 1;
   const BlockRow blocks(p, s);
   const int tile_first = r_lo / TK;
-  const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;  // tiles
-  const int csteps = (nsteps + NTL - 1) / NTL;  // the row warps' steps (of NTL tiles)
+  const int nsteps = r_lo < r_hi ? (r_hi - 1) / TK - tile_first + 1 : 0;
   // K chunks kc0 + NT i (i < NK), V chunk vc0, scale word of token cs (threads [0, 2 TK));
   // kc0, vc0: the thread's K and V chunks of its warp's 32 (chunk_of_thread; K8V4: tid)
   const int kc0 = chunk_of_thread<L::KCPR, D, kWG, L::S8>(tid), vc0 = kE4m3 ? tid : chunk_of_thread<L::VCPR, D, kWG>(tid);
@@ -593,58 +570,41 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       kmul = logit_factor(q_prescale_exponent(0u, qamax, cta_sync) - L::QEXP_DROP);
       cta_sync();
       if constexpr (kWs) {
-        // Decode-once workspace: step j's NTL tiles are copies of the workspace's
-        // (prefill_workspace.cuh) into slot bj (free once step j - NDEC is read), issued before
-        // step j - 1's copies are waited for; then step j - 1's scale words from its scale
-        // bytes, as decode() writes them. The copies start after Q (the slots alias Q's fp32
-        // rows). A last step past the range's tiles reads the workspace's zero tiles (masked);
-        // a sequence longer than the workspace's steps (past the call's max_seq_len) gets NaN rows.
-        const bool ws_ok = tile_first + csteps * NTL <= p.ws_steps;
+        // Decode-once workspace: step j's tile is a copy of the workspace's (prefill_workspace.cuh)
+        // into decode buffer bj (free once step j - NDEC is read), issued before step j - 1's
+        // copy is waited for; then step j - 1's scale words from its scale bytes, as decode()
+        // writes them. The copies start after Q (the buffers alias Q's fp32 rows). A sequence
+        // longer than the workspace's steps (past the call's max_seq_len) gets NaN rows.
+        const bool ws_ok = tile_first + nsteps <= p.ws_steps;
         bad = bad || !ws_ok;
         const uint8_t* ws_seq = p.ws + ((long long)s * p.ws_steps * Hkv + kvh) * L::WS_TILE;
-        int sb_next[NTL] = {};  // the thread's scale bytes of the step copied last (0: not needed, or bad)
-        auto ws_copy = [&](int j, uint32_t slot_off) {
-#pragma unroll
-          for (int u = 0; u < NTL; ++u) {
-            const int i = NTL * j + u;  // the tile
-            const uint8_t* tile = ws_seq + (long long)(tile_first + i) * Hkv * L::WS_TILE;
-            const uint8_t* src = tile + tid * 16;
-            const uint32_t dst = raw_s + L::OFF_DEC + slot_off + tid * 16;
-            static_assert(L::DEC_K % (16 * L::NT) == 0 && L::DEC_V % (16 * L::NT) == 0,
-                          "whole 16-byte copies per producer thread");
-            static_for<L::DEC_K / 16 / L::NT>(  // the tile's K rows, then its V tile
-                [&](auto k) { cp_async_16_at<decltype(k)::value * L::NT * 16>(dst + u * L::DEC_K, src); });
-            static_for<L::DEC_V / 16 / L::NT>([&](auto k) {
-              cp_async_16_at<decltype(k)::value * L::NT * 16>(dst + L::SLOT_V + u * L::DEC_V, src + L::DEC_K);
-            });
-            sb_next[u] = 0;
-            if (has_s && i < nsteps && needed(tok_of(i, cs))) {
-              if (__ldg(tile + L::WS_BAD + (cs >> 4))) bad = true;
-              else sb_next[u] = __ldg(tile + L::WS_SCALES + (tid < TK ? 0 : TK) + cs);
-            }
+        int sb_next = 0;  // the thread's scale byte of the step copied last (0: not needed, or bad)
+        auto ws_copy = [&](int i, uint32_t buf) {
+          const uint8_t* tile = ws_seq + (long long)(tile_first + i) * Hkv * L::WS_TILE;
+          static_assert((L::DEC_K + L::DEC_V) % (16 * L::NT) == 0, "whole 16-byte copies per producer thread");
+          const uint32_t dst = raw_s + L::OFF_DEC + buf + tid * 16;  // (K then V, as in the tile)
+          static_for<(L::DEC_K + L::DEC_V) / 16 / L::NT>(
+              [&](auto k) { cp_async_16_at<decltype(k)::value * L::NT * 16>(dst, tile + tid * 16); });
+          sb_next = 0;
+          if (has_s && needed(tok_of(i, cs))) {
+            if (__ldg(tile + L::WS_BAD + (cs >> 4))) bad = true;
+            else sb_next = __ldg(tile + L::WS_SCALES + (tid < TK ? 0 : TK) + cs);
           }
         };
-        uint32_t bj = 0;  // step j's slot
+        uint32_t bj = 0;  // step j's buffer
 #pragma unroll 1
-        for (int j = 0; j <= csteps; ++j) {
-          int sb_prev[NTL];
-#pragma unroll
-          for (int u = 0; u < NTL; ++u) sb_prev[u] = sb_next[u];
-          if (j < csteps) {
-            if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + bj, L::NTH);  // step j - NDEC's slot is free
-            if (ws_ok) ws_copy(j, bj * L::SLOT);
+        for (int j = 0; j <= nsteps; ++j) {
+          const int sb_prev = sb_next;
+          if (j < nsteps) {
+            if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + bj, L::NTH);  // step j - NDEC's tile is free
+            if (ws_ok) ws_copy(j, bj * L::DEC);
           }
           cp_async_commit();
           if (j > 0) {
-            const uint32_t bp = bj == 0 ? L::NDEC - 1 : bj - 1;  // step j - 1's slot
+            const uint32_t bp = bj == 0 ? L::NDEC - 1 : bj - 1;  // step j - 1's buffer
             cp_async_wait<1>();
-            if (has_s) {
-#pragma unroll
-              for (int u = 0; u < NTL; ++u)
-                put_scale(NTL * (j - 1) + u, reinterpret_cast<int*>(smem + L::OFF_DEC + bp * L::SLOT + L::SLOT_SB + u * L::SBB),
-                          sb_prev[u]);
-            }
-            fence_proxy_async();  // the tiles are read by wgmma after the next barrier
+            if (has_s) put_scale(j - 1, reinterpret_cast<int*>(smem + L::OFF_DEC + bp * L::DEC + L::OFF_SB), sb_prev);
+            fence_proxy_async();  // the tile is read by wgmma after the next barrier
 #pragma unroll
             for (int w = 0; w < L::WGS; ++w) named_barrier_arrive(L::BAR_FULL + w * L::NDEC + bp, L::NT + 128);
           }
@@ -744,19 +704,6 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       two_terms(a + 16, qa[ks][2], qa[D / 32 + ks][2]);
       two_terms(b + 16, qa[ks][3], qa[D / 32 + ks][3]);
     }
-    if constexpr (L::QS) {
-      // the fragments' words to the terms' rows: word w of qa[ks] holds row 16 cw + g + 8 (w % 2),
-      // bytes [4 t4, 4 t4 + 4) of the k32 slice ks % (D / 32) (+ 16 for words 2, 3)
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const int row = 16 * cw + g + 8 * (w & 1), kpos = 32 * (ks % (D / 32)) + 16 * (w >> 1) + 4 * t4;
-          *reinterpret_cast<uint32_t*>(smem + L::OFF_Q + (ks / (D / 32)) * L::QTERM + row * 128 +
-                                       (((kpos >> 4) ^ (row & 7)) << 4) + (kpos & 15)) = qa[ks][w];
-        }
-      fence_proxy_async();  // read by wgmma after the barrier below
-    }
   } else {
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks) {
@@ -795,14 +742,13 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   int VM = 0;
   const uint32_t dec_s = raw_s + L::OFF_DEC;
   auto unit_does = [&](int k) {  // the MMA unit's rows see some token of step k (unit-uniform)
-    const int t0 = (tile_first + NTL * k) * TK;
-    return uactive && t0 <= u_hi_max && t0 + NTL * TK - 1 >= u_lo_min;
+    const int t0 = (tile_first + k) * TK;
+    return uactive && t0 <= u_hi_max && t0 + TK - 1 >= u_lo_min;
   };
-  // step k's logits from S (this warp's 16 rows x NTL TK tokens, the MMA C layout), the online
-  // softmax, and P' packed as the A fragments of O += P' V (8-token block j: in tile
-  // j / (TK / 8) of the step, whose scale words sbt gives)
-  // (buf: step k's slot, (k % NDEC) * SLOT)
-  constexpr int NJ = NTL * TK / 8;  // 8-token blocks per step
+  // step k's logits from S (this warp's 16 rows x TK tokens, the MMA C layout), the online
+  // softmax, and P' packed as the A fragments of O += P' V
+  // (buf: step k's decode buffer, (k % NDEC) * DEC)
+  constexpr int NJ = TK / 8;  // 8-token blocks per step
   // kOv (the workspace form, tuning::PREFILL_WS_OVERLAP): step k's softmax runs while step
   // k - 1's O += P' V is still on the tensor cores, so a rescale of O waits in o_pend (its
   // factors; o_pend_any: one is waiting) until that MMA is done
@@ -810,8 +756,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   float o_pend[2] = {1.f, 1.f};
   bool o_pend_any = false;
   auto softmax_p = [&](int k, uint32_t buf, const float (&sacc)[NJ][4], uint32_t (&pa)[NJ / 2][4]) {
-    const int t0 = (tile_first + NTL * k) * TK;
-    auto sbt = [&](int u) { return reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::SLOT_SB + u * L::SBB); };
+    const int t0 = (tile_first + k) * TK;
+    const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::OFF_SB);
+    const float* sbf = reinterpret_cast<const float*>(sb);
     // ---- y = logit - ms (exp2 domain), ms the row maxima the state holds before this step
     //      (max_offset): without a cap one FFMA per logit, and the exponentials below wait for
     //      no reduction (the row maxima are taken only when the state has to move). The thread
@@ -822,18 +769,16 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     auto logits = [&](auto capped) {
 #pragma unroll
       for (int q = 0; q < NJ / 2; ++q) {
-        const float* sbf = reinterpret_cast<const float*>(sbt(q / (TK / 16)));
-        const int ql = q % (TK / 16);  // in its tile
         float kfs[4];
         if constexpr (kWG) {
-          const float4 kq = *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * ql));
+          const float4 kq = *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * q));
           kfs[0] = kq.x; kfs[1] = kq.y; kfs[2] = kq.z; kfs[3] = kq.w;  // (times kmul already)
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int j = 2 * q + h;
           if constexpr (!kWG) {
-            const float2 kp = *reinterpret_cast<const float2*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * ql + h));
+            const float2 kp = *reinterpret_cast<const float2*>(sbf + L::SB_KF + L::sb_pair(t4, j));
             kfs[2 * h] = kp.x * kmul;
             kfs[2 * h + 1] = kp.y * kmul;
           }
@@ -849,7 +794,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       }
     };
     if (cap) logits(BoolConst<true>{}); else logits(BoolConst<false>{});
-    const bool need_mask = t0 < w_lo_max || t0 + NTL * TK - 1 > w_hi_min || wlast - wrow0 < 15;
+    const bool need_mask = t0 < w_lo_max || t0 + TK - 1 > w_hi_min || wlast - wrow0 < 15;
     if (need_mask) {
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
@@ -869,7 +814,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     // state as it was, as a kernel that skips them does, VM included)
     if (!kOv || unit_does(k)) {
 #pragma unroll
-      for (int i = 0; i < NTL * TK / 32; ++i) VM_new = max(VM_new, sbt(i / (TK / 32))[L::SB_VMAX + i % (TK / 32)]);
+      for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[L::SB_VMAX + i]);
     }
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -925,7 +870,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       // the same as an fp16 pair
       auto put = [&](int j, float vf0, float vf1, uint32_t vfh) {
         if constexpr (kNan) {
-          const int2 vb = *reinterpret_cast<const int2*>(sbt(j / (TK / 8)) + L::SB_VB + 8 * (j % (TK / 8)) + 2 * t4);
+          const int2 vb = *reinterpret_cast<const int2*>(sb + L::SB_VB + 8 * j + 2 * t4);
           if (vb.x == 255) vf0 = __int_as_float(0x7fc00000);
           if (vb.y == 255) vf1 = __int_as_float(0x7fc00000);
         }
@@ -950,11 +895,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         for (int q = 0; q < NJ / 4; ++q) {  // blocks j = 4 q .. 4 q + 3: one word of factors, one vmax
           // (the halves sit at sb_slot: this is word sb_pair(t4, 4 q) / 2, written out so that
           // it folds: the division form compiles to 8 more SASS instructions per kernel)
-          const int* sb = sbt(q / (TK / 32));
-          const int ql = q % (TK / 32);  // in its tile
-          const uint4 w = *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * ql);
+          const uint4 w = *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
           const uint32_t vgh[4] = {w.x, w.y, w.z, w.w};
-          const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + ql], VM);
+          const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + q], VM);
           const uint32_t vhh = pack_f16x2(vh, vh);
 #pragma unroll
           for (int h = 0; h < 4; ++h) {
@@ -968,9 +911,6 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
           }
         }
       } else {
-        static_assert(NTL == 1, "mma.sync: one tile per step");
-        const int* sb = sbt(0);
-        const float* sbf = reinterpret_cast<const float*>(sb);
 #pragma unroll
         for (int j = 0; j < TK / 8; ++j) {
           const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + j / 4], VM);
@@ -981,21 +921,19 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     };
     bool nan_step = false;
 #pragma unroll
-    for (int i = 0; i < NTL * TK / 32; ++i) nan_step |= sbt(i / (TK / 32))[L::SB_VNAN + i % (TK / 32)] != 0;
+    for (int i = 0; i < TK / 32; ++i) nan_step |= sb[L::SB_VNAN + i] != 0;
     if (nan_step) make_p(BoolConst<true>{}); else make_p(BoolConst<false>{});
   };
-  auto next_buf = [](uint32_t buf) { return buf + L::SLOT == L::NDEC * L::SLOT ? 0u : buf + L::SLOT; };
+  auto next_buf = [](uint32_t buf) { return buf + L::DEC == L::NDEC * L::DEC ? 0u : buf + L::DEC; };
 
   if constexpr (kWG) {
     // Two step orders, below: with the workspace (kOv) softmax under the previous O += P' V,
     // else softmax, then O += P' V. (Issuing S (k + 1) before step k's softmax instead, two S
     // accumulators, was slower with every warp also decoding: H100, 1 x 2048 @ 16k, 2437 vs
-    // 2150 us.) Descriptors of slot 0's K and V tiles; a k16 slice, another tile and another slot
+    // 2150 us.) Descriptors of decode buffer 0's K and V tiles; a k16 slice and another buffer
     // are byte offsets added to them (wgmma_desc_advance)
     const uint64_t kdesc = wgmma_desc_sw128(dec_s, 16, 1024);
-    // QS: this warpgroup's rows of Q's first term; the second is QTERM bytes on
-    const uint64_t qdesc = wgmma_desc_sw128(raw_s + L::OFF_Q + (cw / 4) * 64 * 128, 16, 1024);
-    const uint64_t vdesc = wgmma_desc_sw128(dec_s + L::SLOT_V, L::DPANEL, 1024);
+    const uint64_t vdesc = wgmma_desc_sw128(dec_s + L::DEC_K, L::DPANEL, 1024);
     // Ping-pong (FA3's order between the two warpgroups): a warpgroup issues step k - 1's
     // O += P' V and step k's S only in its turn, then gives the turn to the other, so that the
     // tensor cores run one warpgroup's MMAs while the other does its softmax (without it both
@@ -1010,14 +948,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     auto turn_give = [&] { if constexpr (kTurns) named_barrier_arrive(L::BAR_TURN + (wg ^ 1), 2 * 128); };
     uint32_t pa[NJ / 2][4];  // P' of a step: read by its O += P' V until a later wait
     uint32_t buf = 0, b = 0, b_prev = L::NDEC - 1;
-    auto issue_s = [&](uint32_t sbuf, float (&sacc)[NJ][4]) {  // S = Q K^T from slot sbuf
+    auto issue_s = [&](uint32_t sbuf, float (&sacc)[NJ][4]) {  // S = Q K^T from buffer sbuf
       float(&s1)[NJ * 4] = reinterpret_cast<float(&)[NJ * 4]>(sacc);
-      if constexpr (L::QS) {  // Q1 K then Q2 K over the slot's 128 K rows, k32 slices
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks)
-          wgmma_m64n128k32_e4m3_ss<kE4m3>(s1, wgmma_desc_advance(qdesc, (ks / (D / 32)) * L::QTERM + (ks % (D / 32)) * 32),
-                                          wgmma_desc_advance(kdesc, sbuf + (ks % (D / 32)) * 32), ks > 0);
-      } else if constexpr (L::S8) {  // Q1 K then Q2 K, k32 slices of the 128-byte rows
+      if constexpr (L::S8) {  // Q1 K then Q2 K, k32 slices of the 128-byte rows
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
           const uint64_t kd = wgmma_desc_advance(kdesc, sbuf + (ks % (D / 32)) * 32);
@@ -1030,11 +963,10 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
           wgmma_m64n64k16_f16<0>(s1, qa[ks], wgmma_desc_advance(kdesc, sbuf + (ks >> 2) * L::DPANEL + (ks & 3) * 32), ks > 0);
       }
     };
-    auto issue_pv = [&](uint32_t pbuf, const uint32_t (&pf)[NJ / 2][4]) {  // O += P' V, slot pbuf, P' pf
+    auto issue_pv = [&](uint32_t pbuf, const uint32_t (&pf)[NJ / 2][4]) {  // O += P' V, buffer pbuf, P' pf
 #pragma unroll
-      for (int u = 0; u < NJ / 2; ++u)  // 16-token blocks: tile u / (TK / 16), its rows 16 (u % (TK / 16))
-        wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pf[u],
-                      wgmma_desc_advance(vdesc, pbuf + (u / (TK / 16)) * L::DEC_V + (u % (TK / 16)) * 16 * 128));
+      for (int u = 0; u < NJ / 2; ++u)  // 16-token blocks
+        wgmma_n<D, 1>(reinterpret_cast<float(&)[D / 2]>(acc), pf[u], wgmma_desc_advance(vdesc, pbuf + u * 16 * 128));
     };
     auto advance = [&] {
       b_prev = b;
@@ -1044,7 +976,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     if (wg == 1) turn_wait();
     if constexpr (kOv) {
       // Step k issues S (k) and step k - 1's O += P' V in one turn, waits for S only (the older
-      // group), runs its softmax under that O += P' V, then waits for it (its slot goes back, O
+      // group), runs its softmax under that O += P' V, then waits for it (its tile goes back, O
       // takes a waiting rescale). Every step issues both MMAs, also where the warpgroup's rows
       // see none of the step's keys (masked: P' = 0): wgmma under a branch, or a wait that
       // depends on one, makes ptxas serialize every wgmma (C7514 / C7520), and so does one P'
@@ -1052,7 +984,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       // hence the unrolling by two. Step 0 has no O += P' V before it, the last one's comes
       // after the loop.
       uint32_t pn[NJ / 2][4];  // P' of every other step (pa: the others'), unrolled by two
-      if (csteps > 0) {
+      if (nsteps > 0) {
         named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
         float sacc[NJ][4];
         wgmma_fence();
@@ -1074,14 +1006,14 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         wgmma_fence();
         issue_s(buf, sacc);
         wgmma_commit();
-        issue_pv(b_prev * L::SLOT, pin);
+        issue_pv(b_prev * L::DEC, pin);
         wgmma_commit();
         turn_give();
         wgmma_wait<1>();
         reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
         softmax_p(k, buf, sacc, pout);
         wgmma_wait<0>();
-        if (k - 1 + L::NDEC < csteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
+        if (k - 1 + L::NDEC < nsteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
         reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
         reg_fence(pin);
         if (o_pend_any) {
@@ -1094,28 +1026,28 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       };
       int k = 1;
 #pragma unroll 1
-      for (; k + 1 < csteps; k += 2) {
+      for (; k + 1 < nsteps; k += 2) {
         step(k, pa, pn);
         step(k + 1, pn, pa);
       }
-      if (k < csteps) {
+      if (k < nsteps) {
         step(k, pa, pn);
 #pragma unroll
         for (int u = 0; u < NJ / 2; ++u)
 #pragma unroll
           for (int i = 0; i < 4; ++i) pa[u][i] = pn[u][i];
       }
-      if (csteps > 0) {  // the last step's O += P' V
+      if (nsteps > 0) {  // the last step's O += P' V
         wgmma_fence();
-        issue_pv(b_prev * L::SLOT, pa);
+        issue_pv(b_prev * L::DEC, pa);
         wgmma_commit();
       }
     } else {
-      // Per step k: wait for its NTL tiles (FULL), S, the wait (for S and for step k - 1's
-      // O += P' V, whose slot is then handed back: EMPTY), softmax, the turn, O += P' V issued
-      // (it runs into the next step).
+      // Per step k: wait for its tile (FULL), S, the wait (for S and for step k - 1's O += P' V,
+      // whose tile is then handed back: EMPTY), softmax, the turn, O += P' V issued (it runs
+      // into the next step).
 #pragma unroll 1
-      for (int k = 0; k < csteps; ++k) {
+      for (int k = 0; k < nsteps; ++k) {
         named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
         const bool wdo = unit_does(k);
         float sacc[NJ][4];  // written whole by the first MMAs (no accumulate), read only if wdo
@@ -1126,7 +1058,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         }
         turn_give();
         wgmma_wait<0>();  // every unit: the barrier hands its tiles back
-        if (k > 0 && k - 1 + L::NDEC < csteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
+        if (k > 0 && k - 1 + L::NDEC < nsteps) named_barrier_arrive(L::BAR_EMPTY + b_prev, L::NTH);
         reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
         reg_fence(reinterpret_cast<float(&)[D / 2]>(acc));
         reg_fence(pa);
@@ -1259,8 +1191,8 @@ inline bool prefill_uses_wgmma(int major) {
   return major == 9;
 #endif
 }
-// Its dynamic shared memory (kWs: with the workspace's slots instead of the raw-code ring and
-// decode buffers) and its threads per CTA (the wgmma build adds the producer warps).
+// Its dynamic shared memory (kWs: without the raw-code ring) and its threads per CTA (the wgmma
+// build adds the producer warps).
 template <int D, bool kE4m3, bool kWs>
 int prefill_smem_bytes(int major) {
   return prefill_uses_wgmma(major) ? PrefillLayout<D, kE4m3, true, kWs>::TOTAL : PrefillLayout<D, kE4m3, false>::TOTAL;

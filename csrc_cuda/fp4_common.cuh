@@ -135,32 +135,6 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_e4m3(float (&d)[32], const 
   __trap();  // SM90a only
 #endif
 }
-// The same FP8 MMA at N = 128 with A from shared memory too (desc_a: A [64 x 32 bytes]
-// K-major, wgmma_desc_sw128): the prefill kernel's S over two 64-key tiles with the workspace,
-// Q's terms in shared memory, each A slice read once for 128 keys. B [128 x 32 bytes] K-major:
-// E4M3 (kBE4m3) or E5M2. D as the other MMAs' C layout, 16 blocks of 8 columns.
-template <bool kBE4m3>
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
-                                                         bool accumulate = true) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define TQ_WGMMA_FP8_SS(BTYPE)                                                                       \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                          \
-               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3." BTYPE " "                          \
-               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "     \
-               "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, " \
-               "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, " \
-               "%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n"  \
-               : TQ_ACC8(d, 0), TQ_ACC8(d, 8), TQ_ACC8(d, 16), TQ_ACC8(d, 24), TQ_ACC8(d, 32),       \
-                 TQ_ACC8(d, 40), TQ_ACC8(d, 48), TQ_ACC8(d, 56)                                      \
-               : "l"(desc_a), "l"(desc_b), "r"((int)accumulate)                                      \
-               : "memory")
-  if constexpr (kBE4m3) TQ_WGMMA_FP8_SS("e4m3");
-  else TQ_WGMMA_FP8_SS("e5m2");
-#undef TQ_WGMMA_FP8_SS
-#else
-  __trap();  // SM90a only
-#endif
-}
 #undef TQ_ACC8
 
 // Shared-memory matrix descriptor of a 128-byte-swizzled tile: start address / 16 (bits 0-13),

@@ -19,8 +19,7 @@
 // reads them. The prefill kernel with kWs then copies the tiles it needs (attention_prefill.cuh)
 // and writes the scale words from the bytes, as its decode does.
 //
-// Size: num_seqs x ws_steps x num_kv_heads tiles, ws_steps = ceil(max_seq_len / 64) (+ 1, a
-// zero tile, with tuning.cuh's two-tile steps); a tile is
+// Size: num_seqs x ws_steps x num_kv_heads tiles, ws_steps = ceil(max_seq_len / 64); a tile is
 // 24,832 bytes at D 128 (8 KB of E5M2 or E4M3 K rows, 16 KB of fp16 V, 132 bytes of scales and
 // flags), about 388 bytes per key and kv head: 1 x 16k keys x 8 kv heads, 51 MB. Reads 8.2 KB of
 // FP4 codes and writes 24.8 KB per tile: at 16k x 8 kv heads about 17 MB read and 51 MB written.
@@ -45,10 +44,8 @@ __global__ void __launch_bounds__(128) prefill_workspace_kernel(const AttnParams
   const int qn = min(__ldg(p.cu_query_lens + s + 1), p.num_tokens) - q0;
   // the earliest key a row of this sequence sees (the prefill kernel's row_lo of its first query)
   const int lo = p.sliding_window > 0 ? max(0, seq_len - qn - p.sliding_window + 1) : 0;
-  // steps past the sequence's last: its PREFILL_WS_STEP_TILES - 1 zero tiles (the kernel's last
-  // step of an odd number of tiles reads one, masked)
-  const int t0 = step * TK, last = (seq_len + TK - 1) / TK - 1 + tuning::PREFILL_WS_STEP_TILES - 1;
-  if (qn <= 0 || seq_len <= 0 || step > last || t0 + TK <= lo) return;
+  const int t0 = step * TK;
+  if (qn <= 0 || t0 >= seq_len || t0 + TK <= lo) return;
   uint8_t* tile = p.ws + (((long long)s * p.ws_steps + step) * Hkv + kvh) * L::WS_TILE;
   const BlockRow blocks(p, s);
   const int bs_mask = (1 << p.log2_block_size) - 1;

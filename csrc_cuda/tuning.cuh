@@ -283,20 +283,6 @@ constexpr int PREFILL_WS_THREADS = 32 * (PREFILL_WS_PRODUCER_WARPS + PREFILL_WAR
 constexpr int PREFILL_WS_CONSUMER_REGS =
     (PREFILL_WS_THREADS * ((65536 / PREFILL_WS_THREADS) & ~7) -
      32 * PREFILL_WS_PRODUCER_WARPS * PREFILL_WS_PRODUCER_REGS) / (32 * PREFILL_WARPS) / 8 * 8;
-// -DTQ_PREFILL_WS_STEP_TILES=2: the row warps take two workspace tiles (128 keys) per step:
-// one wait, one row-maximum vote and rescale, one m64n128k32 S per k32 slice (Q's two E4M3
-// terms then in shared memory: two tiles' S, O and P' leave no registers for Q's fragments),
-// from three slots of two tiles, the workspace one zero tile longer per sequence (a range of an
-// odd number of tiles ends in a whole slot). Slower, in the same call as above: 1296-1298 /
-// 18903-18906 / 5079-5080 us (the three shapes; with two m64n64k32 S MMAs reading Q from shared
-// memory twice as often, 1321 / 19309 / 5169 us, another call). The extra shared-memory reads
-// of Q (16 KB per warpgroup and step) and a pipeline one step shallower (three slots) cost more
-// than the halved per-step overheads gain. Its output is not the one-tile kernel's bits (the
-// maxima move at other points): tests/gpu/test_prefill_workspace.py then compares to 2 bf16 ulps.
-#ifndef TQ_PREFILL_WS_STEP_TILES
-#define TQ_PREFILL_WS_STEP_TILES 1
-#endif
-constexpr int PREFILL_WS_STEP_TILES = TQ_PREFILL_WS_STEP_TILES;
 // With the workspace a warpgroup issues step k's S and step k - 1's O += P' V together (one
 // turn) and runs step k's softmax while that O += P' V is on the tensor cores (FA3's overlap
 // inside a warpgroup), a rescale of O waiting until it is done; the extra P' fragments (16
@@ -309,7 +295,6 @@ constexpr int PREFILL_WS_STEP_TILES = TQ_PREFILL_WS_STEP_TILES;
 #define TQ_PREFILL_WS_OVERLAP 1
 #endif
 constexpr bool PREFILL_WS_OVERLAP = TQ_PREFILL_WS_OVERLAP;
-constexpr int PREFILL_WS_SLOTS = PREFILL_WS_STEP_TILES == 1 ? PREFILL_DEC_BUFFERS_WGMMA : 3;
 // Short multi-token queries (speculative decoding: 2-8 tokens per sequence) run the decode
 // kernel with 16 (query token, head) columns per CTA instead of the general kernel's 16 rows:
 // the same KV tiles read per 16 rows, but the swapped form's decode of K and V as MMA A
