@@ -62,10 +62,10 @@
 //   while other warps do this step's MMAs; one __syncthreads per step.
 // With the decode-once workspace (kWs, prefill_workspace.cuh) the producers only copy finished
 // tiles: one warpgroup of them at 32 registers, the row warps at 232 (tuning.cuh: 3-4.5 %
-// faster than two producer warpgroups), and each warpgroup runs step k's
-// softmax under its own step k - 1 O += P' V (S (k) and that MMA issued in one turn, a wait
-// for S alone, then one for the MMA; a rescale of O waits for it; unrolled by two so that the
-// two steps' P' fragments keep their registers: 2-4 % faster).
+// faster than two producer warpgroups), and each warpgroup runs step k's softmax under its own
+// step k - 1 O += P' V (S (k) and that MMA issued in one turn, a wait for S alone, then one for
+// the MMA; a rescale of O waits for it; unrolled by two so that the two steps' P' fragments
+// keep their registers: 2-4 % faster).
 // Epilogue: per row, O / l, the sink (rows whose window holds position 0), the learned sink
 //   and the lse (kStates), the un-rotation, the store; no cross-warp merge (each warp owns its
 //   rows). One partition (no split-KV).
