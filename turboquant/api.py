@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 from . import registry
-from .calls import (INDEX_DTYPES, check_device, check_output, check_shape, check_tensor,
-                    make_attention_call, make_cache_write, values_checkable)
+from .calls import (INDEX_DTYPES, check_device, check_num_decodes, check_output, check_shape,
+                    check_tensor, make_attention_call, make_cache_write, values_checkable)
 from .config import QuantConfig
 from .registry import AttentionCall, CacheWrite
 from .rotation import rotation_signs
@@ -338,16 +338,7 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     chunked-prefill step's decode rows ride the prefill kernel's 128-row tiles.
     """
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else 0
-    if not isinstance(num_decodes, int) or isinstance(num_decodes, bool) or \
-            not 0 <= num_decodes <= num_seqs:
-        raise ValueError(f"num_decodes: expected an int in [0, {num_seqs}] (the sequences), "
-                         f"got {num_decodes!r}")
-    if cu_query_lens is not None and num_decodes and isinstance(cu_query_lens, torch.Tensor) \
-            and values_checkable(cu_query_lens):
-        head = cu_query_lens[:num_decodes + 1].cpu()
-        if not torch.equal(head, torch.arange(num_decodes + 1, dtype=head.dtype)):
-            raise ValueError(f"num_decodes: the first {num_decodes} sequences must have one "
-                             f"query token each, but cu_query_lens starts {head.tolist()[:16]}")
+    check_num_decodes(num_decodes, cu_query_lens, num_seqs)
     if cu_query_lens is not None and 0 < num_decodes < num_seqs:
         return _decodes_then_rest(
             num_decodes, query, (key_cache, value_cache, key_scales, value_scales), block_tables,

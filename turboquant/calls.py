@@ -185,6 +185,22 @@ def make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
         scale_group=group, key_format=key_format)
 
 
+def check_num_decodes(num_decodes, cu_query_lens, num_seqs: int) -> None:
+    """paged_attention_fp4's ``num_decodes``: an int in [0, num_seqs]; with the value checks,
+    the first ``num_decodes`` sequences of ``cu_query_lens`` one query token each (before the
+    call is split on it, so its two parts' own checks cannot see a wrong count)."""
+    if not isinstance(num_decodes, int) or isinstance(num_decodes, bool) or \
+            not 0 <= num_decodes <= num_seqs:
+        raise ValueError(f"num_decodes: expected an int in [0, {num_seqs}] (the sequences), "
+                         f"got {num_decodes!r}")
+    if cu_query_lens is not None and num_decodes and isinstance(cu_query_lens, torch.Tensor) \
+            and values_checkable(cu_query_lens):
+        head = cu_query_lens[:num_decodes + 1].cpu()
+        if not torch.equal(head, torch.arange(num_decodes + 1, dtype=head.dtype)):
+            raise ValueError(f"num_decodes: the first {num_decodes} sequences must have one "
+                             f"query token each, but cu_query_lens starts {head.tolist()[:16]}")
+
+
 def _check_attention_values(block_tables, seq_lens, cu_query_lens, num_tokens, num_blocks,
                             block_size, max_seq_len):
     lens = seq_lens.cpu()
