@@ -272,7 +272,7 @@ inline bool use_prefill_workspace(long long num_tokens, long long num_seqs, int 
 // 1 x 8192 @ 64k 17240.8 / 17214.9 against 17828.3 / 17860.3, 4 x 2048 @ 16k 4575.4 / 4574.2
 // against 4770.6 / 4765.4 (3-4.5 % faster). At 24 (setmaxnreg's floor) the producers spill
 // 16-24 bytes (ptxas 13.0, the overlap below built), at 32 nothing spills; 32 / 232 has not
-// been timed (no device time was left).
+// been timed yet.
 #ifndef TQ_PREFILL_WS_PRODUCER_REGS
 #define TQ_PREFILL_WS_PRODUCER_REGS 32
 #endif
