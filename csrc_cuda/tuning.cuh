@@ -246,19 +246,24 @@ inline bool use_prefill_kernel(bool multi, int head_dim, long long num_tokens, l
 // instead of once per CTA. The kernel gains a share of its time that grows with the CTAs per
 // kv head (each decoding the whole context otherwise); the pass costs a read of the codes and a
 // write of three times their bytes, per key: its share of the call falls as 1 / rows per
-// sequence. Measured (H200, 32/8/128, one call, kernel without / with the workspace, the pass
-// alone): 1 x 512 @ 4k (16 groups) 107.2 / 108.6 us, pass 9.6; 1 x 2048 @ 16k (64) 1323.1 /
-// 1237.9, pass 37.4; 4 x 2048 @ 16k 5193.9 / 4807.0; 1 x 8192 @ 64k 19607.9 / 18016.6: the
-// kernel gains 8-9 % at every shape, the pass costs 9 % of the call at 16 groups and 3 % at 64.
+// sequence. Measured (H200, 32/8/128, one call, the whole call without / with the workspace,
+// the pass alone; `python benchmarks/probe.py prefill-workspace`, 2026-11-29, record
+// benchmarks/results/2026-11-29-h200-prefill-ws-threshold.json): 1 x 256 @ 2k
+// (8 groups) 66.0 / 64.9 us, pass 5.7; 1 x 512 @ 4k (16) 106.6 / 102.1, pass 9.6; 1 x 512 @
+// 16k (16) 346.7 / 346.4, pass 37.5; 2 x 512 @ 8k (16) 362.3 / 360.6; 1 x 768 @ 6k (24) 267.7
+// / 248.2; 1 x 1024 @ 8k (32) 348.1 / 322.0; 1 x 1024 @ 32k (32) 1313.3 / 1204.2. The kernel
+// gains 11-13 % at every shape; the pass costs 9-11 % of the call at 16 groups, so that 16
+// groups at 16k keys is the break-even.
 // Rule: rows averaging at least PREFILL_WS_MIN_GROUPS row groups (CTAs) per sequence and kv
-// head (the break-even near 19 groups, rounded up), within PREFILL_WS_MAX_BYTES.
+// head (the measured break-even), within PREFILL_WS_MAX_BYTES.
 // Example (32/8/128, G = 4): 1 x 2048 @ 16k: 8192 rows = 64 groups -> workspace (51 MB);
-// 1 x 512 @ 4k: 16 groups -> the kernel decodes; the mixed step above (1 chunk of 512 tokens
-// and 15 decode tokens) -> the kernel decodes (the rule is per call).
+// 1 x 512 @ 4k: 16 groups -> workspace (13 MB); 1 x 256 @ 2k: 8 groups -> the kernel decodes;
+// the mixed step above (1 chunk of 512 tokens and 15 decode tokens) -> the kernel decodes (the
+// rule is per call: with the decode rows' sequences 1 group each on average).
 // (-DTQ_PREFILL_WS_MIN_GROUPS=N for A/B builds; TURBOQUANT_PREFILL_WORKSPACE=0 / 1 in the
 // environment turns it off / on for every prefill-kernel call, within the byte bound.)
 #ifndef TQ_PREFILL_WS_MIN_GROUPS
-#define TQ_PREFILL_WS_MIN_GROUPS 32
+#define TQ_PREFILL_WS_MIN_GROUPS 16
 #endif
 constexpr int PREFILL_WS_MIN_GROUPS = TQ_PREFILL_WS_MIN_GROUPS;
 constexpr long long PREFILL_WS_MAX_BYTES = 1LL << 30;  // 1 GiB: 1 x 64k keys x 8 kv heads takes 203 MB

@@ -224,7 +224,11 @@ int main() {
            p.partition_size, p.num_partitions, p.ws_steps, p.ws_bytes);
   }
   // the decode-once workspace: one row group per sequence (16 x 128 rows) by the rule and
-  // forced on; two sequences of 64 groups, forced off
+  // forced on; two sequences of 64 groups, forced off; the rule's threshold (tuning.cuh's
+  // PREFILL_WS_MIN_GROUPS): one sequence of 16 groups (512 tokens, G 4) takes it, of 15 not
+  const AttnPlan at = plan_attention(128, false, true, 512, 1, 8, 4, 4096, 132, 9, 232448);
+  const AttnPlan below = plan_attention(128, false, true, 480, 1, 8, 4, 4096, 132, 9, 232448);
+  printf("WSMIN %d %d\n", at.ws_steps, below.ws_steps);
   const AttnPlan one = plan_attention(128, false, true, 512, 16, 8, 4, 4096, 132, 9, 232448);
   const AttnPlan on = plan_attention(128, false, true, 512, 16, 8, 4, 4096, 132, 9, 232448, kWsOn);
   const AttnPlan off = plan_attention(128, false, true, 4096, 2, 8, 4, 4096, 132, 9, 232448, kWsOff);
@@ -253,6 +257,7 @@ def test_the_launch_plan_names_the_kernel_its_size_grid_and_splits(tmp_path):
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.splitlines()
     prefill_rows = int(out.pop().split()[1])
     ws_one, ws_on, ws_on_bytes, ws_off = map(int, out.pop().split()[1:])
+    ws_at, ws_below = map(int, out.pop().split()[1:])
     rows = [(line.split("|")[0], *map(int, line.split("|")[1].split())) for line in out]
     print(rows)
     kernels = [r[0] for r in rows]
@@ -279,6 +284,7 @@ def test_the_launch_plan_names_the_kernel_its_size_grid_and_splits(tmp_path):
     assert ws[6] == (64, 64 * 8 * 24832)
     assert all(w == (0, 0) for i, w in enumerate(ws) if i != 6)
     assert (ws_one, ws_on, ws_on_bytes, ws_off) == (0, 64, 16 * 64 * 8 * 24832, 0)
+    assert (ws_at, ws_below) == (64, 0)
 
 
 def test_the_head_dim_list_is_the_one_the_code_builds_and_rejects_others(tmp_path):
