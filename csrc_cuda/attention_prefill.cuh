@@ -573,40 +573,47 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         // Decode-once workspace: step j's tile is a copy of the workspace's (prefill_workspace.cuh)
         // into decode buffer bj (free once step j - NDEC is read), issued before step j - 1's
         // copy is waited for; then step j - 1's scale words from its scale bytes, as decode()
-        // writes them. The copies start after Q (the buffers alias Q's fp32 rows). A sequence
-        // longer than the workspace's steps (past the call's max_seq_len) gets NaN rows.
+        // writes them. The scale byte and the bad-block flag of step j are loaded after step
+        // j - 1's hand-over and first read in the next iteration, so that no producer waits
+        // for a global load's round trip (waiting for them at once held a third of the
+        // producers' time, and the row warps at FULL). The copies start after Q (the buffers
+        // alias Q's fp32 rows). A sequence longer than the workspace's steps (past the call's
+        // max_seq_len) gets NaN rows.
         const bool ws_ok = tile_first + nsteps <= p.ws_steps;
         bad = bad || !ws_ok;
         const uint8_t* ws_seq = p.ws + ((long long)s * p.ws_steps * Hkv + kvh) * L::WS_TILE;
-        int sb_next = 0;  // the thread's scale byte of the step copied last (0: not needed, or bad)
-        auto ws_copy = [&](int i, uint32_t buf) {
-          const uint8_t* tile = ws_seq + (long long)(tile_first + i) * Hkv * L::WS_TILE;
-          static_assert((L::DEC_K + L::DEC_V) % (16 * L::NT) == 0, "whole 16-byte copies per producer thread");
-          const uint32_t dst = raw_s + L::OFF_DEC + buf + tid * 16;  // (K then V, as in the tile)
-          static_for<(L::DEC_K + L::DEC_V) / 16 / L::NT>(
-              [&](auto k) { cp_async_16_at<decltype(k)::value * L::NT * 16>(dst, tile + tid * 16); });
-          sb_next = 0;
-          if (has_s && needed(tok_of(i, cs))) {
-            if (__ldg(tile + L::WS_BAD + (cs >> 4))) bad = true;
-            else sb_next = __ldg(tile + L::WS_SCALES + (tid < TK ? 0 : TK) + cs);
-          }
-        };
+        auto ws_tile = [&](int i) { return ws_seq + (long long)(tile_first + i) * Hkv * L::WS_TILE; };
+        // the thread's scale byte and bad flag of the step loaded last (0, 0: not needed)
+        int sb_byte = 0, sb_bad = 0;
         uint32_t bj = 0;  // step j's buffer
 #pragma unroll 1
         for (int j = 0; j <= nsteps; ++j) {
-          const int sb_prev = sb_next;
           if (j < nsteps) {
             if (j >= L::NDEC) named_barrier_sync(L::BAR_EMPTY + bj, L::NTH);  // step j - NDEC's tile is free
-            if (ws_ok) ws_copy(j, bj * L::DEC);
+            if (ws_ok) {
+              static_assert((L::DEC_K + L::DEC_V) % (16 * L::NT) == 0, "whole 16-byte copies per producer thread");
+              const uint8_t* tile = ws_tile(j);
+              const uint32_t dst = raw_s + L::OFF_DEC + bj * L::DEC + tid * 16;  // (K then V, as in the tile)
+              static_for<(L::DEC_K + L::DEC_V) / 16 / L::NT>(
+                  [&](auto k) { cp_async_16_at<decltype(k)::value * L::NT * 16>(dst, tile + tid * 16); });
+            }
           }
           cp_async_commit();
           if (j > 0) {
             const uint32_t bp = bj == 0 ? L::NDEC - 1 : bj - 1;  // step j - 1's buffer
+            bad = bad || sb_bad != 0;
             cp_async_wait<1>();
-            if (has_s) put_scale(j - 1, reinterpret_cast<int*>(smem + L::OFF_DEC + bp * L::DEC + L::OFF_SB), sb_prev);
+            if (has_s)
+              put_scale(j - 1, reinterpret_cast<int*>(smem + L::OFF_DEC + bp * L::DEC + L::OFF_SB), sb_bad ? 0 : sb_byte);
             fence_proxy_async();  // the tile is read by wgmma after the next barrier
 #pragma unroll
             for (int w = 0; w < L::WGS; ++w) named_barrier_arrive(L::BAR_FULL + w * L::NDEC + bp, L::NT + 128);
+          }
+          sb_byte = sb_bad = 0;
+          if (j < nsteps && ws_ok && has_s && needed(tok_of(j, cs))) {
+            const uint8_t* tile = ws_tile(j);
+            sb_bad = __ldg(tile + L::WS_BAD + (cs >> 4));
+            sb_byte = __ldg(tile + L::WS_SCALES + (tid < TK ? 0 : TK) + cs);
           }
           bj = bj + 1 == L::NDEC ? 0 : bj + 1;
         }
@@ -755,6 +762,30 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   constexpr bool kOv = L::WS && tuning::PREFILL_WS_OVERLAP;
   float o_pend[2] = {1.f, 1.f};
   bool o_pend_any = false;
+  // (kOv) the step's scale words the softmax reads, from its tile: the K-scale floats of the
+  // thread's tokens (one 16-byte word for j = 2q, 2q + 1), the V-scale maxima and 255 flags
+  // per 32 tokens, the fp16 V factors (one 16-byte word for j = 4q .. 4q + 3), which kOv loads
+  // before it waits for S: loaded after the wait, they held the first logits and the vote. (The
+  // kernel that decodes reads them where it uses them: loaded at its softmax's start, 2.5 %
+  // slower, H200.)
+  float4 kf_pre[NJ / 2];
+  int vmax_pre[TK / 32];
+  uint4 vg_pre[NJ / 4];
+  bool nan_pre = false;
+  auto load_scales = [&](uint32_t buf) {
+    const int* sbi = reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::OFF_SB);
+    const float* sbf = reinterpret_cast<const float*>(sbi);
+#pragma unroll
+    for (int q = 0; q < NJ / 2; ++q) kf_pre[q] = *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * q));
+    nan_pre = false;
+#pragma unroll
+    for (int i = 0; i < TK / 32; ++i) {
+      vmax_pre[i] = sbi[L::SB_VMAX + i];
+      nan_pre |= sbi[L::SB_VNAN + i] != 0;
+    }
+#pragma unroll
+    for (int q = 0; q < NJ / 4; ++q) vg_pre[q] = *reinterpret_cast<const uint4*>(sbi + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
+  };
   auto softmax_p = [&](int k, uint32_t buf, const float (&sacc)[NJ][4], uint32_t (&pa)[NJ / 2][4]) {
     const int t0 = (tile_first + k) * TK;
     const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::OFF_SB);
@@ -763,7 +794,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     //      (max_offset): without a cap one FFMA per logit, and the exponentials below wait for
     //      no reduction (the row maxima are taken only when the state has to move). The thread
     //      holds rows g, g+8 x tokens 8j + 2 t4 + {0, 1}; K-scale floats at sb_pair (wgmma:
-    //      one 16-byte word for j = 2q, 2q + 1) ----
+    //      load_scales' words with kOv) ----
     float ms[2] = {max_offset(m_run[0]), max_offset(m_run[1])};
     float y[NJ][4];
     auto logits = [&](auto capped) {
@@ -771,7 +802,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       for (int q = 0; q < NJ / 2; ++q) {
         float kfs[4];
         if constexpr (kWG) {
-          const float4 kq = *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * q));
+          const float4 kq = kOv ? kf_pre[q] : *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * q));
           kfs[0] = kq.x; kfs[1] = kq.y; kfs[2] = kq.z; kfs[3] = kq.w;  // (times kmul already)
         }
 #pragma unroll
@@ -814,7 +845,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     // state as it was, as a kernel that skips them does, VM included)
     if (!kOv || unit_does(k)) {
 #pragma unroll
-      for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, sb[L::SB_VMAX + i]);
+      for (int i = 0; i < TK / 32; ++i) VM_new = max(VM_new, kOv ? vmax_pre[i] : sb[L::SB_VMAX + i]);
     }
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -895,9 +926,9 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         for (int q = 0; q < NJ / 4; ++q) {  // blocks j = 4 q .. 4 q + 3: one word of factors, one vmax
           // (the halves sit at sb_slot: this is word sb_pair(t4, 4 q) / 2, written out so that
           // it folds: the division form compiles to 8 more SASS instructions per kernel)
-          const uint4 w = *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
+          const uint4 w = kOv ? vg_pre[q] : *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
           const uint32_t vgh[4] = {w.x, w.y, w.z, w.w};
-          const float vh = p_vscale((uint32_t)sb[L::SB_VMAX + q], VM);
+          const float vh = p_vscale((uint32_t)(kOv ? vmax_pre[q] : sb[L::SB_VMAX + q]), VM);
           const uint32_t vhh = pack_f16x2(vh, vh);
 #pragma unroll
           for (int h = 0; h < 4; ++h) {
@@ -919,9 +950,11 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         }
       }
     };
-    bool nan_step = false;
+    bool nan_step = kOv && nan_pre;
+    if constexpr (!kOv) {
 #pragma unroll
-    for (int i = 0; i < TK / 32; ++i) nan_step |= sb[L::SB_VNAN + i] != 0;
+      for (int i = 0; i < TK / 32; ++i) nan_step |= sb[L::SB_VNAN + i] != 0;
+    }
     if (nan_step) make_p(BoolConst<true>{}); else make_p(BoolConst<false>{});
   };
   auto next_buf = [](uint32_t buf) { return buf + L::DEC == L::NDEC * L::DEC ? 0u : buf + L::DEC; };
@@ -991,6 +1024,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         issue_s(buf, sacc);
         wgmma_commit();
         turn_give();
+        load_scales(buf);
         wgmma_wait<0>();
         reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
         softmax_p(0, buf, sacc, pa);
@@ -1009,6 +1043,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         issue_pv(b_prev * L::DEC, pin);
         wgmma_commit();
         turn_give();
+        load_scales(buf);
         wgmma_wait<1>();
         reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
         softmax_p(k, buf, sacc, pout);
