@@ -276,8 +276,11 @@ inline bool use_prefill_workspace(long long num_tokens, long long num_seqs, int 
 // producer warpgroups at 48 / 208): 1 x 2048 @ 16k 1159.7 / 1164.6 against 1216.1 / 1216.1 us,
 // 1 x 8192 @ 64k 17240.8 / 17214.9 against 17828.3 / 17860.3, 4 x 2048 @ 16k 4575.4 / 4574.2
 // against 4770.6 / 4765.4 (3-4.5 % faster). At 24 (setmaxnreg's floor) the producers spill
-// 16-24 bytes (ptxas 13.0, the overlap below built), at 32 nothing spills; 32 / 232 has not
-// been timed yet.
+// 16-24 bytes (ptxas 13.0, the overlap below built), at 32 nothing spills, and 32 / 232 is
+// the faster (H200, 2026-11-29, one call, two rounds, against -DTQ_PREFILL_WS_PRODUCER_REGS=24):
+// 1 x 2048 @ 16k 1152.0 / 1151.7 against 1159.8 / 1160.3 us, 1 x 8192 @ 64k 16937.7 / 16943.0
+// against 16965.0 / 16977.3, 4 x 2048 @ 16k 4524.7 / 4524.7 against 4554.5 / 4553.3 (record
+// benchmarks/results/2026-11-29-h200-prefill-ws-regsplit.json).
 #ifndef TQ_PREFILL_WS_PRODUCER_REGS
 #define TQ_PREFILL_WS_PRODUCER_REGS 32
 #endif
