@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import turboquant as tq
+from turboquant.calls import leading_decodes
 from turboquant.integration.vllm.layer import (PagedLayer, StepMetadata, bytes_per_token_head,
-                                               layer_bytes, leading_decodes)
+                                               layer_bytes)
 
 HQ, HKV, D, BS, NB = 8, 2, 64, 16, 40
 # per step, each sequence's query tokens (0: not scheduled); final lengths 1, 54, 97, 17, 30

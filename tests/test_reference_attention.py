@@ -241,3 +241,19 @@ def test_num_decodes_runs_the_decodes_and_the_rest_apart():
             run(nd)
     with pytest.raises(ValueError, match=r"num_decodes: expected an int in \[0, 7\]"):
         run(8)
+
+
+def test_leading_decodes_counts_the_one_token_sequences_in_front():
+    """leading_decodes (what an engine or the bench passes as num_decodes): the one-token
+    sequences before the first longer one, from query_start_loc on the host; a step of only
+    decodes counts them all, one that starts with a chunk none; entries past num_seqs (an
+    engine's padded query_start_loc) are not read."""
+    from turboquant.calls import leading_decodes
+
+    def qsl(lens, pad=()):
+        return torch.tensor([0] + torch.tensor(list(lens) + list(pad)).cumsum(0).tolist())
+    assert leading_decodes(qsl([1, 1, 1, 1, 1, 120, 54]), 7) == 5
+    assert leading_decodes(qsl([1, 1, 1]), 3) == 3
+    assert leading_decodes(qsl([2048, 1, 1]), 3) == 0
+    assert leading_decodes(qsl([1, 1], pad=[5, 5]), 2) == 2
+    assert leading_decodes(qsl([]), 0) == 0

@@ -185,6 +185,14 @@ def make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
         scale_group=group, key_format=key_format)
 
 
+def leading_decodes(query_start_loc_cpu: torch.Tensor, num_seqs: int) -> int:
+    """The sequences at the front of a step with one query token each (what ``num_decodes``
+    counts), from a host copy of query_start_loc [>= num_seqs + 1] (no device sync)."""
+    q = query_start_loc_cpu[1:num_seqs + 1] - query_start_loc_cpu[:num_seqs]
+    other = torch.nonzero(q != 1)
+    return int(other[0, 0]) if other.numel() else int(num_seqs)
+
+
 def check_num_decodes(num_decodes, cu_query_lens, num_seqs: int) -> None:
     """paged_attention_fp4's ``num_decodes``: an int in [0, num_seqs]; with the value checks,
     the first ``num_decodes`` sequences of ``cu_query_lens`` one query token each (before the

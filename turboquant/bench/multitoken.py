@@ -30,7 +30,6 @@ TFLOP/s and speedups as columns, the note on a line of its own; the records go t
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 import re
@@ -38,6 +37,7 @@ import re
 import torch
 
 from . import peers
+from ..calls import leading_decodes
 from .problems import (cache_config, checks_off, fill_cache, fp4_attention_bytes,
                        parse_int_list, state_bytes, state_kwargs, torch_dtype)
 from .report import table_row, write_csv
@@ -133,7 +133,7 @@ def run_multi_row(tq, shape: tuple, row: MultiRow, config_name: str, args, devic
 
     # a mixed step that starts with decode rows (64x1+1x2048: an engine's decode-first order)
     # runs them as their own call (num_decodes); the other order as one call
-    num_decodes = len(list(itertools.takewhile(lambda x: x == 1, qls))) if row.mix else 0
+    num_decodes = leading_decodes(cu.cpu(), b) if row.mix else 0
 
     def fp4():
         tq.paged_attention_fp4(query, *cache, tables, seq_lens, scale, cu_query_lens=cu,

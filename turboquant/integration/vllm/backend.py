@@ -38,10 +38,11 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from ...calls import leading_decodes
 from ...shared_state import positions_from_metadata
 from ...smoothing import load_calibration
 from ...sources import cuda_limits
-from .layer import KEY_FORMATS, PagedLayer, StepMetadata, bytes_per_token_head, leading_decodes
+from .layer import KEY_FORMATS, PagedLayer, StepMetadata, bytes_per_token_head
 
 # the NVIDIA kernels' shapes (csrc_cuda/limits.cuh); the aiter backend's own list
 # (turboquant._backends.aiter.HEAD_DIMS) names the same head dims

@@ -84,14 +84,6 @@ class StepMetadata:
                    int(num_tokens), int(max_seq_len), int(num_decodes))
 
 
-def leading_decodes(query_start_loc_cpu: torch.Tensor, num_seqs: int) -> int:
-    """The sequences at the front of a step with one query token each, from the host copy of
-    query_start_loc [>= num_seqs + 1] (no device sync)."""
-    q = query_start_loc_cpu[1:num_seqs + 1] - query_start_loc_cpu[:num_seqs]
-    other = torch.nonzero(q != 1)
-    return int(other[0, 0]) if other.numel() else int(num_seqs)
-
-
 class PagedLayer:
     """One layer's attention over its cache: write the step's keys and values, then attend."""
 
