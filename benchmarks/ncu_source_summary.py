@@ -6,9 +6,14 @@ split at its two USETMAXREG instructions: the row warps run from the .TRY_ALLOC 
 to the .DEALLOC (setmaxnreg.dec), the producers from the .DEALLOC on; what precedes both is the
 shared prologue. Per region: executed warp instructions (and per warp and 64-token step when
 --warp-steps gives the launch's count: CTAs x 8 warps x steps), stall samples by reason, the
-opcodes, and the instructions with the most samples with their leading reasons.
+opcodes, and the instructions with the most samples with their leading reasons. --listing
+REGION: instead, every executed instruction of that region in address order (offset from the
+region's first, stall samples, executions, the two leading reasons), where a dependency chain
+or a wait shows (a barrier's wait is sampled on the instruction after it); --range LO:HI (hex
+addresses) keeps a part of it, e.g. one loop.
 
     python benchmarks/ncu_source_summary.py src_head.csv [src_nosm.csv ...] --warp-steps 983040
+    python benchmarks/ncu_source_summary.py src.csv --listing "row warps" --range 0x...3680:0x...e680
 """
 import argparse
 import collections
@@ -75,6 +80,37 @@ def summary(path, top=12):
     return out
 
 
+def listing(path, region, lo=None, hi=None):
+    """The executed instructions of `region` (in [lo, hi] when given): (offset from the region's
+    first executed instruction, samples, executions, source, the two leading stall reasons)."""
+    cols, rows = load(path)
+    reasons = [c for c in cols if c.startswith("stall_") and "(Not Issued)" not in c]
+    part = dict(regions(rows)).get(region)
+    if part is None:
+        raise SystemExit(f"ncu_source_summary: no region {region!r} "
+                         f"(one of {[n for n, _ in regions(rows)]})")
+    out, base = [], None
+    for r in part:
+        a = int(r["Address"], 16)
+        if num(r["Instructions Executed"]) == 0 or (lo is not None and not lo <= a <= hi):
+            continue
+        base = a if base is None else base
+        lead = sorted(((num(r[c]), c[len("stall_"):]) for c in reasons), reverse=True)[:2]
+        out.append((a - base, num(r["Warp Stall Sampling (All Samples)"]),
+                    num(r["Instructions Executed"]), r["Source"].strip(), [(k, v) for v, k in lead if v]))
+    return out
+
+
+def print_listing(path, region, span):
+    lo, hi = (int(x, 16) for x in span.split(":")) if span else (None, None)
+    rows = listing(path, region, lo, hi)
+    total = sum(s for _, s, _, _, _ in rows) or 1.0
+    print(f"== {path}: {region}, {len(rows)} executed instructions, {total:,.0f} stall samples")
+    for off, s, ins, src, lead in rows:
+        why = ", ".join(f"{k} {v:.0f}" for k, v in lead)
+        print(f"{off:6x} {s:6.0f} {100 * s / total:5.1f}% {ins:10,.0f}  {src[:60]:60s} [{why}]")
+
+
 def print_summary(path, warp_steps, top):
     print(f"== {path}")
     for g in summary(path, top):
@@ -96,9 +132,15 @@ def main():
     ap.add_argument("--warp-steps", type=float, default=0.0,
                     help="warps x 64-token steps of the launch (per-step figures)")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--listing", metavar="REGION",
+                    help="every executed instruction of a region (prologue, row warps, producers)")
+    ap.add_argument("--range", metavar="LO:HI", help="with --listing: hex addresses to keep")
     a = ap.parse_args()
     for p in a.csv:
-        print_summary(p, a.warp_steps, a.top)
+        if a.listing:
+            print_listing(p, a.listing, a.range)
+        else:
+            print_summary(p, a.warp_steps, a.top)
 
 
 if __name__ == "__main__":

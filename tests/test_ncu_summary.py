@@ -1,9 +1,12 @@
 """benchmarks/ncu_source_summary.py on a small file in ncu's source-page CSV layout: the SASS
 splits at the two USETMAXREG instructions into prologue, row warps and producers, and the
-counts, stall reasons, opcodes and hottest rows of each region are those of its rows."""
+counts, stall reasons, opcodes and hottest rows of each region are those of its rows; the
+listing of a region gives its executed instructions in order, within an address range."""
 import csv
 import importlib.util
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("ncu_source_summary", ROOT / "benchmarks" / "ncu_source_summary.py")
@@ -57,3 +60,18 @@ def test_without_the_split_one_region(tmp_path):
     groups = nss.summary(p)
     assert [g["name"] for g in groups] == ["whole kernel"]
     assert groups[0]["instructions"] == sum(r[3] for r in sass)
+
+
+def test_listing_of_a_region_and_a_range(tmp_path):
+    p = tmp_path / "src.csv"
+    sass = SASS + [("0x145", "NOP", 0, 0, 0, 0, 0)]  # never executed: not listed
+    write_csv(p, sorted(sass, key=lambda r: int(r[0], 16)))
+    rows = nss.listing(p, "row warps")
+    assert [(off, s, ins, src.split()[0]) for off, s, ins, src, _ in rows] == [
+        (0, 0, 8, "USETMAXREG.TRY_ALLOC.CTAPOOL"), (0x10, 40, 1000, "FFMA"),
+        (0x20, 90, 500, "@!P2"), (0x30, 5, 1000, "MUFU.EX2")]
+    assert rows[1][4] == [("short_sb", 30), ("wait", 10)]
+    part = nss.listing(p, "row warps", 0x120, 0x130)
+    assert [off for off, *_ in part] == [0, 0x10]
+    with pytest.raises(SystemExit, match="no region 'rows'"):
+        nss.listing(p, "rows")
