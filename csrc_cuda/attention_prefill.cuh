@@ -768,23 +768,31 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   // before it waits for S: loaded after the wait, they held the first logits and the vote. (The
   // kernel that decodes reads them where it uses them: loaded at its softmax's start, 2.5 %
   // slower, H200.)
+  // (wgmma) the thread's K-scale word q and V-factor word q of a tile's scale words sb (the
+  // V-factor halves sit at sb_slot: this is word sb_pair(t4, 4 q) / 2, written out so that it
+  // folds: the division form compiles to 8 more SASS instructions per kernel)
+  auto kf_word = [&](const int* sb, int q) {
+    return *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(sb) + L::SB_KF + L::sb_pair(t4, 2 * q));
+  };
+  auto vg_word = [&](const int* sb, int q) {
+    return *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
+  };
   float4 kf_pre[NJ / 2];
   int vmax_pre[TK / 32];
   uint4 vg_pre[NJ / 4];
   bool nan_pre = false;
   auto load_scales = [&](uint32_t buf) {
-    const int* sbi = reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::OFF_SB);
-    const float* sbf = reinterpret_cast<const float*>(sbi);
+    const int* sb = reinterpret_cast<const int*>(smem + L::OFF_DEC + buf + L::OFF_SB);
 #pragma unroll
-    for (int q = 0; q < NJ / 2; ++q) kf_pre[q] = *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * q));
+    for (int q = 0; q < NJ / 2; ++q) kf_pre[q] = kf_word(sb, q);
     nan_pre = false;
 #pragma unroll
     for (int i = 0; i < TK / 32; ++i) {
-      vmax_pre[i] = sbi[L::SB_VMAX + i];
-      nan_pre |= sbi[L::SB_VNAN + i] != 0;
+      vmax_pre[i] = sb[L::SB_VMAX + i];
+      nan_pre |= sb[L::SB_VNAN + i] != 0;
     }
 #pragma unroll
-    for (int q = 0; q < NJ / 4; ++q) vg_pre[q] = *reinterpret_cast<const uint4*>(sbi + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
+    for (int q = 0; q < NJ / 4; ++q) vg_pre[q] = vg_word(sb, q);
   };
   auto softmax_p = [&](int k, uint32_t buf, const float (&sacc)[NJ][4], uint32_t (&pa)[NJ / 2][4]) {
     const int t0 = (tile_first + k) * TK;
@@ -802,7 +810,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       for (int q = 0; q < NJ / 2; ++q) {
         float kfs[4];
         if constexpr (kWG) {
-          const float4 kq = kOv ? kf_pre[q] : *reinterpret_cast<const float4*>(sbf + L::SB_KF + L::sb_pair(t4, 2 * q));
+          const float4 kq = kOv ? kf_pre[q] : kf_word(sb, q);
           kfs[0] = kq.x; kfs[1] = kq.y; kfs[2] = kq.z; kfs[3] = kq.w;  // (times kmul already)
         }
 #pragma unroll
@@ -924,9 +932,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       if constexpr (kWG) {
 #pragma unroll
         for (int q = 0; q < NJ / 4; ++q) {  // blocks j = 4 q .. 4 q + 3: one word of factors, one vmax
-          // (the halves sit at sb_slot: this is word sb_pair(t4, 4 q) / 2, written out so that
-          // it folds: the division form compiles to 8 more SASS instructions per kernel)
-          const uint4 w = kOv ? vg_pre[q] : *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
+          const uint4 w = kOv ? vg_pre[q] : vg_word(sb, q);
           const uint32_t vgh[4] = {w.x, w.y, w.z, w.w};
           const float vh = p_vscale((uint32_t)(kOv ? vmax_pre[q] : sb[L::SB_VMAX + q]), VM);
           const uint32_t vhh = pack_f16x2(vh, vh);
