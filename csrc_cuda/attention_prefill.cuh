@@ -762,12 +762,6 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   constexpr bool kOv = L::WS && tuning::PREFILL_WS_OVERLAP;
   float o_pend[2] = {1.f, 1.f};
   bool o_pend_any = false;
-  // (kOv) the step's scale words the softmax reads, from its tile: the K-scale floats of the
-  // thread's tokens (one 16-byte word for j = 2q, 2q + 1), the V-scale maxima and 255 flags
-  // per 32 tokens, the fp16 V factors (one 16-byte word for j = 4q .. 4q + 3), which kOv loads
-  // before it waits for S: loaded after the wait, they held the first logits and the vote. (The
-  // kernel that decodes reads them where it uses them: loaded at its softmax's start, 2.5 %
-  // slower, H200.)
   // (wgmma) the thread's K-scale word q and V-factor word q of a tile's scale words sb (the
   // V-factor halves sit at sb_slot: this is word sb_pair(t4, 4 q) / 2, written out so that it
   // folds: the division form compiles to 8 more SASS instructions per kernel)
@@ -777,6 +771,12 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   auto vg_word = [&](const int* sb, int q) {
     return *reinterpret_cast<const uint4*>(sb + L::SB_VG + (L::SB_PITCH / 2) * t4 + 4 * q);
   };
+  // (kOv) the step's scale words the softmax reads, from its tile: the K-scale floats of the
+  // thread's tokens (one 16-byte word for j = 2q, 2q + 1), the V-scale maxima and 255 flags
+  // per 32 tokens, the fp16 V factors (one 16-byte word for j = 4q .. 4q + 3), which kOv loads
+  // before it waits for S: loaded after the wait, they held the first logits and the vote. (The
+  // kernel that decodes reads them where it uses them: loaded at its softmax's start, 2.5 %
+  // slower, H200.)
   float4 kf_pre[NJ / 2];
   int vmax_pre[TK / 32];
   uint4 vg_pre[NJ / 4];
