@@ -774,9 +774,10 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   // (kOv) the step's scale words the softmax reads, from its tile: the K-scale floats of the
   // thread's tokens (one 16-byte word for j = 2q, 2q + 1), the V-scale maxima and 255 flags
   // per 32 tokens, the fp16 V factors (one 16-byte word for j = 4q .. 4q + 3), which kOv loads
-  // before it waits for S: loaded after the wait, they held the first logits and the vote. (The
-  // kernel that decodes reads them where it uses them: loaded at its softmax's start, 2.5 %
-  // slower, H200.)
+  // as soon as the tile is FULL, before it issues the step's MMAs: loaded after the wait for S,
+  // they held the first logits and the vote; loaded right before that wait, the first logit's
+  // FFMA still waited on them (2-3.5 % slower, H200). (The kernel that decodes reads them where
+  // it uses them: loaded at its softmax's start, 2.5 % slower, H200.)
   float4 kf_pre[NJ / 2];
   int vmax_pre[TK / 32];
   uint4 vg_pre[NJ / 4];
@@ -1025,12 +1026,12 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       uint32_t pn[NJ / 2][4];  // P' of every other step (pa: the others'), unrolled by two
       if (nsteps > 0) {
         named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
+        load_scales(buf);
         float sacc[NJ][4];
         wgmma_fence();
         issue_s(buf, sacc);
         wgmma_commit();
         turn_give();
-        load_scales(buf);
         wgmma_wait<0>();
         reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
         softmax_p(0, buf, sacc, pa);
@@ -1042,6 +1043,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
       // step k: pin, the previous step's P' (read by its O += P' V), pout this step's
       auto step = [&](int k, uint32_t (&pin)[NJ / 2][4], uint32_t (&pout)[NJ / 2][4]) {
         named_barrier_sync(L::BAR_FULL + wg * L::NDEC + b, L::NT + 128);
+        load_scales(buf);
         float sacc[NJ][4];
         wgmma_fence();
         issue_s(buf, sacc);
@@ -1049,7 +1051,6 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         issue_pv(b_prev * L::DEC, pin);
         wgmma_commit();
         turn_give();
-        load_scales(buf);
         wgmma_wait<1>();
         reg_fence(reinterpret_cast<float(&)[NJ * 4]>(sacc));
         softmax_p(k, buf, sacc, pout);
