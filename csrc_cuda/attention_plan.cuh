@@ -71,12 +71,23 @@ struct AttnPlan {
 // caller's choice (ws_mode 0: never, 1: whenever the byte bound allows, -1: the rule).
 enum : int { kWsAuto = -1, kWsOff = 0, kWsOn = 1 };
 
+// The decode-once workspace's bytes for num_seqs sequences of at most max_seq_len keys: one
+// tile per (sequence, step of PREFILL_TILE keys, kv head) (prefill_workspace.cuh).
+inline long long prefill_workspace_bytes(int D, bool key_e4m3, int num_seqs, int num_kv_heads,
+                                         int max_seq_len) {
+  const long long steps = (std::max(max_seq_len, 0) + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE;
+  return (long long)std::max(num_seqs, 0) * steps * num_kv_heads * prefill_ws_tile_bytes(D, key_e4m3);
+}
+
 // num_tokens query tokens of num_seqs sequences (multi: cu_query_lens given), group_size query
 // heads per kv head, max_seq_len a host-side bound of the keys, on a device with num_sms SMs of
-// compute capability major that allows optin_smem bytes of shared memory per CTA.
+// compute capability major that allows optin_smem bytes of shared memory per CTA. ws_capacity:
+// the bytes of the caller's workspace (the call takes the decode-once workspace only where it
+// fits), or -1 where the call allocates its own (up to tuning::PREFILL_WS_MAX_BYTES).
 inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens, int num_seqs,
                                int num_kv_heads, int group_size, int max_seq_len, int num_sms,
-                               int major, int optin_smem, int ws_mode = kWsAuto) {
+                               int major, int optin_smem, int ws_mode = kWsAuto,
+                               long long ws_capacity = -1) {
   AttnPlan plan{};
   const bool prefill = tuning::use_prefill_kernel(multi, D, num_tokens, num_seqs, group_size) &&
                        prefill_fits(D, key_e4m3, major, optin_smem);
@@ -107,10 +118,10 @@ inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens,
   // (sequence, kv head) of the workspace pass (at most 65535)
   const bool ws = prefill && prefill_uses_wgmma(major) && ws_mode != kWsOff &&
                   (ws_mode == kWsOn || tuning::use_prefill_workspace(num_tokens, num_seqs, group_size));
-  const long long steps = (msl + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE;
-  const long long bytes = (long long)num_seqs * steps * num_kv_heads * prefill_ws_tile_bytes(D, key_e4m3);
-  if (ws && steps > 0 && bytes <= tuning::PREFILL_WS_MAX_BYTES && (long long)num_seqs * num_kv_heads <= 65535) {
-    plan.ws_steps = (int)steps;
+  const long long bytes = prefill_workspace_bytes(D, key_e4m3, num_seqs, num_kv_heads, msl);
+  const long long bound = ws_capacity >= 0 ? ws_capacity : tuning::PREFILL_WS_MAX_BYTES;
+  if (ws && bytes > 0 && bytes <= bound && (long long)num_seqs * num_kv_heads <= 65535) {
+    plan.ws_steps = (msl + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE;
     plan.ws_bytes = bytes;
   }
   return plan;

@@ -1,5 +1,6 @@
 // turboquant cuda backend: the one torch file. Implements (CUDA dispatch key) the ops
 //   turboquant::paged_attention_fp4_cuda   (ATTENTION_SCHEMA in turboquant/ops.py)
+//   turboquant::prefill_workspace_bytes_cuda (WORKSPACE_BYTES_SCHEMA)
 //   turboquant::reshape_and_cache_fp4_cuda (CACHE_WRITE_SCHEMA)
 //   turboquant::merge_attention_states_cuda (MERGE_STATES_SCHEMA)
 //   turboquant::shared_records_cuda        (SHARED_RECORDS_SCHEMA: turboquant/shared_state.py)
@@ -108,7 +109,8 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                               const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
                               bool sink,
                               const std::optional<at::Tensor>& sinks,  // float32 [num_heads]
-                              const std::optional<at::Tensor>& lse) {  // float32 [num_tokens, num_heads]
+                              const std::optional<at::Tensor>& lse,  // float32 [num_tokens, num_heads]
+                              const std::optional<at::Tensor>& workspace) {  // uint8 [bytes]
   TORCH_CHECK(!sink || seq_state.has_value(), "sink: needs seq_state");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-D CUDA tensor");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -145,6 +147,11 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
     TORCH_CHECK(lse->is_cuda() && lse->scalar_type() == at::kFloat && lse->dim() == 2 && lse->size(0) == num_tokens &&
                     lse->size(1) == num_heads && lse->is_contiguous(),
                 "lse: expected a contiguous float32 [num_tokens, num_heads] CUDA tensor");
+  if (workspace.has_value())
+    TORCH_CHECK(workspace->device() == query.device() && workspace->scalar_type() == at::kByte &&
+                    workspace->dim() == 1 && workspace->is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(workspace->data_ptr()) % 16 == 0,
+                "workspace: expected a contiguous 1-D uint8 tensor on the query's device, 16-byte aligned");
   if (num_tokens == 0) return;
   const c10::cuda::CUDAGuard guard(query.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -162,7 +169,8 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   const tq::AttnPlan plan = tq::plan_attention(D, key_e4m3, multi, num_tokens, num_seqs, hkv, G,
                                                (int)std::max<int64_t>(max_seq_len, 0),
                                                num_sms(query.get_device()), prop->major,
-                                               (int)prop->sharedMemPerBlockOptin, prefill_workspace_mode());
+                                               (int)prop->sharedMemPerBlockOptin, prefill_workspace_mode(),
+                                               workspace.has_value() ? workspace->numel() : -1);
   // the kernel's shared memory must fit this GPU (a named error, not a failed launch)
   TORCH_CHECK(plan.smem_bytes <= (int)prop->sharedMemPerBlockOptin, "paged_attention_fp4 (cuda): the ", plan.name,
               " attention kernel needs ", plan.smem_bytes, " bytes of shared memory per block at head_dim ", D,
@@ -173,8 +181,10 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   const int nparts = plan.num_partitions;
   TORCH_CHECK(nparts <= 65535, "max_seq_len too large");
 
+  // the decode-once workspace: the caller's (the plan fitted the call to it), else one of its own
   at::Tensor tmp_out, tmp_ml, ws;
-  if (plan.ws_steps > 0) ws = at::empty({plan.ws_bytes}, query.options().dtype(at::kByte));
+  if (plan.ws_steps > 0)
+    ws = workspace.has_value() ? *workspace : at::empty({plan.ws_bytes}, query.options().dtype(at::kByte));
   if (nparts > 1) {
     auto fopts = query.options().dtype(at::kFloat);
     tmp_out = at::empty({num_tokens, num_heads, nparts, D}, fopts);
@@ -231,6 +241,27 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
 #endif
 #undef TQ_LAUNCH
   C10_CUDA_CHECK(err);
+}
+
+// The bytes of a workspace that serves every paged_attention_fp4_cuda call of query's device,
+// head dim and key format with at most num_seqs sequences of at most max_seq_len keys (0 where
+// such calls never take the decode-once workspace: below SM90, or where the prefill kernel does
+// not fit), at most tuning::PREFILL_WS_MAX_BYTES (calls that need more decode in the kernel).
+int64_t prefill_workspace_bytes_cuda(const at::Tensor& query,  // [any, num_heads, D]: device, D
+                                     int64_t num_seqs, int64_t max_seq_len, int64_t num_kv_heads,
+                                     bool key_e4m3) {
+  TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-D CUDA tensor");
+  const int D = (int)query.size(2);
+  TORCH_CHECK(tq::is_head_dim(D), "head_dim ", D, " is not one the kernels are built for (limits.cuh)");
+  TORCH_CHECK(num_seqs >= 0 && num_seqs < (1LL << 31), "num_seqs: expected 0 <= num_seqs < 2^31");
+  TORCH_CHECK(max_seq_len >= 0 && max_seq_len < (1LL << 31), "max_seq_len: expected 0 <= max_seq_len < 2^31");
+  TORCH_CHECK(num_kv_heads > 0 && num_kv_heads <= 65535, "num_kv_heads: expected 1 .. 65535");
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.get_device());
+  if (!tq::prefill_uses_wgmma(prop->major) ||
+      !tq::prefill_fits(D, key_e4m3, prop->major, (int)prop->sharedMemPerBlockOptin))
+    return 0;
+  return std::min(tq::prefill_workspace_bytes(D, key_e4m3, (int)num_seqs, (int)num_kv_heads, (int)max_seq_len),
+                  turboquant::tuning::PREFILL_WS_MAX_BYTES);
 }
 
 void reshape_and_cache_fp4_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -442,6 +473,7 @@ TORCH_LIBRARY_IMPL(turboquant, CUDA, m) {
   m.impl("shared_records_cuda", &shared_records_cuda);
   m.impl("shared_enter_sinks_cuda", &shared_enter_sinks_cuda);
   m.impl("paged_attention_fp4_cuda", &paged_attention_fp4_cuda);
+  m.impl("prefill_workspace_bytes_cuda", &prefill_workspace_bytes_cuda);
   m.impl("reshape_and_cache_fp4_cuda", &reshape_and_cache_fp4_cuda);
   m.impl("merge_attention_states_cuda", &merge_attention_states_cuda);
 }

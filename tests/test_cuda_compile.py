@@ -233,6 +233,18 @@ int main() {
   const AttnPlan on = plan_attention(128, false, true, 512, 16, 8, 4, 4096, 132, 9, 232448, kWsOn);
   const AttnPlan off = plan_attention(128, false, true, 4096, 2, 8, 4, 4096, 132, 9, 232448, kWsOff);
   printf("WS %d %d %lld %d\n", one.ws_steps, on.ws_steps, on.ws_bytes, off.ws_steps);
+  // the caller's workspace bounds it: exactly the call's bytes, a byte fewer, none; one larger
+  // than the per-call bound (a call allocating its own stays within 1 GiB)
+  const long long need = prefill_workspace_bytes(128, false, 1, 8, 4096);
+  const AttnPlan fit = plan_attention(128, false, true, 2048, 1, 8, 4, 4096, 132, 9, 232448, kWsAuto, need);
+  const AttnPlan shy = plan_attention(128, false, true, 2048, 1, 8, 4, 4096, 132, 9, 232448, kWsAuto, need - 1);
+  const AttnPlan none = plan_attention(128, false, true, 2048, 1, 8, 4, 4096, 132, 9, 232448, kWsAuto, 0);
+  const int big_len = (int)((2 * turboquant::tuning::PREFILL_WS_MAX_BYTES) / (8 * 24832) * 64);
+  const long long big = prefill_workspace_bytes(128, false, 1, 8, big_len);
+  const AttnPlan own = plan_attention(128, false, true, 65536, 1, 8, 4, big_len, 132, 9, 232448);
+  const AttnPlan given = plan_attention(128, false, true, 65536, 1, 8, 4, big_len, 132, 9, 232448, kWsAuto, big);
+  printf("CAP %lld %lld %lld %lld %lld %d %d\n", need, fit.ws_bytes, shy.ws_bytes, none.ws_bytes, big,
+         own.ws_steps, given.ws_steps);
   printf("PREFILL_ROWS %d\n", turboquant::tuning::PREFILL_ROWS);
   return 0;
 }
@@ -256,6 +268,7 @@ def test_the_launch_plan_names_the_kernel_its_size_grid_and_splits(tmp_path):
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60).stdout.splitlines()
     prefill_rows = int(out.pop().split()[1])
+    need, fit, shy, none, big, own, given = map(int, out.pop().split()[1:])
     ws_one, ws_on, ws_on_bytes, ws_off = map(int, out.pop().split()[1:])
     ws_at, ws_below = map(int, out.pop().split()[1:])
     rows = [(line.split("|")[0], *map(int, line.split("|")[1].split())) for line in out]
@@ -285,6 +298,9 @@ def test_the_launch_plan_names_the_kernel_its_size_grid_and_splits(tmp_path):
     assert all(w == (0, 0) for i, w in enumerate(ws) if i != 6)
     assert (ws_one, ws_on, ws_on_bytes, ws_off) == (0, 64, 16 * 64 * 8 * 24832, 0)
     assert (ws_at, ws_below) == (64, 0)
+    # a caller's workspace: taken where the call's bytes fit it, also past the per-call bound
+    assert need == 64 * 8 * 24832 and (fit, shy, none) == (need, 0, 0)
+    assert big > 2 ** 30 and own == 0 and given == -(-big // (8 * 24832))
 
 
 def test_the_head_dim_list_is_the_one_the_code_builds_and_rejects_others(tmp_path):

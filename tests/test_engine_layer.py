@@ -80,7 +80,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
-def test_engine_steps_match_the_api_and_fp32(key_format, device):
+def test_engine_steps_match_the_api_and_fp32(key_format, device, monkeypatch):
+    import turboquant.integration.vllm.layer as layer_module
+    given = []  # the workspace each attention call of the layer was given
+
+    def spy(*args, **kwargs):
+        given.append(kwargs.get("workspace"))
+        return tq.paged_attention_fp4(*args, **kwargs)
+    monkeypatch.setattr(layer_module, "paged_attention_fp4", spy)
     gen = torch.Generator().manual_seed(11)
     table, steps, lens = schedule(gen, device)
     kv = {(layer, i): (torch.randn(n, HKV, D, generator=gen).bfloat16(),
@@ -97,9 +104,14 @@ def test_engine_steps_match_the_api_and_fp32(key_format, device):
         slots = torch.cat([slots_of(table, st["seq"], st["pos"]),
                            torch.full((PAD,), -1)]).to(device)
         # steps 0 and 2 start with a decode: the layer runs it as its own call
-        meta = StepMetadata.build(st["cu"], st["seq_lens"], table[st["live"]], slots, n,
-                                  int(st["seq_lens"].max()),
-                                  num_decodes=leading_decodes(st["cu"].cpu(), len(st["live"])))
+        # the engine's workspace, poisoned (its contents are never read before written)
+        msl = int(st["seq_lens"].max())
+        nbytes = tq.prefill_workspace_bytes(len(st["live"]), msl, HKV, D, key_format=key_format,
+                                            device=device)
+        ws = torch.full((max(nbytes, 16),), 0xFF, dtype=torch.uint8, device=device)
+        meta = StepMetadata.build(st["cu"], st["seq_lens"], table[st["live"]], slots, n, msl,
+                                  num_decodes=leading_decodes(st["cu"].cpu(), len(st["live"])),
+                                  workspace=ws)
         assert meta.num_decodes == [1, 0, 1][step]
         assert meta.positions.tolist() == st["pos"]
         for layer in range(2):
@@ -110,6 +122,7 @@ def test_engine_steps_match_the_api_and_fp32(key_format, device):
             q = torch.randn(n + PAD, HQ, D, generator=gen).bfloat16().to(device)
             out = torch.full_like(q, 7.0)
             layers[layer].forward(q, k, v, buffers[layer], meta, out)
+            assert given.pop() is ws and not given
             assert torch.equal(out[n:], torch.full_like(out[n:], 7.0))  # padding rows untouched
             cache = api_caches[layer]
             tq.reshape_and_cache_fp4(k[:n], v[:n], *cache, slots[:n], positions=meta.positions,

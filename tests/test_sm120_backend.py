@@ -180,8 +180,8 @@ def _host_sim(tmp_path):
     so.sim_attention.restype = i32
 
     def op(out, query, kc, vc, ks, vs, bt, sl, cu, scale, window, cap, max_seq_len, signs, state, ids, sink,
-           sinks=None, lse=None):
-        assert sinks is None and lse is None  # the backend declines them
+           sinks=None, lse=None, workspace=None):
+        assert sinks is None and lse is None  # the backend declines them (and ignores workspace)
         def p(t):
             return None if t is None else ctypes.c_void_p(t.data_ptr())
         assert out.dtype == torch.bfloat16 and query.is_contiguous() and out.is_contiguous()

@@ -64,6 +64,12 @@ BAD = [
     (dict(seq_state=torch.zeros(3, 2, 5, 64)), ValueError, "shared_state: given with seq_state"),
     (dict(config=tq.QuantConfig(key_smoothing=None, sink=False)), ValueError,
      "config: this cache was written with config 'default'.*passes 'rotation'"),
+    (dict(workspace=torch.zeros(64, dtype=torch.int8)), TypeError, "workspace.*uint8"),
+    (dict(workspace=torch.zeros(4, 16, dtype=torch.uint8)), ValueError, "workspace.*1-D"),
+    (dict(workspace=torch.zeros(64, dtype=torch.uint8)[1:]), ValueError,
+     "workspace.*16-byte aligned"),
+    (dict(workspace=torch.zeros(64, dtype=torch.uint8)[::2]), ValueError,
+     "workspace.*contiguous"),
 ]
 
 
@@ -432,3 +438,21 @@ def test_another_layers_shared_state_is_refused():
         tq.reshape_and_cache_fp4(k[:1], k[:1], *cache, torch.tensor([40]), shared_state=other)
     assert torch.isfinite(tq.paged_attention_fp4(q, *cache, table, lens, 0.125,
                                                  shared_state=mine)).all()
+
+
+def test_a_workspace_changes_no_output_and_sizes_to_zero_where_nothing_takes_it(case):
+    """A caller's workspace (any size; here poisoned) gives the same bits as none, also through
+    num_decodes' two calls; prefill_workspace_bytes is 0 where no backend takes one (the CPU)
+    and names its bad arguments."""
+    ws = torch.full((4096,), 0xFF, dtype=torch.uint8)
+    cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    for kw in (dict(), dict(cu_query_lens=cu), dict(cu_query_lens=cu, num_decodes=2)):
+        assert torch.equal(call(case, workspace=ws, **kw), call(case, **kw))
+    assert tq.prefill_workspace_bytes(1, 65536, 8, 128, device="cpu") == 0
+    for bad, match in ((dict(num_seqs=-1), "num_seqs"), (dict(max_seq_len=1.5), "max_seq_len"),
+                       (dict(num_kv_heads=0), "num_kv_heads"), (dict(key_format="fp8"),
+                                                                "key_format")):
+        args = dict(num_seqs=1, max_seq_len=16, num_kv_heads=8, head_dim=128)
+        args.update(bad)
+        with pytest.raises(ValueError, match=match):
+            tq.prefill_workspace_bytes(**args)

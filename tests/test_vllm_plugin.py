@@ -222,7 +222,7 @@ def test_builder_declines_setups_that_move_blocks_as_bytes(backends):
     from types import SimpleNamespace as NS
 
     def config(hybrid=False, skip=(), unit=None, draft_dtype=None):
-        return NS(model_config=NS(is_hybrid=hybrid),
+        return NS(model_config=NS(is_hybrid=hybrid, max_model_len=4096),
                   cache_config=NS(kv_cache_dtype_skip_layers=list(skip), prefix_match_unit=unit,
                                   block_size=BS, cache_dtype="tq_fp4"),
                   speculative_config=None if draft_dtype is None else
@@ -253,7 +253,46 @@ def test_builder_declines_setups_that_move_blocks_as_bytes(backends):
                          ("block_table", common.block_table_tensor)):
         assert getattr(first, name).data_ptr() == theirs.data_ptr(), name  # views, no copies
     assert first.positions.tolist() == [7, 8, 9, 6]
+    assert builder.workspace is None and first.workspace is None  # (none taken on the CPU)
     assert first.positions.data_ptr() == builder._positions.data_ptr()
     second = builder.build(0, common.replace(seq_lens=lens + 1))
     assert second.positions.data_ptr() == first.positions.data_ptr()
     assert first.positions.tolist() == [8, 9, 10, 7]  # updated in place, as a graph reads it
+
+
+def test_builder_allocates_one_prefill_workspace_for_every_step(backends, monkeypatch):
+    """Where a kernel takes the prefill workspace, the builder allocates it once, sized by
+    turboquant.prefill_workspace_bytes for one sequence of max_model_len keys (its head size,
+    kv heads and key format), and every step's metadata carries that same tensor to the
+    layers' calls."""
+    from types import SimpleNamespace as NS
+    from turboquant.integration.vllm import backend as vb
+
+    asked = []
+
+    def sized(*args, **kwargs):
+        asked.append((args, kwargs))
+        return 4096
+    monkeypatch.setattr(vb, "prefill_workspace_bytes", sized)
+    for name, key_format in (("TQ_FP4", "fp4"), ("TQ_K8V4", "fp8_e4m3")):
+        backend = backends[name]
+        dtype = backend.supported_kv_cache_dtypes[0]
+        config = NS(model_config=NS(is_hybrid=False, max_model_len=32768),
+                    cache_config=NS(kv_cache_dtype_skip_layers=[], prefix_match_unit=None,
+                                    block_size=BS, cache_dtype=dtype),
+                    speculative_config=None, scheduler_config=NS(max_num_batched_tokens=64))
+        builder = backend.get_builder_cls()(spec_for(dtype, backend=backend), ["x"], config,
+                                            torch.device("cpu"))
+        assert asked.pop() == ((1, 32768, HKV, D), dict(key_format=key_format,
+                                                        device=torch.device("cpu")))
+        ws = builder.workspace
+        assert ws.dtype == torch.uint8 and ws.shape == (4096,)
+        cu = torch.tensor([0, 3, 4], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=cu, query_start_loc_cpu=cu,
+            seq_lens=torch.tensor([10, 7], dtype=torch.int32), num_reqs=2,
+            num_actual_tokens=4, max_query_len=3, max_seq_len=10,
+            block_table_tensor=torch.zeros(2, 1, dtype=torch.int32),
+            slot_mapping=torch.arange(4))
+        for _ in range(2):
+            assert builder.build(0, common).workspace is ws

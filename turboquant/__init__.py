@@ -17,7 +17,8 @@
 """
 from . import _backends  # registers the vendor backends  # noqa: F401
 from . import reference as _reference  # registers the reference backend  # noqa: F401
-from .api import backends, explain, paged_attention_fp4, reshape_and_cache_fp4
+from .api import (backends, explain, paged_attention_fp4, prefill_workspace_bytes,
+                  reshape_and_cache_fp4)
 from .calls import value_checks
 from .cache import FP4Cache, allocate_cache, cache_in
 from .config import QuantConfig
@@ -30,7 +31,7 @@ __all__ = ["FP4Cache", "QuantConfig", "SharedState", "allocate_cache", "allocate
            "cache_in",
            "allocate_state", "backends", "explain",
            "dequantize_fp4", "load_calibration", "merge_attention_states",
-           "merge_attention_states_n", "paged_attention_fp4",
+           "merge_attention_states_n", "paged_attention_fp4", "prefill_workspace_bytes",
            "quantize_fp4",
            "reshape_and_cache_fp4", "save_calibration", "value_checks"]
 __version__ = "0.1.0"

@@ -259,7 +259,8 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
                       sinks: Optional[torch.Tensor] = None,
                       return_lse: bool = False,
                       holds_first_token: bool = True,
-                      shared_state: Optional[SharedState] = None) -> AttentionCall:
+                      shared_state: Optional[SharedState] = None,
+                      workspace: Optional[torch.Tensor] = None) -> AttentionCall:
     """Validate the arguments of ``paged_attention_fp4`` (all but ``out`` and ``backend``) and
     return the call a backend runs, transforms included (``registry.select`` takes it)."""
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
@@ -288,9 +289,44 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
         check_device(query.device, sinks=sinks)
         if not sinks.is_contiguous():
             raise ValueError("sinks: expected a contiguous tensor")
+    if workspace is not None:
+        _check_workspace(workspace, query.device)
     return dataclasses.replace(call, rotation_signs=signs, seq_state=seq_state,
                                state_ids=state_ids, sink=config.sink and bool(holds_first_token),
-                               sinks=sinks, return_lse=bool(return_lse))
+                               sinks=sinks, return_lse=bool(return_lse), workspace=workspace)
+
+
+def _check_workspace(workspace, device: torch.device) -> None:
+    check_tensor("workspace", workspace, (torch.uint8,), (1,))
+    check_device(device, workspace=workspace)
+    if not workspace.is_contiguous() or workspace.data_ptr() % 16:
+        raise ValueError("workspace: expected a contiguous tensor starting at a 16-byte "
+                         "aligned address")
+
+
+def prefill_workspace_bytes(num_seqs: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
+                            *, key_format: str = "fp4", device=None) -> int:
+    """The bytes of a ``workspace`` for ``paged_attention_fp4`` that serves every call on
+    ``device`` (default: the current CUDA device) with at most ``num_seqs`` sequences of at most
+    ``max_seq_len`` keys, ``num_kv_heads`` and ``head_dim``: what an engine allocates once at
+    start-up. 0 where no backend there takes one (only the cuda backend's SM90 prefill kernel
+    does: its decode-once pass, csrc_cuda/prefill_workspace.cuh, about 388 bytes per key and kv
+    head at D 128), at most 1 GiB (a call that needs more decodes in the kernel instead)."""
+    if key_format not in ("fp4", "fp8_e4m3"):
+        raise ValueError(f"key_format: expected 'fp4' or 'fp8_e4m3', got {key_format!r}")
+    for name, v, lo in (("num_seqs", num_seqs, 0), ("max_seq_len", max_seq_len, 0),
+                        ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+    from ._backends import cuda
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda" or cuda.BACKEND.unavailable() is not None:
+        return 0
+    query = torch.empty(0, num_kv_heads, head_dim, device=device)  # (its device and head dim)
+    return int(cuda.workspace_bytes(query, num_seqs, max_seq_len, num_kv_heads,
+                                    key_format == "fp8_e4m3"))
 
 
 def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales, block_tables,
@@ -303,7 +339,8 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                         sinks: Optional[torch.Tensor] = None,
                         return_lse: bool = False, holds_first_token: bool = True,
                         lse_out: Optional[torch.Tensor] = None,
-                        shared_state: Optional[SharedState] = None, num_decodes: int = 0):
+                        shared_state: Optional[SharedState] = None, num_decodes: int = 0,
+                        workspace: Optional[torch.Tensor] = None):
     """Attention of ``query`` [num_tokens, num_heads, D] over the FP4 paged cache.
 
     ``max_seq_len`` (an extension to the contract's signature) is an optional host-side upper
@@ -336,6 +373,13 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
     ``reorder_batch_threshold = 1`` makes it): they run as a decode batch and the other
     sequences as a multi-token batch, two calls, each choosing its own kernel. Without it a
     chunked-prefill step's decode rows ride the prefill kernel's 128-row tiles.
+    ``workspace`` (contiguous uint8 [bytes], 16-byte aligned, on the query's device): scratch
+    memory for the call, allocated once by the caller (``prefill_workspace_bytes`` sizes it)
+    and reused by every call and layer on one stream; its contents are not kept. A long
+    chunked prefill on SM90 decodes its context once into it (csrc_cuda/prefill_workspace.cuh);
+    a call that needs more than it holds decodes in the kernel, and with a workspace given no
+    call allocates one of its own (without it, a call that takes the pass allocates its bytes
+    from torch's caching allocator). Other backends ignore it.
     """
     num_seqs = seq_lens.shape[0] if isinstance(seq_lens, torch.Tensor) else 0
     check_num_decodes(num_decodes, cu_query_lens, num_seqs)
@@ -346,13 +390,14 @@ def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
             dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                  backend=backend, max_seq_len=max_seq_len, config=config, seq_state=seq_state,
                  sinks=sinks, holds_first_token=holds_first_token,
-                 shared_state=shared_state))
+                 shared_state=shared_state, workspace=workspace))
     call = prepare_attention(query, key_cache, value_cache, key_scales, value_scales,
                              block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                              max_seq_len=max_seq_len, config=config, seq_state=seq_state,
                              state_ids=state_ids, sinks=sinks, return_lse=return_lse,
-                             holds_first_token=holds_first_token, shared_state=shared_state)
+                             holds_first_token=holds_first_token, shared_state=shared_state,
+                             workspace=workspace)
     if out is None:
         out = torch.empty_like(query)
     else:

@@ -9,9 +9,11 @@ The transforms of CONTRACT.md section 2 travel with every call: ``rotation_signs
 [D] of +-1, or None: no rotation), ``seq_state`` (float32 [num_slots, num_kv_heads, 5, D],
 ``turboquant.smoothing``) and ``state_ids`` (int32: the slot of each sequence for attention,
 of each token for the writer), ``sink`` (attention reads position 0 from the state record).
-Attention also takes ``sinks`` (float32 [num_heads]: learned sink logits, or None) and ``lse``
+Attention also takes ``sinks`` (float32 [num_heads]: learned sink logits, or None), ``lse``
 (float32 [num_tokens, num_heads], written when given: the natural-log log-sum-exp of each
-row's logits, ``turboquant.api.paged_attention_fp4``).
+row's logits, ``turboquant.api.paged_attention_fp4``) and ``workspace`` (uint8 [bytes], or
+None: scratch memory a backend may use instead of allocating its own; its contents are not
+kept between calls).
 The writer gets ``seq_state`` only with key smoothing; the reader whenever the config uses it.
 """
 
@@ -20,7 +22,14 @@ ATTENTION_SCHEMA = (
     "Tensor key_scales, Tensor value_scales, Tensor block_tables, Tensor seq_lens, "
     "Tensor? cu_query_lens, float scale, int sliding_window, float logits_soft_cap, "
     "int max_seq_len, Tensor? rotation_signs, Tensor? seq_state, Tensor? state_ids, "
-    "bool sink, Tensor? sinks=None, Tensor(b!)? lse=None) -> ()"
+    "bool sink, Tensor? sinks=None, Tensor(b!)? lse=None, Tensor(c!)? workspace=None) -> ()"
+)
+
+# The bytes of a prefill workspace (``workspace`` above) that serves every attention call of
+# ``query``'s device, head dim and key format with at most ``num_seqs`` sequences of at most
+# ``max_seq_len`` keys (``turboquant.prefill_workspace_bytes``); cuda backend only.
+WORKSPACE_BYTES_SCHEMA = (
+    "(Tensor query, int num_seqs, int max_seq_len, int num_kv_heads, bool key_e4m3) -> int"
 )
 
 CACHE_WRITE_SCHEMA = (
@@ -54,12 +63,13 @@ SHARED_ENTER_SINKS_SCHEMA = (
 
 def define(qualname: str, schema: str) -> None:
     """Define ``qualname`` (``turboquant::<op>_<backend>``) with ``schema`` once, with a fake
-    (meta) implementation: the ops only write into their mutable arguments and return
-    nothing, so tracing needs no shape logic."""
+    (meta) implementation where it returns nothing (those ops only write into their mutable
+    arguments, so tracing needs no shape logic; the others are host-side queries)."""
     import torch
 
     ns, name = qualname.split("::")
     if hasattr(getattr(torch.ops, ns), name):
         return
     torch.library.define(qualname, schema)
-    torch.library.register_fake(qualname)(lambda *args, **kwargs: None)
+    if schema.endswith("-> ()"):
+        torch.library.register_fake(qualname)(lambda *args, **kwargs: None)

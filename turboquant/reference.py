@@ -219,7 +219,8 @@ CACHE_WRITE_OPS = {"smallest": "reshape_and_cache_fp4_reference",
 @torch.library.impl("turboquant::paged_attention_fp4_reference", "CompositeExplicitAutograd")
 def _attention_op(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
                   seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
-                  rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None):
+                  rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None,
+                  workspace=None):  # (workspace: not needed here)
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len, check_values=False)

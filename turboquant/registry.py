@@ -53,6 +53,7 @@ class AttentionCall:
     sinks: Optional[torch.Tensor] = None  # float32 [num_heads]: learned sink logits (gpt-oss)
     return_lse: bool = False  # the caller wants each row's log-sum-exp (float32 [T, num_heads])
     key_format: str = "fp4"  # or "fp8_e4m3": a K8V4 cache (E4M3 keys, FP4 values)
+    workspace: Optional[torch.Tensor] = None  # uint8 [bytes]: the caller's prefill workspace
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
                                const std::optional<at::Tensor>& state_ids,  // int32 [num_seqs]
                                bool sink,
                                const std::optional<at::Tensor>& sinks,  // float32 [num_heads]: not here yet
-                               const std::optional<at::Tensor>& lse) {  // float32 [num_tokens, num_heads]: not here yet
+                               const std::optional<at::Tensor>& lse,  // float32 [num_tokens, num_heads]: not here yet
+                               const std::optional<at::Tensor>& workspace) {  // uint8 [bytes]: unused (no decode-once pass)
   TORCH_CHECK(!sinks.has_value() && !lse.has_value(),
               "sinks/lse: the sm120 kernel has no learned sinks or log-sum-exp output yet (the backend declines them)");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-d CUDA tensor");

@@ -151,6 +151,49 @@ def test_cuda_graph_replay_equals_eager():
     _same(out, eager)
 
 
+def test_the_callers_workspace():
+    """A workspace the caller sized with prefill_workspace_bytes (poisoned: its contents are not
+    read before they are written): the pass runs into it, the output has the bits of the call's
+    own allocation, and the call allocates nothing of that size; captured in a CUDA graph, the
+    replay gives the same bits. One 16 bytes short: no pass (the kernel decodes itself), the
+    same bits. Misaligned, or another device's type: the op's named error."""
+    prob, q, cu = _problem([4000, 3000], 32, 8, 128, 16, qlens=[300, 300], seed=9)
+    need = turboquant.prefill_workspace_bytes(2, 4000, 8, 128)
+    assert need == 2 * 63 * 8 * 24832  # ceil(4000 / 64) steps, 24832 bytes a tile at D 128
+    assert turboquant.prefill_workspace_bytes(1, 1 << 24, 8, 128) == 1 << 30  # the bound
+    out = torch.empty_like(q)
+
+    def run(ws=None):
+        return _run("cuda", prob, q, cu, max_seq_len=4000, out=out, workspace=ws).clone()
+    ws = torch.full((need,), 0xFF, dtype=torch.uint8, device="cuda")
+    with workspace("1"):
+        own = run()
+        assert any(WS_KERNEL in n for n in _kernel_names(lambda: run(ws)))
+        ws.fill_(0xFF)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        _run("cuda", prob, q, cu, max_seq_len=4000, out=out, workspace=ws)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before < need // 4
+        _same(out, own)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _run("cuda", prob, q, cu, max_seq_len=4000, out=out, workspace=ws)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        _same(out, own)
+        short = ws[:need - 16]
+        assert not any(WS_KERNEL in n for n in _kernel_names(lambda: run(short)))
+        _same(run(short), own)
+    with pytest.raises(RuntimeError, match="workspace.*16-byte aligned"):
+        op_args = turboquant.calls.attention_op_args(
+            turboquant.api.prepare_attention(q, *prob.cache, prob.block_tables, prob.seq_lens,
+                                             0.1, cu_query_lens=cu, **prob.kwargs), out)
+        torch.ops.turboquant.paged_attention_fp4_cuda(*op_args[:-1], ws[1:])
+
+
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_compute_sanitizer_with_the_workspace(tmp_path, tool, monkeypatch):

@@ -79,8 +79,8 @@ define(CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)
 
 def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
           seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
-          rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None):
-    import aiter
+          rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None, workspace=None):
+    import aiter  # (workspace: not taken; aiter's wrapper sizes its own per call)
 
     aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                               block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,

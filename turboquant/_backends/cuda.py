@@ -39,7 +39,8 @@ import torch
 
 from ..calls import attention_op_args, cache_write_op_args
 from ..ops import (ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, MERGE_STATES_SCHEMA,
-                   SHARED_ENTER_SINKS_SCHEMA, SHARED_RECORDS_SCHEMA, define)
+                   SHARED_ENTER_SINKS_SCHEMA, SHARED_RECORDS_SCHEMA, WORKSPACE_BYTES_SCHEMA,
+                   define)
 from ..sources import cuda_limits, source_dir
 from ._jit import Once, load, sources_hash
 from ..registry import (AttentionCall, Backend, CacheWrite, MergeCall, register,
@@ -50,6 +51,7 @@ CACHE_WRITE_OP = "turboquant::reshape_and_cache_fp4_cuda"
 MERGE_STATES_OP = "turboquant::merge_attention_states_cuda"
 SHARED_RECORDS_OP = "turboquant::shared_records_cuda"  # turboquant.shared_state's two kernels
 SHARED_ENTER_SINKS_OP = "turboquant::shared_enter_sinks_cuda"
+WORKSPACE_BYTES_OP = "turboquant::prefill_workspace_bytes_cuda"
 HEAD_DIMS, MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = cuda_limits()  # csrc_cuda/limits.cuh
 
 CSRC = source_dir("cuda")
@@ -60,6 +62,7 @@ define(CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)
 define(MERGE_STATES_OP, MERGE_STATES_SCHEMA)
 define(SHARED_RECORDS_OP, SHARED_RECORDS_SCHEMA)
 define(SHARED_ENTER_SINKS_OP, SHARED_ENTER_SINKS_SCHEMA)
+define(WORKSPACE_BYTES_OP, WORKSPACE_BYTES_SCHEMA)
 
 _loaded = Once("building the CUDA extension failed")
 
@@ -96,6 +99,14 @@ def _load() -> None:
 def ensure_loaded() -> Optional[str]:
     """Load the extension once; return None or the reason it cannot be used."""
     return _loaded(None, _load)
+
+
+def workspace_bytes(query: torch.Tensor, num_seqs: int, max_seq_len: int, num_kv_heads: int,
+                    key_e4m3: bool) -> int:
+    """turboquant.prefill_workspace_bytes on a CUDA query [any, any, D] (the extension
+    loaded)."""
+    return torch.ops.turboquant.prefill_workspace_bytes_cuda(query, num_seqs, max_seq_len,
+                                                             num_kv_heads, key_e4m3)
 
 
 def _aligned(t: torch.Tensor, nbytes: int) -> bool:

@@ -17,6 +17,12 @@ Choices (vLLM 0.33):
   covers any sequence a replay brings. Mixed and prefill batches run eagerly, decode-first
   (``reorder_batch_threshold = 1``): a step's decodes as one call and its other sequences as
   another, each with its own kernel (``paged_attention_fp4``'s ``num_decodes``).
+- The prefill workspace (``paged_attention_fp4``'s ``workspace``): the builder allocates one
+  when it starts, for one sequence of ``max_model_len`` keys (a chunked-prefill step usually
+  holds one long prompt; ``turboquant.prefill_workspace_bytes``, at most 1 GiB), and every
+  step's calls share it; a step that needs more decodes in the kernel. vLLM starts the builder
+  after its profile run has sized the cache, so these bytes come out of the memory
+  ``--gpu-memory-utilization`` leaves free.
 - Declined: ALiBi, encoder and cross attention, KV sharing between layers, MLA, sparse attention,
   per-head quant scales, batch invariance, decode context parallelism, non-causal attention.
 - Calibration: ``TURBOQUANT_CALIBRATION=FILE`` (``turboquant.save_calibration``'s format, one
@@ -38,6 +44,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from ...api import prefill_workspace_bytes
 from ...calls import leading_decodes
 from ...shared_state import positions_from_metadata
 from ...smoothing import load_calibration
@@ -80,6 +87,18 @@ def declined_setup(vllm_config) -> Optional[str]:
     return None
 
 
+def prefill_workspace(vllm_config, spec: AttentionSpec, device) -> Optional[torch.Tensor]:
+    """The builder's prefill workspace: uint8 [bytes] for one sequence of max_model_len keys,
+    or None where no kernel on this device takes one (or without a config)."""
+    if vllm_config is None or getattr(vllm_config, "model_config", None) is None:
+        return None
+    key_format = KEY_FORMATS.get(vllm_config.cache_config.cache_dtype, "fp4")
+    nbytes = prefill_workspace_bytes(1, vllm_config.model_config.max_model_len,
+                                     spec.num_kv_heads, spec.head_size, key_format=key_format,
+                                     device=device)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device) if nbytes else None
+
+
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
     """vLLM's per-step metadata -> ``TurboQuantMetadata``, once per step for all layers. Token
     positions are vLLM's (a view of its persistent buffer); where it passes none they are
@@ -97,6 +116,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         tokens = (vllm_config.scheduler_config.max_num_batched_tokens
                   if vllm_config is not None else 0)
         self._positions = torch.zeros(tokens, dtype=torch.long, device=device)
+        self.workspace = prefill_workspace(vllm_config, kv_cache_spec, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TurboQuantMetadata:
@@ -114,7 +134,8 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
                                         m.slot_mapping, m.num_actual_tokens, m.max_seq_len,
                                         positions=positions,
                                         num_decodes=leading_decodes(m.query_start_loc_cpu,
-                                                                    m.num_reqs))
+                                                                    m.num_reqs),
+                                        workspace=self.workspace)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> TurboQuantMetadata:

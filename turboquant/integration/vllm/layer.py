@@ -72,16 +72,20 @@ class StepMetadata:
     # them as a decode call and the rest as a multi-token call (paged_attention_fp4's
     # num_decodes); 0 = one call for the step
     num_decodes: int = 0
+    # uint8 [bytes]: the engine's prefill workspace (turboquant.prefill_workspace_bytes),
+    # allocated once and passed to every layer's call; None: a call allocates its own
+    workspace: Optional[torch.Tensor] = None
 
     @classmethod
     def build(cls, query_start_loc, seq_lens, block_table, slot_mapping, num_tokens: int,
               max_seq_len: int, positions: Optional[torch.Tensor] = None,
-              num_decodes: int = 0) -> "StepMetadata":
+              num_decodes: int = 0, workspace: Optional[torch.Tensor] = None
+              ) -> "StepMetadata":
         """From an engine's metadata; ``positions`` derived from it when not given."""
         if positions is None:
             positions = positions_from_metadata(query_start_loc, seq_lens, num_tokens)
         return cls(query_start_loc, seq_lens, block_table, slot_mapping, positions[:num_tokens],
-                   int(num_tokens), int(max_seq_len), int(num_decodes))
+                   int(num_tokens), int(max_seq_len), int(num_decodes), workspace)
 
 
 class PagedLayer:
@@ -170,7 +174,7 @@ class PagedLayer:
                                                 cache.key_cache.shape[2]),
                                 config=self.config, sinks=self._sinks(query.device),
                                 shared_state=state, backend=self.backend,
-                                num_decodes=meta.num_decodes)
+                                num_decodes=meta.num_decodes, workspace=meta.workspace)
         return output
 
     def _sinks(self, device) -> Optional[torch.Tensor]:
