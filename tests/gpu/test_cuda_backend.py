@@ -974,6 +974,14 @@ SANITIZER_CASE = textwrap.dedent("""
         turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
                                        cu_query_lens=cu, backend="cuda", return_lse=True,
                                        sinks=torch.zeros(8, device="cuda"), **prob.kwargs)
+        # a caller's workspace of exactly the bytes the call needs (taken where the call takes
+        # the workspace pass: with TURBOQUANT_PREFILL_WORKSPACE=1 every multi-token call here)
+        need = turboquant.prefill_workspace_bytes(len(lens), max(lens), 2, d, key_format=kf)
+        if cu is not None and need:
+            turboquant.paged_attention_fp4(q, *prob.cache, prob.block_tables, prob.seq_lens, 0.1,
+                                           cu_query_lens=cu, backend="cuda", max_seq_len=max(lens),
+                                           workspace=torch.empty(need, dtype=torch.uint8,
+                                                                 device="cuda"), **prob.kwargs)
         bt = prob.block_tables.clone(); bt[0, 0] = 10 ** 6
         kw = dict(prob.kwargs)
         if "state_ids" in kw:
@@ -996,7 +1004,9 @@ SANITIZER_CASE = textwrap.dedent("""
 def test_compute_sanitizer(tmp_path, tool):
     script = tmp_path / "case.py"
     script.write_text(SANITIZER_CASE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # every tensor its own cudaMalloc, so that memcheck sees a read past one's end
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     r = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "3",
                         sys.executable, str(script)], capture_output=True, text=True, env=env,
                        timeout=900)
