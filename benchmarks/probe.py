@@ -170,33 +170,12 @@ def smoothing_exponent(args) -> None:
                   f"{100 * r['top1']:.1f} %  ppl {r['ppl_delta_pct']:+.2f} %", flush=True)
 
 
-def kernel_timeline(call, calls: int):
-    """({kernel: mean us per call}, mean us from a call's first kernel's start to its last
-    one's end) of `calls` eager calls under the profiler: where a call's time goes."""
-    import re
-    import torch
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-                      and e.time_range.elapsed_us() > 0), key=lambda e: e.time_range.start)
-    per_call = len(kernels) // calls
-    means = {}
-    for e in kernels:
-        name = re.search(r"(\w+)\s*[<(]", e.name + "(").group(1)
-        means[name] = means.get(name, 0.0) + e.time_range.elapsed_us() / calls
-    spans = [kernels[i + per_call - 1].time_range.end - kernels[i].time_range.start
-             for i in range(0, per_call * calls, per_call)] if per_call else [0]
-    return ({k: round(v, 1) for k, v in means.items()}, round(sum(spans) / len(spans), 1))
-
-
 def prefill_workspace(args) -> None:
     """Chunked prefill with and without the decode-once workspace (csrc_cuda/prefill_workspace.cuh)
     in one process: per shape BxQ@L (32/8/128, block 16, shuffled pages, the default config),
     the call's time (the bench's time_calls: a CUDA graph of --calls calls, median of --rounds) with
-    TURBOQUANT_PREFILL_WORKSPACE=0 and =1, and each mode's kernels (kernel_timeline: mean us per
-    call of each, and the span from a call's first kernel to its last, eager); TFLOP/s over the causal FLOPs of the chunk; the two outputs' difference
+    TURBOQUANT_PREFILL_WORKSPACE=0 and =1, and each mode's kernels (the bench's kernel_times:
+    mean us per call of each, eager calls under the profiler); TFLOP/s over the causal FLOPs of the chunk; the two outputs' difference
     (relative RMS: 0 where the workspace holds the kernel's own bytes) and, with --reference,
     each one's relative RMS and largest error against the reference backend. --scale-mul
     multiplies the softmax scale (more peaked rows). One JSON line per shape."""
@@ -205,7 +184,7 @@ def prefill_workspace(args) -> None:
     import torch
     import turboquant
     from turboquant.bench.multitoken import causal_flops, parse_multi
-    from turboquant.bench.timing import time_calls
+    from turboquant.bench.timing import kernel_times, time_calls
 
     device = torch.device("cuda")
     for shape, row_shape in zip(args.shapes.split(","), parse_multi(args.shapes)):
@@ -231,8 +210,7 @@ def prefill_workspace(args) -> None:
                 outs[mode] = call()
                 row[f"ws{mode}_us"] = round(us, 1)
                 row[f"ws{mode}_tflops"] = round(flops / us / 1e6, 1)
-                row[f"ws{mode}_kernels"], row[f"ws{mode}_span_us"] = kernel_timeline(
-                    call, args.calls)
+                row[f"ws{mode}_kernels"] = kernel_times(call, device, args.calls)
             row["ws_pass_us"] = row["ws1_kernels"].get("prefill_workspace_kernel", 0.0)
             del os.environ["TURBOQUANT_PREFILL_WORKSPACE"]
         row["bit_identical"] = bool(torch.equal(outs["0"], outs["1"]))

@@ -247,6 +247,36 @@ def kernel_names(fn: Callable[[], object], device: torch.device, top: int = 2) -
         return f"(profiler failed: {type(exc).__name__})"
 
 
+def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 5) -> dict:
+    """Mean device time per call (us) of each kernel ``fn`` runs, by its name up to its
+    template arguments, from ``calls`` eager calls under torch.profiler: where a call's time
+    goes. {} off CUDA or where the profiler fails."""
+    if device.type != "cuda":
+        return {}
+    import re
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        fn()
+        torch.cuda.synchronize(device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize(device)
+        means: dict = {}
+        for e in prof.events():
+            if not str(getattr(e, "device_type", "")).endswith("CUDA"):
+                continue
+            name = re.search(r"(\w+)\s*[<(]", e.name + "(").group(1)
+            means[name] = means.get(name, 0.0) + e.time_range.elapsed_us() / calls
+        return {k: round(v, 1) for k, v in means.items()}
+    except Exception:  # noqa: BLE001 - diagnostic only
+        return {}
+
+
 # --------------------------------------------------------------------------------------------
 # HBM bandwidth
 
