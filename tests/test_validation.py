@@ -449,6 +449,7 @@ def test_a_workspace_changes_no_output_and_sizes_to_zero_where_nothing_takes_it(
     for kw in (dict(), dict(cu_query_lens=cu), dict(cu_query_lens=cu, num_decodes=2)):
         assert torch.equal(call(case, workspace=ws, **kw), call(case, **kw))
     assert tq.prefill_workspace_bytes(1, 65536, 8, 128, device="cpu") == 0
+    assert tq.prefill_workspace_bytes(1, 65536, 8, 96) == 0  # no kernel of that head dim
     for bad, match in ((dict(num_seqs=-1), "num_seqs"), (dict(max_seq_len=1.5), "max_seq_len"),
                        (dict(num_kv_heads=0), "num_kv_heads"), (dict(key_format="fp8"),
                                                                 "key_format")):

@@ -322,7 +322,8 @@ def prefill_workspace_bytes(num_seqs: int, max_seq_len: int, num_kv_heads: int, 
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    if device.type != "cuda" or cuda.BACKEND.unavailable() is not None:
+    if (device.type != "cuda" or head_dim not in cuda.HEAD_DIMS
+            or cuda.BACKEND.unavailable() is not None):
         return 0
     query = torch.empty(0, num_kv_heads, head_dim, device=device)  # (its device and head dim)
     return int(cuda.workspace_bytes(query, num_seqs, max_seq_len, num_kv_heads,
