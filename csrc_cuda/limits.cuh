@@ -16,6 +16,12 @@ constexpr int kMinBlockSize = 16, kMaxBlockSize = 256;  // powers of two (the GP
 
 template <int D, int... Ds> constexpr bool in_list(IntList<Ds...>) { return ((D == Ds) || ...); }
 template <int D> constexpr bool supported_head_dim() { return in_list<D>(HeadDims{}); }
+template <int... Ds> constexpr int largest(IntList<Ds...>) {
+  int m = 0;
+  ((m = Ds > m ? Ds : m), ...);
+  return m;
+}
+constexpr int kMaxHeadDim = largest(HeadDims{});
 
 // f(std::integral_constant<int, D>{}) for the D of HeadDims equal to d; false when none is.
 template <typename F, int... Ds> bool for_head_dim(int d, F&& f, IntList<Ds...>) {

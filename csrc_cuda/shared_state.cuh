@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "limits.cuh"
 #include "paged_kv.cuh"
 
 namespace turboquant {
@@ -54,19 +55,48 @@ __device__ inline uint32_t shared_byte(const SharedCache& c, int64_t blk, int of
   return 0u;
 }
 
+// The words one lane of shared_fingerprint takes at most: E4M3 key bytes (D), FP4 value bytes
+// (D / 2) and two scale bytes per 32 elements, at the largest head dim, over 32 lanes.
+constexpr int kFingerprintWords = (kMaxHeadDim + kMaxHeadDim / 2 + 2 * (kMaxHeadDim / 32) + 127) / 128;
+
 // The fingerprint (int64, odd) of (block, offset, head), by one warp (every lane gets it; all
-// 32 lanes must call it).
+// 32 lanes must call it). A lane loads all its words before it mixes them (one round trip, the
+// kernel's time being its chain of them); a word inside the key or the value row is one 32-bit
+// load where the rows are 4-byte aligned, the others (the scales) byte by byte.
 __device__ inline int64_t shared_fingerprint(const SharedCache& c, int64_t blk, int off, int h) {
   const int lane = threadIdx.x & 31;
   const int len = c.key_bytes + c.value_bytes + 2 * c.groups;
   const int words = (len + 3) / 4;
+  const uint8_t* krow = c.key_cache + blk * c.kc_blk + h * c.kc_head + off * c.kc_tok;
+  const uint8_t* vrow = c.value_cache + blk * c.vc_blk + h * c.vc_head + off * c.vc_tok;
+  const bool aligned = ((reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow) |
+                         uintptr_t(c.key_bytes) | uintptr_t(c.value_bytes)) & 3u) == 0;
+  const int kw = c.key_bytes / 4, vw = (c.key_bytes + c.value_bytes) / 4;  // (when aligned)
+  uint32_t word[kFingerprintWords];
+#pragma unroll
+  for (int i = 0; i < kFingerprintWords; ++i) {
+    const int w = lane + 32 * i;
+    word[i] = 0u;
+    if (w >= words) continue;
+    if (aligned && w < kw) {
+      word[i] = __ldg(reinterpret_cast<const uint32_t*>(krow) + w);
+    } else if (aligned && w < vw) {
+      word[i] = __ldg(reinterpret_cast<const uint32_t*>(vrow) + (w - kw));
+    } else {
+      uint32_t byte[4];  // (all four loaded before they are combined)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) byte[b] = shared_byte(c, blk, off, h, 4 * w + b);
+      word[i] = byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24;
+    }
+  }
   uint32_t acc[2] = {0u, 0u};
-  for (int w = lane; w < words; w += 32) {
-    uint32_t word = 0;
-    for (int b = 0; b < 4; ++b) word |= shared_byte(c, blk, off, h, 4 * w + b) << (8 * b);
+#pragma unroll
+  for (int i = 0; i < kFingerprintWords; ++i) {
+    const int w = lane + 32 * i;
+    if (w >= words) continue;
     const uint32_t idx = uint32_t(w + 1);
     for (int m = 0; m < 2; ++m) {
-      uint32_t x = word * kMix[m][0] + idx * kMix[m][1];
+      uint32_t x = word[i] * kMix[m][0] + idx * kMix[m][1];
       x ^= x >> 15;
       x *= kMix[m][2];
       x ^= x >> 13;
@@ -126,29 +156,50 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
   const bool ok = first >= 0 && seq_lens[s] > 0;
   const int64_t blk = ok ? first : 0;
   const float nan = __int_as_float(0x7fc00000);
+  // per head, rounds of loads each issued whole before its values are used (the kernel's time
+  // is its chain of round trips): the smoothing rows and the fingerprint's words; the table's
+  // tag; the entry's rows (a hit) or position 0 decoded (a miss); then the stores
+  constexpr int E = kMaxHeadDim / 32;  // elements per lane at most: e = lane + 32 i
   for (int h = threadIdx.x / 32; h < c.hkv; h += blockDim.x / 32) {
-    const int64_t tag = shared_fingerprint(c, blk, 0, h);
-    const int64_t entry = tag % entries;
-    const bool hit = sink_tags[entry * c.hkv + h] == tag;
     float* rec = records + (int64_t(s) * c.hkv + h) * 5 * D;
     const float* sm = smoothing + int64_t(h) * 5 * D;
-    for (int e = lane; e < D; e += 32) {
-      rec[0 * D + e] = sm[0 * D + e];  // KEY_CENTER
-      rec[1 * D + e] = sm[1 * D + e];  // KEY_SCALE
-      rec[4 * D + e] = sm[4 * D + e];  // KEY_INV_SCALE
-      float k0, v0;
-      if (!ok) {
-        k0 = v0 = nan;
-      } else if (hit) {
-        const uint16_t* kv = sink_kv + (entry * c.hkv + h) * 2 * D;
-        k0 = __uint_as_float(uint32_t(kv[e]) << 16);
-        v0 = __uint_as_float(uint32_t(kv[D + e]) << 16);
-      } else {
-        k0 = shared_decode(c, blk, 0, h, e, true);
-        v0 = shared_decode(c, blk, 0, h, e, false);
+    float row[3][E], k0[E], v0[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const int e = lane + 32 * i;
+      if (e < D) {
+        row[0][i] = __ldg(sm + 0 * D + e);  // KEY_CENTER
+        row[1][i] = __ldg(sm + 1 * D + e);  // KEY_SCALE
+        row[2][i] = __ldg(sm + 4 * D + e);  // KEY_INV_SCALE
       }
-      rec[2 * D + e] = k0;  // SINK_KEY
-      rec[3 * D + e] = v0;  // SINK_VALUE
+    }
+    const int64_t tag = shared_fingerprint(c, blk, 0, h);
+    const int64_t entry = tag % entries;
+    const bool hit = __ldg(sink_tags + entry * c.hkv + h) == tag;
+    const uint16_t* kv = sink_kv + (entry * c.hkv + h) * 2 * D;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const int e = lane + 32 * i;
+      if (e >= D) continue;
+      if (!ok) {
+        k0[i] = v0[i] = nan;
+      } else if (hit) {
+        k0[i] = __uint_as_float(uint32_t(__ldg(kv + e)) << 16);
+        v0[i] = __uint_as_float(uint32_t(__ldg(kv + D + e)) << 16);
+      } else {
+        k0[i] = shared_decode(c, blk, 0, h, e, true);
+        v0[i] = shared_decode(c, blk, 0, h, e, false);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      const int e = lane + 32 * i;
+      if (e >= D) continue;
+      rec[0 * D + e] = row[0][i];
+      rec[1 * D + e] = row[1][i];
+      rec[4 * D + e] = row[2][i];
+      rec[2 * D + e] = k0[i];  // SINK_KEY
+      rec[3 * D + e] = v0[i];  // SINK_VALUE
     }
   }
 }
