@@ -217,32 +217,35 @@ def time_decode(steps: Sequence[Step], queries: Sequence[torch.Tensor],
     return DecodeTimes(single_us, chained_us, used_n, n, "; ".join(notes))
 
 
+def _device_kernels(fn: Callable[[], object], device: torch.device, calls: int) -> list:
+    """(name, us) of every device kernel that ``calls`` eager calls of ``fn`` run under
+    torch.profiler (after one call outside it)."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize(device)
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if str(getattr(e, "device_type", "")).endswith("CUDA")]
+
+
 def kernel_names(fn: Callable[[], object], device: torch.device, top: int = 2) -> str:
     """The device kernels one call of ``fn`` runs, longest first (torch.profiler), so a row
     says which kernel was timed (e.g. which SDPA kernel torch picked). '' if unavailable."""
     if device.type != "cuda":
         return ""
     try:
-        from torch.profiler import ProfilerActivity, profile
-
-        import warnings
-
-        fn()
-        torch.cuda.synchronize(device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize(device)
-        kernels = []
-        for e in prof.key_averages():
-            if not str(getattr(e, "device_type", "")).endswith("CUDA"):
-                continue
-            t = (getattr(e, "self_device_time_total", None)
-                 or getattr(e, "self_cuda_time_total", 0) or 0)
-            kernels.append((t, e.key))
-        kernels.sort(reverse=True)
-        return " | ".join(k[:80] for _t, k in kernels[:top])
+        totals: dict = {}
+        for name, us in _device_kernels(fn, device, 1):
+            totals[name] = totals.get(name, 0.0) + us
+        return " | ".join(k[:80] for k in sorted(totals, key=totals.get, reverse=True)[:top])
     except Exception as exc:  # diagnostic only
         return f"(profiler failed: {type(exc).__name__})"
 
@@ -254,24 +257,11 @@ def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 5)
     if device.type != "cuda":
         return {}
     import re
-    import warnings
-
-    from torch.profiler import ProfilerActivity, profile
     try:
-        fn()
-        torch.cuda.synchronize(device)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(calls):
-                    fn()
-                torch.cuda.synchronize(device)
         means: dict = {}
-        for e in prof.events():
-            if not str(getattr(e, "device_type", "")).endswith("CUDA"):
-                continue
-            name = re.search(r"(\w+)\s*[<(]", e.name + "(").group(1)
-            means[name] = means.get(name, 0.0) + e.time_range.elapsed_us() / calls
+        for name, us in _device_kernels(fn, device, calls):
+            short = re.search(r"(\w+)\s*[<(]", name + "(").group(1)
+            means[short] = means.get(short, 0.0) + us / calls
         return {k: round(v, 1) for k, v in means.items()}
     except Exception:  # noqa: BLE001 - diagnostic only
         return {}
