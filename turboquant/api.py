@@ -309,25 +309,21 @@ def prefill_workspace_bytes(num_seqs: int, max_seq_len: int, num_kv_heads: int, 
     """The bytes of a ``workspace`` for ``paged_attention_fp4`` that serves every call on
     ``device`` (default: the current CUDA device) with at most ``num_seqs`` sequences of at most
     ``max_seq_len`` keys, ``num_kv_heads`` and ``head_dim``: what an engine allocates once at
-    start-up. 0 where no backend there takes one (only the cuda backend's SM90 prefill kernel
-    does: its decode-once pass, csrc_cuda/prefill_workspace.cuh, about 388 bytes per key and kv
-    head at D 128), at most 1 GiB (a call that needs more decodes in the kernel instead)."""
+    start-up. The most any backend takes (``Backend.workspace_bytes``); 0 where none takes one
+    (only the cuda backend's SM90 prefill kernel does: its decode-once pass,
+    csrc_cuda/prefill_workspace.cuh, about 388 bytes per key and kv head at D 128, at most 1 GiB;
+    a call that needs more decodes in the kernel instead)."""
     if key_format not in ("fp4", "fp8_e4m3"):
         raise ValueError(f"key_format: expected 'fp4' or 'fp8_e4m3', got {key_format!r}")
     for name, v, lo in (("num_seqs", num_seqs, 0), ("max_seq_len", max_seq_len, 0),
                         ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
-    from ._backends import cuda
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    if (device.type != "cuda" or head_dim not in cuda.HEAD_DIMS
-            or cuda.BACKEND.unavailable() is not None):
-        return 0
-    query = torch.empty(0, num_kv_heads, head_dim, device=device)  # (its device and head dim)
-    return int(cuda.workspace_bytes(query, num_seqs, max_seq_len, num_kv_heads,
-                                    key_format == "fp8_e4m3"))
+    return max(b.workspace_bytes(num_seqs, max_seq_len, num_kv_heads, head_dim, key_format,
+                                 device) for b in registry.ordered())
 
 
 def paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales, block_tables,

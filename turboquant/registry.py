@@ -175,6 +175,13 @@ class Backend:
     def merge_states(self, merge: MergeCall) -> None:
         raise NotImplementedError
 
+    def workspace_bytes(self, num_seqs: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
+                        key_format: str, device: torch.device) -> int:
+        """The bytes of ``paged_attention``'s ``workspace`` this backend takes at most for
+        calls of up to ``num_seqs`` sequences of up to ``max_seq_len`` keys on ``device``
+        (``turboquant.prefill_workspace_bytes``); 0: it takes none."""
+        return 0
+
 
 _BACKENDS: dict[str, Backend] = {}
 

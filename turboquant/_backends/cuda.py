@@ -101,14 +101,6 @@ def ensure_loaded() -> Optional[str]:
     return _loaded(None, _load)
 
 
-def workspace_bytes(query: torch.Tensor, num_seqs: int, max_seq_len: int, num_kv_heads: int,
-                    key_e4m3: bool) -> int:
-    """turboquant.prefill_workspace_bytes on a CUDA query [any, any, D] (the extension
-    loaded)."""
-    return torch.ops.turboquant.prefill_workspace_bytes_cuda(query, num_seqs, max_seq_len,
-                                                             num_kv_heads, key_e4m3)
-
-
 def _aligned(t: torch.Tensor, nbytes: int) -> bool:
     return t.data_ptr() % nbytes == 0
 
@@ -226,6 +218,14 @@ class CudaBackend(Backend):
     def paged_attention(self, call: AttentionCall, out: torch.Tensor,
                         lse: Optional[torch.Tensor] = None) -> None:
         torch.ops.turboquant.paged_attention_fp4_cuda(*attention_op_args(call, out, lse))
+
+    def workspace_bytes(self, num_seqs: int, max_seq_len: int, num_kv_heads: int, head_dim: int,
+                        key_format: str, device: torch.device) -> int:
+        if device.type != "cuda" or head_dim not in HEAD_DIMS or self.unavailable() is not None:
+            return 0
+        query = torch.empty(0, num_kv_heads, head_dim, device=device)  # (its device, head dim)
+        return int(torch.ops.turboquant.prefill_workspace_bytes_cuda(
+            query, num_seqs, max_seq_len, num_kv_heads, key_format == "fp8_e4m3"))
 
     def reshape_and_cache(self, write: CacheWrite) -> None:
         torch.ops.turboquant.reshape_and_cache_fp4_cuda(*cache_write_op_args(write))
