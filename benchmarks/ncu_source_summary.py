@@ -13,7 +13,8 @@ or a wait shows (a barrier's wait is sampled on the instruction after it); --ran
 addresses) keeps a part of it, e.g. one loop.
 
     python benchmarks/ncu_source_summary.py src_head.csv [src_nosm.csv ...] --warp-steps 983040
-    python benchmarks/ncu_source_summary.py src.csv --listing "row warps" --range 0x...3680:0x...e680
+    python benchmarks/ncu_source_summary.py src.csv --listing "row warps" \
+        --range 0x...3680:0x...e680
 """
 import argparse
 import collections
@@ -97,7 +98,8 @@ def listing(path, region, lo=None, hi=None):
         base = a if base is None else base
         lead = sorted(((num(r[c]), c[len("stall_"):]) for c in reasons), reverse=True)[:2]
         out.append((a - base, num(r["Warp Stall Sampling (All Samples)"]),
-                    num(r["Instructions Executed"]), r["Source"].strip(), [(k, v) for v, k in lead if v]))
+                    num(r["Instructions Executed"]), r["Source"].strip(),
+                    [(k, v) for v, k in lead if v]))
     return out
 
 

@@ -175,10 +175,11 @@ def prefill_workspace(args) -> None:
     in one process: per shape BxQ@L (32/8/128, block 16, shuffled pages, the default config),
     the call's time (the bench's time_calls: a CUDA graph of --calls calls, median of --rounds) with
     TURBOQUANT_PREFILL_WORKSPACE=0 and =1, and each mode's kernels (the bench's kernel_times:
-    mean us per call of each, eager calls under the profiler); TFLOP/s over the causal FLOPs of the chunk; the two outputs' difference
-    (relative RMS: 0 where the workspace holds the kernel's own bytes) and, with --reference,
-    each one's relative RMS and largest error against the reference backend. --scale-mul
-    multiplies the softmax scale (more peaked rows). One JSON line per shape."""
+    mean us per call of each, eager calls under the profiler); TFLOP/s over the causal FLOPs of
+    the chunk; the two outputs' difference (relative RMS: 0 where the workspace holds the
+    kernel's own bytes) and, with --reference, each one's relative RMS and largest error against
+    the reference backend. --scale-mul multiplies the softmax scale (more peaked rows). One JSON
+    line per shape."""
     import json
     import os
     import torch

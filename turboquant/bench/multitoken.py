@@ -46,8 +46,8 @@ from .report import table_row, write_csv
 from .timing import GB, kernel_names, kernel_times, time_calls
 
 FIELDS = ["shape", "batch", "query_len", "context", "config", "status", "fp4_us", "tflops",
-          "pct_bw", "pass_us", "bytes", "flops", "sdpa_us", "sdpa_tflops", "sdpa_kernels", "speedup",
-          "rel_err_vs_sdpa", "note"] + [
+          "pct_bw", "pass_us", "bytes", "flops", "sdpa_us", "sdpa_tflops", "sdpa_kernels",
+          "speedup", "rel_err_vs_sdpa", "note"] + [
               f"peer_{f}_{x}" for f in peers.PREFILL_FORMATS for x in ("us", "tflops", "speedup")
           ] + ["peer_note"]
 
@@ -217,8 +217,8 @@ def format_row(r: dict) -> str:
     sdpa = f"  sdpa: {r['sdpa_kernels'][:60]}" if r.get("sdpa_kernels") else ""
     line = table_row(r, (("shape", 9), ("batch", 5), ("query_len", 5), ("context", 6)),
                      (("fp4_us", "9.1f"), ("tflops", "7.1f"), ("pct_bw", "5.1f"),
-                      ("pass_us", "7.1f"), ("sdpa_us", "9.1f"), ("sdpa_tflops", "7.1f"), ("speedup", "7.2f"),
-                      ("rel_err_vs_sdpa", "7.3f"))
+                      ("pass_us", "7.1f"), ("sdpa_us", "9.1f"), ("sdpa_tflops", "7.1f"),
+                      ("speedup", "7.2f"), ("rel_err_vs_sdpa", "7.3f"))
                      + tuple((f"peer_{f}_{x}", spec) for f in peers.PREFILL_FORMATS
                              for x, spec in (("tflops", "12.1f"), ("speedup", "7.2f"))),
                      f"{r['config']}{sdpa}")
