@@ -37,6 +37,18 @@ struct SharedCache {
   bool key_e4m3;
 };
 
+// Position `off` of block blk, kv head h: its key row and value row (bytes), and the index of
+// its first scale byte in key_scales / value_scales.
+__device__ inline const uint8_t* shared_key_row(const SharedCache& c, int64_t blk, int off, int h) {
+  return c.key_cache + blk * c.kc_blk + h * c.kc_head + off * c.kc_tok;
+}
+__device__ inline const uint8_t* shared_value_row(const SharedCache& c, int64_t blk, int off, int h) {
+  return c.value_cache + blk * c.vc_blk + h * c.vc_head + off * c.vc_tok;
+}
+__device__ inline int64_t shared_scale_index(const SharedCache& c, int64_t blk, int off, int h) {
+  return ((blk * c.block_size + off) * c.hkv + h) * c.groups;
+}
+
 constexpr int kSharedThreads = 128;
 __device__ constexpr uint32_t kMix[2][3] = {{0x2545F491u, 0x3C6EF372u, 0x2C1B3C6Du},
                                  {0x297A2D39u, 0x1B873593u, 0x5BD1E995u}};
@@ -44,11 +56,11 @@ __device__ constexpr uint32_t kMix[2][3] = {{0x2545F491u, 0x3C6EF372u, 0x2C1B3C6
 // Byte i of the fingerprinted sequence of (block, offset, head): key row, value row, key
 // scales, value scales, then zeros.
 __device__ inline uint32_t shared_byte(const SharedCache& c, int64_t blk, int off, int h, int i) {
-  if (i < c.key_bytes) return c.key_cache[blk * c.kc_blk + h * c.kc_head + off * c.kc_tok + i];
+  if (i < c.key_bytes) return shared_key_row(c, blk, off, h)[i];
   i -= c.key_bytes;
-  if (i < c.value_bytes) return c.value_cache[blk * c.vc_blk + h * c.vc_head + off * c.vc_tok + i];
+  if (i < c.value_bytes) return shared_value_row(c, blk, off, h)[i];
   i -= c.value_bytes;
-  const int64_t s = ((blk * c.block_size + off) * c.hkv + h) * c.groups;
+  const int64_t s = shared_scale_index(c, blk, off, h);
   if (i < c.groups) return c.key_scales[s + i];
   i -= c.groups;
   if (i < c.groups) return c.value_scales[s + i];
@@ -67,8 +79,8 @@ __device__ inline int64_t shared_fingerprint(const SharedCache& c, int64_t blk, 
   const int lane = threadIdx.x & 31;
   const int len = c.key_bytes + c.value_bytes + 2 * c.groups;
   const int words = (len + 3) / 4;
-  const uint8_t* krow = c.key_cache + blk * c.kc_blk + h * c.kc_head + off * c.kc_tok;
-  const uint8_t* vrow = c.value_cache + blk * c.vc_blk + h * c.vc_head + off * c.vc_tok;
+  const uint8_t* krow = shared_key_row(c, blk, off, h);
+  const uint8_t* vrow = shared_value_row(c, blk, off, h);
   const bool aligned = ((reinterpret_cast<uintptr_t>(krow) | reinterpret_cast<uintptr_t>(vrow) |
                          uintptr_t(c.key_bytes) | uintptr_t(c.value_bytes)) & 3u) == 0;
   const int kw = c.key_bytes / 4, vw = (c.key_bytes + c.value_bytes) / 4;  // (when aligned)
@@ -128,12 +140,10 @@ __device__ inline float e4m3_value(uint32_t b) {  // OCP E4M3 (fn): no inf, 0x7F
 // Element e of position `off`'s key (is_key) or value row in (blk, h), decoded.
 __device__ inline float shared_decode(const SharedCache& c, int64_t blk, int off, int h, int e,
                                       bool is_key) {
-  const int64_t s = ((blk * c.block_size + off) * c.hkv + h) * c.groups + (c.groups > 1 ? e / 32 : 0);
+  const int64_t s = shared_scale_index(c, blk, off, h) + (c.groups > 1 ? e / 32 : 0);
   const float scale = e8m0_value((is_key ? c.key_scales : c.value_scales)[s]);
-  if (is_key && c.key_e4m3)
-    return e4m3_value(c.key_cache[blk * c.kc_blk + h * c.kc_head + off * c.kc_tok + e]) * scale;
-  const uint8_t* row = is_key ? c.key_cache + blk * c.kc_blk + h * c.kc_head + off * c.kc_tok
-                              : c.value_cache + blk * c.vc_blk + h * c.vc_head + off * c.vc_tok;
+  if (is_key && c.key_e4m3) return e4m3_value(shared_key_row(c, blk, off, h)[e]) * scale;
+  const uint8_t* row = is_key ? shared_key_row(c, blk, off, h) : shared_value_row(c, blk, off, h);
   const uint32_t byte = row[e / 2];
   return e2m1_value((e & 1) ? (byte >> 4) : (byte & 15u)) * scale;
 }
