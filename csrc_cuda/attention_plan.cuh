@@ -71,12 +71,16 @@ struct AttnPlan {
 // caller's choice (ws_mode 0: never, 1: whenever the byte bound allows, -1: the rule).
 enum : int { kWsAuto = -1, kWsOff = 0, kWsOn = 1 };
 
-// The decode-once workspace's bytes for num_seqs sequences of at most max_seq_len keys: one
-// tile per (sequence, step of PREFILL_TILE keys, kv head) (prefill_workspace.cuh).
+// The decode-once workspace (prefill_workspace.cuh): per sequence of at most max_seq_len keys,
+// its steps of PREFILL_TILE keys; for num_seqs sequences, its bytes (a tile per sequence, step
+// and kv head).
+inline int prefill_workspace_steps(int max_seq_len) {
+  return (std::max(max_seq_len, 0) + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE;
+}
 inline long long prefill_workspace_bytes(int D, bool key_e4m3, int num_seqs, int num_kv_heads,
                                          int max_seq_len) {
-  const long long steps = (std::max(max_seq_len, 0) + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE;
-  return (long long)std::max(num_seqs, 0) * steps * num_kv_heads * prefill_ws_tile_bytes(D, key_e4m3);
+  return (long long)std::max(num_seqs, 0) * prefill_workspace_steps(max_seq_len) * num_kv_heads *
+         prefill_ws_tile_bytes(D, key_e4m3);
 }
 
 // num_tokens query tokens of num_seqs sequences (multi: cu_query_lens given), group_size query
@@ -121,7 +125,7 @@ inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens,
   const long long bytes = prefill_workspace_bytes(D, key_e4m3, num_seqs, num_kv_heads, msl);
   const long long bound = ws_capacity >= 0 ? ws_capacity : tuning::PREFILL_WS_MAX_BYTES;
   if (ws && bytes > 0 && bytes <= bound && (long long)num_seqs * num_kv_heads <= 65535) {
-    plan.ws_steps = (msl + tuning::PREFILL_TILE - 1) / tuning::PREFILL_TILE;
+    plan.ws_steps = prefill_workspace_steps(msl);
     plan.ws_bytes = bytes;
   }
   return plan;
