@@ -30,8 +30,10 @@
 // in one or two terms (hi, and lo = x - hi); PT 3, both two-term, packed into the 4 spare
 // columns (rows 4-7 of Q^T and P^T hold the lo terms; one MMA chain each); PT 0, P' and V in
 // fp16 (m64n8k16, V^T fragments by fp4x8_to_f16hi8). WO, "warp-owned": each warp copies the K
-// rows and scale words it alone reads, so that only V waits at a CTA barrier. STAGES / MINB:
-// the ring's depth and the CTAs per SM the registers are capped for.
+// rows and scale words it alone reads, so that only V waits at a CTA barrier. LAZY: the four
+// warps' maxima are exchanged only in steps where one of them exceeds the running maximum;
+// otherwise a step has one CTA barrier (a bar.red.or that says whether to redo P'). STAGES /
+// MINB: the ring's depth and the CTAs per SM the registers are capped for.
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -I csrc_cuda \
 //        benchmarks/wgmma_decode_probe.cu -o wgmma_decode_probe
@@ -147,7 +149,7 @@ __device__ __forceinline__ uint32_t sw128(int n, int k) {
   return n * 128 + ((((k >> 4) ^ n) & 7) << 4) + (k & 15);
 }
 
-template <int QT, int PT, int STAGES, int MINB, bool WO>
+template <int QT, int PT, int STAGES, int MINB, bool WO, bool LAZY = false>
 __global__ void __launch_bounds__(128, MINB)
     probe_kernel(const float* __restrict__ q,        // [B, HKV * G, D]
                  const uint8_t* __restrict__ kc,     // [blocks, HKV, BS, D / 2]
@@ -304,7 +306,7 @@ __global__ void __launch_bounds__(128, MINB)
     cp_async_wait<STAGES - 2>();
     if constexpr (WO) __syncwarp();  // this warp's K rows and scale words; V after barrier 1
     else __syncthreads();
-    issue(s + STAGES - 1);
+    if constexpr (!LAZY) issue(s + STAGES - 1);
     const uint32_t st = ring + (s % STAGES) * STAGE_BYTES;
     const uint4 k0 = lds128(st + kofs0), k1 = lds128(st + kofs1);
     uint32_t ka[4][4];
@@ -360,14 +362,68 @@ __global__ void __launch_bounds__(128, MINB)
       x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
       x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
     }
-    if (g == 0) sts64(red_w, __float_as_uint(x0), __float_as_uint(x1));
-    named_barrier_sync(1, 128);
-    if constexpr (WO) load_v(r, st);  // every thread's copies of this stage waited for: visible now
+    // The four warps' maxima: exchanged in shared memory (barrier 1). LAZY: only in a step where
+    // some warp's maximum exceeds the running one (the first step, then rarely: ln(steps) times
+    // for independent logits); P' is written with the running maximum first, and barrier 2, a
+    // bar.red.or, tells every warp whether it must be redone. The output is the same.
+    auto exchange = [&]() {
+      if (g == 0) sts64(red_w, __float_as_uint(x0), __float_as_uint(x1));
+      named_barrier_sync(1, 128);
 #pragma unroll
-    for (int ww = 0; ww < 4; ++ww) {
-      const uint2 mm = lds64(red_t + 32 * ww);
-      x0 = fmaxf(x0, __uint_as_float(mm.x));
-      x1 = fmaxf(x1, __uint_as_float(mm.y));
+      for (int ww = 0; ww < 4; ++ww) {
+        const uint2 mm = lds64(red_t + 32 * ww);
+        x0 = fmaxf(x0, __uint_as_float(mm.x));
+        x1 = fmaxf(x1, __uint_as_float(mm.y));
+      }
+    };
+    float p0, p1, p2, p3;
+    auto write_p = [&]() {  // P' from the running maxima m0, m1, to P^T
+      const float b0 = m0 - 8.f, b1 = m1 - 8.f;
+      p0 = ex2(L[0] - b0), p1 = ex2(L[1] - b1), p2 = ex2(L[2] - b0), p3 = ex2(L[3] - b1);
+      if constexpr (PT == 0) {  // fp16 pairs (tokens tau0, tau0 + 1) at k = 2 tau0
+        sts32(p16_c0, pack_half2(p0, p2));
+        sts32(p16_c1, pack_half2(p1, p3));
+      } else {
+        uint32_t h0, lo0, h1, lo1;
+        if constexpr (kPack) {  // lanes t < 2 write the hi term's rows, t >= 2 the lo term's
+          split_e4m3(p0, p2, h0, lo0);
+          split_e4m3(p1, p3, h1, lo1);
+          if (t >= 2) h0 = lo0, h1 = lo1;
+        } else if constexpr (PT == 2) {
+          split_e4m3(p0, p2, h0, lo0);
+          split_e4m3(p1, p3, h1, lo1);
+        } else {
+          h0 = cvt_e4m3x2(p0, p2), h1 = cvt_e4m3x2(p1, p3), lo0 = lo1 = 0u;
+        }
+        sts16(p_c0, h0);
+        sts16(p_c1, h1);
+        if constexpr (PT == 2) {
+          sts16(p_c0 + 1024, lo0);
+          sts16(p_c1 + 1024, lo1);
+        }
+      }
+      fence_proxy_async();
+    };
+    auto rescale = [&]() {  // to the maxima n0 = max(m0, x0), n1
+      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+      const float a0 = ex2(m0 - n0), a1 = ex2(m1 - n1);  // 0 at the first step (m = -inf)
+      m0 = n0, m1 = n1;
+      l0 *= a0, l1 *= a1;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) o[hh][0] *= a0, o[hh][1] *= a1, o[hh][2] *= a0, o[hh][3] *= a1;
+    };
+    bool redo = true;
+    if constexpr (LAZY) {
+      write_p();
+      redo = named_barrier_or(2, 128, x0 > m0 || x1 > m1);
+      // Every warp is past the last step's V reads only here (no barrier after them in a fast
+      // step): the ring slot they read is refilled now, not at the step's start.
+      issue(s + STAGES - 1);
+      if (redo) exchange();
+      if constexpr (WO) load_v(r, st);  // after barrier 2 every thread's copies are visible
+    } else {
+      exchange();
+      if constexpr (WO) load_v(r, st);  // every thread's copies of this stage waited for: visible
     }
     if constexpr (PT > 0) {
 #pragma unroll
@@ -391,44 +447,18 @@ __global__ void __launch_bounds__(128, MINB)
         va[1][i >> 1][2 * (i & 1) + 1] = prmt(hi, 0u, 0x3414u);
       }
     }
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-    const float a0 = ex2(m0 - n0), a1 = ex2(m1 - n1);  // 0 at the first step (m = -inf)
-    m0 = n0, m1 = n1;
-    const float b0 = n0 - 8.f, b1 = n1 - 8.f;
-    const float p0 = ex2(L[0] - b0), p1 = ex2(L[1] - b1), p2 = ex2(L[2] - b0), p3 = ex2(L[3] - b1);
-    const float r0 = ex2(-ev0), r1 = ex2(-ev1);
-    l0 = fmaf(p2, r1, fmaf(p0, r0, l0 * a0));
-    l1 = fmaf(p3, r1, fmaf(p1, r0, l1 * a1));
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) o[hh][0] *= a0, o[hh][1] *= a1, o[hh][2] *= a0, o[hh][3] *= a1;
-    if constexpr (PT == 0) {  // fp16 pairs (tokens tau0, tau0 + 1) at k = 2 tau0
-      sts32(p16_c0, pack_half2(p0, p2));
-      sts32(p16_c1, pack_half2(p1, p3));
-    } else {
-      uint32_t h0, lo0, h1, lo1;
-      if constexpr (kPack) {  // lanes t < 2 write the hi term's rows, t >= 2 the lo term's
-        split_e4m3(p0, p2, h0, lo0);
-        split_e4m3(p1, p3, h1, lo1);
-        if (t >= 2) h0 = lo0, h1 = lo1;
-      } else if constexpr (PT == 2) {
-        split_e4m3(p0, p2, h0, lo0);
-        split_e4m3(p1, p3, h1, lo1);
-      } else {
-        h0 = cvt_e4m3x2(p0, p2), h1 = cvt_e4m3x2(p1, p3), lo0 = lo1 = 0u;
-      }
-      sts16(p_c0, h0);
-      sts16(p_c1, h1);
-      if constexpr (PT == 2) {
-        sts16(p_c0 + 1024, lo0);
-        sts16(p_c1 + 1024, lo1);
-      }
+    if (redo) {  // LAZY: a step whose maximum grew (P' rewritten after barrier 2's reads)
+      rescale();
+      write_p();
     }
-    fence_proxy_async();
+    const float r0 = ex2(-ev0), r1 = ex2(-ev1);
+    l0 = fmaf(p2, r1, fmaf(p0, r0, l0));
+    l1 = fmaf(p3, r1, fmaf(p1, r0, l1));
     reg_fence(va[0]);
     reg_fence(va[1]);
     reg_fence(o[0]);
     reg_fence(o[1]);
-    named_barrier_sync(2, 128);
+    if (!LAZY || redo) named_barrier_sync(2, 128);
     wgmma_fence();
     if constexpr (PT == 0) {
 #pragma unroll
@@ -571,10 +601,10 @@ struct Dev {
   int *table, *lens;
 };
 
-template <int QT, int PT, int STAGES, int MINB, bool WO>
+template <int QT, int PT, int STAGES, int MINB, bool WO, bool LAZY = false>
 void launch(const Problem& p, const Dev& d, cudaStream_t st) {
   const int smem = 4608 + STAGES * STAGE_BYTES + 1024;
-  probe_kernel<QT, PT, STAGES, MINB, WO><<<p.B * HKV, 128, smem, st>>>(d.q, d.kc, d.vc, d.ks, d.vs, d.table, d.lens,
+  probe_kernel<QT, PT, STAGES, MINB, WO, LAZY><<<p.B * HKV, 128, smem, st>>>(d.q, d.kc, d.vc, d.ks, d.vs, d.table, d.lens,
                                                       d.out, p.max_blocks, 1.f / std::sqrt((float)D));
 }
 
@@ -593,13 +623,13 @@ Checked references(const Problem& p) {
   return c;
 }
 
-template <int QT, int PT, int STAGES, int MINB, bool WO>
+template <int QT, int PT, int STAGES, int MINB, bool WO, bool LAZY = false>
 void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk) {
   const int smem = 4608 + STAGES * STAGE_BYTES + 1024;
-  CK(cudaFuncSetAttribute(probe_kernel<QT, PT, STAGES, MINB, WO>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaFuncSetAttribute(probe_kernel<QT, PT, STAGES, MINB, WO, LAZY>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int per_sm = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, probe_kernel<QT, PT, STAGES, MINB, WO>, 128, smem));
-  launch<QT, PT, STAGES, MINB, WO>(p, d, 0);
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, probe_kernel<QT, PT, STAGES, MINB, WO, LAZY>, 128, smem));
+  launch<QT, PT, STAGES, MINB, WO, LAZY>(p, d, 0);
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
   double err2 = 0, ref2 = 0, maxrel = 0;
@@ -631,7 +661,7 @@ void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk
   double best = 1e30, sum = 0;
   for (int round = 0; round < 5; ++round) {  // each round: reps launches back to back
     CK(cudaEventRecord(e0));
-    for (int r = 0; r < reps; ++r) launch<QT, PT, STAGES, MINB, WO>(p, d, 0);
+    for (int r = 0; r < reps; ++r) launch<QT, PT, STAGES, MINB, WO, LAZY>(p, d, 0);
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float ms;
@@ -642,9 +672,10 @@ void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk
   for (int b = 0; b < p.B; ++b) tokens += p.lens[b];
   const double bytes = tokens * HKV * (D + 2);  // K and V codes and their scale bytes
   const double mean = sum / 5;
-  printf("Q %d term(s), P %s, %d stages, %s: %d CTAs/SM | mean %.1f us, best %.1f us (5 rounds of %d) | "
+  printf("Q %d term(s), P %s, %d stages, %s%s: %d CTAs/SM | mean %.1f us, best %.1f us (5 rounds of %d) | "
          "%.1f %% of the read bandwidth (mean) | rel RMS err %.3f %% (worst row %.3f %%, %d rows checked, %d NaN)\n",
-         QT, PT == 0 ? "fp16 (V fp16)" : PT == 1 ? "1 E4M3 term" : PT == 2 ? "2 E4M3 terms" : "2 E4M3 terms packed (Q too)", STAGES, WO ? "warp-owned K" : "shared ring", per_sm, mean, best, reps, 100.0 * bytes / (mean * 1e-6) / bw, 100.0 * std::sqrt(err2 / std::max(ref2, 1e-300)),
+         QT, PT == 0 ? "fp16 (V fp16)" : PT == 1 ? "1 E4M3 term" : PT == 2 ? "2 E4M3 terms" : "2 E4M3 terms packed (Q too)", STAGES, WO ? "warp-owned K" : "shared ring",
+         LAZY ? ", maxima exchanged when they grow" : "", per_sm, mean, best, reps, 100.0 * bytes / (mean * 1e-6) / bw, 100.0 * std::sqrt(err2 / std::max(ref2, 1e-300)),
          100.0 * maxrel, checked, nan_rows);
 }
 
@@ -709,6 +740,9 @@ int main(int argc, char** argv) {
     run<2, 2, 4, 5, false>(p, d, reps, bw, chk);
     run<1, 3, 4, 5, true>(p, d, reps, bw, chk);
     run<2, 0, 4, 5, true>(p, d, reps, bw, chk);
+    run<1, 1, 4, 5, true, true>(p, d, reps, bw, chk);
+    run<2, 2, 4, 5, true, true>(p, d, reps, bw, chk);
+    run<1, 3, 4, 5, true, true>(p, d, reps, bw, chk);
     cudaFree(d.q), cudaFree(d.out), cudaFree(d.kc), cudaFree(d.vc), cudaFree(d.ks), cudaFree(d.vs);
     cudaFree(d.table), cudaFree(d.lens);
   }
