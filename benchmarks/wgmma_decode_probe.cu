@@ -27,9 +27,10 @@
 //     in shared memory. V's per-token scale goes into the logit (exponent added), so P' =
 //     2^(logit + e_v - m + 8) <= 256 fits E4M3 and l sums P' 2^-e_v.
 // Variants (template): QT / PT, Q (x 2^qe per head, its maximum in [128, 256)) and P' as E4M3
-// in one or two terms (hi, and lo = x - hi); PT 3, both two-term, packed into the 4 spare
-// columns (rows 4-7 of Q^T and P^T hold the lo terms; one MMA chain each); PT 0, P' and V in
-// fp16 (m64n8k16, V^T fragments by fp4x8_to_f16hi8). WO, "warp-owned": each warp copies the K
+// in one or two terms (hi, and lo = x - hi); 3, two terms packed into the 4 spare columns (rows
+// 4-7 of Q^T, and of P^T with PT 3, hold the lo terms of heads 0-3: one MMA chain each, S summed
+// across lanes t, t ^ 2; PT 3 needs QT 3); PT 0, P' and V in fp16 (m64n8k16, V^T fragments by
+// fp4x8_to_f16hi8). WO, "warp-owned": each warp copies the K
 // rows and scale words it alone reads, so that only V waits at a CTA barrier. LAZY: the four
 // warps' maxima are exchanged only in steps where one of them exceeds the running maximum;
 // otherwise a step has one CTA barrier (a bar.red.or that says whether to redo P'). STAGES /
@@ -174,10 +175,11 @@ __global__ void __launch_bounds__(128, MINB)
 
   // Q^T: row n = tid / 16 (head n; packed, PT 3: head n % 4, its hi term in rows 0-3 and its
   // lo term in rows 4-7), elements dc .. dc+7; E4M3 terms at the permuted k of the K decode.
-  constexpr bool kPack = PT == 3;
-  static_assert(!kPack || 2 * G <= 8, "packed terms need 2 G <= 8 columns");
+  constexpr bool kPackQ = QT == 3, kPackP = PT == 3;
+  static_assert(!kPackQ || 2 * G <= 8, "packed terms need 2 G <= 8 columns");
+  static_assert(!kPackP || kPackQ, "P's packed lo terms use the columns Q's fill");
   {
-    const int n = tid >> 4, dc = (tid & 15) * 8, head = kPack ? (n & 3) : n;
+    const int n = tid >> 4, dc = (tid & 15) * 8, head = kPackQ ? (n & 3) : n;
     float v[8];
     float mx = 0.f;
 #pragma unroll
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(128, MINB)
 #pragma unroll
       for (int b = 0; b < 2; ++b) {  // element i + b: even -> slot 4tt + i/2, odd -> 16 + ...
         const int k = 32 * c + 16 * b + 4 * tt + i / 2;
-        if constexpr (kPack) {
+        if constexpr (kPackQ) {
           sm[sw128(n, k)] = (uint8_t)((n < 4 ? hi : lo) >> (8 * b));
         } else {
           sm[sw128(n, k)] = (uint8_t)(hi >> (8 * b));
@@ -296,7 +298,7 @@ __global__ void __launch_bounds__(128, MINB)
   // V^T fragments. PT > 0: E4M3 [half][chunk of 32 tokens] (chunk c = token groups 4c ..
   // 4c+3); PT = 0: fp16 [half][k16 step] (step kk = tokens 16 kk + slot, groups 2kk, 2kk+1).
   // Declared here and fenced after the next step's wait, meant to keep them live until the P V
-  // MMAs are done: ptxas still reuses the A registers of one-term chains (QT 1, PT 3) and then
+  // MMAs are done: ptxas still reuses the A registers of one-chain builds (QT 1 or 3) and then
   // serializes their MMAs (C7513); the two-term builds are not serialized.
   uint32_t va[2][PT > 0 ? 2 : 4][4];
   __syncthreads();  // Q^T and the column factors
@@ -322,7 +324,7 @@ __global__ void __launch_bounds__(128, MINB)
     reg_fence(ka);  // serialized every MMA of the kernel, C7513)
     wgmma_fence();
 #pragma unroll
-    for (int term = 0; term < (kPack ? 1 : QT); ++term)
+    for (int term = 0; term < (kPackQ ? 1 : QT); ++term)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
         wgmma_m64n8k32_e4m3(sacc, ka[c], wgmma_desc_advance(qdesc, 1024 * term + 32 * c),
@@ -339,7 +341,7 @@ __global__ void __launch_bounds__(128, MINB)
     reg_fence(sacc);
     reg_fence(o[0]);
     reg_fence(o[1]);
-    if constexpr (kPack) {  // columns n and n + 4 hold head n's two terms: lanes t, t ^ 2
+    if constexpr (kPackQ) {  // columns n and n + 4 hold head n's two terms: lanes t, t ^ 2
 #pragma unroll
       for (int i = 0; i < 4; ++i) sacc[i] += __shfl_xor_sync(0xffffffffu, sacc[i], 2);
     }
@@ -385,7 +387,7 @@ __global__ void __launch_bounds__(128, MINB)
         sts32(p16_c1, pack_half2(p1, p3));
       } else {
         uint32_t h0, lo0, h1, lo1;
-        if constexpr (kPack) {  // lanes t < 2 write the hi term's rows, t >= 2 the lo term's
+        if constexpr (kPackP) {  // lanes t < 2 write the hi term's rows, t >= 2 the lo term's
           split_e4m3(p0, p2, h0, lo0);
           split_e4m3(p1, p3, h1, lo1);
           if (t >= 2) h0 = lo0, h1 = lo1;
@@ -467,7 +469,7 @@ __global__ void __launch_bounds__(128, MINB)
         for (int kk = 0; kk < 4; ++kk) wgmma_m64n8k16_f16(o[hh], va[hh][kk], wgmma_desc_advance(pdesc, 32 * kk));
     } else {
 #pragma unroll
-      for (int term = 0; term < (kPack ? 1 : PT); ++term)
+      for (int term = 0; term < (kPackP ? 1 : PT); ++term)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -496,7 +498,7 @@ __global__ void __launch_bounds__(128, MINB)
     s0 += reinterpret_cast<const float*>(sm + 4096)[8 * ww + 2 * t];
     s1 += reinterpret_cast<const float*>(sm + 4096)[8 * ww + 2 * t + 1];
   }
-  if constexpr (kPack) {  // O of head n = columns n and n + 4; l from the hi lanes
+  if constexpr (kPackP) {  // O of head n = columns n and n + 4; l from the hi lanes
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
@@ -672,9 +674,9 @@ void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk
   for (int b = 0; b < p.B; ++b) tokens += p.lens[b];
   const double bytes = tokens * HKV * (D + 2);  // K and V codes and their scale bytes
   const double mean = sum / 5;
-  printf("Q %d term(s), P %s, %d stages, %s%s: %d CTAs/SM | mean %.1f us, best %.1f us (5 rounds of %d) | "
+  printf("Q %d term(s)%s, P %s, %d stages, %s%s: %d CTAs/SM | mean %.1f us, best %.1f us (5 rounds of %d) | "
          "%.1f %% of the read bandwidth (mean) | rel RMS err %.3f %% (worst row %.3f %%, %d rows checked, %d NaN)\n",
-         QT, PT == 0 ? "fp16 (V fp16)" : PT == 1 ? "1 E4M3 term" : PT == 2 ? "2 E4M3 terms" : "2 E4M3 terms packed (Q too)", STAGES, WO ? "warp-owned K" : "shared ring",
+         QT == 3 ? 2 : QT, QT == 3 ? " packed" : "", PT == 0 ? "fp16 (V fp16)" : PT == 1 ? "1 E4M3 term" : PT == 2 ? "2 E4M3 terms" : "2 E4M3 terms packed", STAGES, WO ? "warp-owned K" : "shared ring",
          LAZY ? ", maxima exchanged when they grow" : "", per_sm, mean, best, reps, 100.0 * bytes / (mean * 1e-6) / bw, 100.0 * std::sqrt(err2 / std::max(ref2, 1e-300)),
          100.0 * maxrel, checked, nan_rows);
 }
@@ -738,11 +740,13 @@ int main(int argc, char** argv) {
     run<1, 1, 4, 5, true>(p, d, reps, bw, chk);
     run<2, 2, 4, 5, true>(p, d, reps, bw, chk);
     run<2, 2, 4, 5, false>(p, d, reps, bw, chk);
-    run<1, 3, 4, 5, true>(p, d, reps, bw, chk);
+    run<3, 3, 4, 5, true>(p, d, reps, bw, chk);
+    run<3, 1, 4, 5, true>(p, d, reps, bw, chk);
+    run<2, 1, 4, 5, true>(p, d, reps, bw, chk);
     run<2, 0, 4, 5, true>(p, d, reps, bw, chk);
     run<1, 1, 4, 5, true, true>(p, d, reps, bw, chk);
+    run<3, 1, 4, 5, true, true>(p, d, reps, bw, chk);
     run<2, 2, 4, 5, true, true>(p, d, reps, bw, chk);
-    run<1, 3, 4, 5, true, true>(p, d, reps, bw, chk);
     cudaFree(d.q), cudaFree(d.out), cudaFree(d.kc), cudaFree(d.vc), cudaFree(d.ks), cudaFree(d.vs);
     cudaFree(d.table), cudaFree(d.lens);
   }
