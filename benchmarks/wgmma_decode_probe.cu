@@ -358,17 +358,18 @@ __global__ void __launch_bounds__(128, MINB)
       if (!ok0) L[0] = L[1] = -INFINITY, ev0 = 0.f;
       if (!ok1) L[2] = L[3] = -INFINITY, ev1 = 0.f;
     }
-    float x0 = fmaxf(L[0], L[2]), x1 = fmaxf(L[1], L[3]);
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
-      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
-    }
-    // The four warps' maxima: exchanged in shared memory (barrier 1). LAZY: only in a step where
-    // some warp's maximum exceeds the running one (the first step, then rarely: ln(steps) times
-    // for independent logits); P' is written with the running maximum first, and barrier 2, a
-    // bar.red.or, tells every warp whether it must be redone. The output is the same.
+    float x0 = fmaxf(L[0], L[2]), x1 = fmaxf(L[1], L[3]);  // this thread's, per column
+    // The step's maxima: a butterfly over the warp's rows, then the four warps' exchanged in
+    // shared memory (barrier 1). LAZY: only in a step where some thread's logit exceeds the
+    // running maximum (the first step, then rarely: ln(steps) times for independent logits);
+    // P' is written with the running maximum first, and barrier 2, a bar.red.or of the
+    // threads' comparisons, tells every warp whether it must be redone. The output is the same.
     auto exchange = [&]() {
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+      }
       if (g == 0) sts64(red_w, __float_as_uint(x0), __float_as_uint(x1));
       named_barrier_sync(1, 128);
 #pragma unroll
