@@ -110,6 +110,25 @@ def test_wgmma_rate_benchmark_compiles_unserialized(tmp_path):
     assert "serialized" not in log, log[-3000:]
 
 
+def test_wgmma_decode_probe_compiles(tmp_path):
+    """benchmarks/wgmma_decode_probe.cu (issue 43's FP8 warpgroup decode, run on the device)
+    builds from the kernel headers, and ptxas keeps the MMA chains of its QT 2 builds
+    asynchronous (a zeroed S accumulator once serialized every MMA of the kernel). The one-chain
+    builds (QT 1 and 3) are serialized, as docs/cuda-kernels.md says."""
+    src = CSRC.parent / "benchmarks" / "wgmma_decode_probe.cu"
+    r = subprocess.run([NVCC, "-std=c++17", "-O3", *TARGETS["sm_90a"], f"-I{CSRC}", "-c", str(src),
+                        "-o", str(tmp_path / "probe.o"), "-Xptxas", "-v"], capture_output=True,
+                       text=True, timeout=900)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    builds = re.findall(r"Compiling entry function '(\w*probe_kernel\w*)'", log)
+    serialized = set(re.findall(r"serialized [^']* in the function '(\w+)'", log))
+    two_term = [b for b in builds if "probe_kernelILi2E" in b]
+    assert len(builds) == 10 and len(two_term) == 5, builds
+    assert not serialized & set(two_term), sorted(serialized & set(two_term))
+    assert serialized <= {b for b in builds if "probe_kernelILi2E" not in b}, log[-3000:]
+
+
 def test_kernel_headers_are_torch_free():
     for f in CSRC.glob("*.cuh"):
         text = f.read_text()
