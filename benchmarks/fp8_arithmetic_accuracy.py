@@ -15,7 +15,9 @@ E8M0 scales, the transforms' stored domain):
   P' x codes, rescaled exactly when m grows; l sums the unrounded P' 2^-e_v.
 - The sink token (position 0 under the default config) in fp32, unrounded, as the kernels
   keep it apart.
-Each emulated row is first checked with rounding off against the library's output.
+Each emulated row is first checked with rounding off against the library's output. The same
+rows on the unquantized K and V (no transforms; V's exponent that of a per-token E8M0 scale,
+checked against fp32 attention) give the arithmetic's cost alone, apart from FP4's noise.
 
     python benchmarks/fp8_arithmetic_accuracy.py [--model smollm2|gemma3] [--tokens N]
         [--json FILE]
