@@ -695,12 +695,11 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
         v[b] = x[2 * b] * qmul;
         if (isinf(v[b])) v[b] = __int_as_float(0x7fc00000);
       }
-      const uint32_t h01 = cvt_e4m3x2(v[0], v[1]), h23 = cvt_e4m3x2(v[2], v[3]);
-      const uint32_t r01 = e4m3x2_to_f16x2(h01), r23 = e4m3x2_to_f16x2(h23);
-      const float2 f01 = __half22float2(*reinterpret_cast<const __half2*>(&r01));
-      const float2 f23 = __half22float2(*reinterpret_cast<const __half2*>(&r23));
+      uint32_t h01, l01, h23, l23;
+      e4m3x2_split(v[0], v[1], h01, l01);
+      e4m3x2_split(v[2], v[3], h23, l23);
       w1 = h01 | (h23 << 16);
-      w2 = cvt_e4m3x2(v[0] - f01.x, v[1] - f01.y) | (cvt_e4m3x2(v[2] - f23.x, v[3] - f23.y) << 16);
+      w2 = l01 | (l23 << 16);
     };
 #pragma unroll
     for (int ks = 0; ks < D / 32; ++ks) {

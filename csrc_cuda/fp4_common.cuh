@@ -329,6 +329,14 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
   return 0;
 #endif
 }
+// Two floats in two E4M3 terms each: hi = E4M3 of (a, b) (cvt_e4m3x2's byte order), lo = E4M3
+// of the remainders a - hi, b - hi (one exact conversion back for the pair). SM89+.
+__device__ __forceinline__ void e4m3x2_split(float a, float b, uint32_t& hi, uint32_t& lo) {
+  hi = cvt_e4m3x2(a, b);
+  const uint32_t r = e4m3x2_to_f16x2(hi);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&r));
+  lo = cvt_e4m3x2(a - f.x, b - f.y);
+}
 
 // ---- prmt.b32 (byte permute) ----------------------------------------------------------------
 // d.byte[i] = {b,a}.byte[sel nibble i] (bytes 0-3 from a, 4-7 from b).
