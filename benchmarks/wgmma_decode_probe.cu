@@ -52,7 +52,7 @@
 #include <random>
 #include <vector>
 
-#include "fp4_common.cuh"
+#include "attention_common.cuh"
 
 using namespace turboquant::cuda_fp4;
 
@@ -98,12 +98,6 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t x, uint32_t& lo, uint32_
   hi = ((x >> 2) & 0x1C1C1C1Cu) | (x & 0x80808080u);
 }
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // A per-thread constant the compiler must keep in a register (not recompute in the loop).
 __device__ __forceinline__ uint32_t opaque(uint32_t x) {
   asm volatile("" : "+r"(x));
@@ -131,21 +125,8 @@ __device__ __forceinline__ void sts64(uint32_t a, uint32_t x, uint32_t y) {
 __device__ __forceinline__ void sts32(uint32_t a, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v));
 }
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 __device__ __forceinline__ void sts16(uint32_t a, uint32_t v) {
   asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(a), "h"((uint16_t)v));
-}
-
-// An E4M3 byte's value (exact) and the two-term split of x: hi = e4m3(x), lo = e4m3(x - hi).
-__device__ __forceinline__ float e4m3_value(uint32_t b) {
-  return __half2float(__ushort_as_half((uint16_t)(e4m3x2_to_f16x2(b) & 0xFFFFu)));
-}
-__device__ __forceinline__ void split_e4m3(float a, float b, uint32_t& hi, uint32_t& lo) {
-  hi = cvt_e4m3x2(a, b);
-  lo = cvt_e4m3x2(a - e4m3_value(hi & 0xFF), b - e4m3_value(hi >> 8));
 }
 
 // Byte offset of (row n, byte k) in an 8 x 128-byte K-major tile with the 128-byte swizzle.
@@ -211,7 +192,7 @@ __global__ void __launch_bounds__(128, MINB)
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
       uint32_t hi, lo;
-      split_e4m3(v[i] * qs, v[i + 1] * qs, hi, lo);
+      e4m3x2_split(v[i] * qs, v[i + 1] * qs, hi, lo);
 #pragma unroll
       for (int b = 0; b < 2; ++b) {  // element i + b: even -> slot 4tt + i/2, odd -> 16 + ...
         const int k = 32 * c + 16 * b + 4 * tt + i / 2;
@@ -398,19 +379,20 @@ __global__ void __launch_bounds__(128, MINB)
     float p0, p1, p2, p3;
     auto write_p = [&]() {  // P' from the running maxima m0, m1, to P^T
       const float b0 = m0 - 8.f, b1 = m1 - 8.f;
-      p0 = ex2(L[0] - b0), p1 = ex2(L[1] - b1), p2 = ex2(L[2] - b0), p3 = ex2(L[3] - b1);
+      p0 = fast_exp2(L[0] - b0), p1 = fast_exp2(L[1] - b1);
+      p2 = fast_exp2(L[2] - b0), p3 = fast_exp2(L[3] - b1);
       if constexpr (PT == 0) {  // fp16 pairs (tokens tau0, tau0 + 1) at k = 2 tau0
-        sts32(p16_c0, pack_half2(p0, p2));
-        sts32(p16_c1, pack_half2(p1, p3));
+        sts32(p16_c0, pack_f16x2(p0, p2));
+        sts32(p16_c1, pack_f16x2(p1, p3));
       } else {
         uint32_t h0, lo0, h1, lo1;
         if constexpr (kPackP) {  // lanes t < 2 write the hi term's rows, t >= 2 the lo term's
-          split_e4m3(p0, p2, h0, lo0);
-          split_e4m3(p1, p3, h1, lo1);
+          e4m3x2_split(p0, p2, h0, lo0);
+          e4m3x2_split(p1, p3, h1, lo1);
           if (t >= 2) h0 = lo0, h1 = lo1;
         } else if constexpr (PT == 2) {
-          split_e4m3(p0, p2, h0, lo0);
-          split_e4m3(p1, p3, h1, lo1);
+          e4m3x2_split(p0, p2, h0, lo0);
+          e4m3x2_split(p1, p3, h1, lo1);
         } else {
           h0 = cvt_e4m3x2(p0, p2), h1 = cvt_e4m3x2(p1, p3), lo0 = lo1 = 0u;
         }
@@ -425,7 +407,7 @@ __global__ void __launch_bounds__(128, MINB)
     };
     auto rescale = [&]() {  // to the maxima n0 = max(m0, x0), n1
       const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-      const float a0 = ex2(m0 - n0), a1 = ex2(m1 - n1);  // 0 at the first step (m = -inf)
+      const float a0 = fast_exp2(m0 - n0), a1 = fast_exp2(m1 - n1);  // 0 at the first step (m = -inf)
       m0 = n0, m1 = n1;
       l0 *= a0, l1 *= a1;
 #pragma unroll
@@ -470,7 +452,7 @@ __global__ void __launch_bounds__(128, MINB)
       rescale();
       write_p();
     }
-    const float r0 = ex2(-ev0), r1 = ex2(-ev1);
+    const float r0 = fast_exp2(-ev0), r1 = fast_exp2(-ev1);
     l0 = fmaf(p2, r1, fmaf(p0, r0, l0));
     l1 = fmaf(p3, r1, fmaf(p1, r0, l1));
     reg_fence(va[0]);
