@@ -170,6 +170,15 @@ def write_cache(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat,
                         kwargs)
 
 
+def sequence_rows(codes: torch.Tensor, scales: torch.Tensor, tokens: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``tokens`` rows of the one sequence ``write_cache`` wrote (block i in physical
+    block i): codes [T, Hkv, row] and scale bytes [T, Hkv, groups]."""
+    nb, hkv, bs, row = codes.shape
+    return (codes.transpose(1, 2).reshape(nb * bs, hkv, row)[:tokens],
+            scales.reshape(nb * bs, hkv, -1)[:tokens])
+
+
 def read_back(written: WrittenCache, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The K and V a reader effectively uses, every transform undone: float32 [T, Hkv, D] each
     (position 0 from the sink record when the config keeps one)."""
@@ -178,9 +187,7 @@ def read_back(written: WrittenCache, tokens: int) -> tuple[torch.Tensor, torch.T
     out = []
     for codes, scales, is_key in ((written.cache.key_cache, written.cache.key_scales, True),
                                   (written.cache.value_cache, written.cache.value_scales, False)):
-        nb, hkv, bs, row = codes.shape
-        c = codes.transpose(1, 2).reshape(nb * bs, hkv, row)[:tokens]
-        s = scales.reshape(nb * bs, hkv, -1)[:tokens]
+        c, s = sequence_rows(codes, scales, tokens)
         if codes.dtype == torch.float8_e4m3fn:  # K8V4 keys
             x = dequantize_e4m3(c.view(torch.uint8), s[..., 0])
         else:
