@@ -29,9 +29,10 @@
 // Variants (template): QT / PT, Q (x 2^qe per head, its maximum in [128, 256)) and P' as E4M3
 // in one or two terms (hi, and lo = x - hi); 3, two terms packed into the 4 spare columns (rows
 // 4-7 of Q^T, and of P^T with PT 3, hold the lo terms of heads 0-3: one MMA chain each, S summed
-// across lanes t, t ^ 2; PT 3 needs QT 3); PT 0, P' and V in fp16 (m64n8k16, V^T fragments by
-// fp4x8_to_f16hi8). WO, "warp-owned": each warp copies the K
-// rows and scale words it alone reads, so that only V waits at a CTA barrier. LAZY: the four
+// across lanes t, t ^ 2; PT 3 needs QT 3); QT 4, Q's two terms in 16 columns (m64n16k32: hi
+// in 0-7, lo in 8-15, summed in the thread that holds both, for any G <= 8); PT 0, P' and V
+// in fp16 (m64n8k16, V^T fragments by fp4x8_to_f16hi8). WO, "warp-owned": each warp copies the
+// K rows and scale words it alone reads, so that only V waits at a CTA barrier. LAZY: the four
 // warps' maxima are exchanged only in steps where one of them exceeds the running maximum;
 // otherwise a step has one CTA barrier (a bar.red.or that says whether to redo P'). SPLIT:
 // --splits CTAs per (sequence, kv head), each a contiguous range of steps, their unnormalized
@@ -62,21 +63,6 @@ constexpr int D = 128, BS = 16, STEP = 64, HKV = 8, G = 4;
 constexpr int CODES = STEP * D / 2;                    // bytes of K (or V) codes per step
 constexpr int STAGE_BYTES = 2 * CODES + 2 * STEP * 4;  // K, V, K scale words, V scale words
 
-__device__ __forceinline__ void wgmma_m64n8k32_e4m3(float (&d)[4], const uint32_t (&a)[4],
-                                                    uint64_t desc_b, int accumulate) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)
-      : "memory");
-#else
-  __trap();
-#endif
-}
-
 // The fp16 form (PT = 0): A [64 x 16] fp16 from registers (mma.m16n8k16's A layout per warp),
 // B [16 x 8] K-major from shared memory.
 __device__ __forceinline__ void wgmma_m64n8k16_f16(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b) {
@@ -92,12 +78,6 @@ __device__ __forceinline__ void wgmma_m64n8k16_f16(float (&d)[4], const uint32_t
 #endif
 }
 
-// 8 codes -> 8 E4M3 bytes worth E2M1 x 2^-6: lo = elements 0, 2, 4, 6, hi = 1, 3, 5, 7.
-__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t x, uint32_t& lo, uint32_t& hi) {
-  lo = ((x << 2) & 0x1C1C1C1Cu) | ((x << 4) & 0x80808080u);
-  hi = ((x >> 2) & 0x1C1C1C1Cu) | (x & 0x80808080u);
-}
-
 // A per-thread constant the compiler must keep in a register (not recompute in the loop).
 __device__ __forceinline__ uint32_t opaque(uint32_t x) {
   asm volatile("" : "+r"(x));
@@ -108,30 +88,8 @@ template <class T> __device__ __forceinline__ const T* opaque(const T* p) {
   return p;
 }
 
-__device__ __forceinline__ uint4 lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ uint2 lds64(uint32_t a) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
-  return v;
-}
-__device__ __forceinline__ void sts64(uint32_t a, uint32_t x, uint32_t y) {
-  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(a), "r"(x), "r"(y));
-}
 __device__ __forceinline__ void sts32(uint32_t a, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(a), "r"(v));
-}
-__device__ __forceinline__ void sts16(uint32_t a, uint32_t v) {
-  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(a), "h"((uint16_t)v));
-}
-
-// Byte offset of (row n, byte k) in an 8 x 128-byte K-major tile with the 128-byte swizzle.
-__device__ __forceinline__ uint32_t sw128(int n, int k) {
-  return n * 128 + ((((k >> 4) ^ n) & 7) << 4) + (k & 15);
 }
 
 template <int QT, int PT, int STAGES, int MINB, bool WO, bool LAZY = false, bool SPLIT = false>
@@ -172,7 +130,7 @@ __global__ void __launch_bounds__(128, MINB)
 
   // Q^T: row n = tid / 16 (head n; packed, PT 3: head n % 4, its hi term in rows 0-3 and its
   // lo term in rows 4-7), elements dc .. dc+7; E4M3 terms at the permuted k of the K decode.
-  constexpr bool kPackQ = QT == 3, kPackP = PT == 3;
+  constexpr bool kPackQ = QT == 3, kWideQ = QT == 4, kPackP = PT == 3;
   static_assert(!kPackQ || 2 * G <= 8, "packed terms need 2 G <= 8 columns");
   static_assert(!kPackP || kPackQ, "P's packed lo terms use the columns Q's fill");
   {
@@ -197,10 +155,10 @@ __global__ void __launch_bounds__(128, MINB)
       for (int b = 0; b < 2; ++b) {  // element i + b: even -> slot 4tt + i/2, odd -> 16 + ...
         const int k = 32 * c + 16 * b + 4 * tt + i / 2;
         if constexpr (kPackQ) {
-          sm[sw128(n, k)] = (uint8_t)((n < 4 ? hi : lo) >> (8 * b));
-        } else {
-          sm[sw128(n, k)] = (uint8_t)(hi >> (8 * b));
-          sm[1024 + sw128(n, k)] = QT == 2 ? (uint8_t)(lo >> (8 * b)) : 0;
+          sm[sw128_offset(n, k)] = (uint8_t)((n < 4 ? hi : lo) >> (8 * b));
+        } else {  // QT 2 and 4: the lo terms in rows 8-15 (row n + 8 at 1024 + sw128_offset(n, k))
+          sm[sw128_offset(n, k)] = (uint8_t)(hi >> (8 * b));
+          sm[1024 + sw128_offset(n, k)] = QT >= 2 ? (uint8_t)(lo >> (8 * b)) : 0;
         }
       }
     }
@@ -278,8 +236,8 @@ __global__ void __launch_bounds__(128, MINB)
   const uint32_t vofs1 = opaque(CODES + 64 * (lt + 32) + 16 * (w ^ (((lt + 32) >> 1) & 3)));
   // P^T bytes (tau0, tau0 + 1) of column n at k = 16 w + 4 (g % 4) + 2 (g / 4)
   const int pk = 16 * w + 4 * (g & 3) + 2 * (g >> 2);
-  const uint32_t p_c0 = opaque(pt + sw128(2 * t, pk)), p_c1 = opaque(pt + sw128(2 * t + 1, pk));
-  const uint32_t p16_c0 = opaque(pt + sw128(2 * t, 2 * tau0)), p16_c1 = opaque(pt + sw128(2 * t + 1, 2 * tau0));
+  const uint32_t p_c0 = opaque(pt + sw128_offset(2 * t, pk)), p_c1 = opaque(pt + sw128_offset(2 * t + 1, pk));
+  const uint32_t p16_c0 = opaque(pt + sw128_offset(2 * t, 2 * tau0)), p16_c1 = opaque(pt + sw128_offset(2 * t + 1, 2 * tau0));
   const uint32_t red_t = opaque(red + 8 * t), red_w = opaque(red + 32 * w + 8 * t);
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -317,15 +275,22 @@ __global__ void __launch_bounds__(128, MINB)
         e2m1x8_to_e4m3(w1[c], ka[c][1], ka[c][3]);
       }
     }
-    float sacc[4];  // the chain's first MMA does not accumulate: no zeroing (zeroed, ptxas
-    reg_fence(ka);  // serialized every MMA of the kernel, C7513)
+    // the chain's first MMA does not accumulate: no zeroing (zeroed, ptxas serialized every
+    // MMA of the kernel, C7513)
+    float sacc[kWideQ ? 8 : 4];
+    reg_fence(ka);
     wgmma_fence();
+    if constexpr (kWideQ) {
 #pragma unroll
-    for (int term = 0; term < (kPackQ ? 1 : QT); ++term)
+      for (int c = 0; c < 4; ++c) wgmma_m64n16k32_e4m3(sacc, ka[c], wgmma_desc_advance(qdesc, 32 * c), c != 0);
+    } else {
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        wgmma_m64n8k32_e4m3(sacc, ka[c], wgmma_desc_advance(qdesc, 1024 * term + 32 * c),
-                            (term | c) != 0);
+      for (int term = 0; term < (kPackQ ? 1 : QT); ++term)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          wgmma_m64n8k32_e4m3(sacc, ka[c], wgmma_desc_advance(qdesc, 1024 * term + 32 * c),
+                              (term | c) != 0);
+    }
     wgmma_commit();
     uint32_t r[8];
     if constexpr (!WO) load_v(r, st);
@@ -341,6 +306,10 @@ __global__ void __launch_bounds__(128, MINB)
     if constexpr (kPackQ) {  // columns n and n + 4 hold head n's two terms: lanes t, t ^ 2
 #pragma unroll
       for (int i = 0; i < 4; ++i) sacc[i] += __shfl_xor_sync(0xffffffffu, sacc[i], 2);
+    }
+    if constexpr (kWideQ) {  // columns n and n + 8: the same thread
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sacc[i] += sacc[4 + i];
     }
     // softmax: logits in the exp2 domain with V's exponent added
     const uint32_t kb0 = prmt(ksw.x, 0u, hsel), kb1 = prmt(ksw.y, 0u, hsel);
@@ -711,7 +680,7 @@ void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk
   const double mean = sum / 5;
   printf("Q %d term(s)%s, P %s, %d stages, %s%s%s: %d CTAs/SM | mean %.1f us, best %.1f us (5 rounds of %d) | "
          "%.1f %% of the read bandwidth (mean) | rel RMS err %.3f %% (worst row %.3f %%, %d rows checked, %d NaN)\n",
-         QT == 3 ? 2 : QT, QT == 3 ? " packed" : "", PT == 0 ? "fp16 (V fp16)" : PT == 1 ? "1 E4M3 term" : PT == 2 ? "2 E4M3 terms" : "2 E4M3 terms packed", STAGES, WO ? "warp-owned K" : "shared ring",
+         QT >= 3 ? 2 : QT, QT == 3 ? " packed" : QT == 4 ? " in 16 columns" : "", PT == 0 ? "fp16 (V fp16)" : PT == 1 ? "1 E4M3 term" : PT == 2 ? "2 E4M3 terms" : "2 E4M3 terms packed", STAGES, WO ? "warp-owned K" : "shared ring",
          LAZY ? ", maxima exchanged when they grow" : "", SPLIT ? ", split" : "", per_sm, mean, best, reps, 100.0 * bytes / (mean * 1e-6) / bw, 100.0 * std::sqrt(err2 / std::max(ref2, 1e-300)),
          100.0 * maxrel, checked, nan_rows);
 }
@@ -780,6 +749,7 @@ int main(int argc, char** argv) {
       run<1, 1, 4, 5, true, false, true>(p, d, reps, bw, chk);
       run<3, 1, 4, 5, true, false, true>(p, d, reps, bw, chk);
       run<3, 1, 4, 5, true, true, true>(p, d, reps, bw, chk);
+      run<4, 1, 4, 5, true, true, true>(p, d, reps, bw, chk);
     } else {
       run<1, 1, 4, 5, true>(p, d, reps, bw, chk);
       run<2, 2, 4, 5, true>(p, d, reps, bw, chk);
@@ -790,6 +760,8 @@ int main(int argc, char** argv) {
       run<2, 0, 4, 5, true>(p, d, reps, bw, chk);
       run<1, 1, 4, 5, true, true>(p, d, reps, bw, chk);
       run<3, 1, 4, 5, true, true>(p, d, reps, bw, chk);
+      run<4, 1, 4, 5, true>(p, d, reps, bw, chk);
+      run<4, 1, 4, 5, true, true>(p, d, reps, bw, chk);
       run<2, 2, 4, 5, true, true>(p, d, reps, bw, chk);
     }
     cudaFree(d.q), cudaFree(d.out), cudaFree(d.part), cudaFree(d.kc), cudaFree(d.vc), cudaFree(d.ks), cudaFree(d.vs);

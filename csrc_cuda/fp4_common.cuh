@@ -136,6 +136,38 @@ __device__ __forceinline__ void wgmma_m64n64k32_e4m3_e4m3(float (&d)[32], const 
 #endif
 }
 #undef TQ_ACC8
+// A[64x32] E4M3 from registers (the layout above) times B [32 x 8] (m64n8k32) or [32 x 16]
+// (m64n16k32) E4M3 from shared memory, K-major: the decode kernel's narrow MMAs (a GQA group's
+// query heads as the columns). D: d[4j + 0..3] = rows 16w + g, 16w + g + 8 of columns 8j + 2t,
+// 8j + 2t + 1, in the order (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+__device__ __forceinline__ void wgmma_m64n8k32_e4m3(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b,
+                                                    bool accumulate = true) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+      : "memory");
+#else
+  __trap();  // SM90a only
+#endif
+}
+__device__ __forceinline__ void wgmma_m64n16k32_e4m3(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b,
+                                                     bool accumulate = true) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"((int)accumulate)
+      : "memory");
+#else
+  __trap();  // SM90a only
+#endif
+}
 
 // Shared-memory matrix descriptor of a 128-byte-swizzled tile: start address / 16 (bits 0-13),
 // leading byte offset / 16 (bits 16-29), stride byte offset / 16 (bits 32-45), base offset 0
@@ -156,6 +188,11 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr, uint32_
 // the sum of two in-window addresses never carries into the fields above it.
 __device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
   return (desc & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
+}
+// Byte offset of (row n, byte k) in a tile of 128-byte rows with the 128-byte swizzle (8-row
+// atoms packed: SBO 1024), the layout wgmma_desc_sw128 describes; the tile 1024-byte aligned.
+__host__ __device__ __forceinline__ uint32_t sw128_offset(int n, int k) {
+  return n * 128 + ((((k >> 4) ^ n) & 7) << 4) + (k & 15);
 }
 __device__ __forceinline__ void wgmma_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -344,6 +381,32 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
+}
+
+// 8 E2M1 codes (a word, element i in nibble i) -> 8 E4M3 bytes worth E2M1 x 2^-6 (exact: the
+// sign bit moves to bit 7, the 3 magnitude bits to bits 2-4): lo = elements 0, 2, 4, 6, hi =
+// 1, 3, 5, 7 (byte j of lo / hi: element 2j / 2j + 1). 7 integer ops.
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  lo = ((x << 2) & 0x1C1C1C1Cu) | ((x << 4) & 0x80808080u);
+  hi = ((x >> 2) & 0x1C1C1C1Cu) | (x & 0x80808080u);
+}
+
+// ---- shared memory by address (ld / st.shared; a = __cvta_generic_to_shared) ---------------
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void sts64(uint32_t a, uint32_t x, uint32_t y) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(a), "r"(x), "r"(y));
+}
+__device__ __forceinline__ void sts16(uint32_t a, uint32_t v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(a), "h"((uint16_t)v));
 }
 
 // E8M0 byte -> float 2^(b-127); 255 -> NaN; 0 -> 2^-127 is returned as 0 (a key/value whose
