@@ -376,6 +376,33 @@ __device__ __forceinline__ void finish_whole_row(const AttnParams& p, int head, 
   if (p.lse != nullptr && writer) p.lse[row] = row_lse(M, Ls, a[0]);
 }
 
+// The end of a decode kernel's row (query token tok, head), EPL = D / 32 consecutive elements
+// a per lane at lane * EPL, merged and normalized (O / Ls, the sink in): with kStates the state
+// moved to the true logits (qm: scale * q.m where needs_q_dot_center, else 0) and, for a whole
+// row, the learned sink and the lse; then the row, un-rotated, to out, or partition part's
+// partial (O / l, m, l) for the reduce pass (which un-rotates the sum).
+template <int D, typename T, bool kStates, int EPL>
+__device__ __forceinline__ void store_decode_row(const AttnParams& p, int tok, int head, int part, int nparts,
+                                                 float qm, float M, float Ls, float (&a)[EPL], int lane) {
+  const int d0 = lane * EPL;
+  if constexpr (kStates) {
+    M = true_logit_max(p, qm, M);
+    if (nparts == 1) finish_whole_row<EPL>(p, head, (size_t)tok * p.num_heads + head, lane == 0, M, Ls, a);
+  }
+  if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
+  if (nparts == 1) {
+    T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) o[e] = from_float<T>(a[e]);
+  } else {
+    const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
+    float* o = p.tmp_out + idx * D + d0;
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) o[e] = a[e];
+    if (lane == 0) p.tmp_ml[idx] = make_float2(M, Ls);
+  }
+}
+
 // The lse of a constant row of a whole-row launch: a row with nothing visible (mval = -inf) has
 // only its learned sink, if any; a NaN row (bad block id) is NaN.
 __device__ __forceinline__ float const_row_lse(const AttnParams& p, int head, float mval) {

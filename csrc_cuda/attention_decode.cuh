@@ -674,24 +674,8 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
     // not a query token at a negative position, with more query tokens than keys)
     if (sink_here && (!kMulti || (key_lo(tok - q0) == 0 && key_hi(tok - q0) >= 0)))
       merge_sink<EPL>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
-    if constexpr (kStates) {
-      M = true_logit_max(p, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f, M);
-      // a whole row: the learned sink and the lse here, else in the reduce pass
-      if (nparts == 1) finish_whole_row<EPL>(p, head, (size_t)tok * p.num_heads + head, lane == 0, M, Ls, a);
-    }
-    // rotated partials are combined as they are; the reduce pass un-rotates the sum
-    if (p.rot_signs != nullptr && nparts == 1) unrotate_row<EPL, 32>(p, a, d0, lane);
-    if (nparts == 1) {
-      T* o = reinterpret_cast<T*>(p.out) + tok * p.o_stride_tok + head * p.o_stride_head + d0;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) o[e] = from_float<T>(a[e]);
-    } else {
-      const size_t idx = ((size_t)tok * p.num_heads + head) * nparts + part;
-      float* o = p.tmp_out + idx * D + d0;
-#pragma unroll
-      for (int e = 0; e < EPL; ++e) o[e] = a[e];
-      if (lane == 0) p.tmp_ml[idx] = make_float2(M, Ls);
-    }
+    store_decode_row<D, T, kStates>(p, tok, head, part, nparts, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f,
+                                    M, Ls, a, lane);
   }
 }
 
