@@ -4,6 +4,7 @@
 #pragma once
 
 #include "attention_decode.cuh"
+#include "attention_decode_wgmma.cuh"
 #include "attention_general.cuh"
 #include "attention_prefill.cuh"
 #include "attention_reduce.cuh"
@@ -14,15 +15,22 @@ namespace cuda_fp4 {
 
 // The decode kernel applies to single-token queries of groups of at most 8 heads.
 inline bool use_decode_kernel(bool multi_token, int group_size) { return !multi_token && group_size <= 8; }
+// Of those, the SM90a one (attention_decode_wgmma.cuh) takes FP4 keys at D 128 on SM 9.x, for
+// which the extension is built as sm_90a (turboquant/_backends/cuda.py); K8V4 keys, D 64 / 256
+// and other GPUs run the warp-MMA kernel.
+inline bool use_decode_wgmma(int major, int D, bool key_e4m3) {
+  return tuning::DECODE_WGMMA && major == 9 && D == 128 && !key_e4m3;
+}
 
 // Which attention kernel a call runs (`prefill`: whether the prefill kernel runs, see
 // plan_attention in attention_plan.cuh, which asks once per call; the plan carries the answer).
-// (kSpec8 / kSpec16: the decode kernel's short multi-token forms of 8 / 16 columns)
-enum class AttnKernel { kPrefill, kDecode, kSpec8, kSpec16, kGeneral };
+// (kSpec8 / kSpec16: the decode kernel's short multi-token forms of 8 / 16 columns;
+// kDecodeWgmma: the SM90a decode kernel, use_decode_wgmma)
+enum class AttnKernel { kPrefill, kDecode, kDecodeWgmma, kSpec8, kSpec16, kGeneral };
 inline AttnKernel choose_attention_kernel(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs,
-                                          int group_size) {
+                                          int group_size, bool decode_wgmma = false) {
   if (prefill) return AttnKernel::kPrefill;
-  if (use_decode_kernel(multi, group_size)) return AttnKernel::kDecode;
+  if (use_decode_kernel(multi, group_size)) return decode_wgmma ? AttnKernel::kDecodeWgmma : AttnKernel::kDecode;
   if (tuning::use_spec_kernel(multi, D, num_tokens, num_seqs, group_size))
     return tuning::spec_columns(num_tokens, num_seqs, group_size) == 8 ? AttnKernel::kSpec8 : AttnKernel::kSpec16;
   return AttnKernel::kGeneral;
@@ -45,6 +53,9 @@ cudaError_t launch_attention_variant(const AttnParams& p, AttnKernel k, int grid
   }
   if (k == AttnKernel::kDecode) {
     e = launch_decode_kernel<D, T, kStates, kE4m3, 1, false>(p, p.num_seqs, stream);
+  } else if (k == AttnKernel::kDecodeWgmma) {
+    if constexpr (D == 128 && !kE4m3) e = launch_decode_wgmma<T, kStates>(p, stream);
+    else return cudaErrorInvalidValue;
   } else if (k == AttnKernel::kSpec8 || k == AttnKernel::kSpec16) {
     // grid_x = row tiles of the form's 8 or 16 columns (plan_attention sizes it by TR = NC)
     if constexpr (D <= 128) {

@@ -25,6 +25,9 @@ int attention_smem_bytes_d(AttnKernel k, bool key_e4m3, int major, const char** 
     case AttnKernel::kDecode:
       *kernel = "decode";
       return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
+    case AttnKernel::kDecodeWgmma:
+      *kernel = "decode (wgmma)";
+      return DecodeWgmmaLayout::TOTAL;
     case AttnKernel::kSpec8:
       *kernel = "short multi-token (8-column decode)";
       if constexpr (D <= 128) return key_e4m3 ? DecodeLayout<D, true, 1>::TOTAL : DecodeLayout<D, false, 1>::TOTAL;
@@ -95,7 +98,8 @@ inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens,
   AttnPlan plan{};
   const bool prefill = tuning::use_prefill_kernel(multi, D, num_tokens, num_seqs, group_size) &&
                        prefill_fits(D, key_e4m3, major, optin_smem);
-  plan.kernel = choose_attention_kernel(prefill, multi, D, num_tokens, num_seqs, group_size);
+  plan.kernel = choose_attention_kernel(prefill, multi, D, num_tokens, num_seqs, group_size,
+                                        use_decode_wgmma(major, D, key_e4m3));
   plan.smem_bytes = attention_smem_bytes(plan.kernel, D, key_e4m3, major, &plan.name);
   plan.tiles_per_seq = (group_size + 15) / 16;
   // grid x: row groups of PREFILL_ROWS (prefill kernel), row tiles of TR rows (general: 16; the
@@ -115,6 +119,8 @@ inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens,
   plan.partition_size =
       plan.kernel == AttnKernel::kPrefill ? std::max(msl, 1)  // one partition
       : plan.kernel == AttnKernel::kDecode ? tuning::choose_decode_partition_size(msl, base_ctas, num_sms)
+      : plan.kernel == AttnKernel::kDecodeWgmma
+          ? tuning::choose_decode_partition_size(msl, base_ctas, num_sms, tuning::DECODE_WGMMA_MIN_BLOCKS)
       : spec ? tuning::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), num_sms)
              : tuning::choose_partition_size(msl, base_ctas, num_sms);
   plan.num_partitions = std::max(1, (msl + plan.partition_size - 1) / plan.partition_size);

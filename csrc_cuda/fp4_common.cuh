@@ -391,6 +391,17 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t x, uint32_t& lo, uint32_
   hi = ((x >> 2) & 0x1C1C1C1Cu) | (x & 0x80808080u);
 }
 
+// A per-thread constant kept in a register: ptxas otherwise recomputes address arithmetic
+// inside a loop when registers are short (the SM90a decode kernel's constant offsets).
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+template <class T> __device__ __forceinline__ const T* opaque(const T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 // ---- shared memory by address (ld / st.shared; a = __cvta_generic_to_shared) ---------------
 __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;

@@ -140,6 +140,26 @@ template <int NB> struct DecodeMinBlocks {
   static constexpr int value = NB == 1 ? DECODE_MIN_BLOCKS : TQ_SPEC_MIN_BLOCKS;
 };
 
+// ---- decode on SM90a (attention_decode_wgmma.cuh: FP8 warpgroup MMAs, FP4 K and V, D 128) ----
+// TQ_DECODE_WGMMA 0 keeps every decode call on the warp-MMA kernel above (A/B builds).
+#ifndef TQ_DECODE_WGMMA
+#define TQ_DECODE_WGMMA 1
+#endif
+constexpr bool DECODE_WGMMA = TQ_DECODE_WGMMA != 0;
+// Ring depth (64-token steps) and CTAs per SM asked of the register allocator. Example: 4
+// stages x 8704 B + 4 KB = 39.9 KB per CTA; 5 CTAs per SM take 195 KB of the 227 KB and 96
+// registers per thread, 20 warps per SM with 5 x 3 steps = 125 KB of codes in flight. Measured
+// in benchmarks/wgmma_decode_probe.cu (H200, 64 x 32k, one term): 3 stages x 6 CTAs 4.7 %
+// slower than 4 x 5; two-term builds spill at 6.
+#ifndef TQ_DECODE_WGMMA_STAGES
+#define TQ_DECODE_WGMMA_STAGES 4
+#endif
+#ifndef TQ_DECODE_WGMMA_MIN_BLOCKS
+#define TQ_DECODE_WGMMA_MIN_BLOCKS 5
+#endif
+constexpr int DECODE_WGMMA_STAGES = TQ_DECODE_WGMMA_STAGES;
+constexpr int DECODE_WGMMA_MIN_BLOCKS = TQ_DECODE_WGMMA_MIN_BLOCKS;
+
 // ---- prefill kernel (attention_prefill.cuh: multi-token rows, D <= 128) ----
 // A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
 // sequence and kv head), 16 per warp; all warps walk the same KV steps of PREFILL_TILE tokens,
@@ -382,11 +402,13 @@ constexpr int WRITER_THREADS = 256;
 #endif
 constexpr int WRITER_EPT = TQ_WRITER_EPT;
 
-// Decode kernel: the partition count n that minimizes a wave model of the run time,
+// Decode kernels: the partition count n that minimizes a wave model of the run time,
 //   cost(n) = ceil(base * n / slots) * (P(n) + CTA_COST) + (n > 1 ? REDUCE_COST : 0),
 //   P(n) = round_up(ceil(max_seq_len / n), DECODE_WARPS * 16) >= MIN_PARTITION,
-// slots = num_SMs * DECODE_MIN_BLOCKS (resident CTAs), P in tokens per CTA (all CTAs stream at
-// the same rate), CTA_COST a CTA's prologue and merge and REDUCE_COST the reduce pass, both in
+// slots = num_SMs * min_blocks (resident CTAs: DECODE_MIN_BLOCKS, or DECODE_WGMMA_MIN_BLOCKS for
+// the SM90a kernel, whose 64-token steps the 128-token rounding keeps whole), P in tokens per
+// CTA (all CTAs stream at the same rate), CTA_COST a CTA's prologue and merge and REDUCE_COST
+// the reduce pass, both in
 // token-equivalents (~1.5 us each on H100, where a CTA streams ~80 tokens per us); ties go to
 // fewer partitions. The decode kernel keeps no block-table slice in shared memory, so P has
 // no upper bound. Examples (H100: 132 SMs x 2 = 264 slots; 32 q / 8 kv heads):
@@ -397,9 +419,12 @@ constexpr int WRITER_EPT = TQ_WRITER_EPT;
 //                                 4096, 8576; n 1: 16512)
 //   batch 64 x 4k  : base 512  -> n 1: two waves of 4096 (8448; n 2: four waves of 2048, 8832)
 //   batch 128 x 16k: base 1024 -> n 1: four waves of 16384, no reduce pass
+// The SM90a kernel (H200: 660 slots): 64 x 32k, base 512 -> n 1 (one wave; n 2: two, 33152
+// against 32896), as the probe measured (5 splits: 84.2 % against 84.6 %).
 constexpr int DECODE_CTA_COST = 128, DECODE_REDUCE_COST = 128;
-inline int choose_decode_partition_size(int max_seq_len, int base_ctas, int num_sms) {
-  const long long step = DECODE_WARPS * 16, slots = (long long)num_sms * DECODE_MIN_BLOCKS;
+inline int choose_decode_partition_size(int max_seq_len, int base_ctas, int num_sms,
+                                        int min_blocks = DECODE_MIN_BLOCKS) {
+  const long long step = DECODE_WARPS * 16, slots = (long long)num_sms * min_blocks;
   const long long L = max_seq_len > 0 ? max_seq_len : 1, base = base_ctas > 0 ? base_ctas : 1;
   long long best_p = 0, best_cost = 0;
   const long long n_max = (L + MIN_PARTITION - 1) / MIN_PARTITION;

@@ -235,6 +235,8 @@ int main() {
     {false, 256, 64, 64, 4, true, 8},    // D 256 decode, K8V4
     {true, 128, 2048, 1, 4, false, 9},   // prefill on SM90 (wgmma layout)
     {true, 128, 2048, 1, 4, false, 8},   // prefill below SM90
+    {false, 128, 64, 64, 4, true, 9},    // decode on SM90 with K8V4 keys: the warp-MMA kernel
+    {false, 128, 64, 64, 8, false, 8},   // decode below SM90, G 8
   };
   for (const Case& c : cases) {  // 8 kv heads, 4096 keys, 132 SMs; per CTA SM90's 227 KB, SM8x's 99 KB
     const int optin = c.major == 9 ? 232448 : 101376;
@@ -293,16 +295,18 @@ def test_the_launch_plan_names_the_kernel_its_size_grid_and_splits(tmp_path):
     rows = [(line.split("|")[0], *map(int, line.split("|")[1].split())) for line in out]
     print(rows)
     kernels = [r[0] for r in rows]
-    assert kernels == ["decode", "short multi-token (16-column decode)", "general",
-                       "short multi-token (8-column decode)", "general", "decode", "prefill", "prefill"]
+    assert kernels == ["decode (wgmma)", "short multi-token (16-column decode)", "general",
+                       "short multi-token (8-column decode)", "general", "decode", "prefill", "prefill",
+                       "decode", "decode"]
     size = [r[1] for r in rows]
     assert size[1] <= 101376 < size[2]     # SM86 / SM89: 16 columns fit, the general kernel not
     assert size[3] < size[1]               # 8 columns: the decode kernel's layout, smaller
     assert size[4] > 166912                # SM80: the D 256 general kernel does not fit
     assert size[6] > size[7] > 0           # the wgmma layout holds three fp16 tiles, the warp-MMA one two
     assert all(b > 0 for b in size)
+    assert 5 * size[0] <= 232448           # SM90: 5 FP8 decode CTAs per SM (tuning.cuh)
     grid = [r[2] for r in rows]
-    assert grid[0] == 64 and grid[5] == 64                    # decode: a tile per sequence (G 4)
+    assert grid[0] == grid[5] == grid[8] == grid[9] == 64     # decode: a tile per sequence (G <= 8)
     assert grid[1] == 64 + 256 * 4 // 16 and grid[3] == 128 + 256 * 4 // 8
     assert grid[2] == 16 + 1024 * 4 // 16
     assert grid[6] == 1 + 2048 * 4 // prefill_rows

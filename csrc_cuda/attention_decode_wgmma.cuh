@@ -1,0 +1,447 @@
+// turboquant cuda backend, SM90a: the decode kernel on FP8 warpgroup MMAs. One query token per
+// sequence, at most 8 query heads per kv head, FP4 keys and values, D 128 (use_decode_wgmma in
+// attention_launch.cuh; other calls run attention_decode.cuh's kernel). Torch-free. Shares the
+// parameters, the transforms and the epilogue helpers (attention_common.cuh) and the reduce pass.
+//
+// ============================== design note ==============================================
+// Why a third decode kernel: on the H200 the warp-MMA decode kernel is bound by its
+//   instructions (59-69 % of the read bandwidth), ~240 of its 387 per 16-token tile spent
+//   decoding E2M1 to fp16. Here the codes become E4M3 bytes (E2M1 x 2^-6 is exact in E4M3: 7
+//   integer ops per 8 codes) and FP8 wgmma takes the products. benchmarks/wgmma_decode_probe.cu
+//   measured the form before it was built (docs/cuda-kernels.md, "An FP8 warpgroup decode").
+// Grid (num_seqs x num_kv_heads, num_partitions), one warpgroup (4 warps) per CTA; the CTA walks
+//   its partition's keys in 64-token steps through a DECODE_WGMMA_STAGES-deep cp.async ring of
+//   raw codes. The MMAs are swapped, a wgmma's 64 rows being tokens or head-dim rows and its
+//   columns the query heads of the group (padded to 8):
+//   S^T [64 x 16] = K [64 x 128] Q^T [128 x 16]: m64n16k32 E4M3 x 4. Q^T's columns 0-7 hold the
+//     heads' hi terms, 8-15 their lo terms (q 2^qe = hi + lo, each E4M3; qe per head puts its
+//     largest |q| in [128, 256)): one MMA chain, and the thread holding a head's hi sum holds
+//     its lo sum (d[i] + d[4 + i]). One term would cost KLD 0.0036 in a model, two 0.0002.
+//   O^T [128 x 8] += V^T [128 x 64] P^T [64 x 8]: m64n8k32 E4M3 x 2 x 2; P' in one E4M3 term.
+//   K and V^T are A fragments from registers; Q^T and P^T are B tiles in shared memory
+//   (128-byte swizzle, K-major, the only layout FP8 wgmma reads).
+//   K: thread (w, g, t)'s A rows are tokens 16w + 2g, +1 (A row 16w + g <-> token 16w + 2g, row
+//     + 8 <-> token + 1), its k slots a permutation of D that the E4M3 decode leaves (word c's
+//     even codes at 32c + 4t.., odd ones at 32c + 16 + 4t..); Q^T is stored in the same
+//     permutation, so the sums are unchanged. One 16-byte shared load per token; the ring's K
+//     rows swap tokens 2 and 3 of every 4 (no bank conflict).
+//   V^T: ldmatrix.trans on the codes seen as 16-bit units (4 codes of a token) gives a thread
+//     one unit of two adjacent tokens; two byte permutes make words of 4 tokens x 2 codes whose
+//     decode is 4 tokens of one D row, the A fragment's 4 consecutive k slots. O^T's rows are D
+//     in the order 4u + {0, 1, 2, 3} (u = 8w + g), undone at the store. The ring's V rows XOR
+//     their 16-byte chunks with (token / 2) % 4.
+// Softmax per column in the exp2 domain, V's per-token exponent e_v in the logit: P' =
+//   2^(x + e_v - m + 8) <= 256 fits E4M3, m the running maximum of x + e_v; l sums P' 2^-e_v,
+//   so (M = m - 8, l) is the usual state and O^T 2^6 / l the output. The maxima are exchanged
+//   lazily: P' is written with the running maximum, and one bar.red.or of each thread's "a
+//   logit of mine exceeds it" says whether the warps must butterfly, exchange their maxima in
+//   shared memory, rescale O and l and rewrite P' (the first step always; then about ln(steps)
+//   times for independent logits). Otherwise a step has that one CTA barrier.
+// Copies: each warp copies the K rows and scale words of its own 16 tokens (it alone reads
+//   them), V is copied by all four and read after the step's barrier; the ring slot is refilled
+//   after that barrier. Block ids are loaded a step ahead (a table load right before the copies
+//   was the probe's top stall). A 16-token group with no visible key reads block 0 instead (its
+//   logits are masked; no predicated copies); a visible group's block id out of range makes the
+//   sequence's rows NaN and reads block 0, never out of bounds.
+// Masking and NaN as the other kernels: keys outside [r_lo, r_hi) get logit -inf and weight 0
+//   (what a skipped copy left in the ring never counts); a visible key's scale byte 255 makes
+//   its kv head's rows NaN. The epilogue is the decode kernel's: the sink, the learned sink and
+//   the lse, the un-rotation, the row or the partition's partial for the reduce pass.
+// Registers: 96 per thread for 5 CTAs per SM (tuning.cuh), no spills (tests/test_cuda_compile.py).
+// ===========================================================================================
+#pragma once
+
+#include "attention_common.cuh"
+
+namespace turboquant {
+namespace cuda_fp4 {
+
+struct DecodeWgmmaLayout {
+  static constexpr int D = 128, STEP = 64, W = 4;
+  static constexpr int CODES = STEP * D / 2;                  // bytes of K (or V) codes per step
+  static constexpr int STAGES = tuning::DECODE_WGMMA_STAGES;
+  static constexpr int STAGE = 2 * CODES + 2 * STEP * 4;      // K, V codes; K, V scale words
+  static constexpr int OFF_Q = 0;                // Q^T [16 columns][128 B], swizzled
+  static constexpr int OFF_P = 2048;             // P^T [8 columns][128 B] (64 token bytes used)
+  static constexpr int OFF_RED = 3072;           // [W][8] float: the maxima exchange, then l
+  static constexpr int OFF_M = OFF_RED + 128;    // [8] float: each column's final m
+  static constexpr int OFF_CF = OFF_M + 32;      // [8] float: each column's logit factor
+  static constexpr int OFF_SINK = OFF_CF + 32;   // [8] float: q'.k0' (sink)
+  static constexpr int OFF_QM = OFF_SINK + 32;   // [8] float: scale * q.m (soft cap, states)
+  static constexpr int OFF_MISC = OFF_QM + 32;   // int: a block id was out of range
+  static constexpr int OFF_RING = 4096;          // STAGES x STAGE; the epilogue's O rows after
+  static constexpr int MROW = D + 4;             // an O row in the epilogue (floats)
+  static constexpr int TOTAL = OFF_RING + STAGES * STAGE + 1024;  // + the 1024-byte alignment
+  static_assert(8 * MROW * 4 <= STAGES * STAGE, "the epilogue's O rows fit the ring");
+};
+
+// block 128, dynamic smem DecodeWgmmaLayout::TOTAL bytes; requires group_size <= 8, FP4 keys,
+// D 128, partition_size % 64 == 0. kStates as for the other kernels.
+template <typename T, bool kStates>
+__global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
+    paged_attention_fp4_decode_wgmma_kernel(const AttnParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = DecodeWgmmaLayout;
+  constexpr int D = L::D, STEP = L::STEP, ST = L::STAGES, CODES = L::CODES;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* sm = smem_raw + ((1024u - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(sm);
+  const uint32_t qt = base + L::OFF_Q, pt = base + L::OFF_P, red = base + L::OFF_RED;
+  const uint32_t ring = base + L::OFF_RING;
+  const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int Hkv = p.num_kv_heads, G = p.group_size;
+  const int s = blockIdx.x / Hkv, kvh = blockIdx.x - s * Hkv, part = blockIdx.y;
+  pdl_wait();  // launched as a programmatic dependent (launch_programmatic)
+  pdl_launch_dependents();
+  const int seq_len = __ldg(p.seq_lens + s);
+  const int slot = state_slot(p, s);
+  const int P = p.partition_size, nparts = p.num_partitions;
+  // Q: column n = tid / 16 (head kvh G + n; padding columns n >= G are zero), its elements
+  // dc .. dc + 7
+  const int n = tid >> 4, dc = (tid & 15) * 8;
+  uint4 q_v = make_uint4(0, 0, 0, 0);
+  if (n < G)
+    q_v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.query) + s * p.q_stride_tok +
+                                          (kvh * G + n) * p.q_stride_head + dc);
+  // the query (position seq_len - 1) sees keys [key_lo, seq_len); with the sink, position 0
+  // comes from the state record, merged in by partition 0
+  const int key_lo = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
+  const bool sink_here = p.sink && part == 0 && key_lo == 0 && seq_len > 0;
+  const int r_lo = max(p.sink ? max(key_lo, 1) : key_lo, part * P), r_hi = min(seq_len, part * P + P);
+  auto write_const_rows = [&](float oval, float mval, float lval) {
+    for (int i = tid; i < G * D; i += 128)
+      write_const_element<D, T, kStates>(p, s, kvh * G + i / D, i % D, nparts, part, oval, mval, lval);
+  };
+  if (r_lo >= r_hi && !sink_here) {
+    write_const_rows(0.f, -INFINITY, 0.f);
+    return;
+  }
+  QChunk qc;
+  load_q_chunk<D, kStates>(p, slot, kvh, dc, sink_here, qc);
+
+  // ---- copies: steps [s_lo, s_hi) of 64 keys; step sp's 16-token group j is in one block ----
+  const int s_lo = r_lo < r_hi ? r_lo / STEP : 0, s_hi = r_lo < r_hi ? (r_hi + STEP - 1) / STEP : 0;
+  const int bmask = (1 << p.log2_block_size) - 1;
+  const BlockRow blocks(p, s);
+  // V: chunk tid % 4 of tokens tv and tv + 32 (groups jv, jv + 2); K: chunk lane % 4 of tokens
+  // 16w + lane / 4 and + 8 (group w); the scale word of token 16w + lane % 16 (K for lanes
+  // < 16, V above). Ring offsets as the design note says; sources in block 0 at a group's
+  // first row in its block (16 j % block_size; blocks above 64 tokens add the step's row,
+  // kv_row), kept in registers (opaque).
+  const int jv = tid >> 6, tv = 16 * jv + ((tid & 63) >> 2), tk = 16 * w + (lane >> 2), ts = 16 * w + (lane & 15);
+  const uint32_t dv = opaque(CODES + 64 * tv + 16 * ((tid & 3) ^ ((tv >> 1) & 3)));  // token tv + 32: + 2048
+  const uint32_t dk = opaque(64 * (tk ^ ((tk >> 1) & 1)) + 16 * (lane & 3));          // token tk + 8: + 512
+  const uint32_t ds = opaque(2 * CODES + (lane >= 16 ? STEP * 4 : 0) + 4 * ts);
+  const uint8_t* vc_a = opaque(p.value_cache + kvh * p.vc_stride_head +
+                               (((16 * jv) & bmask) + (tv & 15)) * 64 + 16 * (tid & 3));
+  const uint8_t* vc_b = opaque(p.value_cache + kvh * p.vc_stride_head +
+                               (((16 * jv + 32) & bmask) + (tv & 15)) * 64 + 16 * (tid & 3));
+  const uint8_t* kc_t = opaque(p.key_cache + kvh * p.kc_stride_head +
+                               (((16 * w) & bmask) + (tk & 15)) * 64 + 16 * (lane & 3));
+  const uint8_t* sc_t = opaque((lane >= 16 ? p.value_scales : p.key_scales) +
+                               (((16 * w) & bmask) + (ts & 15)) * Hkv + kvh);
+  // the block stride of K and V (equal for FP4 keys; the binding keeps it below 2^31 bytes) and
+  // a block's scale bytes, bs * Hkv
+  const uint32_t kstride = opaque((uint32_t)p.vc_stride_blk);
+  const uint32_t sstride = opaque((uint32_t)(bmask + 1) * (uint32_t)Hkv);
+  // the block ids of step sp's groups jv, jv + 2 and w (the next step issued), each a valid
+  // block: a group with no visible key (only in a step on the range's edge) reads block 0, its
+  // logits masked; an id out of range sets `bad` (NaN rows) and reads block 0. Group j's table
+  // entry is (64 sp >> log2 bs) + (16 j >> log2 bs) for blocks of 16 to 256 tokens; the range's
+  // last entry is checked once (a sequence longer than its table row: NaN rows), so no load
+  // reads past the row.
+  const int lbs = p.log2_block_size;
+  const int* row = opaque(blocks.row);
+  const uint32_t ea = (uint32_t)((16 * jv) >> lbs), eb = (uint32_t)((16 * jv + 32) >> lbs);
+  const uint32_t ew = (uint32_t)((16 * w) >> lbs);
+  bool bad = r_lo < r_hi && ((r_hi - 1) >> lbs) >= p.max_blocks_per_seq;
+  int ia = 0, ib = 0, is = 0;
+  auto load_ids = [&](int sp) {
+    if (sp >= s_hi || bad) return;
+    const int t0 = STEP * sp;
+    const int* rp = row + (t0 >> lbs);  // the step's first entry (CTA-uniform)
+    if (t0 >= r_lo && t0 + STEP <= r_hi) {
+      ia = __ldg(rp + ea), ib = __ldg(rp + eb), is = __ldg(rp + ew);
+    } else {
+      auto seen = [&](int j) { return t0 + 16 * j + 16 > r_lo && t0 + 16 * j < r_hi; };
+      ia = seen(jv) ? __ldg(rp + ea) : 0;
+      ib = seen(jv + 2) ? __ldg(rp + eb) : 0;
+      is = seen(w) ? __ldg(rp + ew) : 0;
+    }
+    const uint32_t nb = (uint32_t)p.num_blocks;
+    if ((uint32_t)ia >= nb || (uint32_t)ib >= nb || (uint32_t)is >= nb) bad = true, ia = ib = is = 0;
+  };
+  const bool big_blocks = bmask >= STEP;  // blocks above 64 tokens: a step starts inside one
+  auto issue = [&](int sp) {
+    if (sp < s_hi) {
+      const uint32_t st = ring + ((uint32_t)sp % ST) * L::STAGE;
+      uint32_t kv_row = 0, s_row = 0;  // the step's first row in its block: code and scale bytes
+      if (big_blocks) {
+        const uint32_t r = (uint32_t)(STEP * sp) & (uint32_t)bmask;
+        kv_row = r * 64u, s_row = r * (uint32_t)Hkv;
+      }
+      const uint8_t* k = kc_t + kv_row + (unsigned long long)(uint32_t)is * kstride;
+      cp_async_16(st + dk, k);
+      cp_async_16(st + dk + 512, k + 8 * 64);
+      const uint8_t* sc = sc_t + s_row + (unsigned long long)(uint32_t)is * sstride;
+      cp_async_4(st + ds, reinterpret_cast<const void*>((uintptr_t)sc & ~(uintptr_t)3));
+      cp_async_16(st + dv, vc_a + kv_row + (unsigned long long)(uint32_t)ia * kstride);
+      cp_async_16(st + dv + 2048, vc_b + kv_row + (unsigned long long)(uint32_t)ib * kstride);
+      load_ids(sp + 1);
+    }
+    cp_async_commit();
+  };
+  load_ids(s_lo);
+#pragma unroll
+  for (int i = 0; i < ST - 1; ++i) issue(s_lo + i);
+
+  // ---- Q^T: the transforms in fp32 (prepare_q8: 16 lanes per column), then per column the
+  //      power of two qs, the two E4M3 terms at the K decode's k slots, the logit factor ----
+  float* cfS = reinterpret_cast<float*>(sm + L::OFF_CF);
+  float* sinkS = reinterpret_cast<float*>(sm + L::OFF_SINK);
+  float* qmS = reinterpret_cast<float*>(sm + L::OFF_QM);
+  int* misc = reinterpret_cast<int*>(sm + L::OFF_MISC);
+  const bool cap = p.soft_cap > 0.f, cap_state = cap && p.seq_state != nullptr;
+  {
+    float qv[8];
+    prepare_q8<D, T, kStates>(p, qc, q_v, sink_here, (tid & 15) == 0, sinkS + n, qmS + n, qv, lane);
+    float mx = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mx = fmaxf(mx, fabsf(qv[i]));
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    // 2^(7 - e) puts the largest |q| in [128, 256) (fmaxf drops NaN: an all-NaN or zero column
+    // keeps 1); an infinite q makes the column NaN, as it makes the reference's logits
+    const int e = mx > 0.f ? (int)((__float_as_uint(mx) >> 23) & 255u) - 127 : 7;
+    const float qs = mx == INFINITY ? __int_as_float(0x7fc00000) : pow2i(min(7 - e, 127));
+    const int j = dc / 8, c = j & 3, tt = j >> 2;
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      uint32_t hi, lo;
+      e4m3x2_split(qv[i] * qs, qv[i + 1] * qs, hi, lo);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {  // element i + b: even -> slot 4 tt + i / 2, odd -> 16 + ..
+        const int k = 32 * c + 16 * b + 4 * tt + i / 2;
+        sm[L::OFF_Q + sw128_offset(n, k)] = (uint8_t)(hi >> (8 * b));
+        sm[L::OFF_Q + 1024 + sw128_offset(n, k)] = (uint8_t)(lo >> (8 * b));  // column n + 8
+      }
+    }
+    // logit = S 2^6 / qs * scale * K's scale (natural units, then exp2 units unless capped)
+    if ((tid & 15) == 0) cfS[n] = p.scale * 64.f / qs * (cap ? 1.f : LOG2E);
+    if (tid == 0) misc[0] = 0;
+    fence_proxy_async();  // Q^T to the MMAs, after the barrier below
+  }
+
+  const uint64_t qdesc = wgmma_desc_sw128(qt, 16, 1024), pdesc = wgmma_desc_sw128(pt, 16, 1024);
+  const int tau0 = 16 * w + 2 * g;  // this thread's S rows: tokens tau0, tau0 + 1
+  const uint32_t kofs0 = opaque(64 * (tau0 ^ ((tau0 >> 1) & 1)) + 16 * t);
+  const uint32_t kofs1 = opaque(64 * ((tau0 + 1) ^ (((tau0 + 1) >> 1) & 1)) + 16 * t);
+  // ldmatrix rows: lane 8m + r -> token 8 (m + 4 x) + r, unit block w
+  const int lt = 8 * (lane >> 3) + (lane & 7);
+  const uint32_t vofs0 = opaque(CODES + 64 * lt + 16 * (w ^ ((lt >> 1) & 3)));
+  const uint32_t vofs1 = opaque(CODES + 64 * (lt + 32) + 16 * (w ^ (((lt + 32) >> 1) & 3)));
+  // P^T bytes (tokens tau0, tau0 + 1) of column n at k = 16 w + 4 (g % 4) + 2 (g / 4)
+  const int pk = 16 * w + 4 * (g & 3) + 2 * (g >> 2);
+  const uint32_t p_c0 = opaque(pt + sw128_offset(2 * t, pk)), p_c1 = opaque(pt + sw128_offset(2 * t + 1, pk));
+  const uint32_t red_t = red + 8 * t, red_w = red + 32 * w + 8 * t;  // (the rare exchange)
+  // scale bytes of tokens tau0, tau0 + 1 in their words (prmt selectors; the blocks' and
+  // groups' rows are multiples of 16 tokens, so only the token in its group moves the byte)
+  auto sel = [&](const uint8_t* scales, int tok) {
+    return 0x4440u | (uint32_t)(((uintptr_t)scales + tok * Hkv + kvh) & 3);
+  };
+  const uint32_t ksel0 = opaque(sel(p.key_scales, 2 * g)), ksel1 = opaque(sel(p.key_scales, 2 * g + 1));
+  const uint32_t vsel0 = opaque(sel(p.value_scales, 2 * g)), vsel1 = opaque(sel(p.value_scales, 2 * g + 1));
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // columns 2t, 2t + 1
+  float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  uint32_t va[2][2][4];  // V^T fragments [half][32-token chunk]
+  // (reg_fence views: the fragments and accumulators stay in their registers across the waits)
+  auto& va_words = reinterpret_cast<uint32_t(&)[4][4]>(va);
+  auto& o_words = reinterpret_cast<float(&)[8]>(o);
+  __syncthreads();  // Q^T, the column factors, misc
+  const float c0 = cfS[2 * t], c1 = cfS[2 * t + 1];
+
+#pragma unroll 1
+  for (int sp = s_lo; sp < s_hi; ++sp) {
+    cp_async_wait<ST - 2>();
+    __syncwarp();  // this warp's K rows and scale words; V after the barrier below
+    const uint32_t st = ring + ((uint32_t)sp % ST) * L::STAGE;
+    const uint4 k0 = lds128(st + kofs0), k1 = lds128(st + kofs1);
+    uint32_t ka[4][4];
+    {
+      const uint32_t w0[4] = {k0.x, k0.y, k0.z, k0.w}, w1[4] = {k1.x, k1.y, k1.z, k1.w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        e2m1x8_to_e4m3(w0[c], ka[c][0], ka[c][2]);
+        e2m1x8_to_e4m3(w1[c], ka[c][1], ka[c][3]);
+      }
+    }
+    float sacc[8];  // the chain's first MMA does not accumulate: no zeroing
+    reg_fence(ka);
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < 4; ++c) wgmma_m64n16k32_e4m3(sacc, ka[c], wgmma_desc_advance(qdesc, 32 * c), c != 0);
+    wgmma_commit();
+    const uint2 ksw = lds64(st + 2 * CODES + 4 * tau0);
+    const uint2 vsw = lds64(st + 2 * CODES + STEP * 4 + 4 * tau0);
+    wgmma_wait<0>();
+    reg_fence(ka);
+    reg_fence(va_words);
+    reg_fence(sacc);
+    reg_fence(o_words);
+    // logits in the exp2 domain, V's exponent added
+    const uint32_t kb0 = prmt(ksw.x, 0u, ksel0), kb1 = prmt(ksw.y, 0u, ksel1);
+    const uint32_t vb0 = prmt(vsw.x, 0u, vsel0), vb1 = prmt(vsw.y, 0u, vsel1);
+    float ev0 = vb0 == 255u ? __int_as_float(0x7fc00000) : (float)((int)vb0 - 127);
+    float ev1 = vb1 == 255u ? __int_as_float(0x7fc00000) : (float)((int)vb1 - 127);
+    const float kf0 = e8m0_to_float(kb0), kf1 = e8m0_to_float(kb1);
+    float x[4] = {(sacc[0] + sacc[4]) * kf0 * c0, (sacc[1] + sacc[5]) * kf0 * c1,
+                  (sacc[2] + sacc[6]) * kf1 * c0, (sacc[3] + sacc[7]) * kf1 * c1};
+    if (cap) {  // uniform; q.m of columns 2t, 2t + 1 back in (records)
+      const float inv_cap = 1.f / p.soft_cap;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float qm = cap_state ? qmS[2 * t + (i & 1)] : 0.f;
+        x[i] = p.soft_cap * tanhf((x[i] + qm) * inv_cap) * LOG2E;
+      }
+    }
+    if (STEP * sp < r_lo || STEP * sp + STEP > r_hi) {  // a step some key of is not visible
+      const int tok = STEP * sp + tau0;
+      if (tok < r_lo || tok >= r_hi) x[0] = x[1] = -INFINITY, ev0 = 0.f;
+      if (tok + 1 < r_lo || tok + 1 >= r_hi) x[2] = x[3] = -INFINITY, ev1 = 0.f;
+    }
+    float L0 = x[0] + ev0, L1 = x[1] + ev0, L2 = x[2] + ev1, L3 = x[3] + ev1;
+    float x0 = fmaxf(L0, L2), x1 = fmaxf(L1, L3);  // this thread's maxima, per column
+    auto exchange = [&]() {  // the step's maxima of the CTA, per column
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
+        x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+      }
+      if (g == 0) sts64(red_w, __float_as_uint(x0), __float_as_uint(x1));
+      named_barrier_sync(1, 128);
+#pragma unroll
+      for (int ww = 0; ww < 4; ++ww) {
+        const uint2 mm = lds64(red_t + 32 * ww);
+        x0 = fmaxf(x0, __uint_as_float(mm.x));
+        x1 = fmaxf(x1, __uint_as_float(mm.y));
+      }
+    };
+    float p0, p1, p2, p3;
+    auto write_p = [&]() {  // P' from the running maxima, to P^T
+      const float b0 = m0 - 8.f, b1 = m1 - 8.f;
+      p0 = fast_exp2(L0 - b0), p1 = fast_exp2(L1 - b1);
+      p2 = fast_exp2(L2 - b0), p3 = fast_exp2(L3 - b1);
+      sts16(p_c0, cvt_e4m3x2(p0, p2));
+      sts16(p_c1, cvt_e4m3x2(p1, p3));
+      fence_proxy_async();
+    };
+    write_p();
+    const bool redo = named_barrier_or(2, 128, x0 > m0 || x1 > m1);
+    // every warp is past the last step's V reads only here: its ring slot is refilled now
+    issue(sp + ST - 1);
+    if (redo) exchange();
+    uint32_t r[8];  // V^T units (every thread's copies of this stage are visible after barrier 2)
+    {
+      uint32_t ra[4], rb[4];
+      ldmatrix_x4_trans(ra, st + vofs0);
+      ldmatrix_x4_trans(rb, st + vofs1);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r[i] = ra[i], r[4 + i] = rb[i];
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      uint32_t a0, a1, b0, b1;
+      e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x6420u), a0, a1);
+      e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x7531u), b0, b1);
+      va[0][c][0] = a0, va[0][c][1] = a1, va[1][c][0] = b0, va[1][c][1] = b1;
+      e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x6420u), a0, a1);
+      e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x7531u), b0, b1);
+      va[0][c][2] = a0, va[0][c][3] = a1, va[1][c][2] = b0, va[1][c][3] = b1;
+    }
+    if (redo) {  // a step whose maximum grew: rescale to it, P' rewritten after barrier 2's reads
+      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
+      const float a0 = n0 == -INFINITY ? 1.f : fast_exp2(m0 - n0), a1 = n1 == -INFINITY ? 1.f : fast_exp2(m1 - n1);
+      m0 = n0, m1 = n1;
+      l0 *= a0, l1 *= a1;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) o[hh][0] *= a0, o[hh][1] *= a1, o[hh][2] *= a0, o[hh][3] *= a1;
+      write_p();
+    }
+    const float r0 = fast_exp2(-ev0), r1 = fast_exp2(-ev1);
+    l0 = fmaf(p2, r1, fmaf(p0, r0, l0));
+    l1 = fmaf(p3, r1, fmaf(p1, r0, l1));
+    reg_fence(va_words);
+    reg_fence(o_words);
+    if (redo) named_barrier_sync(2, 128);
+    wgmma_fence();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) wgmma_m64n8k32_e4m3(o[hh], va[hh][c], wgmma_desc_advance(pdesc, 32 * c));
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+  reg_fence(o_words);
+  cp_async_wait<0>();
+
+  // ---- epilogue: l over the CTA, O^T rows to shared memory in D order, then per column ----
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const bool any_bad = __any_sync(0xffffffffu, bad);
+  constexpr int EPL = D / 32;  // elements per lane of a row
+  float sv[EPL];
+  // (the slot and kv head computed again rather than kept in registers through the loop)
+  if (sink_here) load_sink_value<D>(p, state_slot(p, s), (int)opaque(blockIdx.x) - s * Hkv, lane * EPL, sv);
+  __syncthreads();  // every warp is done with the ring and the exchange words
+  float* lS = reinterpret_cast<float*>(sm + L::OFF_RED);
+  float* mS = reinterpret_cast<float*>(sm + L::OFF_M);
+  if (any_bad && lane == 0) misc[0] = 1;
+  if (g == 0) {
+    lS[8 * w + 2 * t] = l0, lS[8 * w + 2 * t + 1] = l1;
+    if (w == 0) mS[2 * t] = m0, mS[2 * t + 1] = m1;
+  }
+  float* mo = reinterpret_cast<float*>(sm + L::OFF_RING);  // [8 columns][MROW]
+  {
+    const int u = 8 * w + g;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) mo[(2 * t + (k & 1)) * L::MROW + 4 * u + 2 * hh + (k >> 1)] = o[hh][k] * 64.f;
+  }
+  __syncthreads();
+  if (misc[0]) {
+    write_const_rows(__int_as_float(0x7fc00000), 0.f, __int_as_float(0x7fc00000));
+    return;
+  }
+  const int d0 = lane * EPL;
+  for (int r = w; r < G; r += 4) {  // warp w writes columns w, w + 4
+    const int head = kvh * G + r;
+    float M = mS[r] - 8.f;  // the state (M, Ls) of O 2^6 / l (see the design note)
+    float Ls = lS[r] + lS[8 + r] + lS[16 + r] + lS[24 + r];
+    const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
+    float a[EPL];
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) a[e] = mo[r * L::MROW + d0 + e] * inv;
+    if (sink_here) merge_sink<EPL>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
+    store_decode_row<D, T, kStates>(p, s, head, part, nparts, needs_q_dot_center<kStates>(p) ? qmS[r] : 0.f,
+                                    M, Ls, a, lane);
+  }
+#else
+  __trap();  // SM90a only (use_decode_wgmma)
+#endif
+}
+
+// The kernel on grid (num_seqs * num_kv_heads, num_partitions); the kv heads of a sequence are
+// consecutive CTAs, so the scale sectors they share come from DRAM once (launch_decode_kernel).
+template <typename T, bool kStates>
+cudaError_t launch_decode_wgmma(const AttnParams& p, cudaStream_t stream) {
+  static bool attr_set[kMaxDevices] = {};  // per instantiation and device
+  return launch_kv_grid(paged_attention_fp4_decode_wgmma_kernel<T, kStates>, attr_set, p.num_seqs,
+                        DecodeWgmmaLayout::W, DecodeWgmmaLayout::TOTAL, p, stream);
+}
+
+}  // namespace cuda_fp4
+}  // namespace turboquant
