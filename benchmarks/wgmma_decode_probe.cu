@@ -2,8 +2,10 @@
 // item 1)? A measurement of the design's core loop before it is built into the library: plain
 // attention (no transforms, no sinks), D 128, HND paged FP4 keys and values with one
 // E8M0 scale per (token, kv head), block 16, 4 query heads per kv head; timed against a read of
-// 2 GiB in the same process, checked against a float64 host reference. What it measured, and
-// what holds it: docs/cuda-kernels.md, "An FP8 warpgroup decode, probed".
+// 2 GiB in the same process, checked against a float64 host reference; beside it, on the same
+// cache, the library's two decode kernels (warp-MMA, and the SM90a one built from this probe,
+// attention_decode_wgmma.cuh). What it measured, and what holds it: docs/cuda-kernels.md, "An
+// FP8 warpgroup decode, probed".
 //
 // The design. One CTA = one warpgroup = one (sequence, kv head); 64-token steps, each copied by
 // cp.async into a ring of raw codes (block ids loaded one step ahead). The MMAs are "swapped" so
@@ -53,7 +55,8 @@
 #include <random>
 #include <vector>
 
-#include "attention_common.cuh"
+#include "attention_decode.cuh"
+#include "attention_decode_wgmma.cuh"
 
 using namespace turboquant::cuda_fp4;
 
@@ -76,16 +79,6 @@ __device__ __forceinline__ void wgmma_m64n8k16_f16(float (&d)[4], const uint32_t
 #else
   __trap();
 #endif
-}
-
-// A per-thread constant the compiler must keep in a register (not recompute in the loop).
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-template <class T> __device__ __forceinline__ const T* opaque(const T* p) {
-  asm volatile("" : "+l"(p));
-  return p;
 }
 
 __device__ __forceinline__ void sts32(uint32_t a, uint32_t v) {
@@ -629,15 +622,15 @@ Checked references(const Problem& p) {
   return c;
 }
 
-template <int QT, int PT, int STAGES, int MINB, bool WO, bool LAZY = false, bool SPLIT = false>
-void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk) {
-  const int smem = 4608 + STAGES * STAGE_BYTES + 1024;
-  CK(cudaFuncSetAttribute(probe_kernel<QT, PT, STAGES, MINB, WO, LAZY, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  int per_sm = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, probe_kernel<QT, PT, STAGES, MINB, WO, LAZY, SPLIT>, 128, smem));
-  launch<QT, PT, STAGES, MINB, WO, LAZY, SPLIT>(p, d, 0);
+// Runs launch() once, checks d.out (fetch() puts the output there as float) against the
+// reference, times launch() in 5 rounds of reps and prints one line.
+template <class Launch, class Fetch>
+void report(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk, const char* label,
+            int per_sm, Launch launch, Fetch fetch) {
+  launch();
   CK(cudaGetLastError());
   CK(cudaDeviceSynchronize());
+  fetch();
   double err2 = 0, ref2 = 0, maxrel = 0;
   int checked = 0, nan_rows = 0;
   {
@@ -667,7 +660,7 @@ void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk
   double best = 1e30, sum = 0;
   for (int round = 0; round < 5; ++round) {  // each round: reps launches back to back
     CK(cudaEventRecord(e0));
-    for (int r = 0; r < reps; ++r) launch<QT, PT, STAGES, MINB, WO, LAZY, SPLIT>(p, d, 0);
+    for (int r = 0; r < reps; ++r) launch();
     CK(cudaEventRecord(e1));
     CK(cudaEventSynchronize(e1));
     float ms;
@@ -678,11 +671,74 @@ void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk
   for (int b = 0; b < p.B; ++b) tokens += p.lens[b];
   const double bytes = tokens * HKV * (D + 2);  // K and V codes and their scale bytes
   const double mean = sum / 5;
-  printf("Q %d term(s)%s, P %s, %d stages, %s%s%s: %d CTAs/SM | mean %.1f us, best %.1f us (5 rounds of %d) | "
-         "%.1f %% of the read bandwidth (mean) | rel RMS err %.3f %% (worst row %.3f %%, %d rows checked, %d NaN)\n",
-         QT >= 3 ? 2 : QT, QT == 3 ? " packed" : QT == 4 ? " in 16 columns" : "", PT == 0 ? "fp16 (V fp16)" : PT == 1 ? "1 E4M3 term" : PT == 2 ? "2 E4M3 terms" : "2 E4M3 terms packed", STAGES, WO ? "warp-owned K" : "shared ring",
-         LAZY ? ", maxima exchanged when they grow" : "", SPLIT ? ", split" : "", per_sm, mean, best, reps, 100.0 * bytes / (mean * 1e-6) / bw, 100.0 * std::sqrt(err2 / std::max(ref2, 1e-300)),
-         100.0 * maxrel, checked, nan_rows);
+  printf("%s: %d CTAs/SM | mean %.1f us, best %.1f us (5 rounds of %d) | %.1f %% of the read bandwidth (mean) | "
+         "rel RMS err %.3f %% (worst row %.3f %%, %d rows checked, %d NaN)\n",
+         label, per_sm, mean, best, reps, 100.0 * bytes / (mean * 1e-6) / bw,
+         100.0 * std::sqrt(err2 / std::max(ref2, 1e-300)), 100.0 * maxrel, checked, nan_rows);
+}
+
+template <int QT, int PT, int STAGES, int MINB, bool WO, bool LAZY = false, bool SPLIT = false>
+void run(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk) {
+  const int smem = 4608 + STAGES * STAGE_BYTES + 1024;
+  CK(cudaFuncSetAttribute(probe_kernel<QT, PT, STAGES, MINB, WO, LAZY, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int per_sm = 0;
+  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, probe_kernel<QT, PT, STAGES, MINB, WO, LAZY, SPLIT>, 128, smem));
+  char label[256];
+  snprintf(label, sizeof label, "Q %d term(s)%s, P %s, %d stages, %s%s%s", QT >= 3 ? 2 : QT,
+           QT == 3 ? " packed" : QT == 4 ? " in 16 columns" : "",
+           PT == 0 ? "fp16 (V fp16)" : PT == 1 ? "1 E4M3 term" : PT == 2 ? "2 E4M3 terms" : "2 E4M3 terms packed",
+           STAGES, WO ? "warp-owned K" : "shared ring", LAZY ? ", maxima exchanged when they grow" : "",
+           SPLIT ? ", split" : "");
+  report(p, d, reps, bw, chk, label, per_sm, [&] { launch<QT, PT, STAGES, MINB, WO, LAZY, SPLIT>(p, d, 0); }, [] {});
+}
+
+__global__ void to_bf16(const float* x, __nv_bfloat16* y, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    y[i] = __float2bfloat16(x[i]);
+}
+__global__ void to_float(const __nv_bfloat16* x, float* y, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    y[i] = __bfloat162float(x[i]);
+}
+
+// The library's decode kernels on the same cache, plain attention, one partition per
+// sequence, bf16 query and output (the query rounded to bf16: part of their error against the
+// float reference): the SM90a one (attention_decode_wgmma.cuh, wgmma) or the warp-MMA one.
+void run_library(const Problem& p, const Dev& d, int reps, double bw, const Checked& chk, bool wgmma) {
+  using namespace turboquant::cuda_fp4;
+  const size_t nq = p.q.size();
+  __nv_bfloat16 *qb, *ob;
+  CK(cudaMalloc(&qb, nq * 2));
+  CK(cudaMalloc(&ob, nq * 2));
+  to_bf16<<<256, 256>>>(d.q, qb, nq);
+  AttnParams a{};
+  a.out = ob, a.query = qb;
+  a.q_stride_tok = a.o_stride_tok = HKV * G * D, a.q_stride_head = a.o_stride_head = D;
+  a.key_cache = d.kc, a.value_cache = d.vc;
+  a.kc_stride_blk = a.vc_stride_blk = HKV * BS * D / 2, a.kc_stride_head = a.vc_stride_head = BS * D / 2;
+  a.key_scales = d.ks, a.value_scales = d.vs;
+  a.block_tables = d.table, a.bt_stride = p.max_blocks, a.seq_lens = d.lens;
+  a.num_seqs = a.num_tokens = p.B, a.num_heads = HKV * G, a.num_kv_heads = HKV, a.group_size = G;
+  a.log2_block_size = 4, a.num_blocks = p.blocks, a.max_blocks_per_seq = p.max_blocks;
+  a.partition_size = (p.L + 127) / 128 * 128, a.num_partitions = 1, a.tiles_per_seq = 1;
+  a.scale = 1.f / std::sqrt((float)D);
+  int per_sm = 0;
+  auto fetch = [&] { to_float<<<256, 256>>>(ob, d.out, nq); };
+  if (wgmma) {
+    auto k = paged_attention_fp4_decode_wgmma_kernel<__nv_bfloat16, false>;
+    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, DecodeWgmmaLayout::TOTAL));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, 128, DecodeWgmmaLayout::TOTAL));
+    report(p, d, reps, bw, chk, "library decode kernel, SM90a wgmma (bf16 Q and output)", per_sm,
+           [&] { CK((launch_decode_wgmma<__nv_bfloat16, false>(a, 0))); }, fetch);
+  } else {
+    using DL = DecodeLayout<128, false, 1>;
+    auto k = paged_attention_fp4_decode_kernel<128, __nv_bfloat16, false, false, 1, false>;
+    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, DL::TOTAL));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k, 32 * DL::W, DL::TOTAL));
+    report(p, d, reps, bw, chk, "library decode kernel, warp-MMA (bf16 Q and output)", per_sm,
+           [&] { CK((launch_decode_kernel<128, __nv_bfloat16, false, false, 1, false>(a, p.B, 0))); }, fetch);
+  }
+  cudaFree(qb), cudaFree(ob);
 }
 
 }  // namespace
@@ -745,6 +801,8 @@ int main(int argc, char** argv) {
     printf("%d x %d%s (32 query / 8 kv heads, D 128, block 16; %d split(s) per sequence and head):\n",
            B, L, ragged ? " (ragged lengths 1, 54, 97, 64, 63 + 64 i)" : "", splits);
     const Checked chk = references(p);
+    run_library(p, d, reps, bw, chk, false);
+    run_library(p, d, reps, bw, chk, true);
     if (splits > 1) {  // the split-KV builds of the one-chain forms
       run<1, 1, 4, 5, true, false, true>(p, d, reps, bw, chk);
       run<3, 1, 4, 5, true, false, true>(p, d, reps, bw, chk);
