@@ -28,7 +28,7 @@ inline bool use_decode_wgmma(int major, int D, bool key_e4m3) {
 // kDecodeWgmma: the SM90a decode kernel, use_decode_wgmma)
 enum class AttnKernel { kPrefill, kDecode, kDecodeWgmma, kSpec8, kSpec16, kGeneral };
 inline AttnKernel choose_attention_kernel(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs,
-                                          int group_size, bool decode_wgmma = false) {
+                                          int group_size, bool decode_wgmma) {
   if (prefill) return AttnKernel::kPrefill;
   if (use_decode_kernel(multi, group_size)) return decode_wgmma ? AttnKernel::kDecodeWgmma : AttnKernel::kDecode;
   if (tuning::use_spec_kernel(multi, D, num_tokens, num_seqs, group_size))
