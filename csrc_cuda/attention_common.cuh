@@ -628,34 +628,6 @@ cudaError_t set_smem_attributes_once(Kernel kern, int bytes, bool (&done)[kMaxDe
   return e;
 }
 
-// The current device is sm_90 or later (programmatic dependent launch).
-inline bool sm90_or_later() {
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-  return major >= 9;
-}
-
-// Launches kern(p) as a programmatic dependent of the previous kernel in the stream (sm_90+):
-// its CTAs may start while that kernel drains and wait in pdl_wait() until its writes are
-// visible. Measured on H100 (CUDA graph, decode kernel): batch 1 x 4k 8.6 vs 9.2 us, 1 x 32k
-// 21.3 vs 22.1 us, 64 x 4k 105.9 vs 107.0 us.
-template <typename Kernel>
-cudaError_t launch_programmatic(Kernel kern, dim3 grid, dim3 block, int smem, cudaStream_t stream,
-                                const AttnParams& p) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = sm90_or_later() ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kern, p);
-}
-
 // kern(p) on grid (grid_x * num_kv_heads, num_partitions) of 32 * warps threads and smem bytes
 // of dynamic shared memory, its attributes set once per device (`attr_set`: the caller's
 // per-instantiation flags), as a programmatic dependent launch.

@@ -1,7 +1,7 @@
 // turboquant cuda backend: the shared state's two small kernels (turboquant/shared_state.py,
 // CONTRACT.md section 2, "Shared state"). Torch-free.
 //
-// 1. records: one block per sequence of an attention call (a warp per kv head) builds the record the
+// 1. records: a warp per (sequence, kv head) of an attention call builds the record the
 //    attention kernels read (float32 [num_seqs, Hkv, 5, D]): the layer's m, lam, 1/lam, and the
 //    sink from the layer's table where the fingerprint of the sequence's block 0, slot 0 bytes
 //    equals the entry's tag, else position 0 decoded from those bytes (NaN when block 0 is no
@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "fp4_common.cuh"
 #include "limits.cuh"
 #include "paged_kv.cuh"
 
@@ -148,7 +149,15 @@ __device__ inline float shared_decode(const SharedCache& c, int64_t blk, int off
   return e2m1_value((e & 1) ? (byte >> 4) : (byte & 15u)) * scale;
 }
 
-// grid (num_seqs), block (kSharedThreads): warp w builds the records of heads w, w + 4, ..
+// grid (num_seqs, ceil(Hkv / 4)), block (kSharedThreads): warp w of block (s, y) builds the
+// record of sequence s, kv head 4 y + w. A programmatic dependent launch (launch_programmatic):
+// its CTAs become resident while the kernel before it drains and wait (pdl_wait) for the writes
+// whose bytes they read. It does not trigger its own dependent early: the attention kernel's
+// CTAs placed while these are resident spread unevenly over the SMs (H200, 64 x 4k, a one-wave
+// grid: 95.0 us with the trigger, 82.2 without; record 2026-11-29-h200-shared-records.json).
+// A record costs three round trips, each issued whole before its values are used: the block
+// id, sequence length and smoothing rows; position 0's bytes (the fingerprint's words and the
+// elements a miss decodes); the entry's tag and its rows (a hit's answer, loaded with the tag).
 __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
     float* __restrict__ records,            // [num_seqs, Hkv, 5, D]
     int* __restrict__ state_ids,            // [num_seqs]: s (the call's state_ids)
@@ -160,57 +169,62 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
     const uint16_t* __restrict__ sink_kv,   // [S + 1, Hkv, 2, D] bf16 bits
     const int64_t* __restrict__ sink_tags,  // [S + 1, Hkv]
     int entries) {
+  pdl_wait();
   const int s = blockIdx.x, D = c.head_dim, lane = threadIdx.x & 31;
-  if (threadIdx.x == 0) state_ids[s] = s;
+  const int h = blockIdx.y * (kSharedThreads / 32) + threadIdx.x / 32;
+  if (threadIdx.x == 0 && blockIdx.y == 0) state_ids[s] = s;
+  if (h >= c.hkv) return;
   const int first = paged_kv::block_id(block_tables + int64_t(s) * bt_stride, 0, bt_cols, c.num_blocks);
   const bool ok = first >= 0 && seq_lens[s] > 0;
   const int64_t blk = ok ? first : 0;
   const float nan = __int_as_float(0x7fc00000);
-  // per head, rounds of loads each issued whole before its values are used (the kernel's time
-  // is its chain of round trips): the smoothing rows and the fingerprint's words; the table's
-  // tag; the entry's rows (a hit) or position 0 decoded (a miss); then the stores
   constexpr int E = kMaxHeadDim / 32;  // elements per lane at most: e = lane + 32 i
-  for (int h = threadIdx.x / 32; h < c.hkv; h += blockDim.x / 32) {
-    float* rec = records + (int64_t(s) * c.hkv + h) * 5 * D;
-    const float* sm = smoothing + int64_t(h) * 5 * D;
-    float row[3][E], k0[E], v0[E];
+  float* rec = records + (int64_t(s) * c.hkv + h) * 5 * D;
+  const float* sm = smoothing + int64_t(h) * 5 * D;
+  float row[3][E], k0[E], v0[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      const int e = lane + 32 * i;
-      if (e < D) {
-        row[0][i] = __ldg(sm + 0 * D + e);  // KEY_CENTER
-        row[1][i] = __ldg(sm + 1 * D + e);  // KEY_SCALE
-        row[2][i] = __ldg(sm + 4 * D + e);  // KEY_INV_SCALE
-      }
+  for (int i = 0; i < E; ++i) {
+    const int e = lane + 32 * i;
+    if (e < D) {
+      row[0][i] = __ldg(sm + 0 * D + e);  // KEY_CENTER
+      row[1][i] = __ldg(sm + 1 * D + e);  // KEY_SCALE
+      row[2][i] = __ldg(sm + 4 * D + e);  // KEY_INV_SCALE
     }
-    const int64_t tag = shared_fingerprint(c, blk, 0, h);
-    const int64_t entry = tag % entries;
-    const bool hit = __ldg(sink_tags + entry * c.hkv + h) == tag;
-    const uint16_t* kv = sink_kv + (entry * c.hkv + h) * 2 * D;
+  }
+  const int64_t tag = shared_fingerprint(c, blk, 0, h);
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      const int e = lane + 32 * i;
-      if (e >= D) continue;
-      if (!ok) {
-        k0[i] = v0[i] = nan;
-      } else if (hit) {
-        k0[i] = __uint_as_float(uint32_t(__ldg(kv + e)) << 16);
-        v0[i] = __uint_as_float(uint32_t(__ldg(kv + D + e)) << 16);
-      } else {
-        k0[i] = shared_decode(c, blk, 0, h, e, true);
-        v0[i] = shared_decode(c, blk, 0, h, e, false);
-      }
+  for (int i = 0; i < E; ++i) {  // a miss's answer: position 0 decoded
+    const int e = lane + 32 * i;
+    if (e < D) {
+      k0[i] = shared_decode(c, blk, 0, h, e, true);
+      v0[i] = shared_decode(c, blk, 0, h, e, false);
     }
+  }
+  const int64_t entry = tag % entries;
+  const uint16_t* kv = sink_kv + (entry * c.hkv + h) * 2 * D;
+  uint32_t hk[E], hv[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      const int e = lane + 32 * i;
-      if (e >= D) continue;
-      rec[0 * D + e] = row[0][i];
-      rec[1 * D + e] = row[1][i];
-      rec[4 * D + e] = row[2][i];
-      rec[2 * D + e] = k0[i];  // SINK_KEY
-      rec[3 * D + e] = v0[i];  // SINK_VALUE
+  for (int i = 0; i < E; ++i) {  // a hit's answer, loaded with the tag
+    const int e = lane + 32 * i;
+    if (e < D) {
+      hk[i] = __ldg(kv + e);
+      hv[i] = __ldg(kv + D + e);
     }
+  }
+  const bool hit = __ldg(sink_tags + entry * c.hkv + h) == tag;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const int e = lane + 32 * i;
+    if (e >= D) continue;
+    if (hit) {
+      k0[i] = __uint_as_float(hk[i] << 16);
+      v0[i] = __uint_as_float(hv[i] << 16);
+    }
+    rec[0 * D + e] = row[0][i];
+    rec[1 * D + e] = row[1][i];
+    rec[4 * D + e] = row[2][i];
+    rec[2 * D + e] = ok ? k0[i] : nan;  // SINK_KEY
+    rec[3 * D + e] = ok ? v0[i] : nan;  // SINK_VALUE
   }
 }
 

@@ -422,13 +422,15 @@ void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 
               "shared_state: contiguous smoothing, bf16 sink_kv, int64 sink_tags");
   if (ns == 0) return;
   const c10::cuda::CUDAGuard guard(records.device());
-  tq::tq_shared_records_kernel<<<ns, tq::kSharedThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      records.data_ptr<float>(), state_ids.data_ptr<int>(), c, block_tables.data_ptr<int>(),
-      (int)block_tables.stride(0),
-      (int)block_tables.size(1), seq_lens.data_ptr<int>(), smoothing.data_ptr<float>(),
-      reinterpret_cast<const uint16_t*>(sink_kv.data_ptr()), sink_tags.data_ptr<int64_t>(),
-      (int)sink_tags.size(0) - 1);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const dim3 grid(ns, (c.hkv + tq::kSharedThreads / 32 - 1) / (tq::kSharedThreads / 32));
+  C10_CUDA_CHECK(tq::launch_programmatic(
+      tq::tq_shared_records_kernel, grid, dim3(tq::kSharedThreads), 0, at::cuda::getCurrentCUDAStream(),
+      records.data_ptr<float>(), state_ids.data_ptr<int>(), c,
+      static_cast<const int*>(block_tables.data_ptr<int>()), (int)block_tables.stride(0),
+      (int)block_tables.size(1), static_cast<const int*>(seq_lens.data_ptr<int>()),
+      static_cast<const float*>(smoothing.data_ptr<float>()),
+      reinterpret_cast<const uint16_t*>(sink_kv.data_ptr()),
+      static_cast<const int64_t*>(sink_tags.data_ptr<int64_t>()), (int)sink_tags.size(0) - 1));
 }
 
 void shared_enter_sinks_cuda(const at::Tensor& key, const at::Tensor& value,  // [n, Hkv, D]

@@ -419,8 +419,11 @@ constexpr int WRITER_EPT = TQ_WRITER_EPT;
 //                                 4096, 8576; n 1: 16512)
 //   batch 64 x 4k  : base 512  -> n 1: two waves of 4096 (8448; n 2: four waves of 2048, 8832)
 //   batch 128 x 16k: base 1024 -> n 1: four waves of 16384, no reduce pass
-// The SM90a kernel (H200: 660 slots): 64 x 32k, base 512 -> n 1 (one wave; n 2: two, 33152
-// against 32896), as the probe measured (5 splits: 84.2 % against 84.6 %).
+// The SM90a kernel (H200: 660 slots): 64 x 32k, base 512 -> n 9: P 3712, 4608 CTAs in 7 waves
+// (27008; n 1: one wave, 32896); 64 x 4k -> n 1, 512 CTAs (4224; n 5 ties and loses to fewer).
+// Its CTAs cost no less than 128 tokens: the model run with 64 (64 x 4k at n 5) took 93.0 us
+// against 82.2, with 32 / 16 (128 x 4k at n 8 / 16) 192 / 245 us against 167 (H200, one call
+// each; record 2026-11-29-h200-shared-records.json).
 constexpr int DECODE_CTA_COST = 128, DECODE_REDUCE_COST = 128;
 inline int choose_decode_partition_size(int max_seq_len, int base_ctas, int num_sms,
                                         int min_blocks = DECODE_MIN_BLOCKS) {
