@@ -154,7 +154,7 @@ __device__ inline float shared_decode(const SharedCache& c, int64_t blk, int off
 // its CTAs become resident while the kernel before it drains and wait (pdl_wait) for the writes
 // whose bytes they read. It does not trigger its own dependent early: the attention kernel's
 // CTAs placed while these are resident spread unevenly over the SMs (H200, 64 x 4k, a one-wave
-// grid: 95.0 us with the trigger, 82.2 without; record 2026-11-29-h200-shared-records.json).
+// grid: 95.0 us with the trigger, 82.2 without; record 2026-11-29-h200-shared-records-launch.json).
 // A record costs three round trips, each issued whole before its values are used: the block
 // id, sequence length and smoothing rows; position 0's bytes (the fingerprint's words and the
 // elements a miss decodes); the entry's tag and its rows (a hit's answer, loaded with the tag).

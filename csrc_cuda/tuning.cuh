@@ -423,7 +423,7 @@ constexpr int WRITER_EPT = TQ_WRITER_EPT;
 // (27008; n 1: one wave, 32896); 64 x 4k -> n 1, 512 CTAs (4224; n 5 ties and loses to fewer).
 // Its CTAs cost no less than 128 tokens: the model run with 64 (64 x 4k at n 5) took 93.0 us
 // against 82.2, with 32 / 16 (128 x 4k at n 8 / 16) 192 / 245 us against 167 (H200, one call
-// each; record 2026-11-29-h200-shared-records.json).
+// each; record 2026-11-29-h200-shared-records-launch.json).
 constexpr int DECODE_CTA_COST = 128, DECODE_REDUCE_COST = 128;
 inline int choose_decode_partition_size(int max_seq_len, int base_ctas, int num_sms,
                                         int min_blocks = DECODE_MIN_BLOCKS) {

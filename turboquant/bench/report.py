@@ -50,6 +50,7 @@ ATTENTION_FIELDS = [
     "speedup",
     "rel_err_vs_sdpa",
     "fp4_kernels",
+    "fp4_kernel_us",
     "sdpa_kernels",
     "note",
 ] + peers.peer_fields()

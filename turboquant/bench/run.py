@@ -91,8 +91,8 @@ from .problems import (BYTE_COUNTING, Row, build_decode_problem, cache_config, c
                        torch_dtype, writer_bytes, writer_state)
 from .report import (ATTENTION_FIELDS, HEADER, WRITER_FIELDS, device_meta, format_row,
                      format_writer, note_max_observed, write_files)
-from .timing import (GB, GiB, TIMING_FIGURES, kernel_names, measure_bandwidth, time_calls,
-                     time_decode)
+from .timing import (GB, GiB, TIMING_FIGURES, kernel_names, kernel_times, measure_bandwidth,
+                     time_calls, time_decode)
 
 DEFAULT_SHAPES = "32/8/128,64/8/128"
 DEFAULT_BATCHES = "1,16,64,128"
@@ -313,6 +313,8 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     if not args.no_kernel_names:
         with checks_off(tq):
             rec["fp4_kernels"] = kernel_names(lambda: fp4[0](p.query[0], p.out[0]), device)
+            times = kernel_times(lambda: fp4[0](p.query[0], p.out[0]), device)
+            rec["fp4_kernel_us"] = " | ".join(f"{k} {v}" for k, v in times.items())
 
     if getattr(args, "peers", False) and device.type == "cuda":
         why = peers.flashinfer_unavailable()
@@ -565,6 +567,8 @@ def main(args: argparse.Namespace) -> int:
             if r.get("fp4_kernels") or r.get("sdpa_kernels"):
                 print(f"  {r['shape']} b{r['batch']} ctx{r['context']}: "
                       f"fp4 [{r.get('fp4_kernels', '')}]  sdpa [{r.get('sdpa_kernels', '')}]")
+                if r.get("fp4_kernel_us"):
+                    print(f"    fp4 device us per call: {r['fp4_kernel_us']}")
 
     # the whole table again last, so the end of the output holds it
     print()
