@@ -23,6 +23,14 @@ def test_there_are_records():
     assert RECORDS, "no evidence records in benchmarks/results/"
 
 
+def test_index_lists_every_record_once_by_name():
+    """benchmarks/results/README.md's list: one line per record, sorted by file name."""
+    listed = [line.split("`")[1] for line in (RESULTS / "README.md").read_text().splitlines()
+              if line.startswith("- `")]
+    assert listed == sorted(listed), "the index is not sorted by name"
+    assert listed == [p.name for p in RECORDS], "the index and the records differ"
+
+
 @pytest.mark.parametrize("path", RECORDS, ids=[p.name for p in RECORDS])
 def test_record_schema(path):
     assert NAME.match(path.name), f"{path.name}: not <YYYY-MM-DD>-<device>-<topic>.json"
