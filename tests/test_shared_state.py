@@ -394,8 +394,8 @@ def test_shared_state_refusals():
     assert math.isnan(float(state.smoothing[0, 0, KEY_SCALE, 0]))  # nothing written: unset
 
 
-def _random_cache(nb, key_format, group, g):
-    cache = tq.allocate_cache(nb, HKV, BS, D, scale_group=group, key_format=key_format)
+def _random_cache(nb, key_format, group, g, hkv=HKV):
+    cache = tq.allocate_cache(nb, hkv, BS, D, scale_group=group, key_format=key_format)
     for t in cache:
         t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=g,
                                                 dtype=torch.uint8))
@@ -408,11 +408,14 @@ def _random_cache(nb, key_format, group, g):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 @pytest.mark.parametrize("key_format,group", [("fp4", None), ("fp4", 32), ("fp8_e4m3", None)])
-def test_cuda_kernels_match_the_definition(key_format, group):
+@pytest.mark.parametrize("hkv", [HKV, 6])
+def test_cuda_kernels_match_the_definition(key_format, group, hkv):
     """The cuda backend's two kernels (csrc_cuda/shared_state.cuh) against the torch definition
     run on the CPU, bit for bit: the sink table after writes of ragged chunks (position-0 tokens
     colliding in one entry, a skipped slot), the records of a call (hits, misses, a bad and a
-    -1 block id, an empty sequence), with and without smoothing, for fp16/bf16/fp32 inputs."""
+    -1 block id, an empty sequence), with and without smoothing, for fp16/bf16/fp32 inputs; 2
+    kv heads (one block of the records kernel per sequence, two of its warps idle) and 6 (two
+    blocks, the second's last two warps idle)."""
     if _cuda_reason() is not None:
         pytest.skip(f"cuda backend: {_cuda_reason()}")
     g = torch.Generator().manual_seed(11)
@@ -420,12 +423,12 @@ def test_cuda_kernels_match_the_definition(key_format, group):
     signs = rotation_signs(D, 0, torch.device("cpu"))
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for smooth in (True, False):
-            cache = _random_cache(nb, key_format, group, g)
-            cal = (torch.randn(HKV, D, generator=g), torch.rand(HKV, D, generator=g) + 0.5)
-            st = tq.allocate_shared_state(HKV, D, nb, calibration=cal, entries=3)
+            cache = _random_cache(nb, key_format, group, g, hkv)
+            cal = (torch.randn(hkv, D, generator=g), torch.rand(hkv, D, generator=g) + 0.5)
+            st = tq.allocate_shared_state(hkv, D, nb, calibration=cal, entries=3)
             n = 30  # one block each; position-0 tokens at slot 0 of theirs (as a first block)
-            k = (torch.randn(n, HKV, D, generator=g) * 4).to(dtype)
-            v = torch.randn(n, HKV, D, generator=g).to(dtype)
+            k = (torch.randn(n, hkv, D, generator=g) * 4).to(dtype)
+            v = torch.randn(n, hkv, D, generator=g).to(dtype)
             pos = torch.randint(0, 3, (n,), generator=g)
             off = torch.where(pos == 0, 0, torch.randint(1, BS, (n,), generator=g))
             slots = torch.randperm(nb, generator=g)[:n] * BS + off
@@ -458,7 +461,7 @@ def test_cuda_kernels_match_the_definition(key_format, group):
             assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), (dtype, smooth)
             hits += int((want[:4, :, SINK_KEY] == cpu[1].sink_kv.float()[
                 torch.remainder(fingerprints(*cpu[0], table[:4, 0].long() * BS),
-                                st.entries), torch.arange(HKV)[None], 0]).all(-1).sum())
+                                st.entries), torch.arange(hkv)[None], 0]).all(-1).sum())
     assert hits > 0  # some records came from the table
 
 
