@@ -91,8 +91,8 @@ from .problems import (BYTE_COUNTING, Row, build_decode_problem, cache_config, c
                        torch_dtype, writer_bytes, writer_state)
 from .report import (ATTENTION_FIELDS, HEADER, WRITER_FIELDS, device_meta, format_row,
                      format_writer, note_max_observed, write_files)
-from .timing import (GB, GiB, TIMING_FIGURES, kernel_names, kernel_times, measure_bandwidth,
-                     time_calls, time_decode)
+from .timing import (GB, GiB, TIMING_FIGURES, kernel_names, kernel_profile,
+                     measure_bandwidth, time_calls, time_decode)
 
 DEFAULT_SHAPES = "32/8/128,64/8/128"
 DEFAULT_BATCHES = "1,16,64,128"
@@ -312,8 +312,8 @@ def run_row(tq, row: Row, args, device: torch.device, bw_ref: float, l2_bytes: i
     rec["fp4_pct_bw"] = 100.0 * rec["fp4_GBps"] / bw_ref if bw_ref > 0 else ""
     if not args.no_kernel_names:
         with checks_off(tq):
-            rec["fp4_kernels"] = kernel_names(lambda: fp4[0](p.query[0], p.out[0]), device)
-            times = kernel_times(lambda: fp4[0](p.query[0], p.out[0]), device)
+            rec["fp4_kernels"], times = kernel_profile(lambda: fp4[0](p.query[0], p.out[0]),
+                                                       device)
             rec["fp4_kernel_us"] = " | ".join(f"{k} {v}" for k, v in times.items())
 
     if getattr(args, "peers", False) and device.type == "cuda":

@@ -236,16 +236,32 @@ def _device_kernels(fn: Callable[[], object], device: torch.device, calls: int) 
             if str(getattr(e, "device_type", "")).endswith("CUDA")]
 
 
+def _names(events: list, top: int) -> str:
+    """The ``top`` kernels of ``events`` ((name, us) pairs) by total time, longest first."""
+    totals: dict = {}
+    for name, us in events:
+        totals[name] = totals.get(name, 0.0) + us
+    return " | ".join(k[:80] for k in sorted(totals, key=totals.get, reverse=True)[:top])
+
+
+def _means(events: list, calls: int) -> dict:
+    """Mean time per call (us) of each kernel of ``events``, by its name up to its template
+    arguments."""
+    import re
+    means: dict = {}
+    for name, us in events:
+        short = re.search(r"(\w+)\s*[<(]", name + "(").group(1)
+        means[short] = means.get(short, 0.0) + us / calls
+    return {k: round(v, 1) for k, v in means.items()}
+
+
 def kernel_names(fn: Callable[[], object], device: torch.device, top: int = 2) -> str:
     """The device kernels one call of ``fn`` runs, longest first (torch.profiler), so a row
     says which kernel was timed (e.g. which SDPA kernel torch picked). '' if unavailable."""
     if device.type != "cuda":
         return ""
     try:
-        totals: dict = {}
-        for name, us in _device_kernels(fn, device, 1):
-            totals[name] = totals.get(name, 0.0) + us
-        return " | ".join(k[:80] for k in sorted(totals, key=totals.get, reverse=True)[:top])
+        return _names(_device_kernels(fn, device, 1), top)
     except Exception as exc:  # diagnostic only
         return f"(profiler failed: {type(exc).__name__})"
 
@@ -256,15 +272,23 @@ def kernel_times(fn: Callable[[], object], device: torch.device, calls: int = 5)
     goes. {} off CUDA or where the profiler fails."""
     if device.type != "cuda":
         return {}
-    import re
     try:
-        means: dict = {}
-        for name, us in _device_kernels(fn, device, calls):
-            short = re.search(r"(\w+)\s*[<(]", name + "(").group(1)
-            means[short] = means.get(short, 0.0) + us / calls
-        return {k: round(v, 1) for k, v in means.items()}
+        return _means(_device_kernels(fn, device, calls), calls)
     except Exception:  # noqa: BLE001 - diagnostic only
         return {}
+
+
+def kernel_profile(fn: Callable[[], object], device: torch.device, calls: int = 5,
+                   top: int = 2) -> tuple[str, dict]:
+    """``kernel_names`` and ``kernel_times`` of ``fn`` from one profiled run of ``calls``
+    calls: ('', {}) off CUDA, the failure's name and {} where the profiler fails."""
+    if device.type != "cuda":
+        return "", {}
+    try:
+        events = _device_kernels(fn, device, calls)
+    except Exception as exc:  # diagnostic only
+        return f"(profiler failed: {type(exc).__name__})", {}
+    return _names(events, top), _means(events, calls)
 
 
 # --------------------------------------------------------------------------------------------
