@@ -50,7 +50,7 @@ __device__ inline int64_t shared_scale_index(const SharedCache& c, int64_t blk, 
   return ((blk * c.block_size + off) * c.hkv + h) * c.groups;
 }
 
-constexpr int kSharedThreads = 128;
+constexpr int kSharedThreads = 128, kSharedWarps = kSharedThreads / 32;
 __device__ constexpr uint32_t kMix[2][3] = {{0x2545F491u, 0x3C6EF372u, 0x2C1B3C6Du},
                                  {0x297A2D39u, 0x1B873593u, 0x5BD1E995u}};
 
@@ -149,12 +149,13 @@ __device__ inline float shared_decode(const SharedCache& c, int64_t blk, int off
   return e2m1_value((e & 1) ? (byte >> 4) : (byte & 15u)) * scale;
 }
 
-// grid (num_seqs, ceil(Hkv / 4)), block (kSharedThreads): warp w of block (s, y) builds the
-// record of sequence s, kv head 4 y + w. A programmatic dependent launch (launch_programmatic):
-// its CTAs become resident while the kernel before it drains and wait (pdl_wait) for the writes
-// whose bytes they read. It does not trigger its own dependent early: the attention kernel's
-// CTAs placed while these are resident spread unevenly over the SMs (H200, 64 x 4k, a one-wave
-// grid: 95.0 us with the trigger, 82.2 without; record 2026-11-29-h200-shared-records-launch.json).
+// grid (num_seqs, ceil(Hkv / kSharedWarps)), block (kSharedThreads): warp w of block (s, y)
+// builds the record of sequence s, kv head kSharedWarps y + w. A programmatic dependent launch
+// (launch_programmatic): its CTAs become resident while the kernel before it drains and wait
+// (pdl_wait) for the writes whose bytes they read. It does not trigger its own dependent early:
+// the attention kernel's CTAs placed while these are resident spread unevenly over the SMs
+// (H200, 64 x 4k, a one-wave grid: 95.0 us with the trigger, 82.2 without; record
+// 2026-11-29-h200-shared-records-launch.json).
 // A record costs three round trips, each issued whole before its values are used: the block
 // id, sequence length and smoothing rows; position 0's bytes (the fingerprint's words and the
 // elements a miss decodes); the entry's tag and its rows (a hit's answer, loaded with the tag).
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
     int entries) {
   pdl_wait();
   const int s = blockIdx.x, D = c.head_dim, lane = threadIdx.x & 31;
-  const int h = blockIdx.y * (kSharedThreads / 32) + threadIdx.x / 32;
+  const int h = blockIdx.y * kSharedWarps + threadIdx.x / 32;
   if (threadIdx.x == 0 && blockIdx.y == 0) state_ids[s] = s;
   if (h >= c.hkv) return;
   const int first = paged_kv::block_id(block_tables + int64_t(s) * bt_stride, 0, bt_cols, c.num_blocks);

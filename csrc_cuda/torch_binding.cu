@@ -422,7 +422,7 @@ void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 
               "shared_state: contiguous smoothing, bf16 sink_kv, int64 sink_tags");
   if (ns == 0) return;
   const c10::cuda::CUDAGuard guard(records.device());
-  const dim3 grid(ns, (c.hkv + tq::kSharedThreads / 32 - 1) / (tq::kSharedThreads / 32));
+  const dim3 grid(ns, (c.hkv + tq::kSharedWarps - 1) / tq::kSharedWarps);
   C10_CUDA_CHECK(tq::launch_programmatic(
       tq::tq_shared_records_kernel, grid, dim3(tq::kSharedThreads), 0, at::cuda::getCurrentCUDAStream(),
       records.data_ptr<float>(), state_ids.data_ptr<int>(), c,
