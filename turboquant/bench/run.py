@@ -562,7 +562,7 @@ def main(args: argparse.Namespace) -> int:
         None if args.no_plot else f"turboquant FP4 decode vs dense BF16 SDPA, {meta['name']}")
 
     if not args.no_kernel_names and any(r.get("fp4_kernels") for r in rows):
-        print("\nkernels of one profiled call per row (longest first):")
+        print("\nkernels per row, from its profiled calls (longest first):")
         for r in rows:
             if r.get("fp4_kernels") or r.get("sdpa_kernels"):
                 print(f"  {r['shape']} b{r['batch']} ctx{r['context']}: "
