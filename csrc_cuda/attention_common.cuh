@@ -10,6 +10,7 @@
 #include "attention_params.cuh"
 #include "fp4_common.cuh"
 #include "limits.cuh"
+#include "shared_state.cuh"
 #include "tuning.cuh"
 
 namespace turboquant {
@@ -93,14 +94,97 @@ __device__ __forceinline__ bool needs_q_dot_center(const AttnParams& p) {
   return p.seq_state != nullptr && (p.soft_cap > 0.f || (kStates && (p.lse != nullptr || p.sinks != nullptr)));
 }
 
-// The slot of sequence s's state record (0 without records; read once, early in the prologue).
+// The slot of sequence s's state record (0 without records or with the layer's one record;
+// read once, early in the prologue).
 __device__ __forceinline__ int state_slot(const AttnParams& p, int s) {
-  return p.seq_state != nullptr ? __ldg(p.state_ids + s) : 0;
+  return p.state_ids != nullptr ? __ldg(p.state_ids + s) : 0;
+}
+
+// ---- the sink's rows -----------------------------------------------------------------------
+// With per-sequence records they are rows 2, 3 of the sequence's record. With the layer's sink
+// table (p.sink_tags, turboquant/shared_state.py) the CTA that merges the sink finds them as
+// tq_shared_records_kernel finds a record's (shared_state.cuh): the entry whose tag equals the
+// fingerprint of block 0, slot 0's bytes, else position 0 decoded from those bytes (NaN rows
+// when block 0 is no block of the cache). sink_ref says where they are, in three round trips of
+// the prologue (the block id, the bytes, the tag), and a kernel keeps that in place of its
+// slot (every sequence reads the layer's record, slot 0): the prologue's Q chunk and the
+// epilogue read the sink's elements from there (sink_elements). The decode kernels find it
+// after their first KV copies are issued; the general and prefill kernels read records
+// (reads_sink_table, attention_launch.cuh).
+// With the table, a slot where the CTA merges the sink: a table entry (>= 0), SINK_NAN, or
+// -2 - blk: decoded from block blk
+constexpr int SINK_NAN = -2147483647 - 1;
+
+// The fingerprint of block blk, slot 0, kv head kvh (shared_fingerprint's, for the attention
+// kernels' one scale per (token, head) and 4-byte aligned rows: the key row's words, the value
+// row's, then the two scale bytes as one word), by a whole warp.
+template <int D>
+__device__ __forceinline__ int64_t sink_fingerprint(const AttnParams& p, int blk, int kvh) {
+  constexpr int N = (D + D / 2 + 4 + 127) / 128;  // words per lane at most (E4M3 keys)
+  const int kw = p.key_e4m3 ? D / 4 : D / 8, vw = kw + D / 8;  // key words, key + value words
+  const int lane = threadIdx.x & 31;
+  const uint32_t* krow = reinterpret_cast<const uint32_t*>(p.key_cache + blk * p.kc_stride_blk + kvh * p.kc_stride_head);
+  const uint32_t* vrow = reinterpret_cast<const uint32_t*>(p.value_cache + blk * p.vc_stride_blk + kvh * p.vc_stride_head);
+  const int64_t sidx = ((int64_t)blk << p.log2_block_size) * p.num_kv_heads + kvh;
+  uint32_t w[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int k = lane + 32 * i;
+    w[i] = k < kw ? __ldg(krow + k)
+           : k < vw ? __ldg(vrow + (k - kw))
+           : k == vw ? (uint32_t)__ldg(p.key_scales + sidx) | (uint32_t)__ldg(p.value_scales + sidx) << 8 : 0u;
+  }
+  return fingerprint_mix(w, vw + 1);
+}
+
+// The CTA's slot from here on: with the table, where sequence s's sink rows for kv head kvh
+// are (here: the CTA's sink_here); else slot. Called by every thread of the CTA (whole warps:
+// the fingerprint shuffles).
+template <int D>
+__device__ __forceinline__ int sink_ref(const AttnParams& p, int s, int kvh, bool here, int slot) {
+  if (!here || p.sink_tags == nullptr) return slot;
+  const int blk = BlockRow(p, s).id(0);
+  const int64_t tag = sink_fingerprint<D>(p, blk < 0 ? 0 : blk, kvh);
+  const int entry = (int)(tag % p.sink_entries);
+  if (blk < 0) return SINK_NAN;
+  return __ldg(p.sink_tags + (int64_t)entry * p.num_kv_heads + kvh) == tag ? entry : -2 - blk;
+}
+
+// Elements [d0, d0 + N) of the sink's key (kKey) or value row where sref (sink_ref, with the
+// table) says: the table entry's bf16, or position 0 of block blk decoded (code x scale, as
+// the definition; exact in bf16 either way).
+template <int D, int N, bool kKey>
+__device__ __forceinline__ void sink_elements(const AttnParams& p, int sref, int kvh, int d0, float (&v)[N]) {
+  if (sref >= 0) {
+    const uint16_t* src = p.sink_kv + ((int64_t)sref * p.num_kv_heads + kvh) * 2 * D + (kKey ? 0 : D) + d0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = __uint_as_float((uint32_t)__ldg(src + i) << 16);
+  } else if (sref == SINK_NAN) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = __int_as_float(0x7fc00000);
+  } else {
+    const int blk = -2 - sref;
+    const int64_t sidx = ((int64_t)blk << p.log2_block_size) * p.num_kv_heads + kvh;
+    const float scale = e8m0_value(__ldg((kKey ? p.key_scales : p.value_scales) + sidx));
+    const uint8_t* row = kKey ? p.key_cache + blk * p.kc_stride_blk + kvh * p.kc_stride_head
+                              : p.value_cache + blk * p.vc_stride_blk + kvh * p.vc_stride_head;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int e = d0 + i;
+      if (kKey && p.key_e4m3) {
+        v[i] = e4m3_value(__ldg(row + e)) * scale;
+      } else {
+        const uint32_t byte = __ldg(row + e / 2);
+        v[i] = e2m1_value((e & 1) ? (byte >> 4) : (byte & 15u)) * scale;
+      }
+    }
+  }
 }
 
 // What the transforms need for one thread's 8-element Q chunk [col, col + 8) of kv head kvh:
-// lam, the rotation signs and the sink key (each only where used). Loaded early in the
-// prologue, so the latency of the slot -> record chain hides under the first KV copies.
+// lam, the rotation signs and the sink key (each only where used; with the table the record is
+// slot 0's and the kernel loads the sink key after sink_ref). Loaded early in the prologue, so
+// the latency of the slot -> record chain hides under the first KV copies.
 struct QChunk {
   float lam[8], sg[8], sk[8], m[8];  // m: the key center, read only where needs_q_dot_center
   bool bad;  // the slot is outside [0, num_slots): the rows become NaN
@@ -113,15 +197,20 @@ __device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int 
     c.bad = slot < 0 || slot >= p.num_slots;
     const float* rec = p.seq_state + ((size_t)(c.bad ? 0 : slot) * p.num_kv_heads + kvh) * STATE_ROWS * D + col;
     load_floats(rec + STATE_SCALE * D, c.lam);
-    if (sink) load_floats(rec + STATE_SINK_K * D, c.sk);
+    if (sink && p.sink_tags == nullptr) load_floats(rec + STATE_SINK_K * D, c.sk);
     if (needs_q_dot_center<kStates>(p)) load_floats(rec, c.m);
   }
   if (p.rot_signs != nullptr) load_floats(p.rot_signs + col, c.sg);
 }
 
-// The sink value row's N elements at d0 (the epilogue of partition 0), NaN for a bad slot.
+// The sink value row's N elements at d0 (the epilogue of partition 0): the record's (NaN for a
+// bad slot) or, with the table, where the slot (sink_ref) says.
 template <int D, int N>
 __device__ __forceinline__ void load_sink_value(const AttnParams& p, int slot, int kvh, int d0, float (&v)[N]) {
+  if (p.sink_tags != nullptr) {
+    sink_elements<D, N, false>(p, slot, kvh, d0, v);
+    return;
+  }
   const bool bad = slot < 0 || slot >= p.num_slots;
   load_floats(p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + kvh) * STATE_ROWS * D + STATE_SINK_V * D + d0, v);
   if (bad) {

@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   // the kv heads of a sequence (row tile) are consecutive CTAs (see the launch below)
   const int tile = blockIdx.x / p.num_kv_heads, kvh = blockIdx.x - tile * p.num_kv_heads, part = blockIdx.y;
   pdl_wait();  // launched as a programmatic dependent (launch_programmatic)
-  pdl_launch_dependents();  // see the general kernel
+  if (p.num_partitions > 1) pdl_launch_dependents();  // see the SM90a decode kernel
   // sequence s, its query tokens [q0, q0 + qn), this CTA's columns [NC lt, NC lt + NC) of them
   int s = tile, q0 = tile, qn = 1, lt = 0;
   if constexpr (kMulti) {
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   // thread's 16 bytes of Q, and the block ids of the warp's first 32 tiles, located from the
   // partition start (a sliding window that starts later relocates them below).
   const int seq_len = __ldg(p.seq_lens + s);
-  const int slot = state_slot(p, s);
+  int slot = state_slot(p, s);
   const int P = p.partition_size, nparts = p.num_partitions;
   static_assert(NC * D / 8 <= 32 * L::W, "one 16-byte Q chunk per thread");
   const int q_r = tid / (D / 8), q_col = (tid % (D / 8)) * 8;  // Q chunk: column q_r, 8 elements
@@ -333,6 +333,9 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
     if (k < my_n) issue(k);
     cp_async_commit();
   }
+  // with the sink table: where the sink rows are, under the first copies
+  slot = sink_ref<D>(p, s, kvh, sink_here, slot);
+  if (sink_here && p.sink_tags != nullptr) sink_elements<D, 8, true>(p, slot, kvh, q_col, qc.sk);
 
   // ---- Q: the NC columns' rows (padding rows 0), the transforms in fp32 (q * lam, rotation;
   //      D/8 lanes per row), the sink's logit, tile amax, power-of-two prescale, fp16 B
@@ -622,8 +625,9 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   // partition 0: the sink value elements this lane writes (loaded under the merge below)
   constexpr int EPL = D / 32;
   float sv[EPL];
-  // (NB 2 reads the slot again rather than keep it in a register through the key loop)
-  if (sink_here) load_sink_value<D>(p, NB == 1 ? slot : state_slot(p, s), kvh, lane * EPL, sv);
+  // (NB 2 with records reads the slot again rather than keep it in a register through the key
+  // loop)
+  if (sink_here) load_sink_value<D>(p, NB == 1 || p.sink_tags != nullptr ? slot : state_slot(p, s), kvh, lane * EPL, sv);
   __syncthreads();  // every warp is done with its pipeline buffers
   if (any_bad && lane == 0) misc[1] = 1;
   if (g == 0) {

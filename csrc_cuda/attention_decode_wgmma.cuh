@@ -95,9 +95,13 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   const int Hkv = p.num_kv_heads, G = p.group_size;
   const int s = blockIdx.x / Hkv, kvh = blockIdx.x - s * Hkv, part = blockIdx.y;
   pdl_wait();  // launched as a programmatic dependent (launch_programmatic)
-  pdl_launch_dependents();
+  // the reduce pass, where one follows, may be scheduled once every CTA has started. With one
+  // partition the dependent is the next call's kernel: its CTAs placed while this grid still
+  // runs spread unevenly over the SMs (H200, 64 x 4k, a one-wave grid: 91.0 us with the
+  // trigger, 78.2 without; record 2026-11-29-h200-sink-lookup.json)
+  if (p.num_partitions > 1) pdl_launch_dependents();
   const int seq_len = __ldg(p.seq_lens + s);
-  const int slot = state_slot(p, s);
+  int slot = state_slot(p, s);
   const int P = p.partition_size, nparts = p.num_partitions;
   // Q: column n = tid / 16 (head kvh G + n; padding columns n >= G are zero), its elements
   // dc .. dc + 7
@@ -205,6 +209,9 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   };
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) issue(s_lo + i);
+  // with the sink table: where the sink rows are, under the first copies
+  slot = sink_ref<D>(p, s, kvh, sink_here, slot);
+  if (sink_here && p.sink_tags != nullptr) sink_elements<D, 8, true>(p, slot, kvh, dc, qc.sk);
 
   // ---- Q^T: the transforms in fp32 (prepare_q8: 16 lanes per column), then per column the
   //      power of two qs, the two E4M3 terms at the K decode's k slots, the logit factor ----
@@ -404,8 +411,11 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   const bool any_bad = __any_sync(0xffffffffu, bad);
   constexpr int EPL = D / 32;  // elements per lane of a row
   float sv[EPL];
-  // (the slot and kv head computed again rather than kept in registers through the loop)
-  if (sink_here) load_sink_value<D>(p, state_slot(p, s), (int)opaque(blockIdx.x) - s * Hkv, lane * EPL, sv);
+  // (with records the slot and kv head computed again rather than kept in registers through the
+  // loop)
+  if (sink_here)
+    load_sink_value<D>(p, p.sink_tags != nullptr ? slot : state_slot(p, s), (int)opaque(blockIdx.x) - s * Hkv,
+                       lane * EPL, sv);
   __syncthreads();  // every warp is done with the ring and the exchange words
   float* lS = reinterpret_cast<float*>(sm + L::OFF_RED);
   float* mS = reinterpret_cast<float*>(sm + L::OFF_M);

@@ -27,6 +27,10 @@ inline bool use_decode_wgmma(int major, int D, bool key_e4m3) {
 // (kSpec8 / kSpec16: the decode kernel's short multi-token forms of 8 / 16 columns;
 // kDecodeWgmma: the SM90a decode kernel, use_decode_wgmma)
 enum class AttnKernel { kPrefill, kDecode, kDecodeWgmma, kSpec8, kSpec16, kGeneral };
+// Whether kernel k looks the sink up in the layer's table itself (sink_ref). The general and
+// prefill kernels read per-sequence records instead, which the binding builds first (the
+// records kernel): at their register limits, the lookup's code cost them spills.
+constexpr bool reads_sink_table(AttnKernel k) { return k != AttnKernel::kPrefill && k != AttnKernel::kGeneral; }
 inline AttnKernel choose_attention_kernel(bool prefill, bool multi, int D, long long num_tokens, long long num_seqs,
                                           int group_size, bool decode_wgmma) {
   if (prefill) return AttnKernel::kPrefill;

@@ -35,9 +35,14 @@ struct AttnParams {
   const float* rot_signs;  // [D] +-1: Q rotated in the prologue, O un-rotated before its store
   float rot_norm;          // D^-0.5 as the fp32 constant of turboquant.rotation.rotation_norm
   const float* seq_state;  // [num_slots, Hkv, STATE_ROWS, D] fp32 records: Q * lam (row 1); sink K/V rows 2, 3
-  const int* state_ids;    // [num_seqs] slot of each sequence (outside [0, num_slots): NaN rows)
+  const int* state_ids;    // [num_seqs] slot of each sequence (outside [0, num_slots): NaN rows),
+                           // or nullptr: every sequence reads slot 0 (the layer's record)
   int num_slots;
-  int sink;                // position 0 comes from the record (rows 2, 3), not from the FP4 cache
+  int sink;                // position 0 comes from the record (rows 2, 3) or the sink table, not from the FP4 cache
+  // the layer's sink table (turboquant/shared_state.py), or nullptr: the sink rows are the record's
+  const uint16_t* sink_kv;   // [sink_entries + 1, Hkv, 2, D] bf16 bits: an entry's transformed K and V rows
+  const int64_t* sink_tags;  // [sink_entries + 1, Hkv]: each entry's fingerprint
+  int sink_entries;
   // attention states (turboquant.states); nullptr: off
   float* lse;              // [num_tokens, num_heads] fp32: each row's log-sum-exp (natural log)
   const float* sinks;      // [num_heads] fp32: learned sink logits (one more logit, no value)

@@ -68,6 +68,32 @@ __device__ inline uint32_t shared_byte(const SharedCache& c, int64_t blk, int of
   return 0u;
 }
 
+// The fingerprint of a sequence of `words` 32-bit words, lane l holding words l + 32 i in w[i]
+// (all 32 lanes call it; every lane gets it).
+template <int N>
+__device__ __forceinline__ int64_t fingerprint_mix(const uint32_t (&w)[N], int words) {
+  const int lane = threadIdx.x & 31;
+  uint32_t acc[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int k = lane + 32 * i;
+    if (k >= words) continue;
+    const uint32_t idx = uint32_t(k + 1);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      uint32_t x = w[i] * kMix[m][0] + idx * kMix[m][1];
+      x ^= x >> 15;
+      x *= kMix[m][2];
+      x ^= x >> 13;
+      acc[m] += x;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+    for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+  return (int64_t(acc[0] & 0x7FFFFFFFu) << 32) | int64_t(acc[1]) | 1;
+}
+
 // The words one lane of shared_fingerprint takes at most: E4M3 key bytes (D), FP4 value bytes
 // (D / 2) and two scale bytes per 32 elements, at the largest head dim, over 32 lanes.
 constexpr int kFingerprintWords = (kMaxHeadDim + kMaxHeadDim / 2 + 2 * (kMaxHeadDim / 32) + 127) / 128;
@@ -102,23 +128,7 @@ __device__ inline int64_t shared_fingerprint(const SharedCache& c, int64_t blk, 
       word[i] = byte[0] | byte[1] << 8 | byte[2] << 16 | byte[3] << 24;
     }
   }
-  uint32_t acc[2] = {0u, 0u};
-#pragma unroll
-  for (int i = 0; i < kFingerprintWords; ++i) {
-    const int w = lane + 32 * i;
-    if (w >= words) continue;
-    const uint32_t idx = uint32_t(w + 1);
-    for (int m = 0; m < 2; ++m) {
-      uint32_t x = word[i] * kMix[m][0] + idx * kMix[m][1];
-      x ^= x >> 15;
-      x *= kMix[m][2];
-      x ^= x >> 13;
-      acc[m] += x;
-    }
-  }
-  for (int m = 0; m < 2; ++m)
-    for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
-  return (int64_t(acc[0] & 0x7FFFFFFFu) << 32) | int64_t(acc[1]) | 1;
+  return fingerprint_mix(word, words);
 }
 
 __device__ inline float e8m0_value(uint32_t b) {

@@ -43,12 +43,13 @@ void set_cache_fields(Params& p, const at::Tensor& key_cache, const at::Tensor& 
 }
 
 // The transforms of both parameter structs (CONTRACT.md section 2): rotation signs, state
-// records and their slot ids (one per sequence for attention, per token for the writer).
+// records and their slot ids (one per sequence for attention, per token for the writer; none
+// with layer_record: seq_state is the layer's one record, slot 0 for every sequence).
 template <typename Params>
 void set_transform_fields(Params& p, int D, int hkv, int num_ids,
                           const std::optional<at::Tensor>& rotation_signs,
                           const std::optional<at::Tensor>& seq_state,
-                          const std::optional<at::Tensor>& state_ids) {
+                          const std::optional<at::Tensor>& state_ids, bool layer_record = false) {
   p.rot_signs = nullptr;
   p.seq_state = nullptr;
   p.state_ids = nullptr;
@@ -62,22 +63,30 @@ void set_transform_fields(Params& p, int D, int hkv, int num_ids,
                 "rotation_signs: expected a 16-byte aligned tensor");
     p.rot_signs = r.data_ptr<float>();
   }
-  TORCH_CHECK(seq_state.has_value() == state_ids.has_value(), "seq_state/state_ids: expected both or neither");
+  if (layer_record) {
+    TORCH_CHECK(seq_state.has_value() && !state_ids.has_value() && seq_state->dim() == 4 && seq_state->size(0) == 1,
+                "seq_state/state_ids: with sink_kv, expected the layer's one record [1, num_kv_heads, 5, D] "
+                "and no state_ids");
+  } else {
+    TORCH_CHECK(seq_state.has_value() == state_ids.has_value(), "seq_state/state_ids: expected both or neither");
+  }
   if (seq_state.has_value()) {
     const at::Tensor& st = *seq_state;
-    const at::Tensor& ids = *state_ids;
     TORCH_CHECK(st.is_cuda() && st.scalar_type() == at::kFloat && st.dim() == 4 && st.size(1) == hkv &&
                     st.size(2) == tq::STATE_ROWS && st.size(3) == D && st.is_contiguous(),
                 "seq_state: expected a contiguous float32 [num_slots, num_kv_heads, 5, D] CUDA tensor");
+    TORCH_CHECK(st.size(0) < (1LL << 31), "seq_state: fewer than 2^31 slots");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(st.data_ptr()) % 16 == 0, "seq_state: expected a 16-byte aligned tensor");
+    p.seq_state = st.data_ptr<float>();
+    p.num_slots = (int)st.size(0);
+  }
+  if (state_ids.has_value()) {
+    const at::Tensor& ids = *state_ids;
     TORCH_CHECK(ids.is_cuda() && ids.scalar_type() == at::kInt && ids.dim() == 1 && ids.size(0) == num_ids &&
                     ids.is_contiguous(),
                 "state_ids: expected a contiguous int32 CUDA tensor with one slot per sequence (attention) "
                 "or token (writer)");
-    TORCH_CHECK(st.size(0) < (1LL << 31), "seq_state: fewer than 2^31 slots");
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(st.data_ptr()) % 16 == 0, "seq_state: expected a 16-byte aligned tensor");
-    p.seq_state = st.data_ptr<float>();
     p.state_ids = ids.data_ptr<int>();
-    p.num_slots = (int)st.size(0);
   }
 }
 
@@ -98,6 +107,51 @@ int num_sms(int device) {
   return cache[device];
 }
 
+// The shared state's view of a cache (shared_state.cuh).
+tq::SharedCache shared_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& key_scales, const at::Tensor& value_scales) {
+  TORCH_CHECK(key_cache.is_cuda() && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "key_cache/value_cache: expected 4-D CUDA tensors");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "key_cache/value_cache: rows contiguous");
+  TORCH_CHECK(key_scales.is_contiguous() && value_scales.is_contiguous(), "key_scales/value_scales: contiguous");
+  tq::SharedCache c{};
+  c.key_cache = static_cast<const uint8_t*>(key_cache.data_ptr());
+  c.value_cache = value_cache.data_ptr<uint8_t>();
+  c.key_scales = key_scales.data_ptr<uint8_t>();
+  c.value_scales = value_scales.data_ptr<uint8_t>();
+  c.kc_blk = key_cache.stride(0);
+  c.kc_head = key_cache.stride(1);
+  c.kc_tok = key_cache.stride(2);
+  c.vc_blk = value_cache.stride(0);
+  c.vc_head = value_cache.stride(1);
+  c.vc_tok = value_cache.stride(2);
+  c.key_e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  c.key_bytes = (int)key_cache.size(3);
+  c.value_bytes = (int)value_cache.size(3);
+  c.head_dim = 2 * c.value_bytes;
+  c.num_blocks = (int)value_cache.size(0);
+  c.hkv = (int)value_cache.size(1);
+  c.block_size = (int)value_cache.size(2);
+  c.groups = key_scales.dim() == 4 ? (int)key_scales.size(3) : 1;
+  return c;
+}
+
+// tq_shared_records_kernel: the records [num_seqs, Hkv, 5, D] and ids 0 .. num_seqs - 1 of a
+// call's sequences from the layer's record smoothing [1, Hkv, 5, D] and sink table.
+void launch_shared_records(at::Tensor& records, at::Tensor& state_ids, const tq::SharedCache& c,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& smoothing,
+                           const at::Tensor& sink_kv, const at::Tensor& sink_tags) {
+  const dim3 grid((unsigned)block_tables.size(0), (c.hkv + tq::kSharedWarps - 1) / tq::kSharedWarps);
+  C10_CUDA_CHECK(tq::launch_programmatic(
+      tq::tq_shared_records_kernel, grid, dim3(tq::kSharedThreads), 0, at::cuda::getCurrentCUDAStream(),
+      records.data_ptr<float>(), state_ids.data_ptr<int>(), c,
+      static_cast<const int*>(block_tables.data_ptr<int>()), (int)block_tables.stride(0),
+      (int)block_tables.size(1), static_cast<const int*>(seq_lens.data_ptr<int>()),
+      static_cast<const float*>(smoothing.data_ptr<float>()),
+      reinterpret_cast<const uint16_t*>(sink_kv.data_ptr()),
+      static_cast<const int64_t*>(sink_tags.data_ptr<int64_t>()), (int)sink_tags.size(0) - 1));
+}
+
 void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                               const at::Tensor& value_cache, const at::Tensor& key_scales,
                               const at::Tensor& value_scales, const at::Tensor& block_tables,
@@ -110,7 +164,9 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                               bool sink,
                               const std::optional<at::Tensor>& sinks,  // float32 [num_heads]
                               const std::optional<at::Tensor>& lse,  // float32 [num_tokens, num_heads]
-                              const std::optional<at::Tensor>& workspace) {  // uint8 [bytes]
+                              const std::optional<at::Tensor>& workspace,  // uint8 [bytes]
+                              const std::optional<at::Tensor>& sink_kv,    // bf16 [S + 1, Hkv, 2, D]
+                              const std::optional<at::Tensor>& sink_tags) {  // int64 [S + 1, Hkv]
   TORCH_CHECK(!sink || seq_state.has_value(), "sink: needs seq_state");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-D CUDA tensor");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -220,8 +276,38 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.sliding_window = (int)sliding_window;
   p.soft_cap = (float)logits_soft_cap;
   p.scale = (float)scale;
-  set_transform_fields(p, D, hkv, num_seqs, rotation_signs, seq_state, state_ids);
+  const bool table = sink_kv.has_value() || sink_tags.has_value();
+  set_transform_fields(p, D, hkv, num_seqs, rotation_signs, seq_state, state_ids, table);
   p.sink = sink ? 1 : 0;
+  p.sink_kv = nullptr;
+  p.sink_tags = nullptr;
+  p.sink_entries = 0;
+  if (table) {
+    TORCH_CHECK(sink_kv.has_value() && sink_tags.has_value(), "sink_kv/sink_tags: expected both or neither");
+    const at::Tensor &kv = *sink_kv, &tags = *sink_tags;
+    TORCH_CHECK(tags.device() == query.device() && tags.scalar_type() == at::kLong && tags.dim() == 2 &&
+                    tags.size(0) >= 2 && tags.size(0) < (1LL << 31) && tags.size(1) == hkv && tags.is_contiguous(),
+                "sink_tags: expected a contiguous int64 [S + 1, num_kv_heads] tensor on the query's device, S >= 1");
+    TORCH_CHECK(kv.device() == query.device() && kv.scalar_type() == at::kBFloat16 && kv.dim() == 4 &&
+                    kv.size(0) == tags.size(0) && kv.size(1) == hkv && kv.size(2) == 2 && kv.size(3) == D &&
+                    kv.is_contiguous(),
+                "sink_kv: expected a contiguous bfloat16 [S + 1, num_kv_heads, 2, D] tensor on the query's device");
+    p.sink_kv = reinterpret_cast<const uint16_t*>(kv.data_ptr());
+    p.sink_tags = tags.data_ptr<int64_t>();
+    p.sink_entries = (int)tags.size(0) - 1;
+  }
+  at::Tensor records, record_ids;  // a kernel that reads records: built from the table first
+  if (table && !tq::reads_sink_table(plan.kernel)) {
+    records = at::empty({num_seqs, hkv, tq::STATE_ROWS, D}, query.options().dtype(at::kFloat));
+    record_ids = at::empty({num_seqs}, query.options().dtype(at::kInt));
+    launch_shared_records(records, record_ids, shared_cache(key_cache, value_cache, key_scales, value_scales),
+                          block_tables, seq_lens, *seq_state, *sink_kv, *sink_tags);
+    p.seq_state = records.data_ptr<float>();
+    p.state_ids = record_ids.data_ptr<int>();
+    p.num_slots = num_seqs;
+    p.sink_kv = nullptr;
+    p.sink_tags = nullptr;
+  }
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   p.key_e4m3 = key_e4m3 ? 1 : 0;
@@ -371,35 +457,6 @@ void merge_attention_states_cuda(at::Tensor& out,  // [num_tokens, num_heads, D]
 }
 
 
-// The shared state's view of a cache (shared_state.cuh).
-tq::SharedCache shared_cache(const at::Tensor& key_cache, const at::Tensor& value_cache,
-                             const at::Tensor& key_scales, const at::Tensor& value_scales) {
-  TORCH_CHECK(key_cache.is_cuda() && key_cache.dim() == 4 && value_cache.dim() == 4,
-              "key_cache/value_cache: expected 4-D CUDA tensors");
-  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, "key_cache/value_cache: rows contiguous");
-  TORCH_CHECK(key_scales.is_contiguous() && value_scales.is_contiguous(), "key_scales/value_scales: contiguous");
-  tq::SharedCache c{};
-  c.key_cache = static_cast<const uint8_t*>(key_cache.data_ptr());
-  c.value_cache = value_cache.data_ptr<uint8_t>();
-  c.key_scales = key_scales.data_ptr<uint8_t>();
-  c.value_scales = value_scales.data_ptr<uint8_t>();
-  c.kc_blk = key_cache.stride(0);
-  c.kc_head = key_cache.stride(1);
-  c.kc_tok = key_cache.stride(2);
-  c.vc_blk = value_cache.stride(0);
-  c.vc_head = value_cache.stride(1);
-  c.vc_tok = value_cache.stride(2);
-  c.key_e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
-  c.key_bytes = (int)key_cache.size(3);
-  c.value_bytes = (int)value_cache.size(3);
-  c.head_dim = 2 * c.value_bytes;
-  c.num_blocks = (int)value_cache.size(0);
-  c.hkv = (int)value_cache.size(1);
-  c.block_size = (int)value_cache.size(2);
-  c.groups = key_scales.dim() == 4 ? (int)key_scales.size(3) : 1;
-  return c;
-}
-
 void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 5, D]
                          at::Tensor& state_ids,      // int32 [num_seqs]: 0 .. num_seqs - 1
                          const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -422,15 +479,7 @@ void shared_records_cuda(at::Tensor& records,        // float32 [num_seqs, Hkv, 
               "shared_state: contiguous smoothing, bf16 sink_kv, int64 sink_tags");
   if (ns == 0) return;
   const c10::cuda::CUDAGuard guard(records.device());
-  const dim3 grid(ns, (c.hkv + tq::kSharedWarps - 1) / tq::kSharedWarps);
-  C10_CUDA_CHECK(tq::launch_programmatic(
-      tq::tq_shared_records_kernel, grid, dim3(tq::kSharedThreads), 0, at::cuda::getCurrentCUDAStream(),
-      records.data_ptr<float>(), state_ids.data_ptr<int>(), c,
-      static_cast<const int*>(block_tables.data_ptr<int>()), (int)block_tables.stride(0),
-      (int)block_tables.size(1), static_cast<const int*>(seq_lens.data_ptr<int>()),
-      static_cast<const float*>(smoothing.data_ptr<float>()),
-      reinterpret_cast<const uint16_t*>(sink_kv.data_ptr()),
-      static_cast<const int64_t*>(sink_tags.data_ptr<int64_t>()), (int)sink_tags.size(0) - 1));
+  launch_shared_records(records, state_ids, c, block_tables, seq_lens, smoothing, sink_kv, sink_tags);
 }
 
 void shared_enter_sinks_cuda(const at::Tensor& key, const at::Tensor& value,  // [n, Hkv, D]

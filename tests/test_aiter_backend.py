@@ -207,7 +207,7 @@ def test_transforms_are_not_declined():
         assert DEVICE in reason and "fused" not in reason, reason
         assert registry.transform_tensors_reason(call) is None
     assert "needs seq_state" in registry.transform_tensors_reason(
-        dataclasses.replace(call, seq_state=None, state_ids=None))
+        dataclasses.replace(call, seq_state=None, state_ids=None, sink_kv=None, sink_tags=None))
     assert "rotation_signs: expected" in registry.transform_tensors_reason(
         dataclasses.replace(call, rotation_signs=torch.ones(64)))
 

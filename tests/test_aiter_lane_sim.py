@@ -52,6 +52,7 @@ import torch
 
 import turboquant
 from turboquant.api import prepare_attention
+from turboquant.shared_state import call_with_records
 from turboquant.calls import make_attention_call
 from turboquant.cache import build_paged_problem
 from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
@@ -632,10 +633,12 @@ def test_e4m3_conversion_model(sim_lib):
 # --------------------------------------------------------------------------- accuracy transforms
 
 def _transform_call(prob, query, scale, soft_cap=0.0, cu_query_lens=None, sliding_window=0):
-    """The AttentionCall the public API builds for ``prob`` (its config, state and slots)."""
-    return prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, scale,
-                             logits_soft_cap=soft_cap, cu_query_lens=cu_query_lens,
-                             sliding_window=sliding_window, **prob.kwargs)
+    """The AttentionCall the aiter backend runs for ``prob`` (its config, state and slots; a
+    shared state as the per-sequence records it builds)."""
+    return call_with_records(prepare_attention(query, *prob.cache, prob.block_tables,
+                                               prob.seq_lens, scale, logits_soft_cap=soft_cap,
+                                               cu_query_lens=cu_query_lens,
+                                               sliding_window=sliding_window, **prob.kwargs))
 
 
 def _sim_call(lib, call, native, partition_len=PARTITION):

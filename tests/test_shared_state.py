@@ -465,6 +465,74 @@ def test_cuda_kernels_match_the_definition(key_format, group, hkv):
     assert hits > 0  # some records came from the table
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("key_format", ["fp4", "fp8_e4m3"])
+@pytest.mark.parametrize("d,gqa", [(128, 2), (64, 2), (128, 16)])
+def test_cuda_attention_reads_the_sink_table_as_the_records(key_format, d, gqa):
+    """The cuda attention kernels given the layer's state as it is (its record and the sink
+    table; each CTA that merges the sink looks its entry up) against the same kernels given the
+    per-sequence records tq_shared_records_kernel builds from it, bit for bit and NaN for NaN:
+    decode (D 128: the SM90a FP8 kernel for fp4 keys; D 64: the warp-MMA one; 16 heads per kv
+    head: the general kernel) and multi-token calls (the prefill kernel), with and without a
+    window that hides position 0; sequences whose first block's entry hits, misses (taken by
+    another first token), and whose block 0 is -1 or past the cache (NaN rows with the sink)."""
+    if _cuda_reason() is not None:
+        pytest.skip(f"cuda backend: {_cuda_reason()}")
+    g = torch.Generator().manual_seed(5)
+    nb, hkv, ns = 48, 2, 9
+    cache = tq.allocate_cache(nb, hkv, BS, d, key_format=key_format)
+    for t in cache:
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
+    for t in (cache.key_scales, cache.value_scales):
+        t.copy_(torch.randint(118, 128, t.shape, generator=g, dtype=torch.uint8))
+    if key_format == "fp8_e4m3":  # no NaN bytes (E4M3 0x7F / 0xFF): a written cache has none
+        kb = cache.key_cache.view(torch.uint8)
+        kb[(kb & 0x7F) == 0x7F] = 0x11
+    cache = tq.FP4Cache(*(t.cuda() for t in cache))
+    cal = (torch.randn(hkv, d, generator=g), torch.rand(hkv, d, generator=g) + 0.5)
+    st = tq.allocate_shared_state(hkv, d, nb, calibration=cal, entries=3, device="cuda")
+    firsts = torch.randperm(nb, generator=g)[:8]  # first tokens entered at slot 0 of these
+    n = firsts.shape[0]
+    from turboquant.shared_state import enter_sinks
+    signs = rotation_signs(d, CFG.rotation_seed, torch.device("cuda"))
+    enter_sinks(st, torch.randn(n, hkv, d, device="cuda"), torch.randn(n, hkv, d, device="cuda"),
+                tuple(cache), (firsts * BS).cuda(), torch.zeros(n, dtype=torch.long).cuda(), signs)
+    lens = torch.tensor([54, 97, 1, 33, 70, 16, 97, 0, 40], dtype=torch.int32)
+    table = torch.randint(0, nb, (ns, 8), generator=g, dtype=torch.int32)
+    table[:6, 0] = firsts[-6:].int()  # entered last: most hit, some were taken (misses)
+    table[6, 0], table[8, 0] = -1, nb + 2
+    tags = fingerprints(*(t.cpu() for t in cache), table[:6, 0].long() * BS)
+    hit = st.sink_tags.cpu()[torch.remainder(tags, st.entries), torch.arange(hkv)] == tags
+    assert hit.any() and not hit.all()
+    table, lens = table.cuda(), lens.cuda()
+    rec = records(st, tuple(cache), table, lens, None)
+    ids = torch.arange(ns, dtype=torch.int32, device="cuda")
+    scale = d ** -0.5
+    qlens = [1, 3, 1, 16, 1, 1, 2, 0, 5]
+    for multi in (False, True):
+        cu = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32).cuda()
+        t = int(cu[-1]) if multi else ns
+        q = torch.randn(t, hkv * gqa, d, generator=g).to(torch.bfloat16).cuda()
+        for window in (0, 40):
+            kw = dict(config=CFG, backend="cuda", sliding_window=window, max_seq_len=97,
+                      cu_query_lens=cu if multi else None)
+            with tq.value_checks(False):  # (block ids -1 and past the cache, on purpose)
+                got = tq.paged_attention_fp4(q, *cache, table, lens, scale, shared_state=st,
+                                             **kw)
+                want = tq.paged_attention_fp4(q, *cache, table, lens, scale, seq_state=rec,
+                                              state_ids=ids, **kw)
+            assert torch.equal(torch.isnan(got), torch.isnan(want)), (multi, window)
+            assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want)), (multi, window)
+            rows = torch.isnan(got).all(-1).all(-1).cpu()  # per query token
+            seq_of = (torch.repeat_interleave(torch.arange(ns), torch.tensor(qlens)) if multi
+                      else torch.arange(ns))
+            bad = {6, 8} if window == 0 else set()  # (window 40 hides position 0 from all but
+            if window:                               # the sequences of at most 40 keys)
+                bad = {i for i in (6, 8) if int(lens[i]) <= 40}
+            assert {int(seq_of[i]) for i in torch.nonzero(rows).flatten()} >= bad
+
+
 def test_accuracy_formats_follow_the_config():
     """`python -m turboquant accuracy`'s formats keep the state the API gives their config: the
     default through the shared state (the calibration's smoothing, or with @N the one its first

@@ -180,8 +180,9 @@ def _host_sim(tmp_path):
     so.sim_attention.restype = i32
 
     def op(out, query, kc, vc, ks, vs, bt, sl, cu, scale, window, cap, max_seq_len, signs, state, ids, sink,
-           sinks=None, lse=None, workspace=None):
+           sinks=None, lse=None, workspace=None, sink_kv=None, sink_tags=None):
         assert sinks is None and lse is None  # the backend declines them (and ignores workspace)
+        assert sink_kv is None and sink_tags is None  # (the backend builds the records)
         def p(t):
             return None if t is None else ctypes.c_void_p(t.data_ptr())
         assert out.dtype == torch.bfloat16 and query.is_contiguous() and out.is_contiguous()
@@ -204,6 +205,7 @@ def _host_sim_against_reference(op, prob, gen, label, poison=True):
     from turboquant.calls import attention_op_args
     from turboquant.reference import attention_reference
     from turboquant.rotation import unrotate
+    from turboquant.shared_state import call_with_records
     from turboquant.smoothing import SINK_VALUE
 
     kc, vc, ks, vs = prob.cache
@@ -213,8 +215,8 @@ def _host_sim_against_reference(op, prob, gen, label, poison=True):
     query = torch.randn(7, 8, 64, generator=gen).to(torch.bfloat16)
     cu = torch.tensor([0, 1, 3, 7], dtype=torch.int32)
     for cap in (0.0, 3.0):
-        call = prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, 64 ** -0.5, cu_query_lens=cu,
-                                 logits_soft_cap=cap, **prob.kwargs)
+        call = call_with_records(prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, 64 ** -0.5,
+                                                   cu_query_lens=cu, logits_soft_cap=cap, **prob.kwargs))
         out = torch.empty_like(query)
         op(*attention_op_args(call, out))
         ref = torch.empty(query.shape)

@@ -14,9 +14,8 @@ from .calls import (INDEX_DTYPES, check_device, check_num_decodes, check_output,
 from .config import QuantConfig
 from .registry import AttentionCall, CacheWrite
 from .rotation import rotation_signs
-from .shared_state import (SharedState, check_shared_state, enter_sinks, take_smoothing,
-                           writer_records)
-from .shared_state import records as shared_records
+from .shared_state import (SharedState, check_shared_state, enter_sinks, layer_record,
+                           take_smoothing, writer_records)
 from .smoothing import KEY_SCALE, STATE_ROWS, check_smoothing, init_state
 from .tensor_facts import TensorFacts
 
@@ -267,17 +266,15 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len)
     config = _resolve_config(config, key_cache, call.scale_group, call.head_dim, read=True)
+    sink_table = (None, None)
     if shared_state is not None:
         _check_shared(config, shared_state, seq_state, state_ids, call.num_kv_heads,
                       call.head_dim, query.device)
         if _CACHE_STATES.get(key_cache) is not None:  # (an unbound copy: its config was given)
             _bind_shared(key_cache, shared_state)
-        if config.uses_state:  # the records of this call's sequences, from the shared state
-            state_ids = torch.empty(call.num_seqs, dtype=torch.int32, device=query.device)
-            seq_state = shared_records(shared_state, (key_cache, value_cache, key_scales,
-                                                      value_scales),
-                                       block_tables, seq_lens, call.scale_group,
-                                       smooth=config.key_smoothing is not None, ids_out=state_ids)
+        if config.uses_state:  # the layer's record and sink table (turboquant.ops)
+            seq_state = layer_record(shared_state, config.key_smoothing is not None)
+            sink_table = (shared_state.sink_kv, shared_state.sink_tags)
     else:
         _check_state(config, seq_state, state_ids, call.num_seqs, call.num_kv_heads,
                      call.head_dim, query.device)
@@ -293,7 +290,8 @@ def prepare_attention(query, key_cache, value_cache, key_scales, value_scales, b
         _check_workspace(workspace, query.device)
     return dataclasses.replace(call, rotation_signs=signs, seq_state=seq_state,
                                state_ids=state_ids, sink=config.sink and bool(holds_first_token),
-                               sinks=sinks, return_lse=bool(return_lse), workspace=workspace)
+                               sinks=sinks, return_lse=bool(return_lse), workspace=workspace,
+                               sink_kv=sink_table[0], sink_tags=sink_table[1])
 
 
 def _check_workspace(workspace, device: torch.device) -> None:

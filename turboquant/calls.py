@@ -274,7 +274,7 @@ def attention_op_args(call: AttentionCall, out: torch.Tensor,
             call.value_scales, call.block_tables, call.seq_lens, call.cu_query_lens,
             call.scale, call.sliding_window, call.logits_soft_cap, call.max_seq_len,
             call.rotation_signs, call.seq_state, call.state_ids, call.sink, call.sinks, lse,
-            call.workspace)
+            call.workspace, call.sink_kv, call.sink_tags)
 
 
 def cache_write_op_args(write: CacheWrite) -> tuple:

@@ -9,6 +9,12 @@ The transforms of CONTRACT.md section 2 travel with every call: ``rotation_signs
 [D] of +-1, or None: no rotation), ``seq_state`` (float32 [num_slots, num_kv_heads, 5, D],
 ``turboquant.smoothing``) and ``state_ids`` (int32: the slot of each sequence for attention,
 of each token for the writer), ``sink`` (attention reads position 0 from the state record).
+Attention may instead take a layer's shared state (``turboquant.shared_state``) as it is:
+``seq_state`` its one record [1, num_kv_heads, 5, D] (every sequence's m and lam), no
+``state_ids``, and ``sink_kv`` (bfloat16 [S + 1, num_kv_heads, 2, D]) / ``sink_tags`` (int64
+[S + 1, num_kv_heads]), the sink table each sequence's sink rows are looked up in (the cuda
+backend's kernels look them up themselves; the other backends build the per-sequence records
+first, ``shared_state.call_with_records``).
 Attention also takes ``sinks`` (float32 [num_heads]: learned sink logits, or None), ``lse``
 (float32 [num_tokens, num_heads], written when given: the natural-log log-sum-exp of each
 row's logits, ``turboquant.api.paged_attention_fp4``) and ``workspace`` (uint8 [bytes], or
@@ -22,7 +28,8 @@ ATTENTION_SCHEMA = (
     "Tensor key_scales, Tensor value_scales, Tensor block_tables, Tensor seq_lens, "
     "Tensor? cu_query_lens, float scale, int sliding_window, float logits_soft_cap, "
     "int max_seq_len, Tensor? rotation_signs, Tensor? seq_state, Tensor? state_ids, "
-    "bool sink, Tensor? sinks=None, Tensor(b!)? lse=None, Tensor(c!)? workspace=None) -> ()"
+    "bool sink, Tensor? sinks=None, Tensor(b!)? lse=None, Tensor(c!)? workspace=None, "
+    "Tensor? sink_kv=None, Tensor? sink_tags=None) -> ()"
 )
 
 # The bytes of a prefill workspace (``workspace`` above) that serves every attention call of

@@ -36,6 +36,7 @@ from .rotation import rotate, unrotate
 from .smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE, transform_keys
 from .ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from .registry import AttentionCall, Backend, CacheWrite, register
+from .shared_state import call_with_records
 
 DEFAULT_CHUNK_TOKENS = 4096
 
@@ -220,14 +221,14 @@ CACHE_WRITE_OPS = {"smallest": "reshape_and_cache_fp4_reference",
 def _attention_op(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
                   seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
                   rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None,
-                  workspace=None):  # (workspace: not needed here)
+                  workspace=None, sink_kv=None, sink_tags=None):  # (workspace: not needed here)
     call = make_attention_call(query, key_cache, value_cache, key_scales, value_scales,
                                block_tables, seq_lens, scale, cu_query_lens, sliding_window,
                                logits_soft_cap, max_seq_len, check_values=False)
     call = dataclasses.replace(call, rotation_signs=rotation_signs, seq_state=seq_state,
                                state_ids=state_ids, sink=sink, sinks=sinks,
-                               return_lse=lse is not None)
-    attention_reference(call, out, lse)
+                               return_lse=lse is not None, sink_kv=sink_kv, sink_tags=sink_tags)
+    attention_reference(call_with_records(call), out, lse)
 
 
 def _register_cache_write_op(rule: str, op_name: str) -> None:

@@ -54,6 +54,10 @@ class AttentionCall:
     return_lse: bool = False  # the caller wants each row's log-sum-exp (float32 [T, num_heads])
     key_format: str = "fp4"  # or "fp8_e4m3": a K8V4 cache (E4M3 keys, FP4 values)
     workspace: Optional[torch.Tensor] = None  # uint8 [bytes]: the caller's prefill workspace
+    # the layer's sink table (turboquant.shared_state), with seq_state its one record and no
+    # state_ids; None: the records are per sequence
+    sink_kv: Optional[torch.Tensor] = None  # bfloat16 [S + 1, num_kv_heads, 2, D]
+    sink_tags: Optional[torch.Tensor] = None  # int64 [S + 1, num_kv_heads]
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,24 @@ def transform_tensors_reason(call: AttentionCall) -> Optional[str]:
                               or not signs.is_contiguous() or signs.device != call.query.device):
         return (f"rotation_signs: expected a contiguous float32 [{call.head_dim}] tensor on "
                 f"{call.query.device}")
-    if (state is None) != (ids is None):
+    if (call.sink_kv is None) != (call.sink_tags is None):
+        return "sink_kv and sink_tags: expected both or neither"
+    if call.sink_kv is not None:
+        if state is None or ids is not None or state.dim() != 4 or state.shape[0] != 1:
+            return ("seq_state/state_ids: with sink_kv, expected the layer's one record "
+                    "[1, num_kv_heads, 5, D] and no state_ids")
+        kv, tags = call.sink_kv, call.sink_tags
+        if (tags.dtype != torch.int64 or tags.dim() != 2 or tags.shape[0] < 2
+                or tags.shape[1] != call.num_kv_heads or not tags.is_contiguous()
+                or tags.device != call.query.device):
+            return (f"sink_tags: expected a contiguous int64 [S + 1 >= 2, {call.num_kv_heads}] "
+                    f"tensor on {call.query.device}")
+        if (kv.dtype != torch.bfloat16
+                or tuple(kv.shape) != (tags.shape[0], call.num_kv_heads, 2, call.head_dim)
+                or not kv.is_contiguous() or kv.device != call.query.device):
+            return (f"sink_kv: expected a contiguous bfloat16 [{tags.shape[0]}, "
+                    f"{call.num_kv_heads}, 2, {call.head_dim}] tensor on {call.query.device}")
+    elif (state is None) != (ids is None):
         return "seq_state and state_ids: expected both or neither"
     if call.sink and state is None:
         return "sink: needs seq_state and state_ids (the sink rows live in the state record)"
@@ -119,8 +140,8 @@ def transform_tensors_reason(call: AttentionCall) -> Optional[str]:
                 or not state.is_contiguous() or state.device != call.query.device):
             return (f"seq_state: expected a contiguous float32 [num_slots, {want[0]}, {want[1]}, "
                     f"{want[2]}] tensor on {call.query.device}")
-        if (ids.dtype != torch.int32 or tuple(ids.shape) != (call.num_seqs,)
-                or not ids.is_contiguous() or ids.device != call.query.device):
+        if ids is not None and (ids.dtype != torch.int32 or tuple(ids.shape) != (call.num_seqs,)
+                                or not ids.is_contiguous() or ids.device != call.query.device):
             return (f"state_ids: expected a contiguous int32 [{call.num_seqs}] tensor on "
                     f"{call.query.device}")
     return None

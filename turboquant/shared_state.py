@@ -32,15 +32,17 @@ head, against a block's 16 x 2 x (D / 2 + 1) FP4 bytes per kv head at block size
 the FP4 cache at D 64 to 256 (0.8 / 0.4 / 0.2 % at blocks of 32 / 64 / 128), plus 3 D floats per
 kv head for the smoothing.
 
-The state is handed to the kernels as the per-sequence record they already read (``records``:
-one record per sequence of the call, built from the table, no host synchronization), so every
-backend runs it. The functions below are the definition in torch operations; on CUDA tensors,
-where the cuda backend's library loads, ``records`` and ``enter_sinks`` run its two kernels
-instead (``csrc_cuda/shared_state.cuh``, one launch each: the ~80 small operations of the
-definition cost 150-300 us inside a CUDA graph on an H200).
+The cuda backend's attention kernels take the state as it is (the layer's record and the sink
+table; a kernel's CTA that merges the sink looks its entry up). The other backends' kernels
+read the per-sequence record: ``records`` builds one per sequence of the call from the table,
+with no host synchronization (``call_with_records``). The functions below are the definition
+in torch operations; on CUDA tensors, where the cuda backend's library loads, ``records`` and
+``enter_sinks`` run its two kernels instead (``csrc_cuda/shared_state.cuh``, one launch each:
+the ~80 small operations of the definition cost 150-300 us inside a CUDA graph on an H200).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple, Optional
 
@@ -184,8 +186,9 @@ def _cuda_op(t: torch.Tensor, name: str):
     return getattr(torch.ops.turboquant, name)
 
 
-def _smoothing_rows(state: SharedState, smooth: bool) -> torch.Tensor:
-    """[1, Hkv, 5, D]: the layer's m, lam, 1 / lam, or the identity (0, 1, 1) without smoothing."""
+def layer_record(state: SharedState, smooth: bool) -> torch.Tensor:
+    """[1, Hkv, 5, D]: the layer's m, lam, 1 / lam, or the identity (0, 1, 1) without smoothing
+    (the ``seq_state`` an attention call with the sink table takes, ``turboquant.ops``)."""
     if smooth:
         return state.smoothing
     ident = torch.ones_like(state.smoothing)
@@ -278,7 +281,7 @@ def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_le
     nb, hkv, bs, _ = value_cache.shape
     d = state.smoothing.shape[-1]
     ns = block_tables.shape[0]
-    smoothing = _smoothing_rows(state, smooth)
+    smoothing = layer_record(state, smooth)
     op = _cuda_op(value_cache, "shared_records_cuda")
     if op is not None:
         rec = torch.empty(ns, hkv, STATE_ROWS, d, device=value_cache.device)
@@ -313,3 +316,17 @@ def records(state: SharedState, cache: tuple, block_tables: torch.Tensor, seq_le
     rec[:, :, SINK_KEY] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 0], k0), nan)
     rec[:, :, SINK_VALUE] = torch.where(ok[:, None, None], torch.where(hit, table[:, :, 1], v0), nan)
     return rec
+
+
+def call_with_records(call):
+    """``call`` (an AttentionCall) with the per-sequence records in place of the layer's shared
+    state it carries (``sink_kv``: its one record and sink table; ``turboquant.ops``), for the
+    backends whose kernels read records; ``call`` itself where it carries none."""
+    if call.sink_kv is None:
+        return call
+    state = SharedState(call.seq_state, call.sink_kv, call.sink_tags)
+    ids = torch.empty(call.num_seqs, dtype=torch.int32, device=call.query.device)
+    rec = records(state, (call.key_cache, call.value_cache, call.key_scales, call.value_scales),
+                  call.block_tables, call.seq_lens, call.scale_group, ids_out=ids)
+    return dataclasses.replace(call, seq_state=rec, state_ids=ids, sink_kv=None, sink_tags=None)
+

@@ -50,7 +50,12 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
                                bool sink,
                                const std::optional<at::Tensor>& sinks,  // float32 [num_heads]: not here yet
                                const std::optional<at::Tensor>& lse,  // float32 [num_tokens, num_heads]: not here yet
-                               const std::optional<at::Tensor>& workspace) {  // uint8 [bytes]: unused (no decode-once pass)
+                               const std::optional<at::Tensor>& workspace,  // uint8 [bytes]: unused (no decode-once pass)
+                               const std::optional<at::Tensor>& sink_kv,    // the sink table: not here
+                               const std::optional<at::Tensor>& sink_tags) {
+  TORCH_CHECK(!sink_kv.has_value() && !sink_tags.has_value(),
+              "sink_kv/sink_tags: the sm120 kernel reads per-sequence records "
+              "(turboquant.shared_state.call_with_records builds them)");
   TORCH_CHECK(!sinks.has_value() && !lse.has_value(),
               "sinks/lse: the sm120 kernel has no learned sinks or log-sum-exp output yet (the backend declines them)");
   TORCH_CHECK(query.is_cuda() && query.dim() == 3, "query: expected a 3-d CUDA tensor");
@@ -132,7 +137,7 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
   const at::Tensor q = q_ok ? query : query.clone(at::MemoryFormat::Contiguous);
   at::Tensor dst = out.is_contiguous() ? out : at::empty_like(q);
   const int64_t rows = int64_t(plan.num_splits) * num_tokens * num_heads;
-  at::Tensor workspace = at::empty({rows * (head_dim + 2)}, query.options().dtype(at::kFloat));
+  at::Tensor parts = at::empty({rows * (head_dim + 2)}, query.options().dtype(at::kFloat));
 
   tq::sm120::AttentionParams p;
   p.out = dst.data_ptr();
@@ -144,7 +149,7 @@ void paged_attention_fp4_sm120(at::Tensor& out,               // [num_tokens, nu
   p.block_tables = block_tables.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.cu_query_lens = cu;
-  p.part_out = workspace.data_ptr<float>();
+  p.part_out = parts.data_ptr<float>();
   p.part_max = p.part_out + rows * head_dim;
   p.part_sum = p.part_max + rows;
   p.num_seqs = num_seqs;

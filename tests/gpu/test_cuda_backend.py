@@ -705,9 +705,11 @@ def _fp8_s_logit_bound(prob, q, cu, **kw):
     over the sequence's rows of the kv head. Derived, not tuned."""
     from turboquant.reference import _gather_tokens, _state_record
     from turboquant.rotation import rotate
+    from turboquant.shared_state import call_with_records
     from turboquant.smoothing import KEY_SCALE, SINK_KEY
-    call = turboquant.api.prepare_attention(q, *prob.cache, prob.block_tables, prob.seq_lens,
-                                            q.shape[-1] ** -0.5, cu_query_lens=cu, **{**prob.kwargs, **kw})
+    call = call_with_records(turboquant.api.prepare_attention(
+        q, *prob.cache, prob.block_tables, prob.seq_lens, q.shape[-1] ** -0.5, cu_query_lens=cu,
+        **{**prob.kwargs, **kw}))
     hkv, d = call.num_kv_heads, call.head_dim
     g = call.num_heads // hkv
     group = None if call.scale_group == d else call.scale_group

@@ -191,7 +191,7 @@ def test_the_callers_workspace():
         op_args = turboquant.calls.attention_op_args(
             turboquant.api.prepare_attention(q, *prob.cache, prob.block_tables, prob.seq_lens,
                                              0.1, cu_query_lens=cu, **prob.kwargs), out)
-        torch.ops.turboquant.paged_attention_fp4_cuda(*op_args[:-1], ws[1:])
+        torch.ops.turboquant.paged_attention_fp4_cuda(*op_args[:-3], ws[1:], *op_args[-2:])
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="no compute-sanitizer")

@@ -48,6 +48,7 @@ import dataclasses
 
 from turboquant.api import prepare_attention
 from turboquant.calls import attention_op_args, make_attention_call
+from turboquant.shared_state import call_with_records
 from turboquant.config import PER_SEQUENCE, PLAIN, QuantConfig
 from turboquant._backends import sm120
 from turboquant.reference import _gather_tokens, attention_reference
@@ -524,7 +525,8 @@ def transformed_problem(lens, config, *, qlens=None, hq=8, hkv=2, d=128, bs=16, 
     """A cache written by the reference writer with ``config`` (Gaussian K/V; keys shifted by
     ``key_offset`` times a fixed Gaussian vector, so the key center m is far from 0; ``key_format``
     as for ``allocate_cache``) and the validated call that reads it (transforms included:
-    ``prepare_attention``)."""
+    ``prepare_attention``; a shared state as the per-sequence records the sm120 backend builds
+    from it)."""
     from turboquant.cache import build_paged_problem
 
     gen = torch.Generator().manual_seed(seed)
@@ -540,8 +542,9 @@ def transformed_problem(lens, config, *, qlens=None, hq=8, hkv=2, d=128, bs=16, 
     query = torch.randn(ntok, hq, d, generator=gen).to(torch.bfloat16).cuda()
     cu = None if qlens is None else torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(),
                                                  dtype=torch.int32, device="cuda")
-    call = prepare_attention(query, *prob.cache, prob.block_tables, prob.seq_lens, d ** -0.5,
-                             cu_query_lens=cu, **kw, **prob.kwargs)
+    call = call_with_records(prepare_attention(query, *prob.cache, prob.block_tables,
+                                               prob.seq_lens, d ** -0.5, cu_query_lens=cu, **kw,
+                                               **prob.kwargs))
     return prob, call
 
 

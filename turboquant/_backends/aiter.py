@@ -56,6 +56,7 @@ import torch
 from ..calls import attention_op_args, cache_write_op_args
 from ..ops import ATTENTION_SCHEMA, CACHE_WRITE_SCHEMA, define
 from ..registry import AttentionCall, Backend, CacheWrite, register, transform_tensors_reason
+from ..shared_state import call_with_records
 from ..smoothing import STATE_ROWS
 from ._jit import Once
 
@@ -79,9 +80,13 @@ define(CACHE_WRITE_OP, CACHE_WRITE_SCHEMA)
 
 def _impl(out, query, key_cache, value_cache, key_scales, value_scales, block_tables,
           seq_lens, cu_query_lens, scale, sliding_window, logits_soft_cap, max_seq_len,
-          rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None, workspace=None):
+          rotation_signs, seq_state, state_ids, sink, sinks=None, lse=None, workspace=None,
+          sink_kv=None, sink_tags=None):
     import aiter  # (workspace: not taken; aiter's wrapper sizes its own per call)
 
+    if sink_kv is not None or sink_tags is not None:
+        raise ValueError("sink_kv/sink_tags: the aiter kernels read per-sequence records "
+                         "(turboquant.shared_state.call_with_records builds them)")
     aiter.paged_attention_fp4(query, key_cache, value_cache, key_scales, value_scales,
                               block_tables, seq_lens, scale, cu_query_lens=cu_query_lens,
                               out=out, sliding_window=sliding_window,
@@ -287,7 +292,8 @@ class AiterBackend(Backend):
 
     def paged_attention(self, call: AttentionCall, out: torch.Tensor,
                         lse: Optional[torch.Tensor] = None) -> None:
-        torch.ops.turboquant.paged_attention_fp4_aiter(*attention_op_args(call, out, lse))
+        torch.ops.turboquant.paged_attention_fp4_aiter(
+            *attention_op_args(call_with_records(call), out, lse))
 
 
 BACKEND = register(AiterBackend())

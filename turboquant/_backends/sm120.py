@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ..calls import attention_op_args
+from ..shared_state import call_with_records
 from ..ops import ATTENTION_SCHEMA, define
 from ..sources import cuda_limits, source_dir
 from ._jit import Once, load, sources_hash
@@ -131,7 +132,8 @@ class Sm120Backend(Backend):
 
     def paged_attention(self, call: AttentionCall, out: torch.Tensor,
                         lse: Optional[torch.Tensor] = None) -> None:
-        torch.ops.turboquant.paged_attention_fp4_sm120(*attention_op_args(call, out, lse))
+        torch.ops.turboquant.paged_attention_fp4_sm120(
+            *attention_op_args(call_with_records(call), out, lse))
 
 
 BACKEND = register(Sm120Backend())
