@@ -204,12 +204,15 @@ __device__ __forceinline__ void load_q_chunk(const AttnParams& p, int slot, int 
 }
 
 // The sink value row's N elements at d0 (the epilogue of partition 0): the record's (NaN for a
-// bad slot) or, with the table, where the slot (sink_ref) says.
-template <int D, int N>
+// bad slot) or, with the table, where the slot (sink_ref) says. kTable: the kernel reads the
+// table (reads_sink_table); the others' code holds no table path.
+template <int D, bool kTable, int N>
 __device__ __forceinline__ void load_sink_value(const AttnParams& p, int slot, int kvh, int d0, float (&v)[N]) {
-  if (p.sink_tags != nullptr) {
-    sink_elements<D, N, false>(p, slot, kvh, d0, v);
-    return;
+  if constexpr (kTable) {
+    if (p.sink_tags != nullptr) {
+      sink_elements<D, N, false>(p, slot, kvh, d0, v);
+      return;
+    }
   }
   const bool bad = slot < 0 || slot >= p.num_slots;
   load_floats(p.seq_state + ((size_t)(bad ? 0 : slot) * p.num_kv_heads + kvh) * STATE_ROWS * D + STATE_SINK_V * D + d0, v);

@@ -627,7 +627,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   float sv[EPL];
   // (NB 2 with records reads the slot again rather than keep it in a register through the key
   // loop)
-  if (sink_here) load_sink_value<D>(p, NB == 1 || p.sink_tags != nullptr ? slot : state_slot(p, s), kvh, lane * EPL, sv);
+  if (sink_here) load_sink_value<D, true>(p, NB == 1 || p.sink_tags != nullptr ? slot : state_slot(p, s), kvh, lane * EPL, sv);
   __syncthreads();  // every warp is done with its pipeline buffers
   if (any_bad && lane == 0) misc[1] = 1;
   if (g == 0) {

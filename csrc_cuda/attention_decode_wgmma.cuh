@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   // (with records the slot and kv head computed again rather than kept in registers through the
   // loop)
   if (sink_here)
-    load_sink_value<D>(p, p.sink_tags != nullptr ? slot : state_slot(p, s), (int)opaque(blockIdx.x) - s * Hkv,
+    load_sink_value<D, true>(p, p.sink_tags != nullptr ? slot : state_slot(p, s), (int)opaque(blockIdx.x) - s * Hkv,
                        lane * EPL, sv);
   __syncthreads();  // every warp is done with the ring and the exchange words
   float* lS = reinterpret_cast<float*>(sm + L::OFF_RED);

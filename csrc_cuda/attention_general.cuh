@@ -528,7 +528,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
     // the sink joins rows whose window holds position 0 as one more key (exp2 domain)
     if (sink_here && valid && row_lo((lt * 16 + r) / G) == 0 && row_hi((lt * 16 + r) / G) >= 0) {
       float sv[DPT];
-      load_sink_value<D>(p, slot, kvh, d0, sv);
+      load_sink_value<D, false>(p, slot, kvh, d0, sv);
       merge_sink<DPT>(sink_logit(p, sinkS[r], cap_state ? qmS[r] : 0.f), sv, M, Ls, a);
     }
     if constexpr (kStates) {

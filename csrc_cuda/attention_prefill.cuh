@@ -1206,7 +1206,7 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
     }
     if (sink_here && valid && row_lo(R / G) == 0 && row_hi(R / G) >= 0) {
       float sv[N];
-      load_sink_value<D>(p, slot, kvh, d0, sv);
+      load_sink_value<D, false>(p, slot, kvh, d0, sv);
       merge_sink<N>(sink_logit(p, sinkS[16 * cw + r], cap_state ? qmS[16 * cw + r] : 0.f), sv, M, Ls, a);
     }
     const int tok = q0 + R / G, head = kvh * G + R % G;
