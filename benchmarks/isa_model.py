@@ -184,6 +184,9 @@ CUDA_DECODE = "_ZN10turboquant8cuda_fp433paged_attention_fp4_decode_kernelILi128
 CUDA_DECODE_K8V4 = CUDA_DECODE.replace("Lb0ELb0E", "Lb0ELb1E")
 CUDA_SPEC = CUDA_DECODE.replace("ELi1ELb0EEEv", "ELi2ELb1EEEv")  # 16 (query token, head) columns
 CUDA_SPEC8 = CUDA_DECODE.replace("ELi1ELb0EEEv", "ELi1ELb1EEEv")  # 8 (query token, head) columns
+# the SM90a FP8 warpgroup decode kernel (attention_decode_wgmma.cuh): FP4 decode at D 128 on SM 9.x
+CUDA_DECODE_WGMMA = ("_ZN10turboquant8cuda_fp439paged_attention_fp4_decode_wgmma_kernelI"
+                     "13__nv_bfloat16Lb0EEEvNS0_10AttnParamsE")
 TILE_TOKENS = 16
 FP4_TILE_BYTES = TILE_TOKENS * (64 + 64 + 2)     # D 128: K codes + V codes + 2 scale bytes
 K8V4_TILE_BYTES = TILE_TOKENS * (128 + 64 + 2)   # E4M3 keys
@@ -233,14 +236,16 @@ GLOBAL_OPS = {"LDG", "STG", "LDGSTS", "LDGDEPBAR", "DEPBAR", "RED", "ATOMG", "LD
 SHUFFLE_OPS = {"SHFL", "VOTE", "VOTEU", "MOVM", "REDUX", "MATCH"}
 CONTROL_OPS = {"BRA", "BAR", "BSSY", "BSYNC", "WARPSYNC", "NOP", "EXIT", "CALL", "RET", "BREAK",
                "YIELD", "PREEXIT", "ACQBULK", "ENDCOLLECTIVE", "JMP", "BRX", "SYNCS"}
-CUDA_CLASSES = ["fp32", "imad", "alu", "mufu", "hmma", "shared", "global", "shuffle", "control",
-                "uniform", "other"]
+CUDA_CLASSES = ["fp32", "imad", "alu", "mufu", "hmma", "gmma", "shared", "global", "shuffle",
+                "control", "uniform", "other"]
 
 
 def sass_class(op: str) -> str:
     base = op.split(".")[0]
     if base == "HMMA":
         return "hmma"
+    if base in ("QGMMA", "HGMMA"):  # sm_90a warpgroup MMAs (FP8, fp16)
+        return "gmma"
     if base in ("QMMA", "OMMA"):  # sm_120a block-scaled MMAs: FP8/FP6/FP4 (QMMA), FP4 (OMMA)
         return "qmma"
     if base == "MUFU":
@@ -357,7 +362,23 @@ def hot_path_parts(hot: list[Sass]) -> list[tuple[str, int, Counter]]:
 def count_classes(instrs) -> Counter:
     c = Counter(sass_class(ins.op) for ins in instrs)
     c["total"] = len(instrs)
+    # (the parser's opcode stops at the shape's lower-case x: "QGMMA.64", args "x16x32...")
+    gmma = sum(gmma_clocks(ins.op + ins.args) for ins in instrs if sass_class(ins.op) == "gmma")
+    if gmma:
+        c["gmma_clk"] = gmma
     return c
+
+
+def gmma_clocks(op: str) -> float:
+    """Scheduler clocks of one warp's share of a QGMMA.64xNx32 (FP8) or HGMMA.64xNx16 (fp16)
+    (`op`: the opcode with its shape):
+    16 rows x N x K x 2 FLOP at 2048 FP8 / 1024 fp16 FLOP per clock and scheduler (1979 / 989
+    dense TFLOP/s at 1.83 GHz over 132 SMs x 4 schedulers: NVIDIA H100 datasheet)."""
+    m = re.match(r"([QH])GMMA\.64x(\d+)x(\d+)", op)
+    if m is None:
+        raise ValueError(f"not a warpgroup MMA shape: {op}")
+    n, kk = int(m.group(2)), int(m.group(3))
+    return 16 * n * kk * 2 / (2048 if m.group(1) == "Q" else 1024)
 
 
 @dataclasses.dataclass
@@ -447,17 +468,22 @@ def tuning_constants(path: Path = TUNING_CUH) -> dict:
     return {"DECODE_WARPS": number(r"#define\s+TQ_DECODE_WARPS\s+(\d+)"),
             "DECODE_STAGES": number(r"#define\s+TQ_DECODE_STAGES\s+(\d+)"),
             "DECODE_MIN_BLOCKS": number(r"#define\s+TQ_DECODE_MIN_BLOCKS\s+(\d+)"),
+            "DECODE_WGMMA_STAGES": number(r"#define\s+TQ_DECODE_WGMMA_STAGES\s+(\d+)"),
+            "DECODE_WGMMA_MIN_BLOCKS": number(r"#define\s+TQ_DECODE_WGMMA_MIN_BLOCKS\s+(\d+)"),
             "MIN_PARTITION": number(r"#define\s+TQ_MIN_PARTITION\s+(\d+)"),
             "DECODE_CTA_COST": number(r"\bDECODE_CTA_COST\s*=\s*(\d+)"),
             "DECODE_REDUCE_COST": number(r"\bDECODE_REDUCE_COST\s*=\s*(\d+)")}
 
 
 def choose_decode_partition_size(max_seq_len: int, base_ctas: int, num_sms: int,
-                                 t: dict | None = None) -> int:
+                                 t: dict | None = None, min_blocks: int | None = None) -> int:
     """tuning.cuh choose_decode_partition_size in Python (the same loop, the same integer
-    arithmetic): the split-KV partition, in tokens, of the decode kernel."""
+    arithmetic): the split-KV partition, in tokens, of the decode kernel (min_blocks: its
+    resident CTAs per SM, DECODE_MIN_BLOCKS by default; the SM90a kernel's are
+    DECODE_WGMMA_MIN_BLOCKS)."""
     t = t or tuning_constants()
-    step, slots = t["DECODE_WARPS"] * TILE_TOKENS, num_sms * t["DECODE_MIN_BLOCKS"]
+    blocks = t["DECODE_MIN_BLOCKS"] if min_blocks is None else min_blocks
+    step, slots = t["DECODE_WARPS"] * TILE_TOKENS, num_sms * blocks
     length, base = max(max_seq_len, 1), max(base_ctas, 1)
     cta, red, min_p = t["DECODE_CTA_COST"], t["DECODE_REDUCE_COST"], t["MIN_PARTITION"]
     best_p = best_cost = 0
@@ -508,19 +534,25 @@ def scale_fetches(batch: int, nparts: int, kv_heads: int, slots: int, wave_us: f
 
 def cuda_call(batch: int, context: int, sm_clk_per_tile: float, tile_bytes: float,
               bw_gbs: float, k: float, hw: H100 = H100(), kv_heads: int = 8,
-              transforms: bool = False, cta_order: str | None = None) -> dict:
+              transforms: bool = False, cta_order: str | None = None,
+              wgmma: bool = False) -> dict:
     """Predicted time of one decode call (module docstring, part 2): partitions and waves,
     the streaming part per wave with the overlap term, and the per-call fixed costs (us).
     cta_order ("kv" / "seq"): add the scale sectors' over-fetch of that grid order
-    (`scale_fetches`) to the tile's DRAM bytes; None: the tile's own bytes only."""
+    (`scale_fetches`) to the tile's DRAM bytes; None: the tile's own bytes only. wgmma: the
+    SM90a FP8 kernel's launch (DECODE_WGMMA_MIN_BLOCKS CTAs per SM, a ring of
+    DECODE_WGMMA_STAGES 64-token steps, 4 tiles each, per CTA) instead of the decode kernel's."""
     t = tuning_constants()
     base = batch * kv_heads
-    p = choose_decode_partition_size(context, base, hw.sms, t)
+    blocks = t["DECODE_WGMMA_MIN_BLOCKS"] if wgmma else t["DECODE_MIN_BLOCKS"]
+    p = choose_decode_partition_size(context, base, hw.sms, t, blocks)
     nparts = -(-context // p)
     ctas = base * nparts
-    slots = hw.sms * t["DECODE_MIN_BLOCKS"]
+    slots = hw.sms * blocks
     waves = -(-ctas // slots)
-    t_lat = hw.dram_latency_us * 1e3 / (t["DECODE_WARPS"] * (t["DECODE_STAGES"] - 1))
+    in_flight = 4 * (t["DECODE_WGMMA_STAGES"] - 1) if wgmma else \
+        t["DECODE_WARPS"] * (t["DECODE_STAGES"] - 1)  # tiles of a CTA in flight
+    t_lat = hw.dram_latency_us * 1e3 / in_flight
 
     by_term: dict = {}  # us of the stream whose wave each term binds (the last stream's)
 
@@ -1178,6 +1210,8 @@ def cuda_report(sass: str, hw: H100 = H100(),
 # evidence record, benchmarks/results/2026-11-27-h200-decode-peers.json (no FlashInfer columns:
 # no H200 decode run with --peers is in the history; the record says which rows it holds).
 H200_ROWS = ROOT / "benchmarks/results/2026-11-27-h200-decode-peers.json"
+# the H200 rows of the SM90a FP8 decode kernel (default config), and that run's read bandwidth
+H200_FP8_ROWS = ROOT / "benchmarks/results/2026-11-29-h200-decode-peers.json"
 # The H100's measured instruction-bound clocks against the throughput count (L2-resident slope,
 # benchmarks/compute_bound_check.py): benchmarks/results/2026-11-24-h100-isa-model-dependency.json
 DEPENDENCY_RECORD = ROOT / "benchmarks/results/2026-11-24-h100-isa-model-dependency.json"
@@ -1310,6 +1344,58 @@ def h200_rows(path: Path = H200_ROWS) -> list[dict]:
     return out
 
 
+def h200_fp8_rows(path: Path = H200_FP8_ROWS) -> tuple[list[dict], float]:
+    """(rows, read GB/s) of the SM90a FP8 decode kernel's H200 record: batch, context, measured
+    % of the read bandwidth (the bench's bytes; the model's are the KV tiles'), us."""
+    rec = json.loads(Path(path).read_text())
+    bw = float(re.search(r"\((\d+) GB/s", rec["notes"]).group(1))
+    out = []
+    for cells in rec["rows"]:
+        r = dict(zip(rec["columns"], cells))
+        b, ctx = (x.strip() for x in r["batch x context"].split("x"))
+        out.append({"batch": int(b), "context": int(ctx.rstrip("k")) * 1024,
+                    "pct": r["turboquant_pct_bw"], "us": r["turboquant_us"]})
+    return out, bw
+
+
+def fp8_decode_model(sass90: str, gpus: dict, k: float, dep: float) -> dict:
+    """The SM90a FP8 decode kernel in the call model: its 64-token step's hot path (one warp's
+    step is one 16-token tile: its own K rows and a quarter of V's), the instruction time = the
+    count x the decode kernel's dependency factor, k the decode kernel's (ASSUMPTIONS: both
+    carried over from the warp-MMA kernel), its launch (`cuda_call(wgmma=True)`); the H200
+    rows of its record predicted at that run's bandwidth."""
+    code = parse_sass(sass90)[CUDA_DECODE_WGMMA]
+    h, b = find_key_loop(code, mma="QGMMA")
+    counts = count_classes(hot_path(code, h, b))
+    rows, bw = h200_fp8_rows()
+    out = {"loop": (code[h].addr, code[b].addr), "counts_per_tile": dict(counts), "k": k,
+           "dependency_factor": dep, "targets": {}}
+    for key in ("h100", "h200"):
+        g = gpus[key]
+        cyc = nvidia_tile_cycles(counts, g)
+        clk = cyc["sm_clk"] * dep
+        pred = {}
+        for label, (bb, ctx) in NVIDIA_SHAPES.items():
+            c = cuda_call(bb, ctx, clk, FP4_TILE_BYTES, g.bw_gbs, k, g, transforms=True, wgmma=True)
+            pred[label] = round(call_pct(bb * 8 * ctx * FP4_TILE_BYTES / TILE_TOKENS,
+                                         c["total_us"], g.bw_gbs), 1)
+        out["targets"][key] = {"sched_clocks_per_tile": cyc["limits"], "bound": cyc["bound"],
+                               "sm_clocks_per_tile": clk, "predicted_pct_bw": pred}
+    h200 = gpus["h200"]
+    clk = nvidia_tile_cycles(counts, h200)["sm_clk"] * dep
+    errs = []
+    for r in rows:
+        c = cuda_call(r["batch"], r["context"], clk, FP4_TILE_BYTES, bw, k, h200, transforms=True,
+                      wgmma=True)
+        p = call_pct(r["batch"] * 8 * r["context"] * FP4_TILE_BYTES / TILE_TOKENS, c["total_us"], bw)
+        errs.append({"batch x context": f"{r['batch']}x{r['context'] // 1024}k",
+                     "measured_pct": r["pct"], "predicted_pct": round(p, 1),
+                     "error_pts": round(p - r["pct"], 1)})
+    out["h200_rows"], out["h200_bw_gbs"] = errs, bw
+    out["h200_within_gate"] = sum(abs(e["error_pts"]) <= GATE_POINTS for e in errs)
+    return out
+
+
 def nvidia_tile_cycles(counts: Counter, hw: NvidiaGpu, tiles: float = 1.0) -> dict:
     """Scheduler clocks per 16-token tile by limit (`cuda_tile_cycles` with the tensor-core
     ops of every target, and FP32 + INT on one pipe where the SM has unified cores); counts
@@ -1318,7 +1404,8 @@ def nvidia_tile_cycles(counts: Counter, hw: NvidiaGpu, tiles: float = 1.0) -> di
     fma = counts["fp32"] * hw.fp32_clk + counts["imad"] * hw.imad_clk
     if hw.unified_int:
         fma += alu
-    mma = counts["hmma"] * hw.hmma_clk + (counts["qmma"] * hw.qmma_clk if counts["qmma"] else 0)
+    mma = counts["hmma"] * hw.hmma_clk + (counts["qmma"] * hw.qmma_clk if counts["qmma"] else 0) \
+        + counts["gmma_clk"]
     lim = {"issue": counts["total"] * 1.0, "fma": fma, "alu": alu,
            "mufu": counts["mufu"] * hw.mufu_clk, "mma": mma}
     lim = {k: v / tiles for k, v in lim.items()}
@@ -1653,6 +1740,9 @@ def nvidia_report(sass90: str, sass100: str | None = None, sm120: tuple[str, str
     res = {"nvidia": targets, "k": k, "dependency_factor": dep, "gate_points": GATE_POINTS,
            "h200_validated": h200_ok, "h100_validated": h100_ok,
            "not_predicted": NOT_PREDICTED, "kernels": kern, "fits": fits}
+    fp8 = None
+    if CUDA_DECODE_WGMMA in parse_sass(sass90):
+        fp8 = res["fp8_decode"] = fp8_decode_model(sass90, gpus, k, dep)
 
     lines = ["## NVIDIA targets (issue 43, item 2): the call model on each GPU's own SASS", "",
              f"Instruction time per tile = the throughput count x {dep:.2f}, the H100's measured "
@@ -1701,6 +1791,29 @@ def nvidia_report(sass90: str, sass100: str | None = None, sm120: tuple[str, str
                   f"of {SM120_WARPS} warps per SM. RTX 5090 with QMMA at half the vendor rate "
                   f"(the microbenchmark's FP4-operand rate): "
                   f"{targets['rtx5090']['predicted_pct_bw_qmma_half_rate']}."]
+    if fp8 is not None:
+        lim = fp8["targets"]["h200"]["sched_clocks_per_tile"]
+        cnt = fp8["counts_per_tile"]
+        lines += ["", "## The SM90a FP8 decode kernel (what FP4 decode at D 128 runs on SM 9.x)", "",
+                  f"Step loop {fp8['loop'][0]:#x}..{fp8['loop'][1]:#x}: {cnt['total']} instructions "
+                  f"per warp and 64-token step (one 16-token tile): ALU {cnt.get('alu', 0)}, IMAD "
+                  f"{cnt.get('imad', 0)}, FP32 {cnt.get('fp32', 0)}, MUFU {cnt.get('mufu', 0)}, "
+                  f"QGMMA {cnt.get('gmma', 0)} ({cnt.get('gmma_clk', 0):g} scheduler clocks). "
+                  "Scheduler clocks per tile: " + ", ".join(f"{x} {v:g}" for x, v in lim.items())
+                  + f"; bound: {fp8['targets']['h200']['bound']}. The call model with the "
+                  f"decode kernel's dependency factor {dep:.2f} and k {k:.2f} (ASSUMPTIONS: "
+                  "fitted on the warp-MMA kernel) and this kernel's launch:", "",
+                  "| target | % at 64 x 32k | % at 16 x 4k |", "|---|---|---|"]
+        for key, t in fp8["targets"].items():
+            lines.append(f"| {key} | {t['predicted_pct_bw']['64x32k']:.1f} | "
+                         f"{t['predicted_pct_bw']['16x4k']:.1f} |")
+        lines += ["", f"Against its H200 record ({H200_FP8_ROWS.name}, {fp8['h200_bw_gbs']:g} GB/s): "
+                  f"{fp8['h200_within_gate']} of {len(fp8['h200_rows'])} rows within "
+                  f"{GATE_POINTS:g} points.", "", "| batch x context | measured % | predicted % | "
+                  "error |", "|---|---|---|---|"]
+        for e in fp8["h200_rows"]:
+            lines.append(f"| {e['batch x context']} | {e['measured_pct']:.1f} | "
+                         f"{e['predicted_pct']:.1f} | {e['error_pts']:+.1f} |")
     lines += ["", "Vendor figures and sources:", ""]
     for t in targets.values():
         lines.append(f"- {t['name']}: " + "; ".join(f"{k}: {v}" for k, v in
@@ -2173,12 +2286,20 @@ NVIDIA_JSON_FIELDS = ["predicted_pct_bw", "bound", "validated", "uses_validated_
 
 def nvidia_json(res: dict) -> dict:
     """The `--json` file's "nvidia" part: {target: the NVIDIA_JSON_FIELDS (the H100 / H200 also
-    their rows with the errors), and "model": k, the dependency factor, the gate}}."""
+    their rows with the errors, and "fp8_decode": the SM90a FP8 decode kernel's prediction, the
+    H200 with its record's rows), and "model": k, the dependency factor, the gate}}."""
     model = {"k": res["k"], "dependency_factor": res["dependency_factor"],
              "gate_points": res["gate_points"], "h200_validated": res["h200_validated"],
              "not_predicted": res["not_predicted"]}
-    return {g: {**{f: t[f] for f in NVIDIA_JSON_FIELDS + ["rows", "predicted_pct_bw_qmma_half_rate"]
-                   if f in t}, "model": model} for g, t in res["nvidia"].items()}
+    out = {g: {**{f: t[f] for f in NVIDIA_JSON_FIELDS + ["rows", "predicted_pct_bw_qmma_half_rate"]
+                  if f in t}, "model": model} for g, t in res["nvidia"].items()}
+    fp8 = res.get("fp8_decode")
+    if fp8 is not None:
+        for g, t in fp8["targets"].items():
+            out[g]["fp8_decode"] = dict(t, counts_per_tile=fp8["counts_per_tile"])
+        out["h200"]["fp8_decode"].update(rows=fp8["h200_rows"], bw_gbs=fp8["h200_bw_gbs"],
+                                         rows_within_gate=fp8["h200_within_gate"])
+    return out
 
 
 def main(argv=None) -> int:

@@ -254,6 +254,19 @@ def test_partition_mirror_worked_examples():
         assert im.choose_decode_partition_size(length, base, 132) == p
 
 
+def test_gmma_clocks_from_the_shape():
+    """A warp's share of a warpgroup MMA: 16 rows x N x K x 2 FLOP at 2048 (FP8) / 1024 (fp16)
+    FLOP per scheduler clock; the opcode as the parser splits it (shape in the arguments)."""
+    code = im.parse_sass("Function : f\n"
+                         "        /*0000*/ QGMMA.64x16x32.F32.E4M3.E4M3 R24, R56, gdesc[UR4], RZ ;\n"
+                         "        /*0010*/ QGMMA.64x8x32.F32.E4M3.E4M3 R36, R40, gdesc[UR16], R36 ;\n"
+                         "        /*0020*/ HGMMA.64x32x16.F32 R0, gdesc[UR4], R0 ;\n")["f"]
+    c = im.count_classes(code)
+    assert c["gmma"] == 3 and c["gmma_clk"] == 8 + 4 + 16
+    with pytest.raises(ValueError, match="not a warpgroup MMA shape"):
+        im.gmma_clocks("QGMMA")
+
+
 def test_tuning_constants_need_every_define(tmp_path):
     f = tmp_path / "tuning.cuh"
     f.write_text("#define TQ_DECODE_WARPS 8\n")
@@ -817,5 +830,12 @@ def test_nvidia_targets_gate_and_json(sass_text, sass100, sass120, tmp_path, cap
         assert t["counts_per_tile"]["total"] > 100 and t["hardware"]["bw_gbs"] > 0
         assert t["hardware"]["sources"] and t["model"]["gate_points"] == im.GATE_POINTS
     assert data["rtx5090"]["counts_per_tile"]["qmma"] == 16  # 32 per 32-key chunk
+    # the SM90a FP8 decode kernel: a warp's 64-token step (one tile) holds 4 S^T MMAs
+    # (m64n16k32) and 4 O^T MMAs (m64n8k32), 4 x 8 + 4 x 4 = 48 scheduler clocks
+    fp8 = data["h200"]["fp8_decode"]
+    assert fp8["counts_per_tile"]["gmma"] == 8 and fp8["counts_per_tile"]["gmma_clk"] == 48
+    assert fp8["sched_clocks_per_tile"]["mma"] == 48 and len(fp8["rows"]) == 12
+    assert all(0 < v <= 100 for v in fp8["predicted_pct_bw"].values())
+    assert "## The SM90a FP8 decode kernel" in text
     assert data["b200"]["arch"] == "sm_100a" and data["rtx5090"]["arch"] == "sm_120a"
     assert "## NVIDIA targets" in capsys.readouterr().out
