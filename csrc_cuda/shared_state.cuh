@@ -1,8 +1,10 @@
 // turboquant cuda backend: the shared state's two small kernels (turboquant/shared_state.py,
 // CONTRACT.md section 2, "Shared state"). Torch-free.
 //
-// 1. records: a warp per (sequence, kv head) of an attention call builds the record the
-//    attention kernels read (float32 [num_seqs, Hkv, 5, D]): the layer's m, lam, 1/lam, and the
+// 1. records: a warp per (sequence, kv head) of an attention call builds the record that the
+//    kernels reading records take (float32 [num_seqs, Hkv, 5, D]; the general and prefill
+//    kernels, other backends; the decode kernels look the sink up themselves, sink_ref in
+//    attention_common.cuh, with fingerprint_mix below): the layer's m, lam, 1/lam, and the
 //    sink from the layer's table where the fingerprint of the sequence's block 0, slot 0 bytes
 //    equals the entry's tag, else position 0 decoded from those bytes (NaN when block 0 is no
 //    block of the cache or the sequence has no key). One launch in place of the ~80 small torch
