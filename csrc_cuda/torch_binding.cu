@@ -282,6 +282,7 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
   p.sink_kv = nullptr;
   p.sink_tags = nullptr;
   p.sink_entries = 0;
+  at::Tensor records, record_ids;  // a kernel that reads records: built from the table first
   if (table) {
     TORCH_CHECK(sink_kv.has_value() && sink_tags.has_value(), "sink_kv/sink_tags: expected both or neither");
     const at::Tensor &kv = *sink_kv, &tags = *sink_tags;
@@ -292,21 +293,19 @@ void paged_attention_fp4_cuda(at::Tensor& out, const at::Tensor& query, const at
                     kv.size(0) == tags.size(0) && kv.size(1) == hkv && kv.size(2) == 2 && kv.size(3) == D &&
                     kv.is_contiguous(),
                 "sink_kv: expected a contiguous bfloat16 [S + 1, num_kv_heads, 2, D] tensor on the query's device");
-    p.sink_kv = reinterpret_cast<const uint16_t*>(kv.data_ptr());
-    p.sink_tags = tags.data_ptr<int64_t>();
-    p.sink_entries = (int)tags.size(0) - 1;
-  }
-  at::Tensor records, record_ids;  // a kernel that reads records: built from the table first
-  if (table && !tq::reads_sink_table(plan.kernel)) {
-    records = at::empty({num_seqs, hkv, tq::STATE_ROWS, D}, query.options().dtype(at::kFloat));
-    record_ids = at::empty({num_seqs}, query.options().dtype(at::kInt));
-    launch_shared_records(records, record_ids, shared_cache(key_cache, value_cache, key_scales, value_scales),
-                          block_tables, seq_lens, *seq_state, *sink_kv, *sink_tags);
-    p.seq_state = records.data_ptr<float>();
-    p.state_ids = record_ids.data_ptr<int>();
-    p.num_slots = num_seqs;
-    p.sink_kv = nullptr;
-    p.sink_tags = nullptr;
+    if (tq::reads_sink_table(plan.kernel)) {
+      p.sink_kv = reinterpret_cast<const uint16_t*>(kv.data_ptr());
+      p.sink_tags = tags.data_ptr<int64_t>();
+      p.sink_entries = (int)tags.size(0) - 1;
+    } else {
+      records = at::empty({num_seqs, hkv, tq::STATE_ROWS, D}, query.options().dtype(at::kFloat));
+      record_ids = at::empty({num_seqs}, query.options().dtype(at::kInt));
+      launch_shared_records(records, record_ids, shared_cache(key_cache, value_cache, key_scales, value_scales),
+                            block_tables, seq_lens, *seq_state, kv, tags);
+      p.seq_state = records.data_ptr<float>();
+      p.state_ids = record_ids.data_ptr<int>();
+      p.num_slots = num_seqs;
+    }
   }
   p.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;

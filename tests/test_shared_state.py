@@ -21,7 +21,8 @@ import turboquant as tq
 from turboquant.config import QuantConfig
 from turboquant.format import dequantize_fp4
 from turboquant.rotation import rotate, rotation_signs
-from turboquant.shared_state import fingerprints, positions_from_metadata, records
+from turboquant.shared_state import (enter_sinks, fingerprints, positions_from_metadata,
+                                     records)
 from turboquant.smoothing import KEY_CENTER, KEY_INV_SCALE, KEY_SCALE, SINK_KEY, SINK_VALUE
 
 CFG = QuantConfig.parse("rotation+calibrated+sink")
@@ -435,7 +436,6 @@ def test_cuda_kernels_match_the_definition(key_format, group, hkv):
             slots[7] = -1
             cpu = (cache, st)
             gpu = (tq.FP4Cache(*(t.cuda() for t in cache)), tq.SharedState(*(t.cuda() for t in st)))
-            from turboquant.shared_state import enter_sinks
             enter_sinks(cpu[1], k, v, tuple(cpu[0]), slots, pos, signs, smooth)
             # heads not contiguous (a view of [Hkv, n, D]): the same table
             strided = tq.SharedState(*(t.clone() for t in gpu[1]))
@@ -494,7 +494,6 @@ def test_cuda_attention_reads_the_sink_table_as_the_records(key_format, d, gqa):
     st = tq.allocate_shared_state(hkv, d, nb, calibration=cal, entries=3, device="cuda")
     firsts = torch.randperm(nb, generator=g)[:8]  # first tokens entered at slot 0 of these
     n = firsts.shape[0]
-    from turboquant.shared_state import enter_sinks
     signs = rotation_signs(d, CFG.rotation_seed, torch.device("cuda"))
     enter_sinks(st, torch.randn(n, hkv, d, device="cuda"), torch.randn(n, hkv, d, device="cuda"),
                 tuple(cache), (firsts * BS).cuda(), torch.zeros(n, dtype=torch.long).cuda(), signs)
