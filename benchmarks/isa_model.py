@@ -472,20 +472,23 @@ def tuning_constants(path: Path = TUNING_CUH) -> dict:
             "DECODE_WGMMA_MIN_BLOCKS": number(r"#define\s+TQ_DECODE_WGMMA_MIN_BLOCKS\s+(\d+)"),
             "MIN_PARTITION": number(r"#define\s+TQ_MIN_PARTITION\s+(\d+)"),
             "DECODE_CTA_COST": number(r"\bDECODE_CTA_COST\s*=\s*(\d+)"),
+            "DECODE_WGMMA_CTA_COST": number(r"\bDECODE_WGMMA_CTA_COST\s*=\s*(\d+)"),
             "DECODE_REDUCE_COST": number(r"\bDECODE_REDUCE_COST\s*=\s*(\d+)")}
 
 
 def choose_decode_partition_size(max_seq_len: int, base_ctas: int, num_sms: int,
-                                 t: dict | None = None, min_blocks: int | None = None) -> int:
+                                 t: dict | None = None, min_blocks: int | None = None,
+                                 cta_cost: int | None = None) -> int:
     """tuning.cuh choose_decode_partition_size in Python (the same loop, the same integer
     arithmetic): the split-KV partition, in tokens, of the decode kernel (min_blocks: its
-    resident CTAs per SM, DECODE_MIN_BLOCKS by default; the SM90a kernel's are
-    DECODE_WGMMA_MIN_BLOCKS)."""
+    resident CTAs per SM, DECODE_MIN_BLOCKS by default, and cta_cost, DECODE_CTA_COST; the
+    SM90a kernel's are DECODE_WGMMA_MIN_BLOCKS and DECODE_WGMMA_CTA_COST)."""
     t = t or tuning_constants()
     blocks = t["DECODE_MIN_BLOCKS"] if min_blocks is None else min_blocks
     step, slots = t["DECODE_WARPS"] * TILE_TOKENS, num_sms * blocks
     length, base = max(max_seq_len, 1), max(base_ctas, 1)
-    cta, red, min_p = t["DECODE_CTA_COST"], t["DECODE_REDUCE_COST"], t["MIN_PARTITION"]
+    cta = t["DECODE_CTA_COST"] if cta_cost is None else cta_cost
+    red, min_p = t["DECODE_REDUCE_COST"], t["MIN_PARTITION"]
     best_p = best_cost = 0
     n = 1
     while n <= -(-length // min_p) and n <= 4 * slots:
@@ -545,7 +548,8 @@ def cuda_call(batch: int, context: int, sm_clk_per_tile: float, tile_bytes: floa
     t = tuning_constants()
     base = batch * kv_heads
     blocks = t["DECODE_WGMMA_MIN_BLOCKS"] if wgmma else t["DECODE_MIN_BLOCKS"]
-    p = choose_decode_partition_size(context, base, hw.sms, t, blocks)
+    p = choose_decode_partition_size(context, base, hw.sms, t, blocks,
+                                     t["DECODE_WGMMA_CTA_COST"] if wgmma else None)
     nparts = -(-context // p)
     ctas = base * nparts
     slots = hw.sms * blocks

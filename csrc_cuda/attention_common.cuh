@@ -108,9 +108,11 @@ __device__ __forceinline__ int state_slot(const AttnParams& p, int s) {
 // when block 0 is no block of the cache). sink_ref says where they are, in three round trips of
 // the prologue (the block id, the bytes, the tag), and a kernel keeps that in place of its
 // slot (every sequence reads the layer's record, slot 0): the prologue's Q chunk and the
-// epilogue read the sink's elements from there (sink_elements). The decode kernels find it
-// after their first KV copies are issued; the general and prefill kernels read records
-// (reads_sink_table, attention_launch.cuh).
+// epilogue read the sink's elements from there (sink_elements). The warp-MMA decode kernel
+// finds it after its first KV copies are issued; the SM90a FP8 decode kernel fingerprints its
+// first step's ring copy of position 0 and compares the tags in its epilogue, where it also
+// forms q'.k0'; the general and prefill kernels read records (reads_sink_table,
+// attention_launch.cuh).
 // With the table, a slot where the CTA merges the sink: a table entry (>= 0), SINK_NAN, or
 // -2 - blk: decoded from block blk
 constexpr int SINK_NAN = -2147483647 - 1;
@@ -137,6 +139,12 @@ __device__ __forceinline__ int64_t sink_fingerprint(const AttnParams& p, int blk
   return fingerprint_mix(w, vw + 1);
 }
 
+// The slot for block blk >= 0 whose slot 0 has fingerprint tag, the table's entry for it holding
+// entry_tag: that entry where the tags match, else -2 - blk (position 0 decoded from the block).
+__device__ __forceinline__ int sink_slot(int64_t tag, int64_t entry_tag, int entry, int blk) {
+  return entry_tag == tag ? entry : -2 - blk;
+}
+
 // The CTA's slot from here on: with the table, where sequence s's sink rows for kv head kvh
 // are (here: the CTA's sink_here); else slot. Called by every thread of the CTA (whole warps:
 // the fingerprint shuffles).
@@ -147,7 +155,7 @@ __device__ __forceinline__ int sink_ref(const AttnParams& p, int s, int kvh, boo
   const int64_t tag = sink_fingerprint<D>(p, blk < 0 ? 0 : blk, kvh);
   const int entry = (int)(tag % p.sink_entries);
   if (blk < 0) return SINK_NAN;
-  return __ldg(p.sink_tags + (int64_t)entry * p.num_kv_heads + kvh) == tag ? entry : -2 - blk;
+  return sink_slot(tag, __ldg(p.sink_tags + (int64_t)entry * p.num_kv_heads + kvh), entry, blk);
 }
 
 // Elements [d0, d0 + N) of the sink's key (kKey) or value row where sref (sink_ref, with the
@@ -243,6 +251,15 @@ __device__ __forceinline__ float sink_logit(const AttnParams& p, float q_k0, flo
   return (p.soft_cap > 0.f ? p.soft_cap * tanhf(x / p.soft_cap) : x) * LOG2E;
 }
 
+// A chunk's share of q'.k0': 8 transformed query elements f, the sink key's k (every kernel's
+// sink logit sums it over the row's lanes, row_sum).
+__device__ __forceinline__ float sink_dot8(const float (&f)[8], const float (&k)[8]) {
+  float dot = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dot += f[i] * k[i];
+  return dot;
+}
+
 // Query transform of the 8 elements f of row chunk c (D/8 lanes per row): q * lam (with a
 // record), then rotate (x * s, fwht, * norm). Returns q'.k0' of the chunk (0 without sink).
 template <int D>
@@ -259,12 +276,7 @@ __device__ __forceinline__ float transform_q8(const AttnParams& p, const QChunk&
 #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] *= p.rot_norm;
   }
-  float dot = 0.f;
-  if (sink) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) dot += f[i] * c.sk[i];
-  }
-  return dot;
+  return sink ? sink_dot8(f, c.sk) : 0.f;
 }
 
 // The Q-chunk stage both attention kernels share: the thread's 8 query elements (raw, of row

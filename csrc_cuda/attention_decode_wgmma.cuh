@@ -34,9 +34,10 @@
 //   2^(x + e_v - m + 8) <= 256 fits E4M3, m the running maximum of x + e_v; l sums P' 2^-e_v,
 //   so (M = m - 8, l) is the usual state and O^T 2^6 / l the output. The maxima are exchanged
 //   lazily: P' is written with the running maximum, and one bar.red.or of each thread's "a
-//   logit of mine exceeds it" says whether the warps must butterfly, exchange their maxima in
-//   shared memory, rescale O and l and rewrite P' (the first step always; then about ln(steps)
-//   times for independent logits). Otherwise a step has that one CTA barrier.
+//   logit of mine exceeds it by more than DECODE_WGMMA_REDO_MARGIN" (below it P' still fits
+//   E4M3) says whether the warps must butterfly, exchange their maxima in shared memory,
+//   rescale O and l and rewrite P' (the first step always; then whenever a column's maximum
+//   grows by more than the margin). Otherwise a step has that one CTA barrier.
 // Copies: each warp copies the K rows and scale words of its own 16 tokens (it alone reads
 //   them), V is copied by all four and read after the step's barrier; the ring slot is refilled
 //   after that barrier. The block ids of 32 steps sit in a warp's lanes (one batch of table
@@ -50,6 +51,12 @@
 //   (what a skipped copy left in the ring never counts); a visible key's scale byte 255 makes
 //   its kv head's rows NaN. The epilogue is the decode kernel's: the sink, the learned sink and
 //   the lse, the un-rotation, the row or the partition's partial for the reduce pass.
+// The sink with the layer's table: warp 0 fingerprints position 0 from the first ring stage,
+//   all of whose bytes it copied, once the stage lands (after the Q^T work), and the table's
+//   tag for it rides the next copy group; the epilogue compares the tags and forms q'.k0' from
+//   q' kept in shared memory. sink_ref's chain (block id, bytes, tag, sink key: four round
+//   trips before the first step) cost 1-2 us per call at batch 1 (record
+//   2026-11-29-h200-decode-wgmma-sink-cost.json).
 // Registers: 96 per thread for 5 CTAs per SM (tuning.cuh), no spills (tests/test_cuda_compile.py).
 // ===========================================================================================
 #pragma once
@@ -72,9 +79,11 @@ struct DecodeWgmmaLayout {
   static constexpr int OFF_SINK = OFF_CF + 32;   // [8] float: q'.k0' (sink)
   static constexpr int OFF_QM = OFF_SINK + 32;   // [8] float: scale * q.m (soft cap, states)
   static constexpr int OFF_MISC = OFF_QM + 32;   // int: a block id was out of range
+  static constexpr int OFF_SREF = OFF_MISC + 8;  // int64 fingerprint, int64 entry's tag, int entry, blk
   static constexpr int OFF_RING = 4096;          // STAGES x STAGE; the epilogue's O rows after
+  static constexpr int OFF_QF = OFF_RING + STAGES * STAGE;  // [8 columns][D] float: q' (sink table)
   static constexpr int MROW = D + 4;             // an O row in the epilogue (floats)
-  static constexpr int TOTAL = OFF_RING + STAGES * STAGE + 1024;  // + the 1024-byte alignment
+  static constexpr int TOTAL = OFF_QF + 8 * D * 4 + 1024;  // + the 1024-byte alignment
   static_assert(8 * MROW * 4 <= STAGES * STAGE, "the epilogue's O rows fit the ring");
 };
 
@@ -101,7 +110,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   // trigger, 78.2 without; record 2026-11-29-h200-sink-lookup.json)
   if (p.num_partitions > 1) pdl_launch_dependents();
   const int seq_len = __ldg(p.seq_lens + s);
-  int slot = state_slot(p, s);
+  const int slot = state_slot(p, s);
   const int P = p.partition_size, nparts = p.num_partitions;
   // Q: column n = tid / 16 (head kvh G + n; padding columns n >= G are zero), its elements
   // dc .. dc + 7
@@ -114,6 +123,9 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   // comes from the state record, merged in by partition 0
   const int key_lo = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
   const bool sink_here = p.sink && part == 0 && key_lo == 0 && seq_len > 0;
+  // with the sink table the CTA fingerprints position 0 from its first ring stage and finds the
+  // sink's rows and q'.k0' in the epilogue (no round trips before its first step)
+  const bool sink_table = sink_here && p.sink_tags != nullptr;
   const int r_lo = max(p.sink ? max(key_lo, 1) : key_lo, part * P), r_hi = min(seq_len, part * P + P);
   auto write_const_rows = [&](float oval, float mval, float lval) {
     for (int i = tid; i < G * D; i += 128)
@@ -209,9 +221,6 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   };
 #pragma unroll
   for (int i = 0; i < ST - 1; ++i) issue(s_lo + i);
-  // with the sink table: where the sink rows are, under the first copies
-  slot = sink_ref<D>(p, s, kvh, sink_here, slot);
-  if (sink_here && p.sink_tags != nullptr) sink_elements<D, 8, true>(p, slot, kvh, dc, qc.sk);
 
   // ---- Q^T: the transforms in fp32 (prepare_q8: 16 lanes per column), then per column the
   //      power of two qs, the two E4M3 terms at the K decode's k slots, the logit factor ----
@@ -222,7 +231,13 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   const bool cap = p.soft_cap > 0.f, cap_state = cap && p.seq_state != nullptr;
   {
     float qv[8];
-    prepare_q8<D, T, kStates>(p, qc, q_v, sink_here, (tid & 15) == 0, sinkS + n, qmS + n, qv, lane);
+    prepare_q8<D, T, kStates>(p, qc, q_v, sink_here && !sink_table, (tid & 15) == 0, sinkS + n, qmS + n, qv,
+                              lane);
+    if (sink_table) {  // q' for the epilogue's q'.k0'
+      float* qf = reinterpret_cast<float*>(sm + L::OFF_QF) + n * D + dc;
+      *reinterpret_cast<float4*>(qf) = make_float4(qv[0], qv[1], qv[2], qv[3]);
+      *reinterpret_cast<float4*>(qf + 4) = make_float4(qv[4], qv[5], qv[6], qv[7]);
+    }
     float mx = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) mx = fmaxf(mx, fabsf(qv[i]));
@@ -249,15 +264,38 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     if (tid == 0) misc[0] = 0;
     fence_proxy_async();  // Q^T to the MMAs, after the barrier below
   }
+  // The sink's slot (sink_ref's) for the epilogue, in OFF_SREF as (fingerprint, the entry's
+  // tag, entry, blk) for sink_slot. With a step, the fingerprint (sink_fingerprint's words)
+  // from the ring's copy of position 0, all of whose bytes warp 0 copied (step 0: the sink's
+  // partition starts there); the entry's tag comes with step ST - 1's copies. With no step
+  // (position 0 the only key), sink_ref's round trips here, the slot stored as an entry.
+  int64_t* sref_words = reinterpret_cast<int64_t*>(sm + L::OFF_SREF);
+  if (sink_table && r_lo >= r_hi) {
+    const int sref = sink_ref<D>(p, s, kvh, true, slot);
+    if (tid == 0) sref_words[0] = sref_words[1] = 0, reinterpret_cast<int*>(sref_words + 2)[0] = sref;
+  } else if (sink_table && w == 0) {
+    cp_async_wait<ST - 2>();
+    __syncwarp();
+    const uint32_t kb = prmt(lds32(ring + 2 * CODES), 0u, 0x4440u | (uint32_t)(((uintptr_t)p.key_scales + kvh) & 3));
+    const uint32_t vb = prmt(lds32(ring + 2 * CODES + STEP * 4), 0u,
+                             0x4440u | (uint32_t)(((uintptr_t)p.value_scales + kvh) & 3));
+    const uint32_t fw[2] = {lds32(ring + (lane < 16 ? 4 * lane : CODES + 4 * (lane - 16))), kb | vb << 8};
+    const int64_t tag = fingerprint_mix(fw, D / 4 + 1);
+    const int blk = __shfl_sync(0xffffffffu, is_l, 0);  // group 0's block in step 0
+    if (lane == 0) {
+      const int entry = (int)(tag % p.sink_entries);
+      sref_words[0] = tag;
+      reinterpret_cast<int*>(sref_words + 2)[0] = entry, reinterpret_cast<int*>(sref_words + 2)[1] = blk;
+      cp_async_8(base + L::OFF_SREF + 8, p.sink_tags + (int64_t)entry * Hkv + kvh);
+    }
+  }
 
   const uint64_t qdesc = wgmma_desc_sw128(qt, 16, 1024), pdesc = wgmma_desc_sw128(pt, 16, 1024);
   const int tau0 = 16 * w + 2 * g;  // this thread's S rows: tokens tau0, tau0 + 1
   const uint32_t kofs0 = opaque(64 * (tau0 ^ ((tau0 >> 1) & 1)) + 16 * t);
-  const uint32_t kofs1 = opaque(64 * ((tau0 + 1) ^ (((tau0 + 1) >> 1) & 1)) + 16 * t);
   // ldmatrix rows: lane 8m + r -> token 8 (m + 4 x) + r, unit block w
   const int lt = 8 * (lane >> 3) + (lane & 7);
   const uint32_t vofs0 = opaque(CODES + 64 * lt + 16 * (w ^ ((lt >> 1) & 3)));
-  const uint32_t vofs1 = opaque(CODES + 64 * (lt + 32) + 16 * (w ^ (((lt + 32) >> 1) & 3)));
   // P^T bytes (tokens tau0, tau0 + 1) of column n at k = 16 w + 4 (g % 4) + 2 (g / 4)
   const int pk = 16 * w + 4 * (g & 3) + 2 * (g >> 2);
   const uint32_t p_c0 = opaque(pt + sw128_offset(2 * t, pk)), p_c1 = opaque(pt + sw128_offset(2 * t + 1, pk));
@@ -267,8 +305,9 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   auto sel = [&](const uint8_t* scales, int tok) {
     return 0x4440u | (uint32_t)(((uintptr_t)scales + tok * Hkv + kvh) & 3);
   };
-  const uint32_t ksel0 = opaque(sel(p.key_scales, 2 * g)), ksel1 = opaque(sel(p.key_scales, 2 * g + 1));
-  const uint32_t vsel0 = opaque(sel(p.value_scales, 2 * g)), vsel1 = opaque(sel(p.value_scales, 2 * g + 1));
+  // (a tensor's two selectors in one register: prmt reads the low 16 bits)
+  const uint32_t ksel = opaque(sel(p.key_scales, 2 * g) | sel(p.key_scales, 2 * g + 1) << 16);
+  const uint32_t vsel = opaque(sel(p.value_scales, 2 * g) | sel(p.value_scales, 2 * g + 1) << 16);
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // columns 2t, 2t + 1
   float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   uint32_t va[2][2][4];  // V^T fragments [half][32-token chunk]
@@ -283,7 +322,9 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     cp_async_wait<ST - 2>();
     __syncwarp();  // this warp's K rows and scale words; V after the barrier below
     const uint32_t st = ring + ((uint32_t)sp % ST) * L::STAGE;
-    const uint4 k0 = lds128(st + kofs0), k1 = lds128(st + kofs1);
+    // token tau0 + 1's row: tau0 is even, so its swap bit is tau0's and the row index flips
+    // bit 0 (offset bit 6)
+    const uint4 k0 = lds128(st + kofs0), k1 = lds128((st + kofs0) ^ 64u);
     uint32_t ka[4][4];
     {
       const uint32_t w0[4] = {k0.x, k0.y, k0.z, k0.w}, w1[4] = {k1.x, k1.y, k1.z, k1.w};
@@ -307,8 +348,8 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     reg_fence(sacc);
     reg_fence(o_words);
     // logits in the exp2 domain, V's exponent added
-    const uint32_t kb0 = prmt(ksw.x, 0u, ksel0), kb1 = prmt(ksw.y, 0u, ksel1);
-    const uint32_t vb0 = prmt(vsw.x, 0u, vsel0), vb1 = prmt(vsw.y, 0u, vsel1);
+    const uint32_t kb0 = prmt(ksw.x, 0u, ksel), kb1 = prmt(ksw.y, 0u, ksel >> 16);
+    const uint32_t vb0 = prmt(vsw.x, 0u, vsel), vb1 = prmt(vsw.y, 0u, vsel >> 16);
     float ev0 = vb0 == 255u ? __int_as_float(0x7fc00000) : (float)((int)vb0 - 127);
     float ev1 = vb1 == 255u ? __int_as_float(0x7fc00000) : (float)((int)vb1 - 127);
     const float kf0 = e8m0_to_float(kb0), kf1 = e8m0_to_float(kb1);
@@ -354,7 +395,8 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
       fence_proxy_async();
     };
     write_p();
-    const bool redo = named_barrier_or(2, 128, x0 > m0 || x1 > m1);
+    constexpr float MARGIN = tuning::DECODE_WGMMA_REDO_MARGIN;
+    const bool redo = named_barrier_or(2, 128, x0 > m0 + MARGIN || x1 > m1 + MARGIN);
     // every warp is past the last step's V reads only here: its ring slot is refilled now
     issue(sp + ST - 1);
     if (redo) exchange();
@@ -362,7 +404,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     {
       uint32_t ra[4], rb[4];
       ldmatrix_x4_trans(ra, st + vofs0);
-      ldmatrix_x4_trans(rb, st + vofs1);
+      ldmatrix_x4_trans(rb, st + vofs0 + 2048);  // tokens + 32: the same chunk swap
 #pragma unroll
       for (int i = 0; i < 4; ++i) r[i] = ra[i], r[4 + i] = rb[i];
     }
@@ -410,13 +452,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   }
   const bool any_bad = __any_sync(0xffffffffu, bad);
   constexpr int EPL = D / 32;  // elements per lane of a row
-  float sv[EPL];
-  // (with records the slot and kv head computed again rather than kept in registers through the
-  // loop)
-  if (sink_here)
-    load_sink_value<D, true>(p, p.sink_tags != nullptr ? slot : state_slot(p, s), (int)opaque(blockIdx.x) - s * Hkv,
-                       lane * EPL, sv);
-  __syncthreads();  // every warp is done with the ring and the exchange words
+  __syncthreads();  // every warp is done with the ring and the exchange words; the sink's tags
   float* lS = reinterpret_cast<float*>(sm + L::OFF_RED);
   float* mS = reinterpret_cast<float*>(sm + L::OFF_M);
   if (any_bad && lane == 0) misc[0] = 1;
@@ -431,6 +467,27 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
       for (int k = 0; k < 4; ++k) mo[(2 * t + (k & 1)) * L::MROW + 4 * u + 2 * hh + (k >> 1)] = o[hh][k] * 64.f;
+  }
+  float sv[EPL];
+  if (sink_here) {
+    // (the slot and kv head computed again rather than kept in registers through the loop)
+    const int kvh_e = (int)opaque(blockIdx.x) - s * Hkv;
+    int sref = state_slot(p, s);
+    if (sink_table) {
+      const int64_t* sr = reinterpret_cast<const int64_t*>(sm + L::OFF_SREF);
+      const int* ids = reinterpret_cast<const int*>(sr + 2);
+      sref = sink_slot(sr[0], sr[1], ids[0], ids[1]);
+      // q'.k0' of column n_e (the prologue's q', elements dc_e ..) to sinkS
+      const int n_e = (int)opaque(threadIdx.x) >> 4, dc_e = (tid & 15) * 8;
+      const float* qf = reinterpret_cast<const float*>(sm + L::OFF_QF) + n_e * D + dc_e;
+      float qv[8], sk[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qv[i] = qf[i];
+      sink_elements<D, 8, true>(p, sref, kvh_e, dc_e, sk);
+      const float q_k0 = row_sum<D / 8>(sink_dot8(qv, sk));
+      if ((tid & 15) == 0) sinkS[n_e] = q_k0;
+    }
+    load_sink_value<D, true>(p, sref, kvh_e, lane * EPL, sv);
   }
   __syncthreads();
   if (misc[0]) {

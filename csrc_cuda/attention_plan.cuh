@@ -120,7 +120,8 @@ inline AttnPlan plan_attention(int D, bool key_e4m3, bool multi, int num_tokens,
       plan.kernel == AttnKernel::kPrefill ? std::max(msl, 1)  // one partition
       : plan.kernel == AttnKernel::kDecode ? tuning::choose_decode_partition_size(msl, base_ctas, num_sms)
       : plan.kernel == AttnKernel::kDecodeWgmma
-          ? tuning::choose_decode_partition_size(msl, base_ctas, num_sms, tuning::DECODE_WGMMA_MIN_BLOCKS)
+          ? tuning::choose_decode_partition_size(msl, base_ctas, num_sms, tuning::DECODE_WGMMA_MIN_BLOCKS,
+                                                 tuning::DECODE_WGMMA_CTA_COST)
       : spec ? tuning::choose_decode_partition_size(msl, (int)std::min<long long>(spec_ctas, 1 << 30), num_sms)
              : tuning::choose_partition_size(msl, base_ctas, num_sms);
   plan.num_partitions = std::max(1, (msl + plan.partition_size - 1) / plan.partition_size);

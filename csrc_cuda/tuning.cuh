@@ -147,9 +147,10 @@ template <int NB> struct DecodeMinBlocks {
 #endif
 constexpr bool DECODE_WGMMA = TQ_DECODE_WGMMA != 0;
 // Ring depth (64-token steps) and CTAs per SM asked of the register allocator. Example: 4
-// stages x 8704 B + 4 KB = 39.9 KB per CTA; 5 CTAs per SM take 195 KB of the 227 KB and 96
-// registers per thread, 20 warps per SM with 5 x 3 steps = 125 KB of codes in flight. Measured
-// in benchmarks/wgmma_decode_probe.cu (H200, 64 x 32k, one term): 3 stages x 6 CTAs 4.7 %
+// stages x 8704 B + 8 KB (Q^T, P^T, the exchange, q') + 1 KB of alignment = 43 KB per CTA; 5
+// CTAs per SM take 220 KB of the 228 KB (with the 1 KB each reserves) and 96 registers per
+// thread, 20 warps per SM with 5 x 3 steps = 125 KB of codes in flight. Measured in
+// benchmarks/wgmma_decode_probe.cu (H200, 64 x 32k, one term): 3 stages x 6 CTAs 4.7 %
 // slower than 4 x 5; two-term builds spill at 6.
 #ifndef TQ_DECODE_WGMMA_STAGES
 #define TQ_DECODE_WGMMA_STAGES 4
@@ -159,6 +160,17 @@ constexpr bool DECODE_WGMMA = TQ_DECODE_WGMMA != 0;
 #endif
 constexpr int DECODE_WGMMA_STAGES = TQ_DECODE_WGMMA_STAGES;
 constexpr int DECODE_WGMMA_MIN_BLOCKS = TQ_DECODE_WGMMA_MIN_BLOCKS;
+// How far (exp2 units) a logit may pass a column's running maximum m before the CTA exchanges
+// maxima and rescales: P' = 2^(x + e_v - m + 8) must stay under E4M3's largest value, 448 =
+// 2^8.807, so any margin below 0.807 is exact. Example: 64 x 4k, four heads per kv head,
+// independent logits: a 21-step partition exchanged in ~9 of its steps at margin 0 (any new
+// maximum of four columns), each exchange ~77 instructions per warp and two barriers.
+#ifndef TQ_DECODE_WGMMA_REDO_MARGIN
+#define TQ_DECODE_WGMMA_REDO_MARGIN 0.75f
+#endif
+constexpr float DECODE_WGMMA_REDO_MARGIN = TQ_DECODE_WGMMA_REDO_MARGIN;
+static_assert(DECODE_WGMMA_REDO_MARGIN >= 0.f && DECODE_WGMMA_REDO_MARGIN < 0.807f,
+              "P' = 2^(x - m + 8 + margin) must fit E4M3 (448)");
 
 // ---- prefill kernel (attention_prefill.cuh: multi-token rows, D <= 128) ----
 // A CTA holds PREFILL_ROWS = 16 * PREFILL_WARPS rows (query token x head pairs of one
@@ -419,14 +431,21 @@ constexpr int WRITER_EPT = TQ_WRITER_EPT;
 //                                 4096, 8576; n 1: 16512)
 //   batch 64 x 4k  : base 512  -> n 1: two waves of 4096 (8448; n 2: four waves of 2048, 8832)
 //   batch 128 x 16k: base 1024 -> n 1: four waves of 16384, no reduce pass
-// The SM90a kernel (H200: 660 slots): 64 x 32k, base 512 -> n 9: P 3712, 4608 CTAs in 7 waves
-// (27008; n 1: one wave, 32896); 64 x 4k -> n 1, 512 CTAs (4224; n 5 ties and loses to fewer).
-// Its CTAs cost no less than 128 tokens: the model run with 64 (64 x 4k at n 5) took 93.0 us
-// against 82.2, with 32 / 16 (128 x 4k at n 8 / 16) 192 / 245 us against 167 (H200, one call
-// each; record 2026-11-29-h200-shared-records-launch.json).
+// The SM90a kernel's CTA_COST is its own (DECODE_WGMMA_CTA_COST): ~1400 instructions per warp
+// outside the steady 64-token step's ~256 (prologue, epilogue, the first steps' maxima
+// exchanges; ncu, H200, 16 x 4k), about 5.5 steps = 350 tokens. Examples (H200: 660 slots):
+// 64 x 32k, base 512 -> n 5: P 6656, 2560 CTAs in 4 waves (28288; n 9: 7 waves of 3712,
+// 28800); 64 x 4k -> n 1; 128 x 4k, base 1024 -> n 1: two waves of 4096 (8960; n 3: five of
+// 1408, 9088), measured 142.5 us against n 3's 157.0 (H200, one call, two rounds; record
+// 2026-11-29-h200-decode-wgmma-sink-cost.json). Lower costs lost before: 64 (64 x 4k at n 5)
+// 93.0 us against 128's 82.2, 32 / 16 (128 x 4k at n 8 / 16) 192 / 245 us against 167 (H200,
+// one call each; record 2026-11-29-h200-shared-records-launch.json). The warp-MMA kernel
+// keeps 128 (its H100 examples above).
 constexpr int DECODE_CTA_COST = 128, DECODE_REDUCE_COST = 128;
+constexpr int DECODE_WGMMA_CTA_COST = 384;
 inline int choose_decode_partition_size(int max_seq_len, int base_ctas, int num_sms,
-                                        int min_blocks = DECODE_MIN_BLOCKS) {
+                                        int min_blocks = DECODE_MIN_BLOCKS,
+                                        int cta_cost = DECODE_CTA_COST) {
   const long long step = DECODE_WARPS * 16, slots = (long long)num_sms * min_blocks;
   const long long L = max_seq_len > 0 ? max_seq_len : 1, base = base_ctas > 0 ? base_ctas : 1;
   long long best_p = 0, best_cost = 0;
@@ -438,9 +457,9 @@ inline int choose_decode_partition_size(int max_seq_len, int base_ctas, int num_
     const long long parts = (L + p - 1) / p;
     // cost(n) >= (base * parts / slots) * (L / parts + CTA_COST), which never falls as n grows
     // (parts does not): once it reaches the best cost, no larger n can win
-    if (best_p != 0 && base * L + base * parts * DECODE_CTA_COST >= best_cost * slots) break;
+    if (best_p != 0 && base * L + base * parts * cta_cost >= best_cost * slots) break;
     const long long cost =
-        (base * parts + slots - 1) / slots * (p + DECODE_CTA_COST) + (parts > 1 ? DECODE_REDUCE_COST : 0);
+        (base * parts + slots - 1) / slots * (p + cta_cost) + (parts > 1 ? DECODE_REDUCE_COST : 0);
     if (best_p == 0 || cost < best_cost) { best_p = p; best_cost = cost; }
   }
   return (int)(best_p < (1LL << 30) ? best_p : (1LL << 30));

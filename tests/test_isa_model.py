@@ -247,11 +247,18 @@ DECODE_PARTITIONS = [(32768, 8, 1024), (4096, 8, 256), (16384, 128, 8192), (4096
                      (16384, 1024, 16384)]
 
 
+# ... and of the SM90a kernel's (its CTAs per SM and CTA cost; H200: 132 SMs)
+WGMMA_PARTITIONS = [(32768, 512, 6656), (4096, 512, 4096), (4096, 1024, 4096)]
+
+
 def test_partition_mirror_worked_examples():
     t = im.tuning_constants()
     assert (t["DECODE_WARPS"], t["MIN_PARTITION"]) == (8, 256) and t["DECODE_STAGES"] >= 2
     for length, base, p in DECODE_PARTITIONS:
         assert im.choose_decode_partition_size(length, base, 132) == p
+    for length, base, p in WGMMA_PARTITIONS:
+        assert im.choose_decode_partition_size(length, base, 132, t, t["DECODE_WGMMA_MIN_BLOCKS"],
+                                               t["DECODE_WGMMA_CTA_COST"]) == p
 
 
 def test_gmma_clocks_from_the_shape():
@@ -276,18 +283,22 @@ def test_tuning_constants_need_every_define(tmp_path):
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_partition_mirror_matches_the_cpp(tmp_path):
-    grid = [(length, base, sms) for length in (1, 100, 256, 257, 1000, 4096, 5000, 16384, 32768, 131072)
-            for base in (1, 8, 100, 128, 264, 512, 1000, 1024, 4096) for sms in (132, 108)]
+    t = im.tuning_constants()
+    wg = (t["DECODE_WGMMA_MIN_BLOCKS"], t["DECODE_WGMMA_CTA_COST"])
+    grid = [(length, base, sms, form)
+            for length in (1, 100, 256, 257, 1000, 4096, 5000, 16384, 32768, 131072)
+            for base in (1, 8, 100, 128, 264, 512, 1000, 1024, 4096) for sms in (132, 108)
+            for form in ((t["DECODE_MIN_BLOCKS"], t["DECODE_CTA_COST"]), wg)]
     src = tmp_path / "mirror.cpp"
     src.write_text('#include <cstdio>\n#include "tuning.cuh"\nint main() {\n' + "".join(
-        f'  std::printf("%d\\n", turboquant::tuning::choose_decode_partition_size({a}, {b}, {c}));\n'
-        for a, b, c in grid) + "}\n")
+        f'  std::printf("%d\\n", turboquant::tuning::choose_decode_partition_size({a}, {b}, {c}, '
+        f'{f[0]}, {f[1]}));\n' for a, b, c, f in grid) + "}\n")
     exe = tmp_path / "mirror"
     subprocess.run(["g++", "-std=c++17", f"-I{im.TUNING_CUH.parent}", str(src), "-o", str(exe)],
                    check=True)
     got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True,
                                           check=True).stdout.split()]
-    assert got == [im.choose_decode_partition_size(a, b, c) for a, b, c in grid]
+    assert got == [im.choose_decode_partition_size(a, b, c, t, *f) for a, b, c, f in grid]
 
 
 def test_scale_sector_fetches_by_grid_order():
