@@ -55,8 +55,8 @@
 //   all of whose bytes it copied, once the stage lands (after the Q^T work), and the table's
 //   tag for it rides the next copy group; the epilogue compares the tags and forms q'.k0' from
 //   q' kept in shared memory. sink_ref's chain (block id, bytes, tag, sink key: four round
-//   trips before the first step) cost 1-2 us per call at batch 1 (record
-//   2026-11-29-h200-decode-wgmma-sink-cost.json).
+//   trips before the first step) cost 1-2 us per call at batch 1
+//   (benchmarks/results/2026-11-29-h200-decode-wgmma-sink-cost.json).
 // Registers: 96 per thread for 5 CTAs per SM (tuning.cuh), no spills (tests/test_cuda_compile.py).
 // ===========================================================================================
 #pragma once

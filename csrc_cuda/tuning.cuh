@@ -436,10 +436,12 @@ constexpr int WRITER_EPT = TQ_WRITER_EPT;
 // exchanges; ncu, H200, 16 x 4k), about 5.5 steps = 350 tokens. Examples (H200: 660 slots):
 // 64 x 32k, base 512 -> n 5: P 6656, 2560 CTAs in 4 waves (28288; n 9: 7 waves of 3712,
 // 28800); 64 x 4k -> n 1; 128 x 4k, base 1024 -> n 1: two waves of 4096 (8960; n 3: five of
-// 1408, 9088), measured 142.5 us against n 3's 157.0 (H200, one call, two rounds; record
-// 2026-11-29-h200-decode-wgmma-sink-cost.json). Lower costs lost before: 64 (64 x 4k at n 5)
-// 93.0 us against 128's 82.2, 32 / 16 (128 x 4k at n 8 / 16) 192 / 245 us against 167 (H200,
-// one call each; record 2026-11-29-h200-shared-records-launch.json). The warp-MMA kernel
+// 1408, 9088). Measured against 128 (H200, one call, two rounds;
+// benchmarks/results/2026-11-29-h200-decode-wgmma-sink-cost.json): 128 x 4k 142.2-142.7 us
+// against 156.6-157.4, 128 x 32k 1057-1063 against 1068-1076, 64 x 32k 534-543 against
+// 524-533 (the one row it may cost). Lower costs lost before: 64 (64 x 4k at n 5) 93.0 us
+// against 128's 82.2, 32 / 16 (128 x 4k at n 8 / 16) 192 / 245 us against 167 (H200, one call
+// each; benchmarks/results/2026-11-29-h200-shared-records-launch.json). The warp-MMA kernel
 // keeps 128 (its H100 examples above).
 constexpr int DECODE_CTA_COST = 128, DECODE_REDUCE_COST = 128;
 constexpr int DECODE_WGMMA_CTA_COST = 384;
