@@ -53,8 +53,8 @@
 //   the lse, the un-rotation, the row or the partition's partial for the reduce pass.
 // The sink with the layer's table: warp 0 fingerprints position 0 from the first ring stage,
 //   all of whose bytes it copied, once the stage lands (after the Q^T work), and the table's
-//   tag for it rides the next copy group; the epilogue compares the tags and forms q'.k0' from
-//   q' kept in shared memory. sink_ref's chain (block id, bytes, tag, sink key: four round
+//   tag and sink rows for it ride the next copy group; the epilogue compares the tags and
+//   forms q'.k0' from q' kept in shared memory (a miss reads the rows as sink_elements does). sink_ref's chain (block id, bytes, tag, sink key: four round
 //   trips before the first step) cost 1-2 us per call at batch 1
 //   (benchmarks/results/2026-11-29-h200-decode-wgmma-sink-cost.json).
 // Registers: 96 per thread for 5 CTAs per SM (tuning.cuh), no spills (tests/test_cuda_compile.py).
@@ -83,7 +83,8 @@ struct DecodeWgmmaLayout {
   static constexpr int OFF_RING = 4096;          // STAGES x STAGE; the epilogue's O rows after
   static constexpr int OFF_QF = OFF_RING + STAGES * STAGE;  // [8 columns][D] float: q' (sink table)
   static constexpr int MROW = D + 4;             // an O row in the epilogue (floats)
-  static constexpr int TOTAL = OFF_QF + 8 * D * 4 + 1024;  // + the 1024-byte alignment
+  static constexpr int OFF_SKV = OFF_QF + 8 * D * 4;  // [2][D] bf16: the entry's sink rows (a hit)
+  static constexpr int TOTAL = OFF_SKV + 2 * D * 2 + 1024;  // + the 1024-byte alignment
   static_assert(8 * MROW * 4 <= STAGES * STAGE, "the epilogue's O rows fit the ring");
 };
 
@@ -267,12 +268,16 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   // The sink's slot (sink_ref's) for the epilogue, in OFF_SREF as (fingerprint, the entry's
   // tag, entry, blk) for sink_slot. With a step, the fingerprint (sink_fingerprint's words)
   // from the ring's copy of position 0, all of whose bytes warp 0 copied (step 0: the sink's
-  // partition starts there); the entry's tag comes with step ST - 1's copies. With no step
-  // (position 0 the only key), sink_ref's round trips here, the slot stored as an entry.
+  // partition starts there); the entry's tag and its sink rows (used where the tags match)
+  // come with step ST - 1's copies. With no step (position 0 the only key), sink_ref's round
+  // trips here, the slot stored as an entry and blk -1 (no rows in shared memory).
   int64_t* sref_words = reinterpret_cast<int64_t*>(sm + L::OFF_SREF);
   if (sink_table && r_lo >= r_hi) {
     const int sref = sink_ref<D>(p, s, kvh, true, slot);
-    if (tid == 0) sref_words[0] = sref_words[1] = 0, reinterpret_cast<int*>(sref_words + 2)[0] = sref;
+    if (tid == 0) {
+      sref_words[0] = sref_words[1] = 0;
+      reinterpret_cast<int*>(sref_words + 2)[0] = sref, reinterpret_cast<int*>(sref_words + 2)[1] = -1;
+    }
   } else if (sink_table && w == 0) {
     cp_async_wait<ST - 2>();
     __syncwarp();
@@ -282,8 +287,9 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     const uint32_t fw[2] = {lds32(ring + (lane < 16 ? 4 * lane : CODES + 4 * (lane - 16))), kb | vb << 8};
     const int64_t tag = fingerprint_mix(fw, D / 4 + 1);
     const int blk = __shfl_sync(0xffffffffu, is_l, 0);  // group 0's block in step 0
+    const int entry = (int)(tag % p.sink_entries);
+    cp_async_16(base + L::OFF_SKV + 16 * lane, p.sink_kv + ((int64_t)entry * Hkv + kvh) * 2 * D + 8 * lane);
     if (lane == 0) {
-      const int entry = (int)(tag % p.sink_entries);
       sref_words[0] = tag;
       reinterpret_cast<int*>(sref_words + 2)[0] = entry, reinterpret_cast<int*>(sref_words + 2)[1] = blk;
       cp_async_8(base + L::OFF_SREF + 8, p.sink_tags + (int64_t)entry * Hkv + kvh);
@@ -477,17 +483,31 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
       const int64_t* sr = reinterpret_cast<const int64_t*>(sm + L::OFF_SREF);
       const int* ids = reinterpret_cast<const int*>(sr + 2);
       sref = sink_slot(sr[0], sr[1], ids[0], ids[1]);
+      const bool rows_here = sref >= 0 && ids[1] >= 0;  // a hit whose rows came with the copies
+      const uint16_t* skv = reinterpret_cast<const uint16_t*>(sm + L::OFF_SKV);
       // q'.k0' of column n_e (the prologue's q', elements dc_e ..) to sinkS
       const int n_e = (int)opaque(threadIdx.x) >> 4, dc_e = (tid & 15) * 8;
       const float* qf = reinterpret_cast<const float*>(sm + L::OFF_QF) + n_e * D + dc_e;
       float qv[8], sk[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) qv[i] = qf[i];
-      sink_elements<D, 8, true>(p, sref, kvh_e, dc_e, sk);
+      if (rows_here) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sk[i] = __uint_as_float((uint32_t)skv[dc_e + i] << 16);
+      } else {
+        sink_elements<D, 8, true>(p, sref, kvh_e, dc_e, sk);
+      }
       const float q_k0 = row_sum<D / 8>(sink_dot8(qv, sk));
       if ((tid & 15) == 0) sinkS[n_e] = q_k0;
+      if (rows_here) {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) sv[e] = __uint_as_float((uint32_t)skv[D + lane * EPL + e] << 16);
+      } else {
+        load_sink_value<D, true>(p, sref, kvh_e, lane * EPL, sv);
+      }
+    } else {
+      load_sink_value<D, true>(p, sref, kvh_e, lane * EPL, sv);
     }
-    load_sink_value<D, true>(p, sref, kvh_e, lane * EPL, sv);
   }
   __syncthreads();
   if (misc[0]) {

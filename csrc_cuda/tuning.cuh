@@ -147,10 +147,10 @@ template <int NB> struct DecodeMinBlocks {
 #endif
 constexpr bool DECODE_WGMMA = TQ_DECODE_WGMMA != 0;
 // Ring depth (64-token steps) and CTAs per SM asked of the register allocator. Example: 4
-// stages x 8704 B + 8 KB (Q^T, P^T, the exchange, q') + 1 KB of alignment = 43 KB per CTA; 5
-// CTAs per SM take 220 KB of the 228 KB (with the 1 KB each reserves) and 96 registers per
-// thread, 20 warps per SM with 5 x 3 steps = 125 KB of codes in flight. Measured in
-// benchmarks/wgmma_decode_probe.cu (H200, 64 x 32k, one term): 3 stages x 6 CTAs 4.7 %
+// stages x 8704 B + 8.5 KB (Q^T, P^T, the exchange, q', the sink rows) + 1 KB of alignment =
+// 43.5 KB per CTA; 5 CTAs per SM take 222.5 KB of the 228 KB (with the 1 KB each reserves)
+// and 96 registers per thread, 20 warps per SM with 5 x 3 steps = 125 KB of codes in flight.
+// Measured in benchmarks/wgmma_decode_probe.cu (H200, 64 x 32k, one term): 3 stages x 6 CTAs 4.7 %
 // slower than 4 x 5; two-term builds spill at 6.
 #ifndef TQ_DECODE_WGMMA_STAGES
 #define TQ_DECODE_WGMMA_STAGES 4
