@@ -54,9 +54,9 @@
 // The sink with the layer's table: warp 0 fingerprints position 0 from the first ring stage,
 //   all of whose bytes it copied, once the stage lands (after the Q^T work), and the table's
 //   tag and sink rows for it ride the next copy group; the epilogue compares the tags and
-//   forms q'.k0' from q' kept in shared memory (a miss reads the rows as sink_elements does). sink_ref's chain (block id, bytes, tag, sink key: four round
-//   trips before the first step) cost 1-2 us per call at batch 1
-//   (benchmarks/results/2026-11-29-h200-decode-wgmma-sink-cost.json).
+//   forms q'.k0' from q' kept in shared memory (a miss reads the rows as sink_elements does).
+//   sink_ref's chain (block id, bytes, tag, sink key: four round trips before the first step)
+//   cost 1-2 us per call at batch 1 (benchmarks/results/2026-11-29-h200-decode-wgmma-sink-cost.json).
 // Registers: 96 per thread for 5 CTAs per SM (tuning.cuh), no spills (tests/test_cuda_compile.py).
 // ===========================================================================================
 #pragma once
