@@ -22,6 +22,9 @@ library that ran (cuobjdump of the loaded extension). The SM clock is nvidia-smi
 sampled while l2 calls run (else torch.cuda.clock_rate, else isa_model's 1.98 GHz); the output
 says which. From hbm: % of the measured read bandwidth next to isa_model's call model.
 Before timing, a 2 x 1k case of each variant and format is compared with the reference backend.
+On SM 9.x the FP4 rows run the SM90a FP8 decode kernel (attention_decode_wgmma.cuh), and its
+SASS step is the one counted: its l2 rows' measured / predicted is that kernel's own dependency
+factor, which isa_model.py borrows from the warp-MMA kernel (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -106,8 +109,20 @@ def loaded_library() -> str | None:
     return libs[0] if libs else None
 
 
-def predicted_clocks(lib: str | None) -> dict:
-    """isa_model's issue-bound SM clocks per tile of each format, from the library's SASS."""
+def decode_kernel(name: str, major: int) -> tuple[str, str]:
+    """(mangled name, MMA opcode of its step) of the decode kernel a format's calls run on a
+    device of compute capability `major`: FP4 keys at D 128 on SM 9.x run the SM90a FP8
+    warpgroup kernel (attention_launch.cuh use_decode_wgmma; G = 4 here), the rest the
+    warp-MMA decode kernel."""
+    if name == "FP4" and major == 9:
+        return im.CUDA_DECODE_WGMMA, "QGMMA"
+    return FORMATS[name][1], "HMMA"
+
+
+def predicted_clocks(lib: str | None, major: int) -> dict:
+    """isa_model's issue-bound SM clocks per tile of each format, from the library's SASS (one
+    warp's 16-token tile: a 64-token step of the FP8 kernel's warpgroup, each warp's 16 tokens),
+    for the kernel the format runs on this device."""
     from _tools import find_tool
     cuobjdump = find_tool("cuobjdump")
     if lib is None or cuobjdump is None:
@@ -115,15 +130,18 @@ def predicted_clocks(lib: str | None) -> dict:
     sass = subprocess.run([cuobjdump, "-sass", lib], capture_output=True, text=True).stdout
     funcs = im.parse_sass(sass)
     out = {"source": f"cuobjdump -sass {lib}"}
-    for name, (_, mangled, _) in FORMATS.items():
+    for name in FORMATS:
+        mangled, mma = decode_kernel(name, major)
         code = funcs.get(mangled)
         if not code:
             out[name] = None
             continue
-        head, back = im.find_key_loop(code)
+        head, back = im.find_key_loop(code, mma=mma)
         counts = im.count_classes(im.hot_path(code, head, back))
-        cyc = im.cuda_tile_cycles(counts)
-        out[name] = {"sm_clk": cyc["sm_clk"], "bound": cyc["bound"],
+        cyc = (im.nvidia_tile_cycles(counts, im.nvidia_gpus()["h100"]) if mma == "QGMMA"
+               else im.cuda_tile_cycles(counts))
+        out[name] = {"kernel": "SM90a FP8 decode" if mma == "QGMMA" else "decode",
+                     "sm_clk": cyc["sm_clk"], "bound": cyc["bound"],
                      "issue_slots_sm_clk": counts["total"] / im.H100().schedulers,
                      "instructions": counts["total"]}
     return out
@@ -185,7 +203,7 @@ def main(argv=None) -> int:
             for c in checks))
         bw, _ = hbm_bandwidth()
         lines.append(f"HBM read bandwidth (tune_cuda.py: torch.sum over 2 GiB fp32): {bw:.0f} GB/s")
-        pred = predicted_clocks(loaded_library())
+        pred = predicted_clocks(loaded_library(), props.major)
         res["predicted"] = pred
         lines.append(f"predicted clocks per tile from: {pred['source']}")
         meas = []
@@ -205,9 +223,11 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
     res.update(clock_ghz=clock, clock_source=clock_src, bandwidth_gbs=bw, rows=meas)
 
-    # isa_model's call model for the hbm rows: k fitted on its training row, with this SASS
+    # isa_model's call model for the hbm rows: k fitted on its training row (a warp-MMA decode
+    # kernel's row), with this SASS; none where FP4 runs the FP8 kernel (its l2 rows are the
+    # point there: measured / predicted is its own dependency factor)
     k = None
-    if pred.get("FP4"):
+    if pred.get("FP4") and pred["FP4"]["kernel"] == "decode":
         kern = {n: {"cycles": {"sm_clk": pred[n]["sm_clk"]}, "tile_bytes": FORMATS[n][2]}
                 for n in FORMATS if pred.get(n)}
         train = next(r for r in im.all_measured_rows()
