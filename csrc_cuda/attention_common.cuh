@@ -153,7 +153,7 @@ __device__ __forceinline__ int sink_ref(const AttnParams& p, int s, int kvh, boo
   if (!here || p.sink_tags == nullptr) return slot;
   const int blk = BlockRow(p, s).id(0);
   const int64_t tag = sink_fingerprint<D>(p, blk < 0 ? 0 : blk, kvh);
-  const int entry = (int)(tag % p.sink_entries);
+  const int entry = (int)sink_entry(tag, p.sink_entries);
   if (blk < 0) return SINK_NAN;
   return sink_slot(tag, __ldg(p.sink_tags + (int64_t)entry * p.num_kv_heads + kvh), entry, blk);
 }
@@ -166,7 +166,7 @@ __device__ __forceinline__ void sink_elements(const AttnParams& p, int sref, int
   if (sref >= 0) {
     const uint16_t* src = p.sink_kv + ((int64_t)sref * p.num_kv_heads + kvh) * 2 * D + (kKey ? 0 : D) + d0;
 #pragma unroll
-    for (int i = 0; i < N; ++i) v[i] = __uint_as_float((uint32_t)__ldg(src + i) << 16);
+    for (int i = 0; i < N; ++i) v[i] = bf16_bits_float(__ldg(src + i));
   } else if (sref == SINK_NAN) {
 #pragma unroll
     for (int i = 0; i < N; ++i) v[i] = __int_as_float(0x7fc00000);

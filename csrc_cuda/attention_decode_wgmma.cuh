@@ -265,6 +265,11 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     if (tid == 0) misc[0] = 0;
     fence_proxy_async();  // Q^T to the MMAs, after the barrier below
   }
+  // a token's scale byte in its word (prmt selector; the blocks' and groups' rows are
+  // multiples of 16 tokens, so only the token in its group moves the byte)
+  auto sel = [&](const uint8_t* scales, int tok) {
+    return 0x4440u | (uint32_t)(((uintptr_t)scales + tok * Hkv + kvh) & 3);
+  };
   // The sink's slot (sink_ref's) for the epilogue, in OFF_SREF as (fingerprint, the entry's
   // tag, entry, blk) for sink_slot. With a step, the fingerprint (sink_fingerprint's words)
   // from the ring's copy of position 0, all of whose bytes warp 0 copied (step 0: the sink's
@@ -281,13 +286,12 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   } else if (sink_table && w == 0) {
     cp_async_wait<ST - 2>();
     __syncwarp();
-    const uint32_t kb = prmt(lds32(ring + 2 * CODES), 0u, 0x4440u | (uint32_t)(((uintptr_t)p.key_scales + kvh) & 3));
-    const uint32_t vb = prmt(lds32(ring + 2 * CODES + STEP * 4), 0u,
-                             0x4440u | (uint32_t)(((uintptr_t)p.value_scales + kvh) & 3));
+    const uint32_t kb = prmt(lds32(ring + 2 * CODES), 0u, sel(p.key_scales, 0));
+    const uint32_t vb = prmt(lds32(ring + 2 * CODES + STEP * 4), 0u, sel(p.value_scales, 0));
     const uint32_t fw[2] = {lds32(ring + (lane < 16 ? 4 * lane : CODES + 4 * (lane - 16))), kb | vb << 8};
     const int64_t tag = fingerprint_mix(fw, D / 4 + 1);
     const int blk = __shfl_sync(0xffffffffu, is_l, 0);  // group 0's block in step 0
-    const int entry = (int)(tag % p.sink_entries);
+    const int entry = (int)sink_entry(tag, p.sink_entries);
     cp_async_16(base + L::OFF_SKV + 16 * lane, p.sink_kv + ((int64_t)entry * Hkv + kvh) * 2 * D + 8 * lane);
     if (lane == 0) {
       sref_words[0] = tag;
@@ -306,12 +310,8 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   const int pk = 16 * w + 4 * (g & 3) + 2 * (g >> 2);
   const uint32_t p_c0 = opaque(pt + sw128_offset(2 * t, pk)), p_c1 = opaque(pt + sw128_offset(2 * t + 1, pk));
   const uint32_t red_t = red + 8 * t, red_w = red + 32 * w + 8 * t;  // (the rare exchange)
-  // scale bytes of tokens tau0, tau0 + 1 in their words (prmt selectors; the blocks' and
-  // groups' rows are multiples of 16 tokens, so only the token in its group moves the byte)
-  auto sel = [&](const uint8_t* scales, int tok) {
-    return 0x4440u | (uint32_t)(((uintptr_t)scales + tok * Hkv + kvh) & 3);
-  };
-  // (a tensor's two selectors in one register: prmt reads the low 16 bits)
+  // the scale bytes of tokens tau0, tau0 + 1 (a tensor's two selectors in one register: prmt
+  // reads the low 16 bits)
   const uint32_t ksel = opaque(sel(p.key_scales, 2 * g) | sel(p.key_scales, 2 * g + 1) << 16);
   const uint32_t vsel = opaque(sel(p.value_scales, 2 * g) | sel(p.value_scales, 2 * g + 1) << 16);
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // columns 2t, 2t + 1
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
       for (int i = 0; i < 8; ++i) qv[i] = qf[i];
       if (rows_here) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sk[i] = __uint_as_float((uint32_t)skv[dc_e + i] << 16);
+        for (int i = 0; i < 8; ++i) sk[i] = bf16_bits_float(skv[dc_e + i]);
       } else {
         sink_elements<D, 8, true>(p, sref, kvh_e, dc_e, sk);
       }
@@ -501,7 +501,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
       if ((tid & 15) == 0) sinkS[n_e] = q_k0;
       if (rows_here) {
 #pragma unroll
-        for (int e = 0; e < EPL; ++e) sv[e] = __uint_as_float((uint32_t)skv[D + lane * EPL + e] << 16);
+        for (int e = 0; e < EPL; ++e) sv[e] = bf16_bits_float(skv[D + lane * EPL + e]);
       } else {
         load_sink_value<D, true>(p, sref, kvh_e, lane * EPL, sv);
       }

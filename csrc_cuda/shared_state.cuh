@@ -96,6 +96,11 @@ __device__ __forceinline__ int64_t fingerprint_mix(const uint32_t (&w)[N], int w
   return (int64_t(acc[0] & 0x7FFFFFFFu) << 32) | int64_t(acc[1]) | 1;
 }
 
+// The sink table's entry for fingerprint tag (the definition's tag mod S), and a table row's
+// bf16 element (its bits) as a float.
+__device__ __forceinline__ int64_t sink_entry(int64_t tag, int entries) { return tag % entries; }
+__device__ __forceinline__ float bf16_bits_float(uint32_t bits) { return __uint_as_float(bits << 16); }
+
 // The words one lane of shared_fingerprint takes at most: E4M3 key bytes (D), FP4 value bytes
 // (D / 2) and two scale bytes per 32 elements, at the largest head dim, over 32 lanes.
 constexpr int kFingerprintWords = (kMaxHeadDim + kMaxHeadDim / 2 + 2 * (kMaxHeadDim / 32) + 127) / 128;
@@ -213,7 +218,7 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
       v0[i] = shared_decode(c, blk, 0, h, e, false);
     }
   }
-  const int64_t entry = tag % entries;
+  const int64_t entry = sink_entry(tag, entries);
   const uint16_t* kv = sink_kv + (entry * c.hkv + h) * 2 * D;
   uint32_t hk[E], hv[E];
 #pragma unroll
@@ -230,8 +235,8 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_records_kernel(
     const int e = lane + 32 * i;
     if (e >= D) continue;
     if (hit) {
-      k0[i] = __uint_as_float(hk[i] << 16);
-      v0[i] = __uint_as_float(hv[i] << 16);
+      k0[i] = bf16_bits_float(hk[i]);
+      v0[i] = bf16_bits_float(hv[i]);
     }
     rec[0 * D + e] = row[0][i];
     rec[1 * D + e] = row[1][i];
@@ -319,7 +324,7 @@ __global__ void __launch_bounds__(kSharedThreads) tq_shared_enter_sinks_kernel(
       const int off = int(slot % c.block_size);
       for (int h = 0; h < c.hkv; ++h) {
         const int64_t tag = shared_fingerprint(c, blk, off, h);  // (each warp, the same)
-        const int64_t entry = tag % entries;
+        const int64_t entry = sink_entry(tag, entries);
         for (int e = threadIdx.x; e < D; e += blockDim.x) {
           float k = shared_load(key + tok * key_stride_tok + int64_t(h) * D + e);
           if (smoothing != nullptr)
