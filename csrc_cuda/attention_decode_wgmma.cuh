@@ -32,16 +32,16 @@
 //     their 16-byte chunks with (token / 2) % 4.
 // Softmax per column in the exp2 domain, V's per-token exponent e_v in the logit: P' =
 //   2^(x + e_v - m + 8) <= 256 fits E4M3, m the running maximum of x + e_v; l sums P' 2^-e_v,
-//   so (M = m - 8, l) is the usual state and O^T 2^6 / l the output. The maxima are exchanged
-//   lazily: P' is written with the running maximum, and one bar.red.or of each thread's "a
-//   logit of mine exceeds it by more than DECODE_WGMMA_REDO_MARGIN" (below it P' still fits
-//   E4M3) says whether the warps must butterfly, exchange their maxima in shared memory,
+//   so (M = m - 8, l) is the usual state (the kernel keeps M) and O^T 2^6 / l the output. The
+//   maxima are exchanged lazily: P' is written with the running maximum, and one bar.red.or of
+//   each thread's "an exponent of my P' exceeds 8 + DECODE_WGMMA_REDO_MARGIN" (below it P'
+//   still fits E4M3) says whether the warps must butterfly, exchange their maxima in shared memory,
 //   rescale O and l and rewrite P' (the first step always; then whenever a column's maximum
 //   grows by more than the margin). Otherwise a step has that one CTA barrier.
 // Copies: each warp copies the K rows and scale words of its own 16 tokens (it alone reads
 //   them), V is copied by all four and read after the step's barrier; the ring slot is refilled
 //   after that barrier. The block ids of 32 steps sit in a warp's lanes (one batch of table
-//   loads per 32 steps, a shuffle per id and step) and each copy's address is one IMAD.WIDE
+//   loads per 32 steps, a shuffle per id and step) and each copy's address is one mad.wide
 //   below 128-token blocks: with ids loaded per step and addresses built from 64-bit strides
 //   the copies took 84 instructions per warp and step against the probe's 35, and the kernel
 //   read at 74 % instead of 89 % (H200, 64 x 32k). A 16-token group with no visible key reads
@@ -74,7 +74,7 @@ struct DecodeWgmmaLayout {
   static constexpr int OFF_Q = 0;                // Q^T [16 columns][128 B], swizzled
   static constexpr int OFF_P = 2048;             // P^T [8 columns][128 B] (64 token bytes used)
   static constexpr int OFF_RED = 3072;           // [W][8] float: the maxima exchange, then l
-  static constexpr int OFF_M = OFF_RED + 128;    // [8] float: each column's final m
+  static constexpr int OFF_M = OFF_RED + 128;    // [8] float: each column's final b = m - 8
   static constexpr int OFF_CF = OFF_M + 32;      // [8] float: each column's logit factor
   static constexpr int OFF_SINK = OFF_CF + 32;   // [8] float: q'.k0' (sink)
   static constexpr int OFF_QM = OFF_SINK + 32;   // [8] float: scale * q.m (soft cap, states)
@@ -197,9 +197,15 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
       const uint32_t r = (uint32_t)(STEP * sp) & (uint32_t)bmask;
       kv_row = r * 64u, s_row = r * (uint32_t)Hkv;
     }
-    // address = base + id x stride (+ the step's row): one IMAD.WIDE each below 128-token blocks
+    // address = base + id x stride (+ the step's row, above 64-token blocks), the product and
+    // sum one mad.wide: written as C++, ptxas merged the two forms and kept the big form's
+    // zero row in the small one (4 more instructions per step)
     auto at = [](const uint8_t* base, int id, uint32_t stride, uint32_t extra) {
-      return reinterpret_cast<const uint8_t*>((uintptr_t)base + extra + (unsigned long long)(uint32_t)id * stride);
+      uint64_t a64;
+      asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(a64) : "r"((uint32_t)id), "r"(stride), "l"(base));
+      const uint8_t* a = reinterpret_cast<const uint8_t*>(a64);
+      if constexpr (decltype(kBig)::value) return a + extra;
+      else return a;
     };
     const uint8_t* k = at(kc_t, is, kstride, kv_row);
     cp_async_16(st + dk, k);
@@ -314,7 +320,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   // reads the low 16 bits)
   const uint32_t ksel = opaque(sel(p.key_scales, 2 * g) | sel(p.key_scales, 2 * g + 1) << 16);
   const uint32_t vsel = opaque(sel(p.value_scales, 2 * g) | sel(p.value_scales, 2 * g + 1) << 16);
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // columns 2t, 2t + 1
+  float b0 = -INFINITY, b1 = -INFINITY, l0 = 0.f, l1 = 0.f;  // columns 2t, 2t + 1: b = M = m - 8
   float o[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   uint32_t va[2][2][4];  // V^T fragments [half][32-token chunk]
   // (reg_fence views: the fragments and accumulators stay in their registers across the waits)
@@ -353,30 +359,37 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     reg_fence(va_words);
     reg_fence(sacc);
     reg_fence(o_words);
-    // logits in the exp2 domain, V's exponent added
+    // logits in the exp2 domain, V's exponent added: L = S x (K's scale x the column's factor)
+    // + e_v, one FFMA each
     const uint32_t kb0 = prmt(ksw.x, 0u, ksel), kb1 = prmt(ksw.y, 0u, ksel >> 16);
     const uint32_t vb0 = prmt(vsw.x, 0u, vsel), vb1 = prmt(vsw.y, 0u, vsel >> 16);
     float ev0 = vb0 == 255u ? __int_as_float(0x7fc00000) : (float)((int)vb0 - 127);
     float ev1 = vb1 == 255u ? __int_as_float(0x7fc00000) : (float)((int)vb1 - 127);
     const float kf0 = e8m0_to_float(kb0), kf1 = e8m0_to_float(kb1);
-    float x[4] = {(sacc[0] + sacc[4]) * kf0 * c0, (sacc[1] + sacc[5]) * kf0 * c1,
-                  (sacc[2] + sacc[6]) * kf1 * c0, (sacc[3] + sacc[7]) * kf1 * c1};
+    const float sum[4] = {sacc[0] + sacc[4], sacc[1] + sacc[5], sacc[2] + sacc[6], sacc[3] + sacc[7]};
+    const float fac[4] = {kf0 * c0, kf0 * c1, kf1 * c0, kf1 * c1};
+    float L0, L1, L2, L3;
     if (cap) {  // uniform; q.m of columns 2t, 2t + 1 back in (records)
       const float inv_cap = 1.f / p.soft_cap;
+      float x[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float qm = cap_state ? qmS[2 * t + (i & 1)] : 0.f;
-        x[i] = p.soft_cap * tanhf((x[i] + qm) * inv_cap) * LOG2E;
+        x[i] = p.soft_cap * tanhf((sum[i] * fac[i] + qm) * inv_cap) * LOG2E;
       }
+      L0 = x[0] + ev0, L1 = x[1] + ev0, L2 = x[2] + ev1, L3 = x[3] + ev1;
+    } else {
+      L0 = fmaf(sum[0], fac[0], ev0), L1 = fmaf(sum[1], fac[1], ev0);
+      L2 = fmaf(sum[2], fac[2], ev1), L3 = fmaf(sum[3], fac[3], ev1);
     }
     if (STEP * sp < r_lo || STEP * sp + STEP > r_hi) {  // a step some key of is not visible
       const int tok = STEP * sp + tau0;
-      if (tok < r_lo || tok >= r_hi) x[0] = x[1] = -INFINITY, ev0 = 0.f;
-      if (tok + 1 < r_lo || tok + 1 >= r_hi) x[2] = x[3] = -INFINITY, ev1 = 0.f;
+      if (tok < r_lo || tok >= r_hi) L0 = L1 = -INFINITY, ev0 = 0.f;
+      if (tok + 1 < r_lo || tok + 1 >= r_hi) L2 = L3 = -INFINITY, ev1 = 0.f;
     }
-    float L0 = x[0] + ev0, L1 = x[1] + ev0, L2 = x[2] + ev1, L3 = x[3] + ev1;
-    float x0 = fmaxf(L0, L2), x1 = fmaxf(L1, L3);  // this thread's maxima, per column
+    float x0, x1;  // this thread's maxima per column (the exchange only)
     auto exchange = [&]() {  // the step's maxima of the CTA, per column
+      x0 = fmaxf(L0, L2), x1 = fmaxf(L1, L3);
 #pragma unroll
       for (int off = 4; off < 32; off <<= 1) {
         x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
@@ -391,18 +404,19 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
         x1 = fmaxf(x1, __uint_as_float(mm.y));
       }
     };
-    float p0, p1, p2, p3;
-    auto write_p = [&]() {  // P' from the running maxima, to P^T
-      const float b0 = m0 - 8.f, b1 = m1 - 8.f;
-      p0 = fast_exp2(L0 - b0), p1 = fast_exp2(L1 - b1);
-      p2 = fast_exp2(L2 - b0), p3 = fast_exp2(L3 - b1);
+    float p0, p1, p2, p3, e0, e1;
+    auto write_p = [&]() {  // P' = 2^(L - b) from the running b = m - 8, to P^T
+      const float a0 = L0 - b0, a1 = L1 - b1, a2 = L2 - b0, a3 = L3 - b1;
+      e0 = fmaxf(a0, a2), e1 = fmaxf(a1, a3);
+      p0 = fast_exp2(a0), p1 = fast_exp2(a1), p2 = fast_exp2(a2), p3 = fast_exp2(a3);
       sts16(p_c0, cvt_e4m3x2(p0, p2));
       sts16(p_c1, cvt_e4m3x2(p1, p3));
       fence_proxy_async();
     };
     write_p();
-    constexpr float MARGIN = tuning::DECODE_WGMMA_REDO_MARGIN;
-    const bool redo = named_barrier_or(2, 128, x0 > m0 + MARGIN || x1 > m1 + MARGIN);
+    // a logit above m + MARGIN: P' above 2^(8 + MARGIN) (NaN compares false, as fmaxf drops it)
+    constexpr float LIMIT = 8.f + tuning::DECODE_WGMMA_REDO_MARGIN;
+    const bool redo = named_barrier_or(2, 128, e0 > LIMIT || e1 > LIMIT);
     // every warp is past the last step's V reads only here: its ring slot is refilled now
     issue(sp + ST - 1);
     if (redo) exchange();
@@ -416,18 +430,18 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      uint32_t a0, a1, b0, b1;
-      e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x6420u), a0, a1);
-      e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x7531u), b0, b1);
-      va[0][c][0] = a0, va[0][c][1] = a1, va[1][c][0] = b0, va[1][c][1] = b1;
-      e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x6420u), a0, a1);
-      e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x7531u), b0, b1);
-      va[0][c][2] = a0, va[0][c][3] = a1, va[1][c][2] = b0, va[1][c][3] = b1;
+      uint32_t u0, u1, u2, u3;
+      e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x6420u), u0, u1);
+      e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x7531u), u2, u3);
+      va[0][c][0] = u0, va[0][c][1] = u1, va[1][c][0] = u2, va[1][c][1] = u3;
+      e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x6420u), u0, u1);
+      e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x7531u), u2, u3);
+      va[0][c][2] = u0, va[0][c][3] = u1, va[1][c][2] = u2, va[1][c][3] = u3;
     }
     if (redo) {  // a step whose maximum grew: rescale to it, P' rewritten after barrier 2's reads
-      const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);
-      const float a0 = n0 == -INFINITY ? 1.f : fast_exp2(m0 - n0), a1 = n1 == -INFINITY ? 1.f : fast_exp2(m1 - n1);
-      m0 = n0, m1 = n1;
+      const float n0 = fmaxf(b0, x0 - 8.f), n1 = fmaxf(b1, x1 - 8.f);
+      const float a0 = n0 == -INFINITY ? 1.f : fast_exp2(b0 - n0), a1 = n1 == -INFINITY ? 1.f : fast_exp2(b1 - n1);
+      b0 = n0, b1 = n1;
       l0 *= a0, l1 *= a1;
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) o[hh][0] *= a0, o[hh][1] *= a1, o[hh][2] *= a0, o[hh][3] *= a1;
@@ -464,7 +478,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   if (any_bad && lane == 0) misc[0] = 1;
   if (g == 0) {
     lS[8 * w + 2 * t] = l0, lS[8 * w + 2 * t + 1] = l1;
-    if (w == 0) mS[2 * t] = m0, mS[2 * t + 1] = m1;
+    if (w == 0) mS[2 * t] = b0, mS[2 * t + 1] = b1;
   }
   float* mo = reinterpret_cast<float*>(sm + L::OFF_RING);  // [8 columns][MROW]
   {
@@ -517,7 +531,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   const int d0 = lane * EPL;
   for (int r = w; r < G; r += 4) {  // warp w writes columns w, w + 4
     const int head = kvh * G + r;
-    float M = mS[r] - 8.f;  // the state (M, Ls) of O 2^6 / l (see the design note)
+    float M = mS[r];  // the state (M, Ls) of O 2^6 / l (see the design note)
     float Ls = lS[r] + lS[8 + r] + lS[16 + r] + lS[24 + r];
     const float inv = (Ls == 0.f) ? 0.f : 1.f / Ls;  // NaN stays NaN
     float a[EPL];
