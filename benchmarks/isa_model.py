@@ -147,8 +147,10 @@ Which instructions belong to a tile:
     conditional branch skips its region when the region's own instructions (nested regions
     excluded) include LDG (the block-id refill, once per 32 tiles) or MUFU.RCP (the soft-cap
     tanh, off in the benchmarks), and a branch right after VOTE.ANY (the lazy-rescale vote:
-    some lane needs the slow path) is not taken; any other region is executed. Every loop
-    iteration is one 16-token tile of one warp.
+    some lane needs the slow path) is not taken, nor one on the predicate a B2R.RESULT wrote
+    (the SM90a FP8 kernel's bar.red.or vote for the maxima exchange); any other region is
+    executed. Every loop iteration is one 16-token tile of one warp (one 64-token step of a
+    warpgroup in the FP8 kernel).
   gfx950 (tq_fp4_gfx950_attention.cuh): benchmarks/isa_hot_path.hip compiled with
     TQ_HOT_PATH_ASSUME(c) defined as __builtin_assume(c): the kernel assumes there that the step
     is full (every row sees its 128 tokens) and no soft cap is set, so the compiler drops the
@@ -316,12 +318,17 @@ def hot_path(code: list[Sass], head: int, back: int) -> list[Sass]:
     the module docstring)."""
     idx = {ins.addr: i for i, ins in enumerate(code)}
     path, i, steps = [], head, 0
+    votes: set[str] = set()  # predicates holding a barrier vote's result (B2R.RESULT)
     while i <= back:
         steps += 1
         if steps > 100000:
             raise RuntimeError("hot path walk does not end")
         ins = code[i]
         path.append(ins)
+        if ins.base == "B2R":
+            votes.add(ins.args.split(",")[1].strip())
+        elif ins.args.split(",")[0].strip() in votes:
+            votes.discard(ins.args.split(",")[0].strip())  # the predicate written anew
         if i == back:
             break
         t = _branch_target(ins)
@@ -334,6 +341,13 @@ def hot_path(code: list[Sass], head: int, back: int) -> list[Sass]:
             continue
         if j <= i or j > back:                # leaves the loop / backward: not taken
             i += 1
+            continue
+        pred = ins.pred.lstrip("@!")
+        if pred in votes:
+            # the SM90a FP8 decode kernel's vote, a bar.red.or whose result (B2R.RESULT) says
+            # whether any thread's P' outgrew the margin: the hot path is the one where it is
+            # false (@!P BRA skips the exchange: taken)
+            i = j if ins.pred.startswith("@!") else i + 1
             continue
         prev = code[i - 1] if i > 0 else None
         if prev is not None and prev.base == "VOTE":
@@ -1219,6 +1233,7 @@ H200_FP8_ROWS = ROOT / "benchmarks/results/2026-11-29-h200-decode-peers.json"
 # The H100's measured instruction-bound clocks against the throughput count (L2-resident slope,
 # benchmarks/compute_bound_check.py): benchmarks/results/2026-11-24-h100-isa-model-dependency.json
 DEPENDENCY_RECORD = ROOT / "benchmarks/results/2026-11-24-h100-isa-model-dependency.json"
+FP8_DEPENDENCY_RECORD = ROOT / "benchmarks/results/2026-11-29-h200-isa-model-dependency-fp8.json"
 GATE_POINTS = 10.0     # the H200 rows must be met within this many points of % bandwidth
 NVIDIA_SHAPES = {"64x32k": (64, 32768), "16x4k": (16, 4096)}
 SM120_SOURCE = ROOT / "csrc_cuda" / "sm120" / "paged_attention_sm120.cuh"
@@ -1362,12 +1377,14 @@ def h200_fp8_rows(path: Path = H200_FP8_ROWS) -> tuple[list[dict], float]:
     return out, bw
 
 
-def fp8_decode_model(sass90: str, gpus: dict, k: float, dep: float) -> dict:
+def fp8_decode_model(sass90: str, gpus: dict, k: float, dep: float | None = None) -> dict:
     """The SM90a FP8 decode kernel in the call model: its 64-token step's hot path (one warp's
     step is one 16-token tile: its own K rows and a quarter of V's), the instruction time = the
-    count x the decode kernel's dependency factor, k the decode kernel's (ASSUMPTIONS: both
-    carried over from the warp-MMA kernel), its launch (`cuda_call(wgmma=True)`); the H200
-    rows of its record predicted at that run's bandwidth."""
+    count x this kernel's own dependency factor (its instruction-bound clocks measured on an
+    H200 over the count: FP8_DEPENDENCY_RECORD; `dep` overrides it), k the decode kernel's
+    (ASSUMPTION: carried over from the warp-MMA kernel), its launch (`cuda_call(wgmma=True)`);
+    the H200 rows of its record predicted at that run's bandwidth."""
+    dep = dependency_factor(FP8_DEPENDENCY_RECORD) if dep is None else dep
     code = parse_sass(sass90)[CUDA_DECODE_WGMMA]
     h, b = find_key_loop(code, mma="QGMMA")
     counts = count_classes(hot_path(code, h, b))
@@ -1746,7 +1763,7 @@ def nvidia_report(sass90: str, sass100: str | None = None, sm120: tuple[str, str
            "not_predicted": NOT_PREDICTED, "kernels": kern, "fits": fits}
     fp8 = None
     if CUDA_DECODE_WGMMA in parse_sass(sass90):
-        fp8 = res["fp8_decode"] = fp8_decode_model(sass90, gpus, k, dep)
+        fp8 = res["fp8_decode"] = fp8_decode_model(sass90, gpus, k)
 
     lines = ["## NVIDIA targets (issue 43, item 2): the call model on each GPU's own SASS", "",
              f"Instruction time per tile = the throughput count x {dep:.2f}, the H100's measured "
@@ -1804,9 +1821,10 @@ def nvidia_report(sass90: str, sass100: str | None = None, sm120: tuple[str, str
                   f"{cnt.get('imad', 0)}, FP32 {cnt.get('fp32', 0)}, MUFU {cnt.get('mufu', 0)}, "
                   f"QGMMA {cnt.get('gmma', 0)} ({cnt.get('gmma_clk', 0):g} scheduler clocks). "
                   "Scheduler clocks per tile: " + ", ".join(f"{x} {v:g}" for x, v in lim.items())
-                  + f"; bound: {fp8['targets']['h200']['bound']}. The call model with the "
-                  f"decode kernel's dependency factor {dep:.2f} and k {k:.2f} (ASSUMPTIONS: "
-                  "fitted on the warp-MMA kernel) and this kernel's launch:", "",
+                  + f"; bound: {fp8['targets']['h200']['bound']}. The call model with this "
+                  f"kernel's own dependency factor {fp8['dependency_factor']:.2f} (its "
+                  f"instruction-bound clocks on an H200 over the count: {FP8_DEPENDENCY_RECORD.name}), "
+                  f"k {k:.2f} (ASSUMPTION: fitted on the warp-MMA kernel) and this kernel's launch:", "",
                   "| target | % at 64 x 32k | % at 16 x 4k |", "|---|---|---|"]
         for key, t in fp8["targets"].items():
             lines.append(f"| {key} | {t['predicted_pct_bw']['64x32k']:.1f} | "
