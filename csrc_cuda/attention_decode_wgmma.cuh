@@ -309,6 +309,11 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   const uint64_t qdesc = wgmma_desc_sw128(qt, 16, 1024), pdesc = wgmma_desc_sw128(pt, 16, 1024);
   const int tau0 = 16 * w + 2 * g;  // this thread's S rows: tokens tau0, tau0 + 1
   const uint32_t kofs0 = opaque(64 * (tau0 ^ ((tau0 >> 1) & 1)) + 16 * t);
+  // token tau0 + 1's K row (tau0 is even: its swap bit is tau0's, the row index flips bit 0)
+  // and the two tokens' scale words, each offset in a register: formed per step they took 15
+  // instructions per warp and step (ptxas rebuilt them from the thread index)
+  const uint32_t kofs1 = opaque(kofs0 ^ 64u);
+  const uint32_t sofs0 = opaque(2 * CODES + 4 * tau0);
   // ldmatrix rows: lane 8m + r -> token 8 (m + 4 x) + r, unit block w
   const int lt = 8 * (lane >> 3) + (lane & 7);
   const uint32_t vofs0 = opaque(CODES + 64 * lt + 16 * (w ^ ((lt >> 1) & 3)));
@@ -328,15 +333,14 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   auto& o_words = reinterpret_cast<float(&)[8]>(o);
   __syncthreads();  // Q^T, the column factors, misc
   const float c0 = cfS[2 * t], c1 = cfS[2 * t + 1];
+  const int sf_lo = (r_lo + STEP - 1) / STEP, sf_hi = r_hi / STEP;  // the steps whose keys are all visible
 
 #pragma unroll 1
   for (int sp = s_lo; sp < s_hi; ++sp) {
     cp_async_wait<ST - 2>();
     __syncwarp();  // this warp's K rows and scale words; V after the barrier below
     const uint32_t st = ring + ((uint32_t)sp % ST) * L::STAGE;
-    // token tau0 + 1's row: tau0 is even, so its swap bit is tau0's and the row index flips
-    // bit 0 (offset bit 6)
-    const uint4 k0 = lds128(st + kofs0), k1 = lds128((st + kofs0) ^ 64u);
+    const uint4 k0 = lds128(st + kofs0), k1 = lds128(st + kofs1);
     uint32_t ka[4][4];
     {
       const uint32_t w0[4] = {k0.x, k0.y, k0.z, k0.w}, w1[4] = {k1.x, k1.y, k1.z, k1.w};
@@ -352,8 +356,8 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
 #pragma unroll
     for (int c = 0; c < 4; ++c) wgmma_m64n16k32_e4m3(sacc, ka[c], wgmma_desc_advance(qdesc, 32 * c), c != 0);
     wgmma_commit();
-    const uint2 ksw = lds64(st + 2 * CODES + 4 * tau0);
-    const uint2 vsw = lds64(st + 2 * CODES + STEP * 4 + 4 * tau0);
+    const uint2 ksw = lds64(st + sofs0);
+    const uint2 vsw = lds64(st + sofs0 + STEP * 4);
     wgmma_wait<0>();
     reg_fence(ka);
     reg_fence(va_words);
@@ -382,7 +386,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
       L0 = fmaf(sum[0], fac[0], ev0), L1 = fmaf(sum[1], fac[1], ev0);
       L2 = fmaf(sum[2], fac[2], ev1), L3 = fmaf(sum[3], fac[3], ev1);
     }
-    if (STEP * sp < r_lo || STEP * sp + STEP > r_hi) {  // a step some key of is not visible
+    if (sp < sf_lo || sp >= sf_hi) {  // a step some key of is not visible
       const int tok = STEP * sp + tau0;
       if (tok < r_lo || tok >= r_hi) L0 = L1 = -INFINITY, ev0 = 0.f;
       if (tok + 1 < r_lo || tok + 1 >= r_hi) L2 = L3 = -INFINITY, ev1 = 0.f;
