@@ -389,16 +389,7 @@ __global__ void __launch_bounds__(128, MINB)
       if constexpr (WO) load_v(r, st);  // every thread's copies of this stage waited for: visible
     }
     if constexpr (PT > 0) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        uint32_t x0, x1, y0, y1;
-        e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x6420u), x0, x1);
-        e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x7531u), y0, y1);
-        va[0][c][0] = x0, va[0][c][1] = x1, va[1][c][0] = y0, va[1][c][1] = y1;
-        e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x6420u), x0, x1);
-        e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x7531u), y0, y1);
-        va[0][c][2] = x0, va[0][c][3] = x1, va[1][c][2] = y0, va[1][c][3] = y1;
-      }
+      e2m1_units_to_vt_e4m3(r, va);
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {  // r[i]: tokens 8i + 2t, +1 of unit u; lo = D0, D2, hi = D1, D3

@@ -432,16 +432,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
 #pragma unroll
       for (int i = 0; i < 4; ++i) r[i] = ra[i], r[4 + i] = rb[i];
     }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      uint32_t u0, u1, u2, u3;
-      e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x6420u), u0, u1);
-      e2m1x8_to_e4m3(prmt(r[4 * c], r[4 * c + 1], 0x7531u), u2, u3);
-      va[0][c][0] = u0, va[0][c][1] = u1, va[1][c][0] = u2, va[1][c][1] = u3;
-      e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x6420u), u0, u1);
-      e2m1x8_to_e4m3(prmt(r[4 * c + 2], r[4 * c + 3], 0x7531u), u2, u3);
-      va[0][c][2] = u0, va[0][c][3] = u1, va[1][c][2] = u2, va[1][c][3] = u3;
-    }
+    e2m1_units_to_vt_e4m3(r, va);
     if (redo) {  // a step whose maximum grew: rescale to it, P' rewritten after barrier 2's reads
       const float n0 = fmaxf(b0, x0 - 8.f), n1 = fmaxf(b1, x1 - 8.f);
       const float a0 = n0 == -INFINITY ? 1.f : fast_exp2(b0 - n0), a1 = n1 == -INFINITY ? 1.f : fast_exp2(b1 - n1);

@@ -424,6 +424,21 @@ __device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t x, uint32_t& lo, uint32_
   hi = ((x >> 2) & 0x1C1C1C1Cu) | (x & 0x80808080u);
 }
 
+// The SM90a FP8 decode's V^T A fragments of one 64-token step from a thread's 8 ldmatrix.trans
+// units (r[4c + j]: two adjacent tokens' 4 codes each, 32-token chunk c): the byte permutes
+// 0x6420 / 0x7531 of a unit pair give 4 tokens x 2 codes, whose E4M3 decode is 4 tokens of one
+// D row, 4 consecutive k slots; va[h][c][k], h the row half (attention_decode_wgmma.cuh).
+__device__ __forceinline__ void e2m1_units_to_vt_e4m3(const uint32_t (&r)[8], uint32_t (&va)[2][2][4]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t u = r[4 * c + 2 * j], v = r[4 * c + 2 * j + 1];
+      e2m1x8_to_e4m3(prmt(u, v, 0x6420u), va[0][c][2 * j], va[0][c][2 * j + 1]);
+      e2m1x8_to_e4m3(prmt(u, v, 0x7531u), va[1][c][2 * j], va[1][c][2 * j + 1]);
+    }
+}
+
 // A per-thread constant kept in a register: ptxas otherwise recomputes address arithmetic
 // inside a loop when registers are short (the SM90a decode kernel's constant offsets).
 __device__ __forceinline__ uint32_t opaque(uint32_t x) {
