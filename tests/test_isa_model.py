@@ -846,6 +846,9 @@ def test_nvidia_targets_gate_and_json(sass_text, sass100, sass120, tmp_path, cap
     fp8 = data["h200"]["fp8_decode"]
     assert fp8["counts_per_tile"]["gmma"] == 8 and fp8["counts_per_tile"]["gmma_clk"] == 48
     assert fp8["sched_clocks_per_tile"]["mma"] == 48 and len(fp8["rows"]) == 12
+    # the walk follows the bar.red.or vote's false side: the step's three block-id shuffles and
+    # four P' exponentials (+ two for l) are in it, the exchange's butterflies and rescale not
+    assert fp8["counts_per_tile"]["shuffle"] == 3 and fp8["counts_per_tile"]["mufu"] == 6
     assert all(0 < v <= 100 for v in fp8["predicted_pct_bw"].values())
     assert "## The SM90a FP8 decode kernel" in text
     assert data["b200"]["arch"] == "sm_100a" and data["rtx5090"]["arch"] == "sm_120a"
