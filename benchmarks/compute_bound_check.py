@@ -24,7 +24,8 @@ says which. From hbm: % of the measured read bandwidth next to isa_model's call 
 Before timing, a 2 x 1k case of each variant and format is compared with the reference backend.
 On SM 9.x the FP4 rows run the SM90a FP8 decode kernel (attention_decode_wgmma.cuh), and its
 SASS step is the one counted: its l2 rows' measured / predicted is that kernel's own dependency
-factor, which isa_model.py borrows from the warp-MMA kernel (docs/performance.md).
+factor, which isa_model.py reads from benchmarks/results/2026-11-29-h200-isa-model-dependency-fp8.json
+(docs/performance.md).
 """
 from __future__ import annotations
 
