@@ -245,6 +245,17 @@ __device__ __forceinline__ float q_dot_center(const AttnParams& p, const QChunk&
 // Logits run in the exp2 domain: natural-log units times LOG2E.
 constexpr float LOG2E = 1.4426950408889634f;
 
+// 1 / soft_cap, and 1 where no cap is set: the divisor is never 0. The IEEE reciprocal of 0
+// (or of a denormal) calls a slow path placed at the kernel's end, and ptxas hoists a step
+// loop's `if (cap) ... 1 / cap` above the test, so calls without a cap took that call: an
+// instruction-cache miss per warp, 11 % of the SM90a decode kernel's ncu stall samples at 16 x
+// 4k (H200; benchmarks/results/2026-11-29-h200-decode-wgmma-fixed-costs.json). The divisor is
+// opaque: under a caller's `if (cap)` ptxas knows it is soft_cap and hoisted 1 / soft_cap
+// again. Call it outside step loops (inside, the opaque divisor is formed again each step).
+__device__ __forceinline__ float soft_cap_reciprocal(const AttnParams& p) {
+  return 1.f / __uint_as_float(opaque(__float_as_uint(p.soft_cap > 0.f ? p.soft_cap : 1.f)));
+}
+
 // The sink's logit in the exp2 domain from q'.k0' and scale * q.m (0 without a cap).
 __device__ __forceinline__ float sink_logit(const AttnParams& p, float q_k0, float qm) {
   const float x = p.scale * q_k0 + qm;

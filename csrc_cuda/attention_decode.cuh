@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
   const bool cap = p.soft_cap > 0.f;
   // logit = acc * 2^(b-127) * kmul (see the general kernel)
   const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
-  const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
+  const float cap_v = p.soft_cap, inv_cap = soft_cap_reciprocal(p);
   const uint32_t k_sel = 0x4440u | (uint32_t)(((uintptr_t)p.key_scales + kvh + g * Hkv) & 3);
   const uint32_t v_sel = 0x4440u | (uint32_t)(((uintptr_t)p.value_scales + kvh + g * Hkv) & 3);
   constexpr float SLACK = (float)tuning::RESCALE_SLACK;
@@ -474,7 +474,7 @@ __global__ void __launch_bounds__(32 * tuning::DECODE_WARPS, tuning::DecodeMinBl
     }
     if (cap) {  // warp-uniform; q.m of columns 2t, 2t+1 back in (records)
       // (NB 2 recomputes 1 / cap here rather than keep it in a register through the loop)
-      const float rcap = NB == 1 ? inv_cap : 1.f / p.soft_cap;
+      const float rcap = NB == 1 ? inv_cap : soft_cap_reciprocal(p);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb)
 #pragma unroll

@@ -253,21 +253,25 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     // 2^(7 - e) puts the largest |q| in [128, 256) (fmaxf drops NaN: an all-NaN or zero column
     // keeps 1); an infinite q makes the column NaN, as it makes the reference's logits
     const int e = mx > 0.f ? (int)((__float_as_uint(mx) >> 23) & 255u) - 127 : 7;
-    const float qs = mx == INFINITY ? __int_as_float(0x7fc00000) : pow2i(min(7 - e, 127));
+    const float nan = __int_as_float(0x7fc00000);
+    const float qs = mx == INFINITY ? nan : pow2i(min(7 - e, 127));
     const int j = dc / 8, c = j & 3, tt = j >> 2;
+    uint32_t hi[4], lo[4];
 #pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      uint32_t hi, lo;
-      e4m3x2_split(qv[i] * qs, qv[i + 1] * qs, hi, lo);
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {  // element i + b: even -> slot 4 tt + i / 2, odd -> 16 + ..
-        const int k = 32 * c + 16 * b + 4 * tt + i / 2;
-        sm[L::OFF_Q + sw128_offset(n, k)] = (uint8_t)(hi >> (8 * b));
-        sm[L::OFF_Q + 1024 + sw128_offset(n, k)] = (uint8_t)(lo >> (8 * b));  // column n + 8
-      }
-    }
-    // logit = S 2^6 / qs * scale * K's scale (natural units, then exp2 units unless capped)
-    if ((tid & 15) == 0) cfS[n] = p.scale * 64.f / qs * (cap ? 1.f : LOG2E);
+    for (int i = 0; i < 8; i += 2) e4m3x2_split(qv[i] * qs, qv[i + 1] * qs, hi[i / 2], lo[i / 2]);
+    // element i + b (byte b of pair i / 2) goes to k slot 32 c + 16 b + 4 tt + i / 2: per b
+    // and term, 4 consecutive bytes of one 16-byte chunk, one 32-bit store (column n + 8: lo)
+    auto store4 = [&](const uint32_t (&w)[4], uint32_t off) {
+      const uint32_t ab = prmt(w[0], w[1], 0x5140u), cd = prmt(w[2], w[3], 0x5140u);  // [x0 y0 x1 y1]
+      sts32(qt + off + sw128_offset(n, 32 * c + 4 * tt), prmt(ab, cd, 0x5410u));
+      sts32(qt + off + sw128_offset(n, 32 * c + 16 + 4 * tt), prmt(ab, cd, 0x7632u));
+    };
+    store4(hi, 0);
+    store4(lo, 1024);
+    // logit = S 2^6 / qs * scale * K's scale (natural units, then exp2 units unless capped);
+    // 2^6 / qs = 2^(max(e - 1, -121)) exactly, a product rather than a division
+    if ((tid & 15) == 0)
+      cfS[n] = p.scale * (mx == INFINITY ? nan : pow2i(max(e - 1, -121))) * (cap ? 1.f : LOG2E);
     if (tid == 0) misc[0] = 0;
     fence_proxy_async();  // Q^T to the MMAs, after the barrier below
   }
@@ -334,6 +338,7 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
   __syncthreads();  // Q^T, the column factors, misc
   const float c0 = cfS[2 * t], c1 = cfS[2 * t + 1];
   const int sf_lo = (r_lo + STEP - 1) / STEP, sf_hi = r_hi / STEP;  // the steps whose keys are all visible
+  const float inv_cap = soft_cap_reciprocal(p);
 
 #pragma unroll 1
   for (int sp = s_lo; sp < s_hi; ++sp) {
@@ -374,7 +379,6 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     const float fac[4] = {kf0 * c0, kf0 * c1, kf1 * c0, kf1 * c1};
     float L0, L1, L2, L3;
     if (cap) {  // uniform; q.m of columns 2t, 2t + 1 back in (records)
-      const float inv_cap = 1.f / p.soft_cap;
       float x[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {

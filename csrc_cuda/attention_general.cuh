@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(32 * tuning::ATTN_WARPS, tuning::AttnMinBlocks
   // logit = acc * 2^(b-127) * kmul ; kmul folds 2^14 (decode), 2^-qexp (Q prescale), scale
   // and, without soft cap, log2(e) (the softmax runs in the exp2 domain).
   const float kmul = p.scale * pow2i(KeyRow<D, kE4m3>::DEC_EXP - qexp) * (cap ? 1.f : LOG2E);
-  const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
+  const float cap_v = p.soft_cap, inv_cap = soft_cap_reciprocal(p);
   const float qm_row[2] = {cap_state ? qmS[g] : 0.f, cap_state ? qmS[g + 8] : 0.f};
 
   uint32_t st_comp = 0;  // ring slot being computed

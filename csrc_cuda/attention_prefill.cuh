@@ -723,6 +723,8 @@ __global__ void __launch_bounds__(PrefillLayout<D, kE4m3, TQ_PREFILL_KWG, kWs>::
   }
   const float qm_row[2] = {cap_state ? qmS[16 * cw + g] : 0.f, cap_state ? qmS[16 * cw + g + 8] : 0.f};
   kmul = logit_factor(qexp);
+  // (not soft_cap_reciprocal: its opaque divisor cost this kernel 4 bytes of spills, and a CTA
+  // here runs its prologue once in a long call)
   const float cap_v = p.soft_cap, inv_cap = cap ? 1.f / p.soft_cap : 0.f;
   cta_sync();  // every warp's Q is in registers: the decode buffers are free
 
