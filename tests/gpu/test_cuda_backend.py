@@ -889,6 +889,47 @@ def test_lse_and_sinks_match_reference(case, with_sinks, config):
     _compare_call(out, ref, prob, q, cu)
 
 
+# Decode shapes whose KV range the plan splits into a few partitions (batch 17 x 8 kv heads, up
+# to 1500 keys: 4 on H100 / H200), merged by the reduce pass: ragged lengths (0, 1, 54, 97), a
+# window that leaves partitions with no key (empty partials), a NaN key scale, a bad block id.
+SPLIT_CASES = {
+    "ragged": ([1500, 0, 1, 54, 97, 1499, 700, 1024, 1100, 3, 1200, 1300, 999, 1400, 64, 1450, 1333], None),
+    "window": ([1500, 1490, 1, 54, 97, 1499, 700, 1024, 1100, 3, 1200, 1300, 999, 1400, 64, 1450, 1333], 100),
+}
+
+
+@pytest.mark.parametrize("config", ["plain", "default"])
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+def test_split_decode_matches_reference(case, config):
+    """Decode split into partitions and merged by the reduce pass against the reference: rows,
+    lse and learned sinks, NaN rows where a seen key's scale is NaN, NaN rows for a bad block id
+    in sight, the empty partials of partitions a window leaves without a key."""
+    lens, window = SPLIT_CASES[case]
+    prob, q, _ = _problem(lens, 32, 8, 128, 16, seed=11, config=config)
+    tok = 0 if config == "plain" else 1
+    prob.cache.key_scales[prob.block_tables[5, 40], tok] = 255  # key 640 (+1) of sequence 5
+    bt = prob.block_tables.clone()
+    bt[7, 60] = 10 ** 6  # sequence 7's keys 960-975, in sight with the window too
+    sinks = (torch.randn(32, generator=torch.Generator().manual_seed(5)) * 3).cuda()
+    kw = dict(sliding_window=window or 0, sinks=sinks, return_lse=True)
+    with turboquant.value_checks(False):
+        out, lse = turboquant.paged_attention_fp4(q, *prob.cache, bt, prob.seq_lens, q.shape[-1] ** -0.5,
+                                                  backend="cuda", **{**prob.kwargs, **kw})
+    ref, ref_lse = _run("reference", prob, q, **kw)
+    assert torch.isnan(out[7].float()).all() and torch.isnan(lse[7]).all()
+    keep = torch.ones(len(lens), dtype=torch.bool, device=out.device)
+    keep[7] = False
+    lse, ref_lse = lse[keep], ref_lse[keep]
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse)), "NaN rows differ"
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "empty rows differ"
+    fin = torch.isfinite(ref_lse)
+    tol = 1e-4 + 1e-4 * ref_lse.abs()
+    if _wgmma_decode_expected():  # (sequence 5's bound counts its NaN key, out of the window's sight)
+        tol = tol + _fp8_s_logit_bound(prob, q, None, **kw)[keep].nan_to_num(nan=float("inf"))
+    assert ((lse - ref_lse).abs()[fin] <= tol[fin]).all(), (lse - ref_lse).abs()[fin].max()
+    _compare_call(out[keep], ref[keep], prob, q[keep])
+
+
 def test_block_sizes_outside_16_to_256_are_declined():
     for bs in (8, 512):
         prob, q, _ = _problem([40], 8, 8, 128, bs, config="plain")
