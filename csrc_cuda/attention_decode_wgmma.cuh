@@ -261,8 +261,8 @@ __global__ void __launch_bounds__(128, tuning::DECODE_WGMMA_MIN_BLOCKS)
     for (int i = 0; i < 8; i += 2) e4m3x2_split(qv[i] * qs, qv[i + 1] * qs, hi[i / 2], lo[i / 2]);
     // element i + b (byte b of pair i / 2) goes to k slot 32 c + 16 b + 4 tt + i / 2: per b
     // and term, 4 consecutive bytes of one 16-byte chunk, one 32-bit store (column n + 8: lo)
-    auto store4 = [&](const uint32_t (&w)[4], uint32_t off) {
-      const uint32_t ab = prmt(w[0], w[1], 0x5140u), cd = prmt(w[2], w[3], 0x5140u);  // [x0 y0 x1 y1]
+    auto store4 = [&](const uint32_t (&pair)[4], uint32_t off) {
+      const uint32_t ab = prmt(pair[0], pair[1], 0x5140u), cd = prmt(pair[2], pair[3], 0x5140u);  // [x0 y0 x1 y1]
       sts32(qt + off + sw128_offset(n, 32 * c + 4 * tt), prmt(ab, cd, 0x5410u));
       sts32(qt + off + sw128_offset(n, 32 * c + 16 + 4 * tt), prmt(ab, cd, 0x7632u));
     };
