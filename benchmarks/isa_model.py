@@ -1377,14 +1377,14 @@ def h200_fp8_rows(path: Path = H200_FP8_ROWS) -> tuple[list[dict], float]:
     return out, bw
 
 
-def fp8_decode_model(sass90: str, gpus: dict, k: float, dep: float | None = None) -> dict:
+def fp8_decode_model(sass90: str, gpus: dict, k: float) -> dict:
     """The SM90a FP8 decode kernel in the call model: its 64-token step's hot path (one warp's
     step is one 16-token tile: its own K rows and a quarter of V's), the instruction time = the
     count x this kernel's own dependency factor (its instruction-bound clocks measured on an
-    H200 over the count: FP8_DEPENDENCY_RECORD; `dep` overrides it), k the decode kernel's
+    H200 over the count: FP8_DEPENDENCY_RECORD), k the decode kernel's
     (ASSUMPTION: carried over from the warp-MMA kernel), its launch (`cuda_call(wgmma=True)`);
     the H200 rows of its record predicted at that run's bandwidth."""
-    dep = dependency_factor(FP8_DEPENDENCY_RECORD) if dep is None else dep
+    dep = dependency_factor(FP8_DEPENDENCY_RECORD)
     code = parse_sass(sass90)[CUDA_DECODE_WGMMA]
     h, b = find_key_loop(code, mma="QGMMA")
     counts = count_classes(hot_path(code, h, b))
